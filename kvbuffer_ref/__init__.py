@@ -1,0 +1,30 @@
+"""kvbuffer_ref: the float64-capable pure-PyTorch oracle of the gated delta rule in every serving form.
+
+See docs/math.md for the derivations and docs/conventions.md for shapes and argument order.
+"""
+
+from .buffer import Drafts, KVBuffer
+from .chunk import chunk_gated_delta_rule
+from .decode import buffered_decode, flush, materialize_state
+from .direct import direct_gated_delta_rule
+from .prefill import default_tail, prefill
+from .recurrent import recurrent_gated_delta_rule
+from .speculative import accept, path_to, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVBuffer",
+    "Drafts",
+    "recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "direct_gated_delta_rule",
+    "buffered_decode",
+    "flush",
+    "materialize_state",
+    "verify",
+    "accept",
+    "path_to",
+    "prefill",
+    "default_tail",
+]

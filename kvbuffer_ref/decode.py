@@ -1,0 +1,80 @@
+"""Buffered decode (no state write per step), flush (the fold) and reading the current state."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .buffer import KVBuffer
+from .entries import entries_of, stale_state, store
+from .speculative import accept, verify
+from .validation import check_buffer
+
+__all__ = ["buffered_decode", "flush", "materialize_state"]
+
+
+def buffered_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    buffer: KVBuffer,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, KVBuffer]:
+    """One new token per request from the stale state plus the buffer; returns (o, new buffer).
+
+    q, k: [B, 1, H, K]; v: [B, 1, HV, V]; g: [B, 1, HV]*; beta: [B, 1, HV]; o: [B, 1, HV, V].
+    The token's entry is appended.  A request whose buffer is already full (length C) first has
+    its C entries folded into its state (which needs ``buffer.state`` storage), so the new buffer
+    holds one entry.  Mathematically this is ``verify`` of one draft followed by ``accept`` of it.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
+        shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q: buffered_decode takes one token per request, expected [B, 1, H, K], got {shape}")
+    o, drafts = verify(q, k, v, g=g, beta=beta, buffer=buffer, scale=scale)
+    return o, accept(buffer, drafts, counts=1)
+
+
+def flush(buffer: KVBuffer, *, count=None) -> KVBuffer:
+    """Fold the first ``count`` entries of each request into its state; return a new buffer.
+
+    count: None (all entries), an int, or a [B] int tensor, each in 0..lengths[b].  The folded
+    requests own a state from now on; the remaining entries keep their u and, in the u-cache
+    form, have their cumulative gates rebased (``G_i - G_count``).  A buffer without state
+    storage (``state is None``) gets a zero-initialised one here.
+    """
+    check_buffer(buffer)
+    B = buffer.batch
+    if count is None:
+        count = buffer.lengths
+    elif isinstance(count, int) and not isinstance(count, bool):
+        count = torch.full((B,), count, dtype=torch.long, device=buffer.k.device)
+    if not isinstance(count, torch.Tensor) or count.dtype.is_floating_point or tuple(count.shape) != (B,):
+        desc = f"{count.dtype} {list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
+        raise ValueError(f"count: expected None, an int or an integer tensor [B] = [{B}], got {desc}")
+    bad = (count < 0) | (count > buffer.lengths)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"count: entry [{b}] is {int(count[b])}, expected a value in 0..{int(buffer.lengths[b])} "
+                         f"(request {b}'s buffer length)")
+    dt = buffer.values.dtype
+    fields = {f: (None if getattr(buffer, f) is None else getattr(buffer, f).clone())
+              for f in ("k", "u", "G", "v", "g", "beta", "state", "has_state", "lengths")}
+    if fields["state"] is None:
+        K, V = buffer.head_k_dim, buffer.head_v_dim
+        fields["state"] = torch.zeros(B, buffer.num_value_heads, K, V, dtype=torch.promote_types(dt, torch.float32),
+                                      device=buffer.k.device)
+    for b in range(B):
+        m = int(count[b])
+        if m > 0:
+            store(fields, b, entries_of(buffer, b, dt), stale_state(buffer, b, dt), m, buffer.num_value_heads)
+    return KVBuffer(**fields)
+
+
+def materialize_state(buffer: KVBuffer) -> torch.Tensor:
+    """The current state S_n of every request [B, HV, K, V] (zeros where none exists); the buffer is unchanged."""
+    state = flush(buffer).state
+    return state

@@ -1,0 +1,134 @@
+"""Verification of draft tokens (chains and trees) from the stale state plus the buffer, and acceptance.
+
+No state is formed per draft: every draft's output comes from S0, the buffered entries and
+the draft's own ancestors, and what ``accept`` appends are the innovations ``verify`` already
+computed (they are exact, because u_i depends only on the tokens on i's path).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .buffer import Drafts, KVBuffer
+from .core import ancestors, cumulative_gates, innovations, outputs
+from .entries import Entries, concat_entries, entries_of, fold_count, memory_of, stale_state, store, tail_gate
+from .inputs import prepare_tokens
+from .validation import check_buffer, check_counts, check_nodes, check_num_drafts, check_parents
+
+__all__ = ["verify", "accept", "path_to"]
+
+
+def verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    buffer: KVBuffer,
+    parents: Optional[torch.Tensor] = None,
+    num_drafts: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, Drafts]:
+    """Outputs for D draft tokens per request, all at once; nothing is committed.
+
+    q, k: [B, D, H, K]; v: [B, D, HV, V]; g: [B, D, HV]*; beta: [B, D, HV].
+    parents: [B, D] int, parent of each draft (-1 = the buffer's tail), each before its child;
+    default the chain -1, 0, ..., D-2.  num_drafts: [B] int, drafts per request (default D);
+    rows past it are padding, their outputs are 0.
+    Returns o: [B, D, HV, V] and the ``Drafts`` that ``accept`` takes.
+    """
+    x = prepare_tokens(q, k, v, g, beta, scale)
+    d = x.dims
+    check_buffer(buffer, d, q.device)
+    parents = check_parents(parents, d.B, d.T, q.device)
+    num_drafts = check_num_drafts(num_drafts, d.B, d.T, q.device)
+    dt = x.v.dtype
+    o = torch.zeros(d.B, d.T, d.HV, d.V, dtype=dt, device=q.device)
+    u_all = torch.zeros_like(o)
+    G_all = torch.zeros_like(x.g)
+    for b in range(d.B):
+        t = int(num_drafts[b])
+        if t == 0:
+            continue
+        S0 = stale_state(buffer, b, dt)
+        old = entries_of(buffer, b, dt)
+        mem = memory_of(old, S0, d.HV)
+        par = parents[b, :t]
+        G = cumulative_gates(x.g[b, :t], par, tail_gate(old, x.g[b, 0]))
+        anc = ancestors(par)
+        u = innovations(x.k[b, :t], x.v[b, :t], x.beta[b, :t], G, anc, S0, mem)
+        o[b, :t] = outputs(x.q[b, :t], x.k[b, :t], u, G, anc, S0, mem)
+        u_all[b, :t], G_all[b, :t] = u, G
+    if buffer.form == "u":
+        drafts = Drafts(parents=parents, num_drafts=num_drafts, k=x.k_heads.clone(), u=u_all, G=G_all)
+    else:
+        drafts = Drafts(parents=parents, num_drafts=num_drafts, k=x.k_heads.clone(),
+                        v=x.v.clone(), g=x.g.clone(), beta=x.beta.clone())
+    return o.to(x.out_dtype), drafts
+
+
+def path_to(parents: torch.Tensor, node: int) -> list[int]:
+    """Draft indices from the root down to ``node`` (empty for node -1). parents: [D]."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
+def _check_drafts(buffer: KVBuffer, drafts: Drafts) -> None:
+    if not isinstance(drafts, Drafts):
+        raise TypeError(f"drafts: expected the Drafts returned by verify, got {type(drafts).__name__}")
+    if drafts.form != buffer.form:
+        raise ValueError(f"drafts: computed for a {drafts.form!r}-form buffer, but buffer is {buffer.form!r}-form")
+    if drafts.k.shape[0] != buffer.batch or drafts.k.shape[2:] != buffer.k.shape[2:]:
+        raise ValueError(f"drafts: keys of shape {list(drafts.k.shape)} do not fit the buffer's "
+                         f"[B, C, H, K] = {list(buffer.k.shape)}")
+
+
+def accept(
+    buffer: KVBuffer,
+    drafts: Drafts,
+    *,
+    counts=None,
+    nodes=None,
+) -> KVBuffer:
+    """Commit accepted drafts: append their cached entries (no recomputation); return a new buffer.
+
+    Give exactly one of ``counts`` ([B] int or int: the first m drafts of a chain, 0..num_drafts)
+    or ``nodes`` ([B] int or int: the accepted node, -1 for none; its root-to-node path is
+    appended).  ``buffer`` must be the one ``verify`` saw.  When the entries would pass the
+    capacity C, the old entries (and, for m > C, the oldest accepted ones) are folded into the
+    state first and the rest stays buffered; that needs state storage (``buffer.state`` not None).
+    """
+    check_buffer(buffer)
+    _check_drafts(buffer, drafts)
+    if (counts is None) == (nodes is None):
+        raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
+    if counts is not None:
+        nodes = check_counts(counts, drafts.num_drafts, drafts.is_chain) - 1
+    else:
+        nodes = check_nodes(nodes, drafts.num_drafts)
+    dt = buffer.values.dtype
+    fields = {f: (None if getattr(buffer, f) is None else getattr(buffer, f).clone())
+              for f in ("k", "u", "G", "v", "g", "beta", "state", "has_state", "lengths")}
+    for b in range(buffer.batch):
+        path = path_to(drafts.parents[b], int(nodes[b]))
+        if not path:
+            continue
+        idx = torch.tensor(path, dtype=torch.long, device=drafts.k.device)
+        new = Entries(*(None if getattr(drafts, f) is None else getattr(drafts, f)[b, idx]
+                        for f in ("k", "u", "G", "v", "g", "beta")))
+        old = entries_of(buffer, b, dt)
+        fold = fold_count(old.n, new.n, buffer.capacity)
+        if fold and buffer.state is None:
+            raise ValueError(
+                f"buffer: request {b} has {old.n} entries and gets {new.n} more, past the capacity "
+                f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
+                f"call flush() first (it allocates the state) or use a larger capacity"
+            )
+        store(fields, b, concat_entries(old, new), stale_state(buffer, b, dt), fold, buffer.num_value_heads)
+    return KVBuffer(**fields)
