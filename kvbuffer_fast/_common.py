@@ -1,0 +1,101 @@
+"""Helpers shared by the kvbuffer_fast kernels: launch sizes, dtype handling, in-place checks.
+
+Kept free of any particular kernel so that every module (decode, flush, speculative, ...) can use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import triton
+
+__all__ = [
+    "POISON",
+    "block",
+    "new_output",
+    "as_input",
+    "require_inplace",
+    "device_guard",
+    "ticket_counters",
+    "flag_view",
+    "launch_config",
+]
+
+#: Set to True (tests do) to allocate every library-owned output filled with NaN instead of
+#: uninitialised memory, so an element a kernel forgets to write fails loudly.
+POISON = False
+
+
+def block(n: int, minimum: int = 16) -> int:
+    """Power-of-two tile covering ``n`` (at least ``minimum``: tl.dot needs 16 on every axis)."""
+    return max(minimum, triton.next_power_of_2(int(n)))
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output tensor the kernel fully overwrites (NaN-filled when ``POISON`` is set)."""
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def as_input(x: torch.Tensor) -> torch.Tensor:
+    """A read-only kernel input: contiguous (small per-token tensors; a copy only if needed)."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def require_inplace(name: str, x: Optional[torch.Tensor]) -> None:
+    """Tensors a kernel updates in place must be contiguous (a copy would silently drop the update)."""
+    if x is not None and not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, because the kernel updates it in place "
+                         f"(got strides {tuple(x.stride())} for shape {list(x.shape)})")
+
+
+def device_guard(x: torch.Tensor):
+    """Launch on the device that holds ``x`` (the interpreter runs on the CPU)."""
+    if x.is_cuda:
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
+_TICKETS: dict = {}
+
+
+def ticket_counters(n: int, device) -> torch.Tensor:
+    """A zeroed int32 scratch of >= n counters on ``device``.
+
+    Kernels use them to elect the last program of a request (``atomic_add`` returns H - 1), which
+    then writes the per-request bookkeeping (lengths, has_state) after every program has read it,
+    and resets its counter to 0: the scratch is always zero between launches.  One scratch per
+    device, so launches that use it must be ordered (one stream), as a model's layers are.
+    """
+    key = str(torch.device(device))
+    t = _TICKETS.get(key)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        _TICKETS[key] = t
+    return t
+
+
+def flag_view(x: torch.Tensor) -> torch.Tensor:
+    """A bool tensor seen as uint8 (same storage), so kernels can read and set it portably."""
+    return x.view(torch.uint8) if x.dtype == torch.bool else x
+
+
+# Launch parameters per kernel: (BV, num_warps).  Tuned on an H200 (bench/gpu_decode.py);
+# the interpreter ignores num_warps.
+_CONFIG = {
+    "recurrent": dict(BV=32, num_warps=4),
+    "decode": dict(BV=32, num_warps=4),
+    "flush": dict(BV=32, num_warps=8),
+}
+
+
+def launch_config(kernel: str, V: int, **override) -> dict:
+    """(BV, num_warps) for ``kernel`` at value dim V; ``override`` replaces entries (benchmarks tune with it)."""
+    cfg = dict(_CONFIG[kernel])
+    cfg.update({k: v for k, v in override.items() if v is not None})
+    cfg["BV"] = min(cfg["BV"], block(V))
+    cfg["BV"] = max(cfg["BV"], 16)
+    return cfg

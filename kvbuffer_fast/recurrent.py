@@ -1,0 +1,126 @@
+"""Recurrent decode: the baseline serving systems run today (read AND write the whole state per token).
+
+Grid: (V / BV, B * HV).  Each program owns a [K, BV] tile of one request's state for one value head;
+it loads the tile once, runs the gated delta rule over the T tokens (normally T = 1) and stores the
+tile back in place.  Value columns are independent (u_t = beta (v_t - S~^T k_t) is computed per
+column), so tiles never talk to each other.  State traffic per token: 2 |S| (read + write).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbuffer_ref.validation import check_scale, check_state, check_tokens
+
+from ._common import as_input, block, device_guard, launch_config, new_output, require_inplace
+
+__all__ = ["recurrent_decode", "recurrent_gated_delta_rule"]
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr,
+    scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = state_ptr + (i_bh * K + o_k[:, None]) * V + o_v[None, :]
+    s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    for t in range(T):
+        i_bt = i_b * T + t
+        b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + (i_bt * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta_ptr + i_bt * HV + i_hv).to(tl.float32)
+        if CHANNEL:
+            b_g = tl.load(g_ptr + (i_bt * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            s = s * tl.exp(b_g)[:, None]
+        else:
+            s = s * tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))
+        b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
+        s = s + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(s * b_q[:, None], 0)
+        tl.store(o_ptr + (i_bt * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
+
+
+def recurrent_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: Optional[float] = None,
+    BV: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> torch.Tensor:
+    """Gated delta rule over T tokens (normally 1), updating ``state`` IN PLACE; returns o.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] or [B, T, HV, K]; beta: [B, T, HV];
+    state: [B, HV, K, V] (float32, contiguous), read and overwritten.  Returns o [B, T, HV, V]
+    in v's dtype.  Per value head, q scaled (``scale`` default K ** -0.5)::
+
+        S~ = exp(g) S (per-channel: diag(exp(g)) S);  u = beta (v - S~^T k);  S = S~ + k u^T;  o = S^T q
+
+    ``BV`` / ``num_warps`` override the tuned launch (benchmarks only).
+    """
+    d = check_tokens(q, k, v, g, beta)
+    if state is None:
+        raise ValueError("state: recurrent_decode needs a state [B, HV, K, V] to update in place, got None")
+    check_state("state", state, d, q.device)
+    require_inplace("state", state)
+    s = check_scale(scale, d.K)
+    cfg = launch_config("recurrent", d.V, BV=BV, num_warps=num_warps)
+    o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
+    if d.B == 0 or d.T == 0:
+        return o
+    grid = (triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)
+    with device_guard(q):
+        _recurrent_kernel[grid](
+            as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o, state,
+            s, d.T,
+            H=d.H, HV=d.HV, K=d.K, V=d.V, BK=block(d.K), BV=cfg["BV"], CHANNEL=d.channel_gate,
+            num_warps=cfg["num_warps"],
+        )
+    return o
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``kvbuffer_ref.recurrent_gated_delta_rule`` on the recurrent kernel (inputs are not modified).
+
+    Returns o [B, T, HV, V] and, if ``output_final_state``, the final float32 state [B, HV, K, V].
+    """
+    d = check_tokens(q, k, v, g, beta)
+    check_state("initial_state", initial_state, d, q.device)
+    if initial_state is None:
+        state = torch.zeros(d.B, d.HV, d.K, d.V, dtype=torch.float32, device=q.device)
+    else:
+        state = initial_state.to(torch.float32, copy=True).contiguous()
+    o = recurrent_decode(q, k, v, g=g, beta=beta, state=state, scale=scale)
+    return o, (state if output_final_state else None)
