@@ -1,0 +1,1 @@
+"""Benchmarks: pytest-benchmark suites and GPU entry points (``python -m bench.gpu_decode``)."""

@@ -1,0 +1,413 @@
+"""GPU decode benchmark: compiled correctness of every kvbuffer_fast kernel, then timings.
+
+    python -m bench.gpu_decode --out results.json [--batches 64,128,256,512] [--capacities 16,32,64]
+                               [--tune] [--skip-check] [--quick]
+
+On a CUDA machine this
+(a) checks recurrent_decode, buffered_decode (ragged, direct, folds, flushes, bf16 u-cache) and
+    flush against the float64 oracle (``kvbuffer_ref.testing.properties``) at Qwen3-Next shapes
+    (H=16, HV=32, K=V=128), fp32 and bf16 inputs;
+(b) times, per batch B: a large device-to-device copy (the bandwidth ceiling, bytes read + written),
+    kvbuffer_fast.recurrent_decode, flash-linear-attention's fused_recurrent_gated_delta_rule (the
+    baseline serving systems use), and buffered decode averaged over a whole buffer cycle of C steps
+    (the fold of a full buffer included), for every capacity C; each with the bytes the IO model of
+    DESIGN.md §6 says it must move and the bandwidth that achieves;
+(c) writes everything to ``--out`` as JSON (device, versions, every timing).
+
+Timing: ``triton.testing.do_bench`` (median; it clears the L2 before each call) for single launches,
+and for every op also a *queued* time: the op is enqueued behind a GPU sleep so that Python launch
+overhead is hidden (what a CUDA graph gives), median over repetitions.  States at B >= 64 are
+>= 128 MiB, more than twice the 60 MB L2, so no input rotation is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+H, HV, K, V = 16, 32, 128, 128  # Qwen3-Next linear-attention layer
+SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than any op's launch overhead here
+DEVICE = "cuda"
+
+
+# ----------------------------------------------------------------------------- timing
+def queued_ms(fn, reps: int = 15, setup=None, warmup: bool = True) -> float:
+    """Median GPU time of ``fn`` enqueued behind a GPU sleep (launch overhead hidden), L2 cleared first.
+
+    ``setup`` (untimed) runs before every repetition, e.g. to restore what ``fn`` consumes.
+    """
+    if DEVICE == "cpu":  # --cpu-smoke: the interpreter, wall clock
+        times = []
+        for _ in range(max(1, reps // 5)):
+            if setup:
+                setup()
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    scratch = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=DEVICE)
+    if warmup:
+        if setup:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if setup:
+            setup()
+        scratch.zero_()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    if DEVICE == "cpu":
+        return queued_ms(fn, reps=5)
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+# ----------------------------------------------------------------------------- inputs
+def tokens(B, dtype=torch.bfloat16, seed=0, channel=False):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = F.normalize(torch.randn(B, 1, H, K, device=DEVICE, generator=gen), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(B, 1, H, K, device=DEVICE, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(B, 1, HV, V, device=DEVICE, generator=gen).to(dtype)
+    gshape = (B, 1, HV, K) if channel else (B, 1, HV)
+    g = F.logsigmoid(torch.randn(gshape, device=DEVICE, generator=gen) + 4.0)
+    beta = torch.rand(B, 1, HV, device=DEVICE, generator=gen)
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def full_buffer(B, C, key_dtype=torch.bfloat16, u_dtype=torch.float32, seed=1):
+    """A u-cache buffer with every request full (length C) and owning a state: the start of a cycle."""
+    from kvbuffer_ref.buffer import KVBuffer
+
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    kk = F.normalize(torch.randn(B, C, H, K, device=DEVICE, generator=gen), dim=-1).to(key_dtype)
+    u = (0.1 * torch.randn(B, C, HV, V, device=DEVICE, generator=gen)).to(u_dtype)
+    G = -0.02 * torch.arange(1, C + 1, device=DEVICE, dtype=torch.float32)[None, :, None].expand(B, C, HV).contiguous()
+    state = 0.1 * torch.randn(B, HV, K, V, device=DEVICE, generator=gen)
+    return KVBuffer(k=kk, lengths=torch.full((B,), C, dtype=torch.long, device=DEVICE), state=state,
+                    has_state=torch.ones(B, dtype=torch.bool, device=DEVICE), u=u, G=G.to(torch.float32))
+
+
+# ----------------------------------------------------------------------------- IO model (DESIGN.md §6)
+def state_bytes(B):
+    return B * HV * K * V * 4
+
+
+def entry_bytes(B, key_bytes=2, u_bytes=4, g_bytes=4):
+    """One buffered entry of every request: its key per q/k head, u and G per value head."""
+    return B * (H * K * key_bytes + HV * V * u_bytes + HV * g_bytes)
+
+
+def token_bytes(B, in_bytes=2):
+    return B * (2 * H * K * in_bytes + HV * V * in_bytes + 2 * HV * 4 + HV * V * in_bytes)  # q,k,v,g,beta in; o out
+
+
+def recurrent_step_bytes(B):
+    return 2 * state_bytes(B) + token_bytes(B)
+
+
+def buffered_cycle_bytes(B, C, key_bytes=2, u_bytes=4):
+    """Bytes of one cycle of C decode steps starting from full buffers (the first step folds)."""
+    S, E = state_bytes(B), entry_bytes(B, key_bytes, u_bytes)
+    reads = C * S + E * C + sum(E * n for n in range(1, C))  # state every step; C entries at the fold; n after
+    writes = S + C * E  # the fold's state write; one new entry per step
+    return reads + writes + C * token_bytes(B)
+
+
+# ----------------------------------------------------------------------------- correctness
+def run_checks(quick: bool) -> list[dict]:
+    import kvbuffer_fast as fast
+    from kvbuffer_ref.testing import Case, compare, properties as P
+
+    import kvbuffer_fast._common as common
+
+    common.POISON = True
+    out = []
+
+    def record(label, fn):
+        t0 = time.time()
+        try:
+            res = fn()
+            for c in res:
+                out.append(dict(check=label, name=c.name, dtype=str(c.dtype), passed=bool(c.passed),
+                                worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget,
+                                max_abs=c.max_abs, nonfinite=c.nonfinite, seconds=round(time.time() - t0, 2)))
+                print(("   " if c.passed else "!! ") + label + ": " + str(c), flush=True)
+        except Exception as e:  # noqa: BLE001 - a broken check is recorded, the timings still run
+            out.append(dict(check=label, error=repr(e), trace=traceback.format_exc(limit=4)))
+            print(f"!! {label}: ERROR {e!r}", flush=True)
+
+    dtypes = (torch.float32, torch.bfloat16)
+    for ch in (False, True):
+        for dt in dtypes:
+            case = Case(B=4, T=3, H=H, HV=HV, K=K, V=V, channel_gate=ch, gate="mixed", beta="mixed", seed=11)
+            record(f"recurrent ch={ch} {dt}", lambda: P.check_recurrent(fast, case, dt, device=DEVICE))
+    C = 16
+    plans = [
+        # (label, history P, lengths, flushes, T after history)
+        ("ragged stateful", 20, [0, 3, C, 8], None, 2 * C + 2),
+        ("ragged direct+stateful", 6, [6, 6, 2, 0], None, 2 * C + 2),
+        ("flushes", 20, [5, C, 1, 9], {3: [1, 2, 0, 5], 10: None}, C + 4),
+    ]
+    if quick:
+        plans = plans[:2]
+    for ch in (False, True):
+        for dt in dtypes:
+            for label, P_, lengths, flushes, after in plans:
+                case = Case(B=4, T=P_ + after, H=H, HV=HV, K=K, V=V, channel_gate=ch, gate="mild",
+                            beta="uniform", seed=7)
+                record(f"decode {label} C={C} ch={ch} {dt}",
+                       lambda: P.check_decode(fast, case, dt, capacity=C, history=P_, lengths=lengths,
+                                              flushes=flushes, device=DEVICE))
+    # bf16 u-cache (keys bf16, G and state fp32): its extra error is reported, not budgeted
+    def bf16_cache():
+        hist = 20
+        case = Case(B=4, T=hist + C + 2, H=H, HV=HV, K=K, V=V, gate="mild", beta="uniform", seed=3)
+        x = case.inputs(torch.bfloat16, DEVICE)
+        buf = P.buffer_to(P.ragged_buffer(P.upcast_inputs({n: t[:, :hist] for n, t in x.items()}), [0, 3, C, 8], C),
+                          dtype=torch.float32, key_dtype=torch.bfloat16, device=DEVICE)
+        buf = buf.replace(u=buf.u.to(torch.bfloat16))
+        outs = []
+        for t in range(hist, case.T):
+            o, buf = fast.buffered_decode(**{n: v[:, t:t + 1] for n, v in x.items()}, buffer=buf)
+            outs.append(o)
+        (o64, _), base = P.truth_and_baseline(x)
+        return [compare(torch.cat(outs, 1).cpu(), o64[:, hist:], base[0][:, hist:],
+                        name="decode[C=16, bf16 u-cache].o", dtype=torch.bfloat16)]
+    record("decode bf16 u-cache (report only)", bf16_cache)
+    common.POISON = False
+    return out
+
+
+# ----------------------------------------------------------------------------- timings
+def copy_bandwidth() -> dict:
+    n = 2 * 1024 ** 3 // 4 if DEVICE == "cuda" else 1 << 20  # 2 GiB of fp32
+    x = torch.randn(n, device=DEVICE)
+    y = torch.empty_like(x)
+    ms_b = bench_ms(lambda: y.copy_(x))
+    ms_q = queued_ms(lambda: y.copy_(x), reps=10)
+    nbytes = 2 * x.numel() * 4
+    del x, y
+    return dict(bytes=nbytes, do_bench_ms=ms_b, queued_ms=ms_q, do_bench_TBps=nbytes / ms_b / 1e9,
+                queued_TBps=nbytes / ms_q / 1e9)
+
+
+def fla_fn(x, state):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    def f():
+        return fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
+                                                initial_state=state, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=False)
+    return f
+
+
+def time_batch(B, capacities, copy_TBps, cfg_rec=None, cfg_dec=None) -> dict:
+    import kvbuffer_fast as fast
+
+    row = dict(B=B, state_MiB=state_bytes(B) / 2 ** 20)
+    x = tokens(B)
+    state = 0.1 * torch.randn(B, HV, K, V, device=DEVICE)
+    rb = recurrent_step_bytes(B)
+
+    def rec():
+        fast.recurrent_decode(**x, state=state, **(cfg_rec or {}))
+
+    ms_b, ms_q = bench_ms(rec), queued_ms(rec)
+    row["recurrent_decode"] = dict(do_bench_ms=ms_b, queued_ms=ms_q, bytes=rb, TBps=rb / ms_q / 1e9,
+                                   frac_copy=rb / ms_q / 1e9 / copy_TBps)
+    try:
+        f = fla_fn(x, state)
+        ms_b, ms_q = bench_ms(f), queued_ms(f)
+        row["fla_fused_recurrent"] = dict(do_bench_ms=ms_b, queued_ms=ms_q, bytes=rb, TBps=rb / ms_q / 1e9,
+                                          frac_copy=rb / ms_q / 1e9 / copy_TBps)
+    except Exception as e:  # noqa: BLE001
+        row["fla_fused_recurrent"] = dict(error=repr(e))
+    del state
+    torch.cuda.empty_cache()
+    row["buffered"] = {}
+    for C in capacities:
+        buf = full_buffer(B, C)
+
+        def cycle(validate=False):
+            for _ in range(C):
+                fast.buffered_decode(**x, buffer=buf, validate=validate, **(cfg_dec or {}))
+
+        ms_q = queued_ms(cycle, reps=7)
+        ms_b = bench_ms(cycle)
+        cb = buffered_cycle_bytes(B, C)
+        ent = dict(cycle_queued_ms=ms_q, cycle_do_bench_ms=ms_b, per_step_us=ms_q / C * 1e3,
+                   per_step_do_bench_us=ms_b / C * 1e3, bytes_per_step=cb / C, TBps=cb / ms_q / 1e9,
+                   frac_copy=cb / ms_q / 1e9 / copy_TBps)
+        fl = row["fla_fused_recurrent"]
+        if "queued_ms" in fl:
+            ent["vs_fla_queued"] = ms_q / C / fl["queued_ms"]
+            ent["vs_fla_do_bench"] = ms_b / C / fl["do_bench_ms"]
+            ent["io_model_ratio_vs_recurrent"] = (cb / C) / rb
+        # with validation (a host sync per step): what an eager, un-graphed caller pays
+        ent["per_step_validated_do_bench_us"] = bench_ms(lambda: cycle(True)) / C * 1e3
+        # the fold alone, as a separate flush launch of full buffers (the cycle fuses it instead)
+        fb = full_buffer(B, C, seed=5)
+        snap = (fb.k.clone(), fb.u.clone(), fb.G.clone(), fb.state.clone())
+
+        def reset():
+            fb.k.copy_(snap[0]); fb.u.copy_(snap[1]); fb.G.copy_(snap[2]); fb.state.copy_(snap[3])
+            fb.lengths.fill_(C); fb.has_state.fill_(True)
+
+        ent["flush_full_queued_ms"] = queued_ms(lambda: fast.flush(fb, validate=False), reps=5, setup=reset,
+                                                warmup=False)
+        row["buffered"][str(C)] = ent
+        print(f"B={B} C={C}: cycle step {ent['per_step_us']:.1f} us ({ent['frac_copy']:.0%} of copy), "
+              f"vs fla {ent.get('vs_fla_queued', float('nan')):.3f}x", flush=True)
+        del buf, fb, snap
+        torch.cuda.empty_cache()
+    return row
+
+
+def tune(copy_TBps, B=128, C=32, deadline=None) -> dict:
+    import kvbuffer_fast as fast
+
+    res = dict(recurrent=[], decode=[])
+    x = tokens(B)
+    state = 0.1 * torch.randn(B, HV, K, V, device=DEVICE)
+    rb = recurrent_step_bytes(B)
+    for BV in (16, 32, 64):
+        for nw in (1, 2, 4, 8):
+            if deadline and time.time() > deadline:
+                break
+            try:
+                ms = queued_ms(lambda: fast.recurrent_decode(**x, state=state, BV=BV, num_warps=nw), reps=7)
+                res["recurrent"].append(dict(BV=BV, num_warps=nw, queued_ms=ms, frac_copy=rb / ms / 1e9 / copy_TBps))
+            except Exception as e:  # noqa: BLE001
+                res["recurrent"].append(dict(BV=BV, num_warps=nw, error=repr(e)))
+    del state
+    buf = full_buffer(B, C)
+    cb = buffered_cycle_bytes(B, C)
+    for BV in (16, 32, 64, 128):
+        for nw in (2, 4, 8):
+            if deadline and time.time() > deadline:
+                break
+            try:
+                def cycle():
+                    for _ in range(C):
+                        fast.buffered_decode(**x, buffer=buf, validate=False, BV=BV, num_warps=nw)
+                ms = queued_ms(cycle, reps=5)
+                res["decode"].append(dict(BV=BV, num_warps=nw, cycle_queued_ms=ms, per_step_us=ms / C * 1e3,
+                                          frac_copy=cb / ms / 1e9 / copy_TBps))
+            except Exception as e:  # noqa: BLE001
+                res["decode"].append(dict(BV=BV, num_warps=nw, error=repr(e)))
+    for kind in ("recurrent", "decode"):
+        ok = [r for r in res[kind] if "error" not in r]
+        if ok:
+            best = max(ok, key=lambda r: r["frac_copy"])
+            res["best_" + kind] = dict(BV=best["BV"], num_warps=best["num_warps"])
+            print(f"tune {kind}: best BV={best['BV']} num_warps={best['num_warps']} "
+                  f"({best['frac_copy']:.0%} of copy)", flush=True)
+    del buf
+    torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="64,128,256,512")
+    ap.add_argument("--capacities", default="16,32,64")
+    ap.add_argument("--tune", action="store_true", help="sweep (BV, num_warps) and time with the best")
+    ap.add_argument("--tune-seconds", type=float, default=90.0)
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer correctness cases")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run this script itself on the CPU (TRITON_INTERPRET=1, tiny shapes): tests the script, not speed")
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        global DEVICE, H, HV, K, V, SLEEP_CYCLES
+        DEVICE, H, HV, K, V = "cpu", 2, 4, 16, 16
+    elif not torch.cuda.is_available():
+        print("bench.gpu_decode needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    result = dict(
+        device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke test)", torch=torch.__version__, triton=triton.__version__,
+        python=platform.python_version(), shapes=dict(H=H, HV=HV, K=K, V=V),
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    try:
+        import fla
+
+        result["fla"] = getattr(fla, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        result["fla"] = f"unavailable: {e!r}"
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    t0 = time.time()
+    if not args.skip_check:
+        result["checks"] = run_checks(args.quick)
+        bad = [c for c in result["checks"] if not c.get("passed", False) and "report only" not in c["check"]]
+        result["checks_failed"] = len(bad)
+        print(f"checks: {len(result['checks'])} comparisons, {len(bad)} failed/errored, "
+              f"{time.time() - t0:.0f} s", flush=True)
+        save()
+    result["copy"] = copy_bandwidth()
+    copy_TBps = result["copy"]["queued_TBps"]
+    print(f"copy: {copy_TBps:.2f} TB/s queued, {result['copy']['do_bench_TBps']:.2f} TB/s do_bench", flush=True)
+    save()
+    cfg_rec = cfg_dec = None
+    if args.tune:
+        result["tuning"] = tune(copy_TBps, deadline=time.time() + args.tune_seconds)
+        cfg_rec = result["tuning"].get("best_recurrent")
+        cfg_dec = result["tuning"].get("best_decode")
+        save()
+    result["launch"] = dict(recurrent=cfg_rec or "default", decode=cfg_dec or "default")
+    result["batches"] = []
+    for B in [int(b) for b in args.batches.split(",") if b]:
+        result["batches"].append(time_batch(B, [int(c) for c in args.capacities.split(",") if c], copy_TBps,
+                                            cfg_rec, cfg_dec))
+        save()
+    # summary table
+    print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}  fla {result['fla']}")
+    print(f"copy {copy_TBps:.2f} TB/s (queued)")
+    print(f"{'B':>4} {'rec us':>8} {'rec %cp':>7} {'fla us':>8} {'fla %cp':>7} " +
+          " ".join(f"{'C=' + c + ' us':>9} {'xfla':>6}" for c in args.capacities.split(",")))
+    for row in result["batches"]:
+        r, f = row["recurrent_decode"], row["fla_fused_recurrent"]
+        line = f"{row['B']:>4} {r['queued_ms'] * 1e3:>8.1f} {r['frac_copy']:>7.0%} "
+        line += (f"{f['queued_ms'] * 1e3:>8.1f} {f['frac_copy']:>7.0%} " if "queued_ms" in f else f"{'n/a':>8} {'':>7} ")
+        for c in args.capacities.split(","):
+            e = row["buffered"][c]
+            line += f"{e['per_step_us']:>9.1f} {e.get('vs_fla_queued', float('nan')):>6.3f} "
+        print(line)
+    result["seconds"] = round(time.time() - t0, 1)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""kvbuffer_fast decode kernels against the float64 oracle (calibrated budget, baseline = the plain
+recurrent reference in float32).
+
+On a CPU these run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when
+there is no CUDA device), in float32, with small shapes; bfloat16 inputs run on CUDA only.
+Outputs are NaN-poisoned (``kvbuffer_fast._common.POISON``), and so is all buffer memory a kernel
+must not read: slots past each request's length, and the state of requests in direct mode.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import given, note  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kvbuffer_fast as fast  # noqa: E402
+import kvbuffer_fast._common as common  # noqa: E402
+import kvbuffer_ref as ref  # noqa: E402
+from kvbuffer_ref.testing import Case, assert_matches, compare  # noqa: E402
+from kvbuffer_ref.testing import properties as P  # noqa: E402
+from kvbuffer_ref.testing import strategies as kst  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DIMS = (8, 16, 24)
+SMALL = dict(max_B=3, max_H=2, max_group=2, dims=DIMS)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only"))]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    common.POISON = True
+    yield
+    common.POISON = False
+
+
+def _assert_all(results):
+    assert results, "no comparison was made"
+    for r in results:
+        note(str(r))
+        assert r.passed, str(r)
+
+
+def _poison_unread(buffer):
+    """NaN into every buffer element the kernels must not read (the ops may only mask them out)."""
+    C = buffer.capacity
+    dead = torch.arange(C, device=buffer.lengths.device)[None, :] >= buffer.lengths[:, None]  # [B, C]
+    for name in ("k", "u", "G"):
+        x = getattr(buffer, name)
+        x[dead] = float("nan")
+    if buffer.state is not None:
+        buffer.state[~buffer.has_state] = float("nan")
+
+
+class Poisoned:
+    """kvbuffer_fast with every unread buffer element NaN before each call (reads of garbage show)."""
+
+    recurrent_gated_delta_rule = staticmethod(fast.recurrent_gated_delta_rule)
+
+    @staticmethod
+    def buffered_decode(*args, buffer, **kw):
+        _poison_unread(buffer)
+        o, out = fast.buffered_decode(*args, buffer=buffer, **kw)
+        assert out is buffer, "buffered_decode must return the buffer it updated in place"
+        return o, out
+
+    @staticmethod
+    def flush(buffer, **kw):
+        _poison_unread(buffer)
+        return fast.flush(buffer, **kw)
+
+
+@st.composite
+def buffered(draw, *, capacities=(1, 2, 4, 8), max_history=10, min_new=1, max_new=6, **case_kw):
+    """(case, capacity, history P, ragged lengths 0..min(P, C)) with T = P + new tokens."""
+    C = draw(st.sampled_from(capacities), label="capacity")
+    P_ = draw(st.integers(0, max_history), label="history")
+    new = draw(st.integers(min_new, max_new), label="new tokens")
+    case = draw(kst.cases(T=P_ + new, **{**SMALL, **case_kw}))
+    lengths = draw(kst.buffer_lengths(case.B, min(P_, C)), label="lengths")
+    return case, C, P_, lengths
+
+
+# ----------------------------------------------------------------------------- recurrent decode
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@given(case=kst.cases(min_T=1, max_T=3, **SMALL))
+def test_recurrent_decode_matches_oracle(dtype, case):
+    _assert_all(P.check_recurrent(fast, case, dtype, device=DEVICE))
+
+
+def test_recurrent_decode_updates_state_in_place():
+    case = Case(B=2, T=1, H=1, HV=2, K=8, V=16, seed=4)
+    x = case.inputs(torch.float32, DEVICE)
+    S = torch.randn(2, 2, 8, 16, device=DEVICE)
+    (o64, S64), base = P.truth_and_baseline(x, S)
+    ptr = S.data_ptr()
+    o = fast.recurrent_decode(**x, state=S)
+    assert S.data_ptr() == ptr
+    assert_matches(o.cpu(), o64, base[0], name="recurrent_decode.o")
+    assert_matches(S.cpu(), S64, base[1], name="recurrent_decode.state", head_axis=1)
+
+
+# ----------------------------------------------------------------------------- buffered decode
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@given(setup=buffered())
+def test_buffered_decode_ragged_matches_oracle(dtype, setup):
+    """Ragged lengths 0..C (full ones fold in the same launch), direct and stateful requests mixed."""
+    case, C, hist, lengths = setup
+    _assert_all(P.check_decode(Poisoned, case, dtype, capacity=C, history=hist, lengths=lengths, device=DEVICE))
+
+
+@given(C=st.sampled_from([4, 8]), data=st.data())
+def test_long_run_with_flushes_matches_oracle(C, data):
+    """3C+1 decode steps (every request folds at least twice) with explicit flushes of random prefixes."""
+    hist = data.draw(st.integers(0, C), label="history")
+    case = data.draw(kst.cases(T=hist + 3 * C + 1, **SMALL), label="case")
+    lengths = data.draw(kst.buffer_lengths(case.B, min(hist, C)), label="lengths")
+    flushes = data.draw(st.dictionaries(
+        st.integers(0, 3 * C), st.one_of(st.none(), st.lists(st.integers(0, C), min_size=case.B, max_size=case.B)),
+        max_size=3), label="flushes")
+    _assert_all(P.check_decode(Poisoned, case, torch.float32, capacity=C, history=hist, lengths=lengths,
+                               flushes=flushes, device=DEVICE))
+
+
+@given(setup=buffered(capacities=(2, 4, 8), max_new=1), data=st.data())
+def test_flush_prefix_matches_reference_flush(setup, data):
+    """flush of any per-request prefix == the reference's: same entries moved down, G rebased, state folded."""
+    case, C, hist, lengths = setup
+    x64 = P.upcast_inputs(case.inputs(torch.float64))
+    buf64 = P.ragged_buffer({n: t[:, :hist] for n, t in x64.items()}, lengths, C)
+    counts = torch.tensor([data.draw(st.integers(0, n), label=f"count[{b}]") for b, n in enumerate(lengths)])
+    want = ref.flush(buf64, count=counts)
+    base = ref.flush(P.buffer_to(buf64, dtype=torch.float32), count=counts)
+    got = Poisoned.flush(P.buffer_to(buf64, dtype=torch.float32, device=DEVICE), count=counts.to(DEVICE))
+    assert torch.equal(got.lengths.cpu(), want.lengths) and torch.equal(got.has_state.cpu(), want.has_state)
+    for b, n in enumerate(want.lengths.tolist()):
+        assert torch.equal(got.u[b, :n].cpu(), base.u[b, :n]), "remaining u must move unchanged"
+        assert torch.equal(got.k[b, :n].cpu(), base.k[b, :n]), "remaining keys must move unchanged"
+    assert_matches(got.G.cpu(), want.G, base.G, name="flush.G", head_axis=2,
+                   valid=(torch.arange(C)[None, :] < want.lengths[:, None])[:, :, None]
+                   if not case.channel_gate else
+                   (torch.arange(C)[None, :] < want.lengths[:, None])[:, :, None, None])
+    if want.state is not None:
+        owned = want.has_state[:, None, None, None]
+        assert_matches(got.state.cpu(), want.state, base.state, name="flush.state", head_axis=1, valid=owned)
+
+
+def test_direct_mode_never_reads_state_and_folds_into_it():
+    """Direct requests read no state (it is NaN here); a full one folds into zeros and owns a state after."""
+    C = 4
+    case = Case(B=2, T=C + 2, H=1, HV=2, K=8, V=8, seed=9)
+    x = case.inputs(torch.float32, DEVICE)
+    buf = ref.KVBuffer.empty(2, 1, 2, 8, 8, C, dtype=torch.float32, device=DEVICE)
+    outs = []
+    for t in range(case.T):
+        assert bool((~buf.has_state).all()) == (t <= C)
+        o, buf = Poisoned.buffered_decode(**{n: v[:, t:t + 1] for n, v in x.items()}, buffer=buf)
+        outs.append(o)
+    assert bool(buf.has_state.all()) and buf.lengths.tolist() == [2, 2]
+    (o64, S64), base = P.truth_and_baseline(x)
+    assert_matches(torch.cat(outs, 1).cpu(), o64, base[0], name="direct.o")
+    assert_matches(fast.materialize_state(buf).cpu(), S64, base[1], name="direct.state", head_axis=1)
+
+
+def test_bf16_ucache_reports_its_error(record_property):
+    """u cached in bfloat16 (keys and G kept): the extra error is reported, not budgeted (no table row fits)."""
+    if DEVICE == "cpu":
+        pytest.skip("the Triton interpreter mishandles bfloat16; the bf16 u-cache is measured on CUDA "
+                    "(bench/gpu_decode.py reports it at Qwen3-Next shapes)")
+    C, hist = 8, 10
+    case = Case(B=3, T=hist + 2 * C, H=2, HV=4, K=16, V=16, seed=2)
+    x = case.inputs(torch.float32, DEVICE)
+    buf = P.buffer_to(P.ragged_buffer(P.upcast_inputs({n: t[:, :hist] for n, t in x.items()}), [0, 3, C], C),
+                      dtype=torch.float32, device=DEVICE)
+    buf = buf.replace(u=buf.u.to(torch.bfloat16))
+    outs = []
+    for t in range(hist, case.T):
+        o, buf = fast.buffered_decode(**{n: v[:, t:t + 1] for n, v in x.items()}, buffer=buf)
+        outs.append(o)
+    (o64, _), base = P.truth_and_baseline(x)
+    c = compare(torch.cat(outs, 1).cpu(), o64[:, hist:], base[0][:, hist:], name="decode[bf16 u-cache].o",
+                dtype=torch.float32)
+    record_property("bf16_ucache_worst_rel", c.worst_rel)
+    print(c)
+    assert c.nonfinite == 0
+
+
+# ----------------------------------------------------------------------------- errors and edges
+def test_state_none_full_buffer_raises_and_flush_allocates():
+    buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, with_state=False, dtype=torch.float32, device=DEVICE)
+    x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
+                                          v=torch.randn(1, 1, 1, 8), g=-torch.rand(1, 1, 1),
+                                          beta=torch.rand(1, 1, 1)).items()}
+    for _ in range(2):
+        _, buf = fast.buffered_decode(**x, buffer=buf)
+    with pytest.raises(ValueError, match="no state storage"):
+        fast.buffered_decode(**x, buffer=buf)
+    with pytest.raises(ValueError, match="no state storage"):
+        ref.buffered_decode(**x, buffer=buf)
+    flushed = fast.flush(buf, count=1)
+    assert flushed.state is not None and flushed.lengths.tolist() == [1] and flushed.has_state.tolist() == [True]
+
+
+def test_raw_form_is_not_implemented():
+    buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, form="raw", dtype=torch.float32, device=DEVICE)
+    x = dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8), v=torch.randn(1, 1, 1, 8), g=-torch.rand(1, 1, 1),
+             beta=torch.rand(1, 1, 1))
+    with pytest.raises(NotImplementedError, match="u-cache"):
+        fast.buffered_decode(**{n: t.to(DEVICE) for n, t in x.items()}, buffer=buf)
+    with pytest.raises(NotImplementedError, match="u-cache"):
+        fast.flush(buf)
+
+
+def test_inputs_are_validated_like_the_reference():
+    buf = ref.KVBuffer.empty(1, 1, 2, 8, 8, 2, dtype=torch.float32, device=DEVICE)
+    two = dict(q=torch.randn(1, 2, 1, 8), k=torch.randn(1, 2, 1, 8), v=torch.randn(1, 2, 2, 8),
+               g=-torch.rand(1, 2, 2), beta=torch.rand(1, 2, 2))
+    with pytest.raises(ValueError, match="one token per request"):
+        fast.buffered_decode(**{n: t.to(DEVICE) for n, t in two.items()}, buffer=buf)
+    one = {n: t[:, :1].to(DEVICE) for n, t in two.items()}
+    with pytest.raises(ValueError, match="HV"):  # the buffer has 2 value heads, the tokens 1
+        fast.buffered_decode(**{**one, "v": one["v"][:, :, :1].contiguous(), "g": one["g"][:, :, :1].contiguous(),
+                                "beta": one["beta"][:, :, :1].contiguous()}, buffer=buf)
+    with pytest.raises(ValueError, match="count"):
+        fast.flush(buf, count=torch.tensor([3], device=DEVICE))
+    with pytest.raises(ValueError, match="state"):
+        fast.recurrent_decode(**one, state=torch.zeros(1, 2, 8, 4, device=DEVICE))
