@@ -76,5 +76,6 @@ def flush(buffer: KVBuffer, *, count=None) -> KVBuffer:
 
 def materialize_state(buffer: KVBuffer) -> torch.Tensor:
     """The current state S_n of every request [B, HV, K, V] (zeros where none exists); the buffer is unchanged."""
-    state = flush(buffer).state
-    return state
+    folded = flush(buffer)
+    owns = folded.has_state[:, None, None, None]
+    return torch.where(owns, folded.state, torch.zeros((), dtype=folded.state.dtype, device=folded.state.device))

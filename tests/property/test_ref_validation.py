@@ -129,3 +129,9 @@ def test_flush_and_prefill_arguments_are_checked():
         ref.prefill(**_x(), capacity=0)
     with pytest.raises(ValueError, match=r"form: expected 'u' \(u-cache\) or 'raw'"):
         ref.prefill(**_x(), capacity=2, form="kv")
+
+
+def test_materialize_state_is_zero_for_requests_without_a_state():
+    buf = ref.KVBuffer.empty(B, H, HV, K, V, 3)
+    buf = buf.replace(state=torch.full_like(buf.state, 7.0))  # storage garbage, owned by nobody
+    assert torch.equal(ref.materialize_state(buf), torch.zeros_like(buf.state))
