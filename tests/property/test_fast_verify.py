@@ -1,0 +1,181 @@
+"""kvbuffer_fast speculative verification (verify / accept, chains and trees, ragged) against the float64
+oracle through ``kvbuffer_ref.testing.properties.check_verify_accept``, and the per-draft-state baseline
+against the recurrence.
+
+On a CPU these run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), in
+float32 with small shapes (K, V <= 16, B <= 3).  Every library-allocated output is NaN-poisoned
+(``kvbuffer_fast._common.POISON``), and so is all buffer memory a kernel must not read (slots past each
+request's length, the state of requests in direct mode).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kvbuffer_fast as fast  # noqa: E402
+import kvbuffer_fast._common as common  # noqa: E402
+import kvbuffer_ref as ref  # noqa: E402
+from kvbuffer_ref.testing import Case, compare  # noqa: E402
+from kvbuffer_ref.testing import properties as P  # noqa: E402
+from kvbuffer_ref.testing import strategies as kst  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(max_H=2, max_group=2, dims=(3, 8, 16))
+# the interpreter is slow: the ci profile runs 8 examples per test here; thorough keeps its own count
+FEW = settings(max_examples=8) if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else (lambda f: f)
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    common.POISON = True
+    yield
+    common.POISON = False
+
+
+def _poison_unread(buffer):
+    dead = torch.arange(buffer.capacity, device=buffer.lengths.device)[None, :] >= buffer.lengths[:, None]
+    for name in ("k", "u", "G"):
+        getattr(buffer, name)[dead] = float("nan")
+    if buffer.state is not None:
+        buffer.state[~buffer.has_state] = float("nan")
+
+
+class Poisoned:
+    """kvbuffer_fast with every buffer element it must not read set to NaN before each call."""
+
+    @staticmethod
+    def verify(*args, buffer, **kw):
+        _poison_unread(buffer)
+        before = {n: getattr(buffer, n).clone() for n in ("k", "u", "G", "lengths", "has_state")}
+        o, drafts = fast.verify(*args, buffer=buffer, **kw)
+        for n, x in before.items():
+            assert torch.equal(x.nan_to_num(0.0), getattr(buffer, n).nan_to_num(0.0)), f"verify modified buffer.{n}"
+        return o, drafts
+
+    @staticmethod
+    def accept(buffer, drafts, **kw):
+        _poison_unread(buffer)
+        out = fast.accept(buffer, drafts, **kw)
+        assert out is buffer, "accept must return the buffer it updated in place"
+        return out
+
+    @staticmethod
+    def buffered_decode(*args, buffer, **kw):
+        _poison_unread(buffer)
+        return fast.buffered_decode(*args, buffer=buffer, **kw)
+
+    @staticmethod
+    def flush(buffer, **kw):
+        _poison_unread(buffer)
+        out = fast.flush(buffer, **kw)
+        # a request that still owns no state (nothing folded) has S = 0; its storage is garbage by design
+        out.state[~out.has_state] = 0.0
+        return out
+
+
+def _assert_all(results):
+    assert results, "no comparison was made"
+    for r in results:
+        assert r.passed, str(r)
+
+
+@st.composite
+def _setup(draw, *, chain: bool, max_drafts: int = 6):
+    C = draw(st.sampled_from([1, 2, 4, 8]), label="capacity")
+    B = draw(st.integers(1, 3), label="B")
+    parents, counts = draw(kst.draft_batch(B, max_drafts=max_drafts, chain=chain), label="drafts")
+    D = len(parents[0])
+    hist = draw(st.integers(0, 8), label="history")
+    after = draw(st.integers(0, 2), label="after")
+    case = draw(kst.cases(B=B, T=hist + D + after, **SMALL), label="case")
+    lengths = draw(st.lists(st.integers(0, min(hist, C)), min_size=B, max_size=B), label="lengths")
+    nodes = draw(kst.acceptances(counts), label="nodes")
+    return dict(case=case, capacity=C, history=hist, lengths=lengths, parents=parents, num_drafts=counts,
+                nodes=nodes, after=after)
+
+
+@FEW
+@given(s=_setup(chain=True))
+def test_chain_verify_accept_counts_match_oracle(s):
+    """Chains, ragged draft counts and buffer lengths, accept by counts (folds when past C), then decode."""
+    _assert_all(P.check_verify_accept(Poisoned, dtype=torch.float32, device=DEVICE, use_counts=True, **s))
+
+
+@FEW
+@given(s=_setup(chain=False, max_drafts=8))
+def test_tree_verify_accept_nodes_match_oracle(s):
+    """Trees: every node == the recurrence along its path; accepting a node appends exactly its path."""
+    _assert_all(P.check_verify_accept(Poisoned, dtype=torch.float32, device=DEVICE, **s))
+
+
+def test_fold_on_accept_past_capacity_and_direct_requests():
+    """Deterministic edge cases: full buffers, m > C (new entries folded too), direct and empty requests,
+    zero drafts, per-channel gates."""
+    for channel in (False, True):
+        case = Case(B=3, T=4 + 5 + 2, H=1, HV=2, K=8, V=5, channel_gate=channel, gate="mixed", beta="mixed", seed=7)
+        _assert_all(P.check_verify_accept(
+            Poisoned, case, torch.float32, capacity=2, history=4, lengths=[2, 0, 1], parents=[list(range(-1, 4))] * 3,
+            num_drafts=[5, 3, 0], nodes=[4, 2, -1], after=2, device=DEVICE, use_counts=True))
+
+
+def test_verify_out_and_padding_rows():
+    case = Case(B=2, T=6, H=1, HV=1, K=8, V=8, seed=1)
+    x = case.inputs(torch.float32, DEVICE)
+    _, buf = ref.prefill(**{n: t[:, :2] for n, t in x.items()}, capacity=4)
+    buf = P.buffer_to(buf, dtype=torch.float32, device=DEVICE)
+    out = torch.full((2, 4, 1, 8), float("nan"), device=DEVICE)
+    nd = torch.tensor([4, 1], device=DEVICE)
+    o, drafts = fast.verify(**{n: t[:, 2:] for n, t in x.items()}, buffer=buf, num_drafts=nd, out=out)
+    assert o is out
+    assert torch.isfinite(o).all() and (o[1, 1:] == 0).all(), "padding rows must be written as 0"
+    o_ref, _ = ref.verify(**{n: t[:, 2:] for n, t in x.items()}, buffer=buf, num_drafts=nd)
+    assert torch.allclose(o, o_ref, atol=1e-5)
+    assert drafts.u.dtype == torch.float32 and tuple(drafts.G.shape) == (2, 4, 1)
+
+
+def test_accept_validation_errors():
+    case = Case(B=1, T=4, H=1, HV=1, K=4, V=4, seed=2)
+    x = case.inputs(torch.float32, DEVICE)
+    buf = ref.KVBuffer.empty(1, 1, 1, 4, 4, 2, dtype=torch.float32, with_state=False, device=DEVICE)
+    _, drafts = fast.verify(**x, buffer=buf, parents=torch.tensor([[-1, 0, 0, 1]], device=DEVICE))
+    with pytest.raises(ValueError, match="exactly one"):
+        fast.accept(buf, drafts)
+    with pytest.raises(ValueError, match="tree"):
+        fast.accept(buf, drafts, counts=2)
+    with pytest.raises(ValueError, match="no state storage"):
+        fast.accept(buf, drafts, nodes=3)  # path 0, 1, 3: three entries past C = 2
+    assert fast.accept(buf, drafts, nodes=2) is buf and int(buf.lengths[0]) == 2
+
+
+# ------------------------------------------------------------------ the per-draft-state baseline
+@FEW
+@given(case=kst.cases(max_T=6, **SMALL), data=st.data())
+def test_per_draft_state_baseline_matches_recurrence(case, data):
+    x = case.inputs(torch.float32, DEVICE)
+    gen = torch.Generator().manual_seed(case.seed)
+    S0 = (torch.randn(case.B, case.HV, case.K, case.V, generator=gen, dtype=torch.float64) * 0.5)
+    state = S0.float().to(DEVICE)
+    keep = state.clone()
+    o, inter = fast.per_draft_state_verify(**x, state=state)
+    assert torch.equal(state, keep), "per_draft_state_verify must not modify the state"
+    (o64, _), base = P.truth_and_baseline(x, state)
+    r = compare(o.cpu(), o64, base[0], name="per_draft_state.o", g=x["g"])
+    assert r.passed, str(r)
+    for t in range(case.T):  # intermediate t == the state after token t
+        xt = {n: v[:, : t + 1] for n, v in x.items()}
+        (_, S64), bt = P.truth_and_baseline(xt, state)
+        r = compare(inter[:, t].cpu(), S64, bt[1], name=f"intermediate[{t}]", head_axis=1, g=xt["g"])
+        assert r.passed, str(r)
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, case.T), min_size=case.B, max_size=case.B)),
+                          device=DEVICE)
+    fast.per_draft_state_accept(state, inter, counts)
+    for b in range(case.B):
+        want = keep[b] if int(counts[b]) == 0 else inter[b, int(counts[b]) - 1]
+        assert torch.equal(state[b], want)
