@@ -268,6 +268,15 @@ def time_batch(B, capacities, copy_TBps, cfg_rec=None, cfg_dec=None) -> dict:
             ent["io_model_ratio_vs_recurrent"] = (cb / C) / rb
         # with validation (a host sync per step): what an eager, un-graphed caller pays
         ent["per_step_validated_do_bench_us"] = bench_ms(lambda: cycle(True)) / C * 1e3
+        # the same cycle with the u-cache in bfloat16 (keys bf16, G and state fp32)
+        del buf
+        buf = full_buffer(B, C, u_dtype=torch.bfloat16)
+        ms_h = queued_ms(cycle, reps=7)
+        cbh = buffered_cycle_bytes(B, C, u_bytes=2)
+        ent["u_bf16"] = dict(per_step_us=ms_h / C * 1e3, bytes_per_step=cbh / C, TBps=cbh / ms_h / 1e9,
+                             frac_copy=cbh / ms_h / 1e9 / copy_TBps)
+        if "queued_ms" in fl:
+            ent["u_bf16"]["vs_fla_queued"] = ms_h / C / fl["queued_ms"]
         # the fold alone, as a separate flush launch of full buffers (the cycle fuses it instead)
         fb = full_buffer(B, C, seed=5)
         snap = (fb.k.clone(), fb.u.clone(), fb.G.clone(), fb.state.clone())
@@ -280,7 +289,9 @@ def time_batch(B, capacities, copy_TBps, cfg_rec=None, cfg_dec=None) -> dict:
                                                 warmup=False)
         row["buffered"][str(C)] = ent
         print(f"B={B} C={C}: cycle step {ent['per_step_us']:.1f} us ({ent['frac_copy']:.0%} of copy), "
-              f"vs fla {ent.get('vs_fla_queued', float('nan')):.3f}x", flush=True)
+              f"vs fla {ent.get('vs_fla_queued', float('nan')):.3f}x; bf16 u: {ent['u_bf16']['per_step_us']:.1f} us "
+              f"({ent['u_bf16']['frac_copy']:.0%}), vs fla {ent['u_bf16'].get('vs_fla_queued', float('nan')):.3f}x; "
+              f"flush of full buffers {ent['flush_full_queued_ms'] * 1e3:.0f} us", flush=True)
         del buf, fb, snap
         torch.cuda.empty_cache()
     return row
@@ -293,8 +304,8 @@ def tune(copy_TBps, B=128, C=32, deadline=None) -> dict:
     x = tokens(B)
     state = 0.1 * torch.randn(B, HV, K, V, device=DEVICE)
     rb = recurrent_step_bytes(B)
-    for BV in (16, 32, 64):
-        for nw in (1, 2, 4, 8):
+    for BV in (32, 64):
+        for nw in (1, 2, 4):
             if deadline and time.time() > deadline:
                 break
             try:
@@ -305,7 +316,7 @@ def tune(copy_TBps, B=128, C=32, deadline=None) -> dict:
     del state
     buf = full_buffer(B, C)
     cb = buffered_cycle_bytes(B, C)
-    for BV in (16, 32, 64, 128):
+    for BV in (32, 64, 128):
         for nw in (2, 4, 8):
             if deadline and time.time() > deadline:
                 break

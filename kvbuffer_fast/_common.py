@@ -86,9 +86,9 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 # Launch parameters per kernel: (BV, num_warps).  Tuned on an H200 (bench/gpu_decode.py);
 # the interpreter ignores num_warps.
 _CONFIG = {
-    "recurrent": dict(BV=32, num_warps=4),
-    "decode": dict(BV=32, num_warps=4),
-    "flush": dict(BV=32, num_warps=8),
+    "recurrent": dict(BV=64, num_warps=2),
+    "decode": dict(BV=64, num_warps=4),
+    "flush": dict(BV=64, num_warps=4),
 }
 
 

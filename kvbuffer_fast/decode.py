@@ -1,22 +1,28 @@
 """Buffered decode (no state write per step) and flush (the fold), on the u-cache (k, u, G).
 
-Both kernels run one program per (request, q/k head): grid (B, H).  A program loads the request's
-cached keys of its head once ([C, K]), computes the new token's key/query scores against them once,
-then loops over the HV/H value heads of the group and, inside, over V-tiles of BV columns:
+Both kernels run one program per (request, value head, V-tile of BV columns): grid (V / BV, B * HV),
+the layout of the recurrent kernel, which streams the state at ~90% of copy bandwidth.  A program
+loads its [K, BV] state tile once and the matching [C, BV] tile of cached u, and the new token's
+scores against the n cached keys of its q/k head:
 
-    decode, per value head (G_new = G_n + g; per-channel gates put the exp inside the dots):
+    decode (G_new = G_n + g; per-channel gates put the exp inside the dots):
         u = beta (v - exp(G_new) S0^T k - sum_j exp(G_new - G_j)(k.k_j) u_j)
         o = exp(G_new) S0^T q + sum_j exp(G_new - G_j)(q.k_j) u_j + (q.k) u
-    one [K, BV] state tile gives both S0^T k and S0^T q; nothing is written to the state, except
-    for a request whose buffer is full (n == C): its C entries are first folded (in the same
-    program, the folded tile stays in registers and serves the new token with an empty buffer).
+    one state tile gives both S0^T k and S0^T q; nothing is written to the state, except for a
+    request whose buffer is full (n == C): its C entries are first folded into the tile
+    (S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, rank-1 updates, no shared memory), which is
+    stored and serves the new token with an empty buffer.
 
     flush: S = diag(exp(G_m)) S0 + sum_{j<m} (exp(G_m - G_j) * k_j) u_j^T for a per-request prefix m,
-    then the remaining entries move down by m and their G is rebased (G_j - G_m).
+    then the remaining u columns of the tile move down by m.
 
-Requests in direct mode (has_state False) use S0 = 0: their state loads are fully masked, so no
-state memory is read.  The per-request bookkeeping (lengths, has_state) is written by the last
-program of the request to finish (an atomic ticket), after every program of it has read them.
+The cached keys [C, K] of a q/k head are shared by its HV/H value heads and their V-tiles: those
+programs are adjacent in the grid, so the keys come from HBM once and from L2 after; each program
+recomputes the C scores (C*K multiply-adds, nothing next to its K*BV state tile).  Requests in direct
+mode (has_state False) use S0 = 0: their state loads are fully masked, so no state memory is read.
+What all programs of a request read and one must write (the new entry's key per q/k head and G per
+value head, lengths, has_state) is written by the request's last program to finish (an atomic
+ticket), after every program of it has read them.
 """
 
 from __future__ import annotations
@@ -42,95 +48,99 @@ def _decode_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
     scale,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr,
 ):
     GROUP: tl.constexpr = HV // H
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
     n = tl.load(len_ptr + i_b).to(tl.int32)
     owns = tl.load(own_ptr + i_b) != 0
     full = n >= C
     keep = tl.where(full, 0, n)  # entries the new token attends to; it is stored at row `keep`
+    has_last = (n > 0) & (n < C)  # G_new builds on G_n (else on 0: empty, or reset by the fold)
+    last = tl.maximum(n - 1, 0)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
-    m_n = o_c < n
+    m_v = o_v < V
     m_keep = o_c < keep
-    m_nk = m_n[:, None] & m_k[None, :]
-    m_own = o_k < tl.where(owns, K, 0)  # state rows to read: none in direct mode
-    p_ck = ck_ptr + ((i_b * C + o_c[:, None]) * H + i_h) * K + o_k[None, :]
-    kc = tl.load(p_ck, mask=m_nk, other=0.0).to(tl.float32)  # [BC, BK] cached keys, read once
-    b_k_in = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0)
-    b_k = b_k_in.to(tl.float32)
+    p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+    # the big loads first: the state tile (none in direct mode) and the cached u the token attends to
+    if STORAGE:
+        s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    p_cu = cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
+    uc = tl.load(p_cu, mask=m_keep[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    kc = tl.load(ck_ptr + ((i_b * C + o_c[:, None]) * H + i_h) * K + o_k[None, :],
+                 mask=m_keep[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [BC, BK]
+    b_k = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+    b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
     qk_self = tl.sum(b_q * b_k, 0)
-    if not CHANNEL:
-        kk = tl.sum(kc * b_k[None, :], 1)  # [BC] scores, shared by the group's value heads
-        qk = tl.sum(kc * b_q[None, :], 1)
-    for r in tl.static_range(GROUP):
-        i_hv = i_h * GROUP + r
-        i_bhv = i_b * HV + i_hv
-        b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
+    if CHANNEL:
+        gc = tl.load(cg_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * K + o_k[None, :],
+                     mask=m_keep[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [BC, BK]
+        g_n = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        g_new = tl.where(has_last, g_n, 0.0) + tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        dec = tl.exp(tl.where(m_keep[:, None] & m_k[None, :], g_new[None, :] - gc, float("-inf")))
+        wk = tl.sum(kc * dec * b_k[None, :], 1)
+        wq = tl.sum(kc * dec * b_q[None, :], 1)
+    else:
+        gc = tl.load(cg_ptr + (i_b * C + o_c) * HV + i_hv, mask=m_keep, other=0.0).to(tl.float32)  # [BC]
+        g_n = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv).to(tl.float32)
+        g_new = tl.where(has_last, g_n, 0.0) + tl.load(g_ptr + i_bhv).to(tl.float32)
+        dec = tl.exp(tl.where(m_keep, g_new - gc, float("-inf")))
+        wk = tl.sum(kc * b_k[None, :], 1) * dec
+        wq = tl.sum(kc * b_q[None, :], 1) * dec
+    e_new = tl.exp(g_new)
+    kd = b_k * e_new
+    qd = b_q * e_new
+    if STORAGE:
+        # a full buffer is folded first (zero iterations otherwise): S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T
+        n_fold = tl.where(full, n, 0)
+        g_end = tl.where(full, g_n, 0.0)
         if CHANNEL:
-            p_cg = cg_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * K + o_k[None, :]
-            gc = tl.load(p_cg, mask=m_nk, other=0.0).to(tl.float32)  # [BC, BK]
-            g_last = tl.sum(tl.where((o_c == n - 1)[:, None], gc, 0.0), 0)  # [BK]
-            g_new = tl.where(full, 0.0, g_last) + tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            dec = tl.exp(tl.where(m_keep[:, None] & m_k[None, :], g_new[None, :] - gc, float("-inf")))
-            wk = tl.sum(kc * dec * b_k[None, :], 1)
-            wq = tl.sum(kc * dec * b_q[None, :], 1)
-            e_new = tl.exp(g_new)
-            kd = b_k * e_new
-            qd = b_q * e_new
-            s_dec = tl.exp(g_last)  # the fold's state decay (used only when full)
+            s = s * tl.exp(g_end)[:, None]
         else:
-            gc = tl.load(cg_ptr + (i_b * C + o_c) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)  # [BC]
-            g_last = tl.sum(tl.where(o_c == n - 1, gc, 0.0), 0)
-            g_new = tl.where(full, 0.0, g_last) + tl.load(g_ptr + i_bhv).to(tl.float32)
-            dec = tl.exp(tl.where(m_keep, g_new - gc, float("-inf")))
-            wk = kk * dec
-            wq = qk * dec
-            e_new = tl.exp(g_new)
-            kd = b_k * e_new
-            qd = b_q * e_new
-            s_dec = tl.exp(g_last)
-        for iv in range(0, V, BV):
-            o_v = iv + tl.arange(0, BV)
-            m_v = o_v < V
-            p_cu = cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
-            uc = tl.load(p_cu, mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-            m_s = m_k[:, None] & m_v[None, :]
-            p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-            if STORAGE:
-                s = tl.load(p_s, mask=m_own[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-                if full:
-                    # fold all C entries first: S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T
-                    if CHANNEL:
-                        fd = tl.exp(tl.where(m_nk, g_last[None, :] - gc, float("-inf")))
-                        s = s * s_dec[:, None] + tl.dot(tl.trans(kc * fd), uc, input_precision="ieee")
-                    else:
-                        fd = tl.exp(tl.where(m_n, g_last - gc, float("-inf")))
-                        s = s * s_dec + tl.dot(tl.trans(kc * fd[:, None]), uc, input_precision="ieee")
-                    tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
+            s = s * tl.exp(g_end)
+        for j in range(0, n_fold):
+            k_j = tl.load(ck_ptr + ((i_b * C + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            u_j = tl.load(cu_ptr + ((i_b * C + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            if CHANNEL:
+                G_j = tl.load(cg_ptr + ((i_b * C + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             else:
-                s = tl.zeros([BK, BV], dtype=tl.float32)
-            b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_u = b_beta * (b_v - tl.sum(s * kd[:, None], 0) - tl.sum(wk[:, None] * uc, 0))
-            b_o = tl.sum(s * qd[:, None], 0) + tl.sum(wq[:, None] * uc, 0) + qk_self * b_u
-            tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-            tl.debug_barrier()  # row `keep` may have just been read (fold): every warp is past its load
-            tl.store(cu_ptr + ((i_b * C + keep) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
-        tl.debug_barrier()
-        if CHANNEL:
-            tl.store(cg_ptr + ((i_b * C + keep) * HV + i_hv) * K + o_k, g_new.to(cg_ptr.dtype.element_ty), mask=m_k)
-        else:
-            tl.store(cg_ptr + (i_b * C + keep) * HV + i_hv, g_new.to(cg_ptr.dtype.element_ty))
-    tl.store(ck_ptr + ((i_b * C + keep) * H + i_h) * K + o_k, b_k_in.to(ck_ptr.dtype.element_ty), mask=m_k)
-    # the last program of request b to get here writes its bookkeeping (all H have read it by now)
+                G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
+            s += (k_j * tl.exp(g_end - G_j))[:, None] * u_j[None, :]
+        tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=(o_k < tl.where(full, K, 0))[:, None] & m_v[None, :])
+    b_u = b_beta * (b_v - tl.sum(s * kd[:, None], 0) - tl.sum(wk[:, None] * uc, 0))
+    b_o = tl.sum(s * qd[:, None], 0) + tl.sum(wq[:, None] * uc, 0) + qk_self * b_u
+    tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    tl.debug_barrier()  # a fold read row 0 of these columns: every warp is past it
+    tl.store(cu_ptr + ((i_b * C + keep) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
+    # the request's last program writes what the others read: the new key and G rows, lengths, has_state
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-    if ticket == H - 1:
+    if ticket == HV * NV - 1:
+        for h in range(H):
+            k_h = tl.load(k_ptr + (i_b * H + h) * K + o_k, mask=m_k, other=0.0)
+            tl.store(ck_ptr + ((i_b * C + keep) * H + h) * K + o_k, k_h.to(ck_ptr.dtype.element_ty), mask=m_k)
+        for hv in range(HV):
+            if CHANNEL:
+                g_prev = tl.load(cg_ptr + ((i_b * C + last) * HV + hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                g_h = tl.where(has_last, g_prev, 0.0) + tl.load(g_ptr + (i_b * HV + hv) * K + o_k, mask=m_k,
+                                                                 other=0.0).to(tl.float32)
+                tl.store(cg_ptr + ((i_b * C + keep) * HV + hv) * K + o_k, g_h.to(cg_ptr.dtype.element_ty), mask=m_k)
+            else:
+                g_prev = tl.load(cg_ptr + (i_b * C + last) * HV + hv).to(tl.float32)
+                g_h = tl.where(has_last, g_prev, 0.0) + tl.load(g_ptr + i_b * HV + hv).to(tl.float32)
+                tl.store(cg_ptr + (i_b * C + keep) * HV + hv, g_h.to(cg_ptr.dtype.element_ty))
         tl.store(len_ptr + i_b, (keep + 1).to(len_ptr.dtype.element_ty))
         if full:
             tl.store(own_ptr + i_b, 1)
@@ -143,61 +153,45 @@ def _flush_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
 ):
+    """Fold the first m entries into the state tile and move this tile's remaining u columns down.
+    Keys and G (shared with other programs) are moved and rebased by the caller afterwards."""
     GROUP: tl.constexpr = HV // H
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
     m = tl.load(count_ptr + i_b).to(tl.int32)
     if m > 0:
         n = tl.load(len_ptr + i_b).to(tl.int32)
         owns = tl.load(own_ptr + i_b) != 0
         o_c = tl.arange(0, BC)
         o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
         m_k = o_k < K
-        m_n = o_c < n
-        m_fold = o_c < m
-        m_rest = m_n & (o_c >= m)  # entries that stay: they move to row j - m
-        m_nk = m_n[:, None] & m_k[None, :]
-        m_own = o_k < tl.where(owns, K, 0)  # state rows to read: none in direct mode
-        kc = tl.load(ck_ptr + ((i_b * C + o_c[:, None]) * H + i_h) * K + o_k[None, :], mask=m_nk,
-                     other=0.0)
-        kf = kc.to(tl.float32)
-        for r in tl.static_range(GROUP):
-            i_hv = i_h * GROUP + r
-            i_bhv = i_b * HV + i_hv
+        m_v = o_v < V
+        p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+        s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if CHANNEL:
+            g_end = tl.load(cg_ptr + ((i_b * C + m - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            s = s * tl.exp(g_end)[:, None]
+        else:
+            g_end = tl.load(cg_ptr + (i_b * C + m - 1) * HV + i_hv).to(tl.float32)
+            s = s * tl.exp(g_end)
+        for j in range(0, m):
+            k_j = tl.load(ck_ptr + ((i_b * C + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            u_j = tl.load(cu_ptr + ((i_b * C + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             if CHANNEL:
-                p_cg = cg_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * K + o_k[None, :]
-                gc = tl.load(p_cg, mask=m_nk, other=0.0).to(tl.float32)
-                g_end = tl.sum(tl.where((o_c == m - 1)[:, None], gc, 0.0), 0)  # [BK]
-                kd = kf * tl.exp(tl.where(m_fold[:, None] & m_k[None, :], g_end[None, :] - gc, float("-inf")))
-                s_dec = tl.exp(g_end)[:, None]
+                G_j = tl.load(cg_ptr + ((i_b * C + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             else:
-                gc = tl.load(cg_ptr + (i_b * C + o_c) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)
-                g_end = tl.sum(tl.where(o_c == m - 1, gc, 0.0), 0)
-                kd = kf * tl.exp(tl.where(m_fold, g_end - gc, float("-inf")))[:, None]
-                s_dec = tl.exp(g_end)
-            kdt = tl.trans(kd)
-            for iv in range(0, V, BV):
-                o_v = iv + tl.arange(0, BV)
-                m_v = o_v < V
-                m_s = m_k[:, None] & m_v[None, :]
-                p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-                p_cu = cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
-                uc = tl.load(p_cu, mask=m_n[:, None] & m_v[None, :], other=0.0)
-                s = tl.load(p_s, mask=m_own[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-                s = s * s_dec + tl.dot(kdt, uc.to(tl.float32), input_precision="ieee")
-                tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
-                tl.debug_barrier()  # every warp has read the rows before any is overwritten
-                tl.store(p_cu - m * HV * V, uc, mask=m_rest[:, None] & m_v[None, :])
-            tl.debug_barrier()
-            if CHANNEL:
-                tl.store(p_cg - m * HV * K, (gc - g_end[None, :]).to(cg_ptr.dtype.element_ty),
-                         mask=m_rest[:, None] & m_k[None, :])
-            else:
-                tl.store(cg_ptr + (i_b * C + o_c - m) * HV + i_hv, (gc - g_end).to(cg_ptr.dtype.element_ty),
-                         mask=m_rest)
-        tl.debug_barrier()
-        tl.store(ck_ptr + ((i_b * C + o_c[:, None] - m) * H + i_h) * K + o_k[None, :], kc,
-                 mask=m_rest[:, None] & m_k[None, :])
+                G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
+            s += (k_j * tl.exp(g_end - G_j))[:, None] * u_j[None, :]
+        tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+        m_rest = (o_c >= m) & (o_c < n)  # entries that stay: row j moves to row j - m
+        p_cu = cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
+        uc = tl.load(p_cu, mask=m_rest[:, None] & m_v[None, :], other=0.0)
+        tl.debug_barrier()  # every warp has read the rows before any is overwritten
+        tl.store(p_cu - m * HV * V, uc, mask=m_rest[:, None] & m_v[None, :])
 
 
 def _check_u_form(buffer: KVBuffer, op: str) -> None:
@@ -262,13 +256,14 @@ def buffered_decode(
         return o, buffer
     storage = buffer.state is not None
     state = buffer.state if storage else buffer.lengths  # a dummy pointer, never dereferenced
+    NV = triton.cdiv(d.V, cfg["BV"])
     with device_guard(q):
-        _decode_kernel[(d.B, d.H)](
+        _decode_kernel[(NV, d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o,
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
             ticket_counters(d.B, q.device),
             s,
-            C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, BC=block(C), BK=block(d.K), BV=cfg["BV"],
+            C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, BC=block(C), BK=block(d.K), BV=cfg["BV"], NV=NV,
             CHANNEL=d.channel_gate, STORAGE=storage, num_warps=cfg["num_warps"],
         )
     return o, buffer
@@ -321,14 +316,32 @@ def flush(buffer: KVBuffer, *, count=None, validate: bool = True, BV: Optional[i
         return buffer
     cfg = launch_config("flush", V, BV=BV, num_warps=num_warps)
     with device_guard(buffer.k):
-        _flush_kernel[(B, H)](
+        _flush_kernel[(triton.cdiv(V, cfg["BV"]), B * HV)](
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), buffer.state, count,
             C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=cfg["BV"], CHANNEL=buffer.channel_gate,
             num_warps=cfg["num_warps"],
         )
+        _shift_keys_and_gates(buffer, count)
     buffer.lengths.sub_(count)
     buffer.has_state.logical_or_(count > 0)
     return buffer
+
+
+def _shift_keys_and_gates(buffer: KVBuffer, count: torch.Tensor) -> None:
+    """Move each request's keys and G down by count[b] rows, rebasing G on the last folded entry.
+
+    Rows past the new lengths keep whatever they hold (never read).  Small tensors: plain torch.
+    """
+    B, C = buffer.k.shape[:2]
+    rows = (torch.arange(C, device=count.device)[None, :] + count[:, None]).clamp_(max=C - 1)  # [B, C]
+    G = buffer.G
+    tail = (count - 1).clamp(min=0)
+    g_end = G[torch.arange(B, device=count.device), tail]  # [B, HV]*
+    g_end = torch.where((count > 0).view(-1, *([1] * (g_end.dim() - 1))), g_end, torch.zeros_like(g_end))
+    k_rows = rows.view(B, C, *([1] * (buffer.k.dim() - 2))).expand_as(buffer.k)
+    g_rows = rows.view(B, C, *([1] * (G.dim() - 2))).expand_as(G)
+    buffer.k.copy_(buffer.k.gather(1, k_rows))
+    G.copy_(G.gather(1, g_rows) - g_end.unsqueeze(1).to(G.dtype))
 
 
 def materialize_state(buffer: KVBuffer) -> torch.Tensor:
