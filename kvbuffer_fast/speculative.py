@@ -87,28 +87,43 @@ def _verify_kernel(
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PREC: tl.constexpr,
 ):
     GROUP: tl.constexpr = HV // H
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
     n = tl.load(len_ptr + i_b).to(tl.int32)
     t = tl.load(nd_ptr + i_b).to(tl.int32)
     owns = tl.load(own_ptr + i_b) != 0
     o_c = tl.arange(0, BC)
     o_d = tl.arange(0, BD)
     o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
+    m_v = o_v < V
     m_n = o_c < n
     m_t = o_d < t
     m_rows = o_d < D  # rows that exist in the [B, D, ...] tensors (padding rows get zeros)
     m_nk = m_n[:, None] & m_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
     m_own = o_k < tl.where(owns, K, 0)  # state rows to read: none in direct mode
+    if STORAGE:  # the state tile, read once, issued first so that its latency hides behind the scores
+        s = tl.load(state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :],
+                    mask=m_own[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     kc = tl.load(ck_ptr + ((i_b * C + o_c[:, None]) * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.0)
-    kc = kc.to(tl.float32)  # [BC, BK] buffered keys of this head, read once
+    kc = kc.to(tl.float32)  # [BC, BK] buffered keys of this head
     p_dk = ((i_b * D + o_d[:, None]) * H + i_h) * K + o_k[None, :]
     kd_in = tl.load(k_ptr + p_dk, mask=m_tk, other=0.0)
-    tl.store(dk_ptr + p_dk, kd_in, mask=m_rows[:, None] & m_k[None, :])  # the drafts' keys, for accept
+    if (i_v == 0) & (i_hv % GROUP == 0):  # one program per (request, q/k head) keeps the drafts' keys
+        tl.store(dk_ptr + p_dk, kd_in, mask=m_rows[:, None] & m_k[None, :])
     kd = kd_in.to(tl.float32)  # [BD, BK]
     qd = tl.load(q_ptr + p_dk, mask=m_tk, other=0.0).to(tl.float32) * scale
+    p_dt = (i_b * D + o_d) * HV + i_hv  # [BD] row offsets of per-(draft, value head) tensors
+    p_dv = p_dt[:, None] * V + o_v[None, :]
+    vd = tl.load(v_ptr + p_dv, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    uc = tl.load(cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
+                 mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    b_beta = tl.load(beta_ptr + p_dt, mask=m_t, other=0.0).to(tl.float32)
     # ancestor-or-self matrix R[i, j] (j on the root-to-i path): nonzero pattern of (I + P)^(2^LOG_BD)
     par = tl.load(par_ptr + i_b * D + o_d, mask=m_t, other=-1).to(tl.int32)
     eye = (o_d[:, None] == o_d[None, :]).to(tl.float32)
@@ -117,85 +132,71 @@ def _verify_kernel(
         R = tl.minimum(tl.dot(R, R, input_precision="ieee"), 1.0)
     anc_self = (R > 0.5) & m_t[:, None]
     anc = anc_self & (o_d[:, None] != o_d[None, :])
-    if not CHANNEL:
-        kkb = tl.dot(kd, tl.trans(kc), input_precision=PREC)  # [BD, BC] shared by the group
+    if CHANNEL:
+        gc = tl.load(cg_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_nk,
+                     other=0.0).to(tl.float32)  # [BC, BK]
+        base = _row(gc, o_c, n - 1)  # [BK], zeros for an empty buffer
+        gd = tl.load(g_ptr + p_dt[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        Gd = tl.zeros([BD, BK], dtype=tl.float32)
+        for i in range(0, t):  # topological order: a parent's G is final before its children
+            p_i = tl.load(par_ptr + i_b * D + i).to(tl.int32)
+            g_par = tl.where(p_i < 0, base, _row(Gd, o_d, p_i))
+            Gd = tl.where((o_d == i)[:, None], (g_par + _row(gd, o_d, i))[None, :], Gd)
+        wk = tl.zeros([BD, BC], dtype=tl.float32)
+        wq = tl.zeros([BD, BC], dtype=tl.float32)
+        kk = tl.zeros([BD, BD], dtype=tl.float32)
+        qq = tl.zeros([BD, BD], dtype=tl.float32)
+        for i in range(0, t):
+            sel = (o_d == i)[:, None]
+            G_i = _row(Gd, o_d, i)
+            k_i = _row(kd, o_d, i)
+            q_i = _row(qd, o_d, i)
+            a_i = _row(anc_self.to(tl.float32), o_d, i) > 0.5  # [BD] ancestors-or-self of i
+            dec = tl.exp(tl.where(m_nk, G_i[None, :] - gc, float("-inf")))  # [BC, BK]
+            wk = tl.where(sel, tl.sum(kc * dec * k_i[None, :], 1)[None, :], wk)
+            wq = tl.where(sel, tl.sum(kc * dec * q_i[None, :], 1)[None, :], wq)
+            decd = tl.exp(tl.where(a_i[:, None] & m_k[None, :], G_i[None, :] - Gd, float("-inf")))  # [BD, BK]
+            kk = tl.where(sel, tl.sum(kd * decd * k_i[None, :], 1)[None, :], kk)
+            qq = tl.where(sel, tl.sum(kd * decd * q_i[None, :], 1)[None, :], qq)
+        a = tl.where(anc, b_beta[:, None] * kk, 0.0)
+        eG = tl.exp(Gd)
+        kdS = kd * eG  # S0^T (exp(G_i) * k_i): the decay goes inside the state read
+        qdS = qd * eG
+    else:
+        kkb = tl.dot(kd, tl.trans(kc), input_precision=PREC)  # [BD, BC]
         qkb = tl.dot(qd, tl.trans(kc), input_precision=PREC)
         kkd = tl.dot(kd, tl.trans(kd), input_precision=PREC)  # [BD, BD]
         qkd = tl.dot(qd, tl.trans(kd), input_precision=PREC)
-    for r in tl.static_range(GROUP):
-        i_hv = i_h * GROUP + r
-        i_bhv = i_b * HV + i_hv
-        p_dt = (i_b * D + o_d) * HV + i_hv  # [BD] row offsets of per-(draft, value head) tensors
-        b_beta = tl.load(beta_ptr + p_dt, mask=m_t, other=0.0).to(tl.float32)
-        if CHANNEL:
-            gc = tl.load(cg_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_nk,
-                         other=0.0).to(tl.float32)  # [BC, BK]
-            base = _row(gc, o_c, n - 1)  # [BK], zeros for an empty buffer
-            gd = tl.load(g_ptr + p_dt[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            Gd = tl.zeros([BD, BK], dtype=tl.float32)
-            for i in range(0, t):  # topological order: a parent's G is final before its children
-                p_i = tl.load(par_ptr + i_b * D + i).to(tl.int32)
-                g_par = tl.where(p_i < 0, base, _row(Gd, o_d, p_i))
-                Gd = tl.where((o_d == i)[:, None], (g_par + _row(gd, o_d, i))[None, :], Gd)
-            wk = tl.zeros([BD, BC], dtype=tl.float32)
-            wq = tl.zeros([BD, BC], dtype=tl.float32)
-            kk = tl.zeros([BD, BD], dtype=tl.float32)
-            qq = tl.zeros([BD, BD], dtype=tl.float32)
-            for i in range(0, t):
-                sel = (o_d == i)[:, None]
-                G_i = _row(Gd, o_d, i)
-                k_i = _row(kd, o_d, i)
-                q_i = _row(qd, o_d, i)
-                a_i = _row(anc_self.to(tl.float32), o_d, i) > 0.5  # [BD] ancestors-or-self of i
-                dec = tl.exp(tl.where(m_nk, G_i[None, :] - gc, float("-inf")))  # [BC, BK]
-                wk = tl.where(sel, tl.sum(kc * dec * k_i[None, :], 1)[None, :], wk)
-                wq = tl.where(sel, tl.sum(kc * dec * q_i[None, :], 1)[None, :], wq)
-                decd = tl.exp(tl.where(a_i[:, None] & m_k[None, :], G_i[None, :] - Gd, float("-inf")))  # [BD, BK]
-                kk = tl.where(sel, tl.sum(kd * decd * k_i[None, :], 1)[None, :], kk)
-                qq = tl.where(sel, tl.sum(kd * decd * q_i[None, :], 1)[None, :], qq)
-            a = tl.where(anc, b_beta[:, None] * kk, 0.0)
-            eG = tl.exp(Gd)
-            kdS = kd * eG  # S0^T (exp(G_i) * k_i): the decay goes inside the state read
-            qdS = qd * eG
-        else:
-            gc = tl.load(cg_ptr + (i_b * C + o_c) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)  # [BC]
-            base = tl.sum(tl.where(o_c == n - 1, gc, 0.0), 0)
-            gd = tl.load(g_ptr + p_dt, mask=m_t, other=0.0).to(tl.float32)
-            Gd = base + tl.sum(tl.where(anc_self, gd[None, :], 0.0), 1)  # [BD] along each path
-            dec = tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gd[:, None] - gc[None, :], float("-inf")))
-            wk = kkb * dec
-            wq = qkb * dec
-            decd = tl.exp(tl.where(anc_self, Gd[:, None] - Gd[None, :], float("-inf")))
-            a = tl.where(anc, b_beta[:, None] * kkd * decd, 0.0)
-            qq = qkd * decd
-            eG = tl.exp(Gd)
-            kdS = kd * eG[:, None]
-            qdS = qd * eG[:, None]
-        # (I + A)^-1 by forward substitution over the rows (rows >= t stay 0: padding)
-        T_inv = tl.zeros([BD, BD], dtype=tl.float32)
-        for i in range(0, t):
-            a_i = _row(a, o_d, i)
-            row = tl.where(o_d == i, 1.0, 0.0) - tl.sum(a_i[:, None] * T_inv, 0)
-            T_inv = tl.where((o_d == i)[:, None], row[None, :], T_inv)
-        for iv in range(0, V, BV):
-            o_v = iv + tl.arange(0, BV)
-            m_v = o_v < V
-            p_dv = p_dt[:, None] * V + o_v[None, :]
-            vd = tl.load(v_ptr + p_dv, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            uc = tl.load(cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
-                         mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-            rhs = vd - tl.dot(wk, uc, input_precision=PREC)
-            out = tl.dot(wq, uc, input_precision=PREC)
-            if STORAGE:
-                s = tl.load(state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :],
-                            mask=m_own[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # read once
-                rhs -= tl.dot(kdS, s, input_precision=PREC)
-                out += tl.dot(qdS, s, input_precision=PREC)
-            U = tl.dot(T_inv, b_beta[:, None] * rhs, input_precision=PREC)
-            out += tl.dot(qq, U, input_precision=PREC)
-            m_out = m_rows[:, None] & m_v[None, :]
-            tl.store(o_ptr + p_dv, tl.where(m_t[:, None], out, 0.0).to(o_ptr.dtype.element_ty), mask=m_out)
-            tl.store(du_ptr + p_dv, U.to(du_ptr.dtype.element_ty), mask=m_out)
+        gc = tl.load(cg_ptr + (i_b * C + o_c) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)  # [BC]
+        base = tl.sum(tl.where(o_c == n - 1, gc, 0.0), 0)
+        gd = tl.load(g_ptr + p_dt, mask=m_t, other=0.0).to(tl.float32)
+        Gd = base + tl.sum(tl.where(anc_self, gd[None, :], 0.0), 1)  # [BD] along each path
+        dec = tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gd[:, None] - gc[None, :], float("-inf")))
+        wk = kkb * dec
+        wq = qkb * dec
+        decd = tl.exp(tl.where(anc_self, Gd[:, None] - Gd[None, :], float("-inf")))
+        a = tl.where(anc, b_beta[:, None] * kkd * decd, 0.0)
+        qq = qkd * decd
+        eG = tl.exp(Gd)
+        kdS = kd * eG[:, None]
+        qdS = qd * eG[:, None]
+    # (I + A)^-1 by forward substitution over the rows (rows >= t stay 0: padding)
+    T_inv = tl.zeros([BD, BD], dtype=tl.float32)
+    for i in range(0, t):
+        a_i = _row(a, o_d, i)
+        row = tl.where(o_d == i, 1.0, 0.0) - tl.sum(a_i[:, None] * T_inv, 0)
+        T_inv = tl.where((o_d == i)[:, None], row[None, :], T_inv)
+    rhs = vd - tl.dot(wk, uc, input_precision=PREC)
+    out = tl.dot(wq, uc, input_precision=PREC)
+    if STORAGE:  # one pass over the tile: S0^T k_i and S0^T q_i for every draft
+        rhs -= tl.dot(kdS, s, input_precision=PREC)
+        out += tl.dot(qdS, s, input_precision=PREC)
+    U = tl.dot(T_inv, b_beta[:, None] * rhs, input_precision=PREC)
+    out += tl.dot(qq, U, input_precision=PREC)
+    m_out = m_rows[:, None] & m_v[None, :]
+    tl.store(o_ptr + p_dv, tl.where(m_t[:, None], out, 0.0).to(o_ptr.dtype.element_ty), mask=m_out)
+    tl.store(du_ptr + p_dv, U.to(du_ptr.dtype.element_ty), mask=m_out)
+    if i_v == 0:
         if CHANNEL:
             tl.store(dg_ptr + p_dt[:, None] * K + o_k[None, :], tl.where(m_t[:, None], Gd, 0.0).to(
                 dg_ptr.dtype.element_ty), mask=m_rows[:, None] & m_k[None, :])
@@ -370,7 +371,7 @@ def verify(
     cfg = _launch("verify", d.V, BV, num_warps)
     storage = buffer.state is not None
     with device_guard(q):
-        _verify_kernel[(d.B, d.H)](
+        _verify_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), parents, num_drafts,
             o, du, dG, dk,
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
