@@ -367,6 +367,13 @@ def main(argv=None) -> int:
         started=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     try:
+        import subprocess
+
+        result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        result["commit"] = "unknown"
+    try:
         import fla
 
         result["fla"] = getattr(fla, "__version__", "?")

@@ -2,15 +2,15 @@
 
 Both kernels run one program per (request, value head, V-tile of BV columns): grid (V / BV, B * HV),
 the layout of the recurrent kernel, which streams the state at ~90% of copy bandwidth.  A program
-loads its [K, BV] state tile once and the matching [C, BV] tile of cached u, and the new token's
-scores against the n cached keys of its q/k head:
+loads its [K, BV] state tile once, then walks the n cached entries 16 rows at a time: the new
+token's scores against the keys of its q/k head, and the matching [16, BV] tile of cached u:
 
     decode (G_new = G_n + g; per-channel gates put the exp inside the dots):
         u = beta (v - exp(G_new) S0^T k - sum_j exp(G_new - G_j)(k.k_j) u_j)
         o = exp(G_new) S0^T q + sum_j exp(G_new - G_j)(q.k_j) u_j + (q.k) u
     one state tile gives both S0^T k and S0^T q; nothing is written to the state, except for a
     request whose buffer is full (n == C): its C entries are first folded into the tile
-    (S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, rank-1 updates, no shared memory), which is
+    (S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, rank-1 updates four rows at a time), which is
     stored and serves the new token with an empty buffer.
 
     flush: S = diag(exp(G_m)) S0 + sum_{j<m} (exp(G_m - G_j) * k_j) u_j^T for a per-request prefix m,
@@ -43,12 +43,33 @@ __all__ = ["buffered_decode", "flush", "materialize_state"]
 
 
 @triton.jit
+def _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
+               C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               CHANNEL: tl.constexpr):
+    """s + sum_{j < n_fold} (exp(g_end - G_j) * k_j) u_j^T over this tile's columns: rank-1 updates, four
+    rows per step with their loads issued together.  Rows past n_fold re-read row n_fold - 1 (a valid
+    entry, so finite) and are weighted 0."""
+    for j0 in range(0, n_fold, 4):
+        for i in tl.static_range(4):
+            j = tl.minimum(j0 + i, n_fold - 1)
+            k_j = tl.load(ck_ptr + ((i_b * C + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            u_j = tl.load(cu_ptr + ((i_b * C + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            if CHANNEL:
+                G_j = tl.load(cg_ptr + ((i_b * C + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            else:
+                G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
+            w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)
+            s += (k_j * w)[:, None] * u_j[None, :]
+    return s
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
     scale,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    CB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr,
 ):
     GROUP: tl.constexpr = HV // H
@@ -63,45 +84,51 @@ def _decode_kernel(
     keep = tl.where(full, 0, n)  # entries the new token attends to; it is stored at row `keep`
     has_last = (n > 0) & (n < C)  # G_new builds on G_n (else on 0: empty, or reset by the fold)
     last = tl.maximum(n - 1, 0)
-    o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_keep = o_c < keep
     p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-    # the big loads first: the state tile (none in direct mode) and the cached u the token attends to
+    # the big load first: the state tile (none in direct mode)
     if STORAGE:
         s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
-    p_cu = cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
-    uc = tl.load(p_cu, mask=m_keep[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-    kc = tl.load(ck_ptr + ((i_b * C + o_c[:, None]) * H + i_h) * K + o_k[None, :],
-                 mask=m_keep[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [BC, BK]
     b_k = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
     b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
     qk_self = tl.sum(b_q * b_k, 0)
     if CHANNEL:
-        gc = tl.load(cg_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * K + o_k[None, :],
-                     mask=m_keep[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [BC, BK]
         g_n = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         g_new = tl.where(has_last, g_n, 0.0) + tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        dec = tl.exp(tl.where(m_keep[:, None] & m_k[None, :], g_new[None, :] - gc, float("-inf")))
-        wk = tl.sum(kc * dec * b_k[None, :], 1)
-        wq = tl.sum(kc * dec * b_q[None, :], 1)
     else:
-        gc = tl.load(cg_ptr + (i_b * C + o_c) * HV + i_hv, mask=m_keep, other=0.0).to(tl.float32)  # [BC]
         g_n = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv).to(tl.float32)
         g_new = tl.where(has_last, g_n, 0.0) + tl.load(g_ptr + i_bhv).to(tl.float32)
-        dec = tl.exp(tl.where(m_keep, g_new - gc, float("-inf")))
-        wk = tl.sum(kc * b_k[None, :], 1) * dec
-        wq = tl.sum(kc * b_q[None, :], 1) * dec
+    # the buffered entries, CB rows at a time: scores of the new key/query, then their u columns
+    acc_k = tl.zeros([BV], dtype=tl.float32)  # sum_j exp(G_new - G_j)(k.k_j) u_j
+    acc_q = tl.zeros([BV], dtype=tl.float32)  # sum_j exp(G_new - G_j)(q.k_j) u_j
+    for c0 in range(0, keep, CB):
+        rows = c0 + tl.arange(0, CB)
+        m_r = rows < keep
+        kc = tl.load(ck_ptr + ((i_b * C + rows[:, None]) * H + i_h) * K + o_k[None, :],
+                     mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [CB, BK]
+        uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                     mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [CB, BV]
+        if CHANNEL:
+            gc = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + o_k[None, :],
+                         mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [CB, BK]
+            dec = tl.exp(tl.where(m_r[:, None] & m_k[None, :], g_new[None, :] - gc, float("-inf")))
+            wk = tl.sum(kc * dec * b_k[None, :], 1)
+            wq = tl.sum(kc * dec * b_q[None, :], 1)
+        else:
+            gc = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)  # [CB]
+            dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))
+            wk = tl.sum(kc * b_k[None, :], 1) * dec
+            wq = tl.sum(kc * b_q[None, :], 1) * dec
+        acc_k += tl.sum(wk[:, None] * uc, 0)
+        acc_q += tl.sum(wq[:, None] * uc, 0)
     e_new = tl.exp(g_new)
-    kd = b_k * e_new
-    qd = b_q * e_new
     if STORAGE:
         # a full buffer is folded first (zero iterations otherwise): S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T
         n_fold = tl.where(full, n, 0)
@@ -110,17 +137,11 @@ def _decode_kernel(
             s = s * tl.exp(g_end)[:, None]
         else:
             s = s * tl.exp(g_end)
-        for j in range(0, n_fold):
-            k_j = tl.load(ck_ptr + ((i_b * C + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            u_j = tl.load(cu_ptr + ((i_b * C + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            if CHANNEL:
-                G_j = tl.load(cg_ptr + ((i_b * C + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            else:
-                G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
-            s += (k_j * tl.exp(g_end - G_j))[:, None] * u_j[None, :]
+        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
+                       C, H, HV, K, V, CHANNEL)
         tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=(o_k < tl.where(full, K, 0))[:, None] & m_v[None, :])
-    b_u = b_beta * (b_v - tl.sum(s * kd[:, None], 0) - tl.sum(wk[:, None] * uc, 0))
-    b_o = tl.sum(s * qd[:, None], 0) + tl.sum(wq[:, None] * uc, 0) + qk_self * b_u
+    b_u = b_beta * (b_v - tl.sum(s * (b_k * e_new)[:, None], 0) - acc_k)
+    b_o = tl.sum(s * (b_q * e_new)[:, None], 0) + acc_q + qk_self * b_u
     tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
     tl.debug_barrier()  # a fold read row 0 of these columns: every warp is past it
     tl.store(cu_ptr + ((i_b * C + keep) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
@@ -128,19 +149,25 @@ def _decode_kernel(
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + i_b, 1)
     if ticket == HV * NV - 1:
-        for h in range(H):
-            k_h = tl.load(k_ptr + (i_b * H + h) * K + o_k, mask=m_k, other=0.0)
-            tl.store(ck_ptr + ((i_b * C + keep) * H + h) * K + o_k, k_h.to(ck_ptr.dtype.element_ty), mask=m_k)
-        for hv in range(HV):
-            if CHANNEL:
-                g_prev = tl.load(cg_ptr + ((i_b * C + last) * HV + hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                g_h = tl.where(has_last, g_prev, 0.0) + tl.load(g_ptr + (i_b * HV + hv) * K + o_k, mask=m_k,
-                                                                 other=0.0).to(tl.float32)
-                tl.store(cg_ptr + ((i_b * C + keep) * HV + hv) * K + o_k, g_h.to(cg_ptr.dtype.element_ty), mask=m_k)
-            else:
-                g_prev = tl.load(cg_ptr + (i_b * C + last) * HV + hv).to(tl.float32)
-                g_h = tl.where(has_last, g_prev, 0.0) + tl.load(g_ptr + i_b * HV + hv).to(tl.float32)
-                tl.store(cg_ptr + (i_b * C + keep) * HV + hv, g_h.to(cg_ptr.dtype.element_ty))
+        o_h = tl.arange(0, BH)
+        m_hk = (o_h < H)[:, None] & m_k[None, :]
+        k_all = tl.load(k_ptr + (i_b * H + o_h[:, None]) * K + o_k[None, :], mask=m_hk, other=0.0)
+        tl.store(ck_ptr + ((i_b * C + keep) * H + o_h[:, None]) * K + o_k[None, :],
+                 k_all.to(ck_ptr.dtype.element_ty), mask=m_hk)
+        o_hv = tl.arange(0, BHV)
+        if CHANNEL:
+            m_g = (o_hv < HV)[:, None] & m_k[None, :]
+            g_prev = tl.load(cg_ptr + ((i_b * C + last) * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g,
+                             other=0.0).to(tl.float32)
+            g_tok = tl.load(g_ptr + (i_b * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g, other=0.0).to(tl.float32)
+            tl.store(cg_ptr + ((i_b * C + keep) * HV + o_hv[:, None]) * K + o_k[None, :],
+                     (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
+        else:
+            m_g = o_hv < HV
+            g_prev = tl.load(cg_ptr + (i_b * C + last) * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
+            g_tok = tl.load(g_ptr + i_b * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
+            tl.store(cg_ptr + (i_b * C + keep) * HV + o_hv, (tl.where(has_last, g_prev, 0.0) + g_tok).to(
+                cg_ptr.dtype.element_ty), mask=m_g)
         tl.store(len_ptr + i_b, (keep + 1).to(len_ptr.dtype.element_ty))
         if full:
             tl.store(own_ptr + i_b, 1)
@@ -178,14 +205,8 @@ def _flush_kernel(
         else:
             g_end = tl.load(cg_ptr + (i_b * C + m - 1) * HV + i_hv).to(tl.float32)
             s = s * tl.exp(g_end)
-        for j in range(0, m):
-            k_j = tl.load(ck_ptr + ((i_b * C + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            u_j = tl.load(cu_ptr + ((i_b * C + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            if CHANNEL:
-                G_j = tl.load(cg_ptr + ((i_b * C + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            else:
-                G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
-            s += (k_j * tl.exp(g_end - G_j))[:, None] * u_j[None, :]
+        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, m, g_end, o_k, o_v, m_k, m_v, C, H, HV, K, V,
+                       CHANNEL)
         tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
         m_rest = (o_c >= m) & (o_c < n)  # entries that stay: row j moves to row j - m
         p_cu = cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
@@ -263,8 +284,8 @@ def buffered_decode(
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
             ticket_counters(d.B, q.device),
             s,
-            C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, BC=block(C), BK=block(d.K), BV=cfg["BV"], NV=NV,
-            CHANNEL=d.channel_gate, STORAGE=storage, num_warps=cfg["num_warps"],
+            C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=16, BK=block(d.K), BV=cfg["BV"], NV=NV,
+            BH=block(d.H, 1), BHV=block(d.HV, 1), CHANNEL=d.channel_gate, STORAGE=storage, num_warps=cfg["num_warps"],
         )
     return o, buffer
 
