@@ -387,7 +387,11 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     if not args.skip_check:
-        result["checks"] = run_checks(args.quick)
+        try:
+            result["checks"] = run_checks(args.quick)
+        except Exception as e:  # noqa: BLE001 - e.g. the testing module failing to import: still time
+            result["checks"] = [dict(check="import", error=repr(e), trace=traceback.format_exc(limit=6))]
+            print(f"!! checks could not run: {e!r}", flush=True)
         bad = [c for c in result["checks"] if not c.get("passed", False) and "report only" not in c["check"]]
         result["checks_failed"] = len(bad)
         print(f"checks: {len(result['checks'])} comparisons, {len(bad)} failed/errored, "

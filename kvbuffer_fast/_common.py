@@ -83,12 +83,15 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == torch.bool else x
 
 
-# Launch parameters per kernel: (BV, num_warps).  Tuned on an H200 (bench/gpu_decode.py);
-# the interpreter ignores num_warps.
+# Launch parameters per kernel: (BV, num_warps); the interpreter ignores num_warps.
+# recurrent: best of a sweep on an H200 (bench/results/gpu_decode_h200_run1.json, 91% of copy at B=128).
+# decode: best of the sweep of the previous version of the kernel (run2.json); BV=128 / 4 warps also
+# compiles without spills for C=16..64 in this version (ptxas via cuobjdump -res-usage, sm_90).
+# flush: no spills at BV=128 / 4 warps (same check).  Docs: docs/kernels.md.
 _CONFIG = {
     "recurrent": dict(BV=64, num_warps=2),
-    "decode": dict(BV=64, num_warps=4),
-    "flush": dict(BV=64, num_warps=4),
+    "decode": dict(BV=128, num_warps=4),
+    "flush": dict(BV=128, num_warps=4),
 }
 
 
