@@ -1,4 +1,5 @@
-"""Hypothesis profiles: ``ci`` (bounded, derandomized, fast) and ``thorough`` (many examples).
+"""Hypothesis profiles: ``ci`` (bounded, derandomized, fast), ``thorough`` (many examples) and
+``gpu`` (few examples: every new shape is a Triton compile, for the compiled lane on a GPU).
 
 ``load_profile()`` picks the profile named by the environment variable HYPOTHESIS_PROFILE
 (default ``ci``).  Both print the blob that replays a failure (``@reproduce_failure``).
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 __all__ = ["register_profiles", "load_profile", "PROFILES"]
 
-PROFILES = ("ci", "thorough")
+PROFILES = ("ci", "thorough", "gpu")
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
 
@@ -21,6 +22,8 @@ def register_profiles() -> None:
                               suppress_health_check=_SUPPRESS,
                               phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
     settings.register_profile("thorough", max_examples=300, deadline=None, print_blob=True,
+                              suppress_health_check=_SUPPRESS)
+    settings.register_profile("gpu", max_examples=4, deadline=None, derandomize=True, print_blob=True,
                               suppress_health_check=_SUPPRESS)
 
 
