@@ -37,6 +37,9 @@ __all__ = [
     "check_decode",
     "check_verify_accept",
     "check_prefill",
+    "poison_unused",
+    "owned_state",
+    "check_materialize",
 ]
 
 
@@ -85,6 +88,38 @@ def ragged_buffer(x64: dict, lengths: Sequence[int], capacity: int, form: str = 
         _, buf = ref.prefill(**_row(x64, b), capacity=capacity, tail=int(n), form=form)
         rows.append(buf)
     return stack_buffers(rows)
+
+
+def poison_unused(buffer: KVBuffer) -> KVBuffer:
+    """A copy of ``buffer`` whose unused parts hold NaN: every slot at or past ``lengths[b]`` (keys,
+    u/G or v/g/beta) and the state storage of every request that owns no state (direct mode).
+
+    The contract says those are garbage that is never read (in serving, a reused slot holds another
+    request's data); an implementation that reads them anyway, or masks a lane wrongly, turns the
+    NaN into a failing output instead of silently reading zeros.
+    """
+    C = buffer.capacity
+    unused = torch.arange(C, device=buffer.lengths.device)[None, :] >= buffer.lengths[:, None]  # [B, C]
+    fields = {}
+    for f in ("k", "u", "G", "v", "g", "beta"):
+        x = getattr(buffer, f)
+        if x is None:
+            fields[f] = None
+            continue
+        m = unused.reshape(unused.shape + (1,) * (x.dim() - 2))
+        fields[f] = torch.where(m, torch.full_like(x, float("nan")), x).contiguous()
+    state = buffer.state
+    if state is not None:
+        m = (~buffer.has_state.to(torch.bool)).reshape(-1, 1, 1, 1)
+        state = torch.where(m, torch.full_like(state, float("nan")), state).contiguous()
+    return KVBuffer(k=fields["k"], lengths=buffer.lengths.clone(), state=state, has_state=buffer.has_state.clone(),
+                    u=fields["u"], G=fields["G"], v=fields["v"], g=fields["g"], beta=fields["beta"])
+
+
+def owned_state(buffer: KVBuffer) -> torch.Tensor:
+    """The state every request owns, 0 for requests in direct mode (their storage is garbage)."""
+    m = buffer.has_state.to(torch.bool).reshape(-1, 1, 1, 1)
+    return torch.where(m, buffer.state, torch.zeros((), dtype=buffer.state.dtype, device=buffer.state.device))
 
 
 def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = None,
@@ -146,11 +181,12 @@ def check_direct(impl, case: Case, dtype: torch.dtype, device="cpu") -> list[Com
 
 def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int, lengths: Sequence[int],
                  form: str = "u", flushes: Optional[dict] = None, device="cpu",
-                 cache_dtype: Optional[torch.dtype] = None) -> list[Comparison]:
+                 cache_dtype: Optional[torch.dtype] = None, poison: bool = False) -> list[Comparison]:
     """Buffered decode of tokens ``history..T-1`` after a ragged buffer == recurrence over all T.
 
     flushes: {step: counts} flushes ``counts`` ([B] ints, each <= the length at that point, or None
     for all) before decode step ``step``.  Also compares the final state (flush of everything).
+    poison: start from ``poison_unused(buffer)`` and compare ``owned_state`` of the final buffer.
     """
     x = case.inputs(dtype, device)
     P = history
@@ -158,6 +194,8 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     buf = buffer_to(ragged_buffer(upcast_inputs(_sl(x, slice(0, P))), lengths, capacity, form),
                     dtype=cache_dtype or torch.promote_types(dtype, torch.float32), device=device,
                     key_dtype=dtype)
+    if poison:
+        buf = poison_unused(buf)
     outs = []
     for t in range(P, case.T):
         if flushes and (t - P) in flushes:
@@ -171,7 +209,8 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     res = []
     if outs:
         res.append(_cmp(f"{name}.o", torch.cat(outs, dim=1), o64[:, P:], base and base[0][:, P:], dtype, g=x["g"]))
-    final = impl.flush(buf).state
+    final = impl.flush(buf)
+    final = owned_state(final) if poison else final.state
     res.append(_cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
                     head_axis=1, g=x["g"]))
     return res
@@ -190,13 +229,13 @@ def _path_truth(nodes_x: dict, b: int, path: list[int], S_hist: torch.Tensor) ->
 def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int,
                         lengths: Sequence[int], parents: Sequence[Sequence[int]], num_drafts: Sequence[int],
                         nodes: Sequence[int], after: int, form: str = "u", device="cpu",
-                        use_counts: bool = False) -> list[Comparison]:
+                        use_counts: bool = False, poison: bool = False) -> list[Comparison]:
     """Verify D drafts (a tree per request), accept one node per request, then decode ``after`` tokens.
 
     Token layout: history ``0..P-1``, drafts ``P..P+D-1`` (node i = token P+i), then ``after`` tokens.
     Checks: every verified node's output == the recurrence along its root-to-node path; after
     ``accept``, decoding == the recurrence over history + accepted path + the new tokens (rejected
-    drafts leave no trace), and the final state matches.
+    drafts leave no trace), and the final state matches.  poison: as in ``check_decode``.
     """
     P, D, B = history, len(parents[0]), case.B
     assert case.T == P + D + after, "case.T must be history + drafts + after"
@@ -211,6 +250,8 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
         _, S_hist_c = ref.recurrent_gated_delta_rule(**{n: t.cpu() for n, t in _sl(x, slice(0, P)).items()},
                                                      output_final_state=True)
     buf = buffer_to(ragged_buffer(hist, lengths, capacity, form), dtype=xd, device=device, key_dtype=dtype)
+    if poison:
+        buf = poison_unused(buf)
     par = torch.tensor(parents, dtype=torch.long, device=device)
     nd = torch.tensor(num_drafts, dtype=torch.long, device=device)
     o, drafts = impl.verify(**_sl(x, slice(P, P + D)), buffer=buf, parents=par, num_drafts=nd)
@@ -235,7 +276,8 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     for t in range(P + D, case.T):
         ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf)
         outs.append(ot)
-    final = impl.flush(buf).state
+    final = impl.flush(buf)
+    final = owned_state(final) if poison else final.state
     exp_o, exp_S, bas_o, bas_S = [], [], [], []
     for b in range(B):
         keep = list(range(P)) + [P + i for i in path_to(par[b].cpu(), int(nodes[b]))] + list(range(P + D, case.T))
@@ -270,3 +312,23 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
     return [_cmp(f"{name}.o", torch.cat(outs, dim=1), o64, base and base[0], dtype, g=x["g"]),
             _cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
                  head_axis=1, g=x["g"])]
+
+
+def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, lengths: Sequence[int],
+                      form: str = "u", device="cpu", poison: bool = False) -> list[Comparison]:
+    """materialize_state(impl) of a ragged buffer holding all T tokens == the recurrence's final state,
+    twice in a row (the first call must leave the buffer as it was).  poison: unused slots hold NaN
+    (the state storage of direct-mode requests is kept: materialize_state returns zeros for them)."""
+    x = case.inputs(dtype, device)
+    xd = torch.promote_types(dtype, torch.float32)
+    (_, S64), base = truth_and_baseline(x)
+    buf = buffer_to(ragged_buffer(upcast_inputs(x), lengths, capacity, form), dtype=xd, device=device,
+                    key_dtype=dtype)
+    if poison:
+        buf = poison_unused(buf).replace(state=buf.state)
+    name = f"materialize_state[C={capacity},{form}]"
+    res = []
+    for i in range(2):
+        S = impl.materialize_state(buf)
+        res.append(_cmp(f"{name}.call{i + 1}", S, S64, base and base[1], xd, head_axis=1, g=x["g"]))
+    return res

@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Mutation testing of the validation suite: plant realistic bugs, check that `kvbuffer validate` finds each.
+
+Every mutant is one textual change to a COPY of this project's code (kvbuffer_fast's Triton kernels
+or kvbuffer_ref's forms), made in a temporary directory under another package name (mut_fast,
+mut_ref), so the real files, and the float64 truth the validator compares against, are never
+touched.  Each mutant is then validated, in its own process, with
+
+    kvbuffer validate --impl <the mutant's adapter> --ops <the operations it affects> --profile ci
+                      --seed SEED --no-shrink --fail-fast
+
+and counts as killed when that exits 1.  Before the mutants, the unmutated copies are validated the
+same way and must pass (else the score would mean nothing).  Prints the mutation score (killed /
+planted) and the time per mutant; exits 1 if any mutant survives (a gap in the properties or
+strategies, to close there), 2 if a mutant no longer applies (the code it patches changed) or the
+unmutated copies fail.
+
+    python scripts/mutate.py            # all mutants, 2 in parallel
+    python scripts/mutate.py --quick    # 20 of them (one per idea), for CI
+    python scripts/mutate.py --list     # what is planted where
+    python scripts/mutate.py --only F07 R03 --seed 5 -v
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The copies' package names and the adapter factory each is validated through.
+PACKAGES = {
+    "kvbuffer_fast": ("mut_fast", "from kvbuffer_ref.adapters import fast_from\n\n\n"
+                                  "def impl():\n    return fast_from('mut_fast')\n"),
+    "kvbuffer_ref": ("mut_ref", "from kvbuffer_ref.adapters import reference_from\n\n\n"
+                                "def impl():\n    return reference_from('mut_ref', as_truth=False)\n"),
+}
+#: Modules of the reference copy that stay the real ones (shared classes, one validation module).
+_SHARED = {"buffer.py": "kvbuffer_ref.buffer", "validation.py": "kvbuffer_ref.validation"}
+#: Modules of the reference that are tools, not the math under test: not copied.
+_TOOLS = {"adapters.py", "cli.py", "validate.py", "pytest_plugin.py", "golden.py"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    package: str  # kvbuffer_fast or kvbuffer_ref
+    file: str  # path inside the package
+    old: str
+    new: str
+    ops: str  # --ops for the validation
+    what: str
+    quick: bool = False  # part of the --quick selection
+    dtype: str = "float32"
+
+
+def _m(id, package, file, old, new, ops, what, quick=False):
+    dtype = "float32" if package == "kvbuffer_fast" else "float64"
+    return Mutant(id, package, file, old, new, ops, what, quick, dtype)
+
+
+F, R = "kvbuffer_fast", "kvbuffer_ref"
+REC = "recurrent,recurrent_decode"
+DEC = "decode,flush"
+FL = "flush,materialize"
+
+MUTANTS = [
+    # ------------------------------------------------------------------ kvbuffer_fast: recurrent kernel
+    _m("F01", F, "recurrent.py",
+       "        else:\n            s = s * tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))\n"
+       "        b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))\n        s = s + b_k[:, None] * b_u[None, :]\n",
+       "        else:\n            b_decay = tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))\n"
+       "        b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))\n        s = s + b_k[:, None] * b_u[None, :]\n"
+       "        if not CHANNEL:\n            s = s * b_decay\n",
+       REC, "recurrent: the decay applied after the write (scalar gate)", True),
+    _m("F02", F, "recurrent.py", "b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))",
+       "b_u = (b_v - tl.sum(s * b_k[:, None], 0))", REC, "recurrent: beta dropped from the write", True),
+    _m("F03", F, "recurrent.py", "i_h = i_hv // (HV // H)", "i_h = i_hv % H", REC,
+       "recurrent: wrong q/k head for grouped value heads (i % H instead of i // (HV/H))", True),
+    _m("F04", F, "recurrent.py",
+       "        s = s + b_k[:, None] * b_u[None, :]\n        b_o = tl.sum(s * b_q[:, None], 0)\n",
+       "        b_o = tl.sum(s * b_q[:, None], 0)\n        s = s + b_k[:, None] * b_u[None, :]\n",
+       REC, "recurrent: output read from the state before the write"),
+    _m("F05", F, "recurrent.py", "    tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)\n", "", REC,
+       "recurrent: the final state write lost", True),
+    _m("F06", F, "recurrent.py",
+       "b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale",
+       "b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)", REC,
+       "recurrent: q not scaled"),
+    # ------------------------------------------------------------------ kvbuffer_fast: buffered decode kernel
+    _m("F07", F, "decode.py", "m_r = rows < keep\n", "m_r = rows < keep - 1\n", DEC,
+       "decode: off-by-one in the buffer length (the newest entry is not attended to)", True),
+    _m("F08", F, "decode.py", 'dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))',
+       'dec = tl.exp(tl.where(m_r, tl.where(rows == 0, 0.0, g_new - gc), float("-inf")))', DEC,
+       "decode: the oldest buffered entry is not decayed (scalar gate)", True),
+    _m("F09", F, "decode.py", "    e_new = tl.exp(g_new)\n", "    e_new = 1.0 + 0.0 * g_new\n", DEC,
+       "decode: the stale-state read is not decayed", True),
+    _m("F10", F, "decode.py",
+       "            s = s * tl.exp(g_end)\n        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold,",
+       "            s = s\n        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold,", DEC,
+       "decode: folding a full buffer forgets the state's decay (scalar gate)", True),
+    _m("F11", F, "decode.py", "has_last = (n > 0) & (n < C)", "has_last = n > 0", DEC,
+       "decode: G not restarted after folding a full buffer", True),
+    _m("F12", F, "decode.py",
+       "        s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)\n"
+       "    else:",
+       "        s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)\n    else:", DEC,
+       "decode: direct-mode requests read the state storage (a reused slot's garbage)", True),
+    _m("F13", F, "decode.py", "+ acc_q + qk_self * b_u", "+ acc_q", DEC, "decode: the token's own (q.k) u term dropped"),
+    _m("F14", F, "decode.py",
+       "g_n = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)",
+       "g_n = tl.load(cg_ptr + ((i_b * C) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)", DEC,
+       "decode (per-channel gate): the tail's G read from the first row, not the last", True),
+    _m("F15", F, "decode.py",
+       "tl.store(cg_ptr + (i_b * C + keep) * HV + o_hv, (tl.where(has_last, g_prev, 0.0) + g_tok).to(",
+       "tl.store(cg_ptr + (i_b * C + keep) * HV + o_hv, (g_tok).to(", DEC,
+       "decode: the token's own gate cached instead of the cumulative G (scalar gate)"),
+    _m("F16", F, "decode.py",
+       "        tl.store(ck_ptr + ((i_b * C + keep) * H + o_h[:, None]) * K + o_k[None, :],\n"
+       "                 k_all.to(ck_ptr.dtype.element_ty), mask=m_hk)\n",
+       "", DEC, "decode: the new key is never written to the buffer (a lost write)", True),
+    _m("F17", F, "decode.py", "tl.store(len_ptr + i_b, (keep + 1).to(len_ptr.dtype.element_ty))",
+       "tl.store(len_ptr + i_b, keep.to(len_ptr.dtype.element_ty))", DEC,
+       "decode: the buffer length not advanced"),
+    _m("F18", F, "decode.py", "        if full:\n            tl.store(own_ptr + i_b, 1)\n", "", DEC,
+       "decode: a direct request whose full buffer was folded is not marked as owning a state", True),
+    _m("F25", F, "decode.py", "if ticket == HV * NV - 1:", "if ticket == HV - 1:", DEC,
+       "decode: the last-program election counts value heads but not V-tiles (bookkeeping written too early)", True),
+    _m("F27", F, "decode.py", "rows = c0 + tl.arange(0, CB)", "rows = tl.arange(0, CB)", DEC,
+       "decode: every row tile of the cache re-reads the first tile (C > 16 only)", True),
+    _m("F28", F, "decode.py", "w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)", "w = tl.exp(g_end - G_j)", FL,
+       "fold: the padding rows of the last group of four are folded too (a masked lane not masked)", True),
+    # ------------------------------------------------------------------ kvbuffer_fast: flush
+    _m("F19", F, "decode.py", "G.copy_(G.gather(1, g_rows) - g_end.unsqueeze(1).to(G.dtype))",
+       "G.copy_(G.gather(1, g_rows))", FL, "flush: the remaining entries' G not rebased (G not reset)", True),
+    _m("F20", F, "decode.py", "m_rest = (o_c >= m) & (o_c < n)", "m_rest = (o_c > m) & (o_c < n)", FL,
+       "flush: the first remaining entry's u not moved (a skipped lane)", True),
+    _m("F21", F, "decode.py", "w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)",
+       "w = tl.where(j0 + i < n_fold, tl.exp(G_j - g_end), 0.0)", FL, "fold: wrong sign of the decay", True),
+    _m("F22", F, "decode.py", "    buffer.lengths.sub_(count)\n", "", FL, "flush: lengths not reduced (a stale tail)"),
+    _m("F23", F, "decode.py", "    buffer.has_state.logical_or_(count > 0)\n", "", FL,
+       "flush: folded direct requests not marked as owning a state"),
+    _m("F24", F, "decode.py",
+       "            s = s * tl.exp(g_end)\n        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, m, g_end",
+       "            s = s\n        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, m, g_end", FL,
+       "flush: the state's decay over the folded prefix dropped (scalar gate)"),
+    _m("F26", F, "decode.py", "tail = (count - 1).clamp(min=0)", "tail = torch.zeros_like(count)", FL,
+       "flush: G rebased on the first folded entry instead of the last"),
+    # ------------------------------------------------------------------ kvbuffer_ref: the reference's forms
+    _m("R01", R, "chunk.py", "causal = torch.ones(L, L, dtype=torch.bool, device=k.device).tril()",
+       "causal = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)", "chunk",
+       "chunk: the output mask drops the diagonal"),
+    _m("R02", R, "chunk.py", "S = fold_state(S, x.k[:, sl], u, G, G[:, -1])", "S = fold_state(S, x.k[:, sl], u, G, G[:, 0])",
+       "chunk", "chunk: the state between chunks decayed by the chunk's first gate", True),
+    _m("R03", R, "direct.py", "G = x.g.cumsum(dim=1)", "G = x.g", "direct", "direct: the gates not accumulated", True),
+    _m("R04", R, "core.py", "return _solve_unit_lower(A, beta.unsqueeze(-1) * rhs)", "return _solve_unit_lower(A, rhs)",
+       "direct,decode", "innovations: beta dropped from the right-hand side"),
+    _m("R05", R, "core.py", "own = anc | torch.eye(anc.shape[0], dtype=torch.bool, device=anc.device)", "own = anc",
+       "direct,decode", "outputs: the token's own contribution dropped"),
+    _m("R06", R, "core.py", "rhs = rhs - read_state(S0, k, G)", "rhs = rhs + read_state(S0, k, G)", "decode",
+       "innovations: wrong sign of the stale-state term", True),
+    _m("R07", R, "entries.py", "rest = rest._replace(G=rest.G - G_end)", "rest = rest._replace(G=rest.G)", "flush",
+       "flush: the remaining entries' G not rebased"),
+    _m("R08", R, "speculative.py", "G = cumulative_gates(x.g[b, :t], par, tail_gate(old, x.g[b, 0]))",
+       "G = cumulative_gates(x.g[b, :t], par, torch.zeros_like(x.g[b, 0]))", "verify_chain,verify_tree",
+       "verify: the drafts' G starts at 0 instead of the buffer tail's G", True),
+    _m("R09", R, "speculative.py", "idx = torch.tensor(path, dtype=torch.long, device=drafts.k.device)",
+       "idx = torch.tensor(path[-1:], dtype=torch.long, device=drafts.k.device)", "verify_tree",
+       "accept (tree): only the accepted node appended, not its root-to-node path", True),
+    _m("R10", R, "speculative.py",
+       "store(fields, b, concat_entries(old, new), stale_state(buffer, b, dt), fold, buffer.num_value_heads)",
+       "store(fields, b, new, stale_state(buffer, b, dt), min(fold, new.n), buffer.num_value_heads)",
+       "verify_chain", "accept: the accepted drafts overwrite the buffer from slot 0 (old entries lost)"),
+    _m("R11", R, "entries.py", "return Memory(k, innovations(k, e.v, e.beta, G, chain, S0), G)",
+       "return Memory(k, innovations(k, e.v, e.beta, G, chain), G)", "decode[raw]",
+       "raw form: u recomputed without the stale state", True),
+    _m("R12", R, "prefill.py", "buffer = buffer.replace(state=S, has_state=",
+       "buffer = buffer.replace(state=torch.zeros_like(S), has_state=", "prefill",
+       "prefill: the folded prompt's state lost at the hand-off", True),
+    _m("R13", R, "recurrent.py",
+       "        S = decay * S\n        u = x.beta[:, t, :, None] * (x.v[:, t] - torch.einsum(\"bhk,bhkv->bhv\", x.k[:, t], S))\n"
+       "        S = S + torch.einsum(\"bhk,bhv->bhkv\", x.k[:, t], u)\n",
+       "        u = x.beta[:, t, :, None] * (x.v[:, t] - torch.einsum(\"bhk,bhkv->bhv\", x.k[:, t], S))\n"
+       "        S = S + torch.einsum(\"bhk,bhv->bhkv\", x.k[:, t], u)\n        S = decay * S\n",
+       "recurrent", "recurrent (reference copy): the decay applied after the write"),
+    _m("R14", R, "core.py", 'return repeat(x, "... h d -> ... (h r) d", r=group)',
+       'return repeat(x, "... h d -> ... (r h) d", r=group)', "direct,chunk",
+       "grouped heads: value head i mapped to q/k head i % H", True),
+    _m("R15", R, "entries.py", "return n_old + max(0, n_new - capacity)", "return n_old + max(0, n_new - capacity - 1)",
+       "verify_chain", "accept: the overflow rule off by one (keeps C + 1 entries)"),
+]
+
+
+# ----------------------------------------------------------------------------- copies
+#: Where the packages are copied from: the working tree, or a tree exported from a git revision (--rev).
+SOURCE = ROOT
+
+
+def _export(rev: str, dest: Path) -> Path:
+    """The packages as of git revision ``rev``, exported under ``dest``."""
+    import io
+    import tarfile
+
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, *PACKAGES],
+                          check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest)
+    return dest
+
+
+def _copy_package(package: str, dest: Path) -> Path:
+    """Copy ``package`` to ``dest/<copy name>``; for the reference, share buffer/validation with the real one."""
+    name = PACKAGES[package][0]
+    src = SOURCE / package
+    out = dest / name
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "testing", *sorted(_TOOLS)))
+    if package == "kvbuffer_ref":
+        for fname, real in _SHARED.items():
+            (out / fname).write_text(f'"""Shim: the real {real} (shared classes and checks)."""\nimport sys\n'
+                                     f"import {real} as _real\n\nsys.modules[__name__] = _real\n")
+    (dest / f"{name}_adapter.py").write_text(PACKAGES[package][1])
+    return out
+
+
+def plant(m: Mutant, dest: Path) -> None:
+    """Write the copy of ``m.package`` with the mutation into ``dest``; ValueError if it no longer applies."""
+    out = _copy_package(m.package, dest)
+    path = out / m.file
+    text = path.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise ValueError(f"{m.id}: the text to mutate occurs {n} times in {m.package}/{m.file} (expected once); "
+                         f"update the mutant to the current code")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def _validate(dest: Path, package: str, ops: str, dtype: str, seed: int, timeout: float, verbose: bool):
+    name = PACKAGES[package][0]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(dest), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TRITON_INTERPRET"] = "1"
+    env.pop("HYPOTHESIS_PROFILE", None)
+    cmd = [sys.executable, "-m", "kvbuffer_ref.cli", "validate", "--impl", f"{name}_adapter:impl", "--ops", ops,
+           "--dtype", dtype, "--profile", "ci", "--seed", str(seed), "--no-shrink", "--fail-fast", "--device", "cpu"]
+    if not verbose:
+        cmd.append("-q")
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, cwd=str(dest), capture_output=True, text=True, timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"timed out after {timeout:.0f}s\n{e.stdout or ''}"
+    return rc, out, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the CI selection (20 mutants)")
+    ap.add_argument("--only", nargs="+", metavar="ID", help="only these mutants")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--seed", type=int, default=20260529, help="seed of the validation's cases (fixed for CI)")
+    ap.add_argument("-j", "--jobs", type=int, default=2, help="mutants validated in parallel (default 2)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant before it counts as an error")
+    ap.add_argument("--skip-baseline", action="store_true", help="do not validate the unmutated copies first")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every validation's output")
+    ap.add_argument("--rev", metavar="REV", help="mutate the packages as of this git revision (default: the "
+                                                 "working tree)")
+    args = ap.parse_args(argv)
+
+    chosen = [m for m in MUTANTS if (not args.quick or m.quick) and (not args.only or m.id in args.only)]
+    if args.only and len(chosen) != len(set(args.only)):
+        known = {m.id for m in MUTANTS}
+        print(f"unknown mutant id(s): {sorted(set(args.only) - known)}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            print(f"{m.id}  {m.package}/{m.file:<15} --ops {m.ops:<26} {m.what}{'  [quick]' if m.quick else ''}")
+        return 0
+
+    global SOURCE
+    work = Path(tempfile.mkdtemp(prefix="kvbuffer-mutants-"))
+    t_all = time.perf_counter()
+    try:
+        if args.rev:
+            try:
+                SOURCE = _export(args.rev, work / "source")
+            except subprocess.CalledProcessError as e:
+                print(f"--rev {args.rev}: git archive failed: {e.stderr.decode(errors='replace').strip()}",
+                      file=sys.stderr)
+                return 2
+        # every mutant must apply to the current code before anything runs
+        stale = []
+        for m in chosen:
+            try:
+                plant(m, work / m.id)
+            except ValueError as e:
+                stale.append(str(e))
+        if stale:
+            print("\n".join(stale), file=sys.stderr)
+            return 2
+        if not args.skip_baseline:
+            for package in sorted({m.package for m in chosen}):
+                mine = [m for m in chosen if m.package == package]
+                ops = ",".join(sorted({o for m in mine for o in m.ops.split(",")}))
+                base = work / f"baseline-{package}"
+                _copy_package(package, base)
+                rc, out, dt = _validate(base, package, ops, mine[0].dtype, args.seed, args.timeout * 2, args.verbose)
+                print(f"baseline  {package:<14} (unmutated copy, --ops {ops}): {'PASS' if rc == 0 else 'FAIL'} "
+                      f"in {dt:.1f}s", flush=True)
+                if rc != 0:
+                    print(out, file=sys.stderr)
+                    print("the unmutated copy does not pass: fix that first, the mutation score would mean nothing",
+                          file=sys.stderr)
+                    return 2
+
+        def run(m: Mutant):
+            return m, _validate(work / m.id, m.package, m.ops, m.dtype, args.seed, args.timeout, args.verbose)
+
+        results = []
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            for m, (rc, out, dt) in pool.map(run, chosen):
+                verdict = {1: "killed", 0: "SURVIVED"}.get(rc, f"ERROR (exit {rc})")
+                results.append((m, verdict, dt, out))
+                print(f"{m.id}  {verdict:<9} {dt:6.1f}s  {m.package}/{m.file}: {m.what}", flush=True)
+                if args.verbose or rc not in (0, 1):
+                    print("    " + "\n    ".join(out.rstrip().splitlines()[-25:]))
+        killed = sum(v == "killed" for _, v, _, _ in results)
+        total = time.perf_counter() - t_all
+        times = [dt for _, _, dt, _ in results]
+        print()
+        print(f"mutation score: {killed}/{len(results)} killed ({100.0 * killed / max(1, len(results)):.0f}%); "
+              f"{total:.0f}s in all, {sum(times) / max(1, len(times)):.1f}s per mutant on average "
+              f"(max {max(times, default=0):.1f}s), {args.jobs} in parallel, seed {args.seed}")
+        survivors = [m for m, v, _, _ in results if v != "killed"]
+        if survivors:
+            print("not killed: " + ", ".join(f"{m.id} ({m.what})" for m in survivors))
+            return 1
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

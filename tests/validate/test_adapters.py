@@ -1,0 +1,82 @@
+"""The adapter protocol: discovery, declared capabilities, the ready adapters."""
+
+import types
+
+import pytest
+import torch
+
+import kvbuffer_ref as ref
+from kvbuffer_ref import adapters, validate
+from kvbuffer_ref.testing import Case
+
+
+def test_discovery_lists_every_operation_as_run_or_not_provided():
+    impl = adapters.describe(types.SimpleNamespace(direct_gated_delta_rule=ref.direct_gated_delta_rule, dtypes=("float64",),
+                                                   not_provided={"verify": "no speculative decoding yet"}))
+    lanes = validate.plan([impl])
+    keys = {l.op.key for l in lanes}
+    assert keys == set(validate.OP_KEYS)
+    run = [l for l in lanes if l.status == "RUN"]
+    assert [(l.op.key, l.dtype) for l in run] == [("direct", torch.float64)]
+    reasons = {l.op.key: l.reason for l in lanes if l.status == "NOT PROVIDED"}
+    assert reasons["verify_chain"] == "no speculative decoding yet"
+    assert "has no chunk_gated_delta_rule" in reasons["chunk"]
+
+
+def test_forms_and_dtypes_the_adapter_does_not_declare_are_reported():
+    impl = adapters.describe(types.SimpleNamespace(buffered_decode=ref.buffered_decode, flush=ref.flush, forms=("u",)))
+    lanes = validate.plan([impl], validate.select_ops("decode"), [torch.float64, torch.float32])
+    got = {(l.op.name, l.dtype, l.status) for l in lanes}
+    assert ("decode[u]", torch.float32, "RUN") in got
+    assert ("decode[u]", torch.float64, "NOT PROVIDED") in got
+    assert ("decode[raw]", None, "NOT PROVIDED") in got
+
+
+def test_the_reference_is_not_validated_against_itself():
+    lanes = validate.plan([adapters.reference()], validate.select_ops("recurrent,chunk"))
+    st = {l.op.key: l.status for l in lanes}
+    assert st == {"recurrent": "NOT PROVIDED", "chunk": "RUN"}
+    mutant_like = adapters.reference_from("kvbuffer_ref", as_truth=False)
+    assert {l.op.key: l.status for l in validate.plan([mutant_like], validate.select_ops("recurrent"))} == \
+        {"recurrent": "RUN"}
+
+
+def test_stepwise_recurrent_runs_one_token_at_a_time():
+    calls = []
+
+    def step(q, k, v, *, g, beta, state, scale=None):
+        calls.append(q.shape[1])
+        o, S = ref.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
+                                              output_final_state=True)
+        state.copy_(S)
+        return o
+
+    x = Case(B=2, T=4, H=1, HV=2, K=3, V=5, channel_gate=True, gate="mild").inputs(torch.float32)
+    o, S = adapters.stepwise_recurrent(step).recurrent_gated_delta_rule(**x, output_final_state=True)
+    o_ref, S_ref = ref.recurrent_gated_delta_rule(**x, output_final_state=True)
+    assert calls == [1, 1, 1, 1]
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(S, S_ref)
+
+
+def test_fla_adapter_maps_conventions():
+    pytest.importorskip("fla")
+    impl = adapters.resolve("fla")
+    assert impl.has("recurrent_gated_delta_rule") and impl.has("recurrent_decode")
+    if not torch.cuda.is_available():
+        assert not impl.has("chunk_gated_delta_rule")
+        assert "interpreter" in impl.not_provided["chunk_gated_delta_rule"]
+    # grouped heads (HV = 2H), per-channel gates, an initial state, the default scale
+    x = Case(B=1, T=3, H=1, HV=2, K=4, V=6, channel_gate=True, gate="mild", seed=4).inputs(torch.float32)
+    S0 = torch.randn(1, 2, 4, 6)
+    o, S = impl.obj.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
+    o_ref, S_ref = ref.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(S, S_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_resolve_errors_are_adapter_errors():
+    with pytest.raises(adapters.AdapterError, match="no module named"):
+        adapters.resolve("no_such_module_xyz:thing")
+    with pytest.raises(adapters.AdapterError, match="forms must be"):
+        adapters.describe(types.SimpleNamespace(flush=ref.flush, forms=("v",)))

@@ -1,0 +1,131 @@
+"""``kvbuffer validate``: exit codes 0 / 1 / 2, the printed table and failure report, --json, --seed, --replay."""
+
+import json
+
+import pytest
+import torch
+
+from kvbuffer_ref import cli as kcli
+
+from .conftest import ADAPTERS
+
+
+def _main(capsys, *args):
+    rc = kcli.main(["validate", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_a_correct_adapter_passes_and_the_rest_is_reported_not_provided(capsys):
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--seed", "3", "--max-examples", "4")
+    assert rc == 0, out + err
+    for col in ("operation", "implementation", "dtype", "cases", "worst rel-RMS", "budget", "result"):
+        assert col in out
+    lines = out.splitlines()
+    assert any(l.startswith("chunk") and "good" in l and "float64" in l and "PASS" in l for l in lines), out
+    assert any(l.startswith("direct") and "PASS" in l for l in lines), out
+    # every operation it lacks is listed, with the reason
+    for op in ("recurrent", "decode", "flush", "verify_chain", "verify_tree", "prefill", "materialize"):
+        assert any(l.startswith(op) and "NOT PROVIDED" in l for l in lines), (op, out)
+    assert "the adapter has no buffered_decode" in out
+    assert "PASSED" in out
+
+
+def test_a_broken_adapter_fails_with_its_smallest_case_and_how_to_replay_it(capsys, tmp_path):
+    path = tmp_path / "report.json"
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:wrong_scale", "--seed", "7", "--json", str(path))
+    assert rc == 1, out + err
+    assert "FAIL" in out and "smallest failing case: Case(" in out
+    assert "replay: kvbuffer validate --impl tests.validate.adapters_for_tests:wrong_scale --ops direct" in out
+    assert "--seed 7" in out
+    assert "anchor case 0 of direct" in out  # a wrong scale is caught by the first fixed case already
+    report = json.loads(path.read_text())
+    assert report["passed"] is False and report["seed"] == 7 and report["profile"] == "ci"
+    (fail,) = [r for r in report["results"] if r["status"] == "FAIL"]
+    assert fail["operation"] == "direct" and fail["implementation"] == "wrong_scale" and fail["dtype"] == "float64"
+    assert fail["worst_rel"] > fail["budget"]
+    case = fail["failure"]["case"]
+    assert set(case) >= {"B", "T", "H", "HV", "K", "V", "channel_gate", "gate", "beta", "seed"}
+    assert fail["failure"]["anchor"] == 0 and fail["failure"]["comparisons"]
+    assert {r["status"] for r in report["results"]} == {"FAIL", "NOT PROVIDED"}
+
+
+def test_an_exception_is_a_failure_shrunk_by_hypothesis_and_replayed_by_its_blob(capsys, tmp_path):
+    path = tmp_path / "report.json"
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:raises", "--seed", "1", "--max-examples", "60",
+                         "--json", str(path))
+    assert rc == 1, out + err
+    assert "the implementation raised RuntimeError: sequences longer than 2 tokens" in out
+    assert "B=3, T=3" in out  # shrunk to the smallest failing batch and sequence
+    assert "@reproduce_failure(" in out
+    (fail,) = [r for r in json.loads(path.read_text())["results"] if r["status"] == "FAIL"]
+    blob, case = fail["failure"]["blob"], fail["failure"]["case"]
+    assert blob and fail["failure"]["anchor"] is None and "RuntimeError" in fail["failure"]["error"]
+    # the blob replays exactly that case, without the anchors and the search
+    rc2, out2, _ = _main(capsys, "--impl", f"{ADAPTERS}:raises", "--ops", "direct", "--dtype", "float64",
+                         "--replay", blob)
+    assert rc2 == 1
+    assert f"seed={case['seed']}" in out2 and "B=3, T=3" in out2
+    assert "  1  " in out2.splitlines()[3]  # one case run
+
+
+def test_the_same_seed_draws_the_same_cases(capsys, tmp_path):
+    reports = []
+    for i in range(2):
+        p = tmp_path / f"r{i}.json"
+        rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--ops", "chunk", "--seed", "11",
+                             "--max-examples", "5", "--json", str(p))
+        assert rc == 0, out + err
+        reports.append(json.loads(p.read_text()))
+    strip = [[(r["operation"], r["cases"], r["worst_rel"], r["seed"]) for r in rep["results"]] for rep in reports]
+    assert strip[0] == strip[1]
+
+
+def test_a_factory_and_the_ops_selection(capsys):
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:factory", "--ops", "direct", "--max-examples", "3", "-q")
+    assert rc == 0, out + err
+    assert "chunk" not in out  # not selected, not listed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impl", "no_such_module_xyz:adapter"], "no module named 'no_such_module_xyz'"),
+    (["--impl", f"{ADAPTERS}:no_such_attr"], "has no attribute 'no_such_attr'"),
+    (["--impl", f"{ADAPTERS}:empty"], "is not an adapter"),
+    (["--ops", "decode,bogus"], "unknown operation 'bogus'"),
+    (["--ops", "direct[u]"], "has no buffer form"),
+    (["--dtype", "float8"], "unknown dtype 'float8'"),
+    (["--impl", f"{ADAPTERS}:good", "--ops", "decode"], "nothing to validate"),
+    (["--impl", f"{ADAPTERS}:good", "--replay", "AAAA"], "--replay: select exactly one lane"),
+    (["--max-examples", "0"], "--max-examples"),
+])
+def test_bad_arguments_exit_2_with_a_message_and_no_traceback(capsys, args, message):
+    rc, out, err = _main(capsys, *args)
+    assert rc == 2
+    assert message in err and "Traceback" not in err + out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_requested_without_cuda_exits_2(capsys):
+    rc, out, err = _main(capsys, "--device", "cuda")
+    assert rc == 2 and "CUDA is not available" in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        kcli.main(["validate", "--profile", "nope"])
+    assert e.value.code == 2
+
+
+def test_the_entry_point_runs_as_a_program(cli, tmp_path):
+    """The real command line in a fresh process: the interpreter enabled before triton loads, the bundled
+    Triton kernels validated (tiny budget), the JSON written."""
+    p = tmp_path / "fast.json"
+    r = cli("--impl", "fast", "--ops", "decode[u],recurrent_decode", "--max-examples", "3", "--seed", "5",
+            "--json", str(p))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "(Triton interpreter)" in r.stdout
+    rep = json.loads(p.read_text())
+    ran = {(x["operation"], x["status"]) for x in rep["results"]}
+    assert ("decode[u]", "PASS") in ran and ("recurrent_decode", "PASS") in ran
+    r2 = cli("--impl", "no_such_module_xyz:a")
+    assert r2.returncode == 2 and "Traceback" not in r2.stderr

@@ -1,0 +1,43 @@
+"""scripts/mutate.py: every planted bug still applies to the current code, and one is killed end to end."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def mutate():
+    spec = importlib.util.spec_from_file_location("kvbuffer_mutate", ROOT / "scripts" / "mutate.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_at_least_twenty_mutants_in_the_ci_selection(mutate):
+    ids = [m.id for m in mutate.MUTANTS]
+    assert len(ids) == len(set(ids))
+    assert sum(m.quick for m in mutate.MUTANTS) >= 20
+    assert {m.package for m in mutate.MUTANTS} == {"kvbuffer_fast", "kvbuffer_ref"}
+
+
+def test_every_mutant_applies_to_the_current_code(mutate, tmp_path):
+    """A kernel rewrite that removes a mutated line must update the mutant (else it silently tests nothing)."""
+    for m in mutate.MUTANTS:
+        mutate.plant(m, tmp_path / m.id)  # ValueError if the text to mutate is not there exactly once
+        text = (tmp_path / m.id / mutate.PACKAGES[m.package][0] / m.file).read_text()
+        assert text != (ROOT / m.package / m.file).read_text(), m.id
+        assert m.new in text, m.id
+
+
+def test_a_mutant_is_killed_and_the_real_files_are_untouched(tmp_path):
+    before = (ROOT / "kvbuffer_ref" / "direct.py").read_text()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "mutate.py"), "--only", "R03", "--skip-baseline"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "R03  killed" in r.stdout and "mutation score: 1/1 killed" in r.stdout
+    assert (ROOT / "kvbuffer_ref" / "direct.py").read_text() == before
