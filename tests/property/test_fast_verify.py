@@ -5,8 +5,11 @@ against the recurrence.
 On a CPU these run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), in
 float32 with small shapes (K, V <= 16, B <= 3).  Every library-allocated output is NaN-poisoned
 (``kvbuffer_fast._common.POISON``), and so is all buffer memory a kernel must not read (slots past each
-request's length, the state of requests in direct mode).  The tokens decoded after ``accept`` go
-through the oracle's buffered_decode, so a failure here points at verify/accept.
+request's length, the state of requests in direct mode).  The tokens after ``accept`` are decoded and
+the buffer finally flushed by kvbuffer_fast too (the whole serving loop on the fast ops); the verify
+outputs are compared before accept runs, so a failure names the op: ``verify[...]`` for verify,
+``accept+decode[...]`` for accept or the decode after it (tests/property/test_fast_decode.py
+covers decode alone).  ``_launch`` runs the same checks with small V-tiles (several per value head).
 """
 
 import os
@@ -22,6 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_fast._common as common  # noqa: E402
+import kvbuffer_fast.speculative as spec  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.testing import Case, compare  # noqa: E402
 from kvbuffer_ref.testing import properties as P  # noqa: E402
@@ -67,17 +71,29 @@ class Poisoned:
         assert out is buffer, "accept must return the buffer it updated in place"
         return out
 
-    # the tokens after accept are decoded by the oracle, so that these tests judge verify/accept alone
-    # (what accept left in the buffer and the state); tests/property/test_fast_decode.py covers decode
+    # the tokens after accept: kvbuffer_fast's decode and flush, on what accept left in place
     @staticmethod
     def buffered_decode(*args, buffer, **kw):
-        return ref.buffered_decode(*args, buffer=buffer, **kw)
+        _poison_unread(buffer)
+        o, out = fast.buffered_decode(*args, buffer=buffer, **kw)
+        assert out is buffer, "buffered_decode must return the buffer it updated in place"
+        return o, out
 
     @staticmethod
     def flush(buffer, **kw):
-        out = ref.flush(buffer, **kw)
+        _poison_unread(buffer)
+        out = fast.flush(buffer, **kw)
         # a request that still owns no state has S = 0; its storage row is (poisoned) garbage by design
         return out.replace(state=torch.where(out.has_state[:, None, None, None], out.state, 0.0))
+
+
+@pytest.fixture
+def _launch():
+    """Small V-tiles (BV=16: several programs per value head) for verify and accept, restored after."""
+    old = {kern: spec.set_launch(kern, BV=16) for kern in ("verify", "accept")}
+    yield
+    for kern, cfg in old.items():
+        spec.set_launch(kern, **cfg)
 
 
 def _assert_all(results):
@@ -123,6 +139,30 @@ def test_fold_on_accept_past_capacity_and_direct_requests():
         _assert_all(P.check_verify_accept(
             Poisoned, case, torch.float32, capacity=2, history=4, lengths=[2, 0, 1], parents=[list(range(-1, 4))] * 3,
             num_drafts=[5, 3, 0], nodes=[4, 2, -1], after=2, device=DEVICE, use_counts=True))
+
+
+@pytest.mark.parametrize("channel", [False, True])
+def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
+    """V = 40 over BV = 16 tiles (a partial last tile; accept's ticket counts every tile), K = 40 (four key chunks, partial), ten
+    drafts (two row blocks of 16), a tree with several branches, folds on accept, a direct request."""
+    case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mixed", beta="mixed", seed=11)
+    tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
+    _assert_all(P.check_verify_accept(
+        Poisoned, case, torch.float32, capacity=4, history=3, lengths=[3, 0, 2], parents=[list(range(-1, 9)), tree,
+                                                                                          tree],
+        num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2, device=DEVICE))
+
+
+def test_verify_validate_false_matches_validated():
+    """validate=False (CUDA graphs: no host reads) gives the same outputs and drafts."""
+    case = Case(B=2, T=7, H=2, HV=4, K=8, V=8, seed=3)
+    x = case.inputs(torch.float32, DEVICE)
+    _, buf = ref.prefill(**{n: t[:, :3] for n, t in x.items()}, capacity=4)
+    buf = P.buffer_to(buf, dtype=torch.float32, device=DEVICE)
+    a = fast.verify(**{n: t[:, 3:] for n, t in x.items()}, buffer=buf)
+    b = fast.verify(**{n: t[:, 3:] for n, t in x.items()}, buffer=buf, validate=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1].u, b[1].u) and torch.equal(a[1].G, b[1].G)
+    assert torch.equal(a[1].k, b[1].k)
 
 
 def test_verify_out_and_padding_rows():
