@@ -297,46 +297,89 @@ def time_batch(B, capacities, copy_TBps, cfg_rec=None, cfg_dec=None) -> dict:
     return row
 
 
-def tune(copy_TBps, B=128, C=32, deadline=None) -> dict:
-    import kvbuffer_fast as fast
+def _decode_config_ok(cfg: dict) -> tuple[bool, str]:
+    """One quick compiled check of buffered_decode under ``cfg`` against the float64 oracle: bf16 inputs
+    (the timed dtype), ragged lengths with a direct request, folds at C=16 (two cycles), then a flush."""
+    import types
 
-    res = dict(recurrent=[], decode=[])
+    import kvbuffer_fast as fast
+    import kvbuffer_fast._common as common
+    from kvbuffer_ref.testing import Case, properties as P
+
+    impl = types.SimpleNamespace(
+        buffered_decode=lambda *a, **kw: fast.buffered_decode(*a, **kw, **cfg), flush=fast.flush)
+    C = 16
+    case = Case(B=3, T=20 + C + 2, H=H, HV=HV, K=K, V=V, gate="mild", beta="uniform", seed=5)
+    common.POISON = True
+    try:
+        dt = torch.float32 if DEVICE == "cpu" else torch.bfloat16  # the interpreter mishandles bf16
+        res = P.check_decode(impl, case, dt, capacity=C, history=20, lengths=[C, 0, 7], device=DEVICE)
+    finally:
+        common.POISON = False
+    bad = [str(r) for r in res if not r.passed]
+    return not bad, "; ".join(bad)
+
+
+def tune(copy_TBps, B=128, C=16, deadline=None) -> dict:
+    """Sweep launch configs; decode: ``kvbuffer_fast.decode.DECODE_TUNE_CONFIGS``, each timed over a whole
+    cycle of C steps (the fold included) only after it passed its correctness check."""
+    import kvbuffer_fast as fast
+    from kvbuffer_fast.decode import DECODE_TUNE_CONFIGS
+
+    if DEVICE == "cpu":  # --cpu-smoke
+        B = 2
+    res = dict(recurrent=[], decode=[], B=B, C=C)
     x = tokens(B)
     state = 0.1 * torch.randn(B, HV, K, V, device=DEVICE)
     rb = recurrent_step_bytes(B)
-    for BV in (32, 64):
-        for nw in (1, 2, 4):
-            if deadline and time.time() > deadline:
-                break
-            try:
-                ms = queued_ms(lambda: fast.recurrent_decode(**x, state=state, BV=BV, num_warps=nw), reps=7)
-                res["recurrent"].append(dict(BV=BV, num_warps=nw, queued_ms=ms, frac_copy=rb / ms / 1e9 / copy_TBps))
-            except Exception as e:  # noqa: BLE001
-                res["recurrent"].append(dict(BV=BV, num_warps=nw, error=repr(e)))
+    for BV, nw in ((32, 1), (64, 2), (64, 4)):
+        if deadline and time.time() > deadline:
+            break
+        try:
+            ms = queued_ms(lambda: fast.recurrent_decode(**x, state=state, BV=BV, num_warps=nw), reps=7)
+            res["recurrent"].append(dict(BV=BV, num_warps=nw, queued_ms=ms, frac_copy=rb / ms / 1e9 / copy_TBps))
+        except Exception as e:  # noqa: BLE001
+            res["recurrent"].append(dict(BV=BV, num_warps=nw, error=repr(e)))
     del state
     buf = full_buffer(B, C)
     cb = buffered_cycle_bytes(B, C)
-    for BV in (32, 64, 128):
-        for nw in (2, 4, 8):
-            if deadline and time.time() > deadline:
-                break
-            try:
-                def cycle():
-                    for _ in range(C):
-                        fast.buffered_decode(**x, buffer=buf, validate=False, BV=BV, num_warps=nw)
-                ms = queued_ms(cycle, reps=5)
-                res["decode"].append(dict(BV=BV, num_warps=nw, cycle_queued_ms=ms, per_step_us=ms / C * 1e3,
-                                          frac_copy=cb / ms / 1e9 / copy_TBps))
-            except Exception as e:  # noqa: BLE001
-                res["decode"].append(dict(BV=BV, num_warps=nw, error=repr(e)))
+    snap = (buf.k.clone(), buf.u.clone(), buf.G.clone(), buf.state.clone())
+
+    def reset():  # every config times the same cycle from full buffers
+        buf.k.copy_(snap[0]); buf.u.copy_(snap[1]); buf.G.copy_(snap[2]); buf.state.copy_(snap[3])
+        buf.lengths.fill_(C); buf.has_state.fill_(True)
+
+    for cfg in DECODE_TUNE_CONFIGS:
+        if deadline and time.time() > deadline:
+            res["decode"].append(dict(cfg, skipped="tune deadline"))
+            continue
+        t0 = time.time()
+        try:
+            ok, why = _decode_config_ok(cfg)
+            if not ok:
+                res["decode"].append(dict(cfg, error="correctness: " + why))
+                print(f"tune decode {cfg}: FAILED its check: {why}", flush=True)
+                continue
+
+            def cycle():
+                for _ in range(C):
+                    fast.buffered_decode(**x, buffer=buf, validate=False, **cfg)
+            ms = queued_ms(cycle, reps=5, setup=reset)
+            res["decode"].append(dict(cfg, cycle_queued_ms=ms, per_step_us=ms / C * 1e3,
+                                      frac_copy=cb / ms / 1e9 / copy_TBps, seconds=round(time.time() - t0, 1)))
+            print(f"tune decode {cfg}: {ms / C * 1e3:.1f} us/step ({cb / ms / 1e9 / copy_TBps:.0%} of copy), "
+                  f"{time.time() - t0:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - e.g. a config this Triton cannot compile
+            res["decode"].append(dict(cfg, error=repr(e)))
+            print(f"tune decode {cfg}: ERROR {e!r}", flush=True)
+    keys = ("BV", "num_warps", "book", "maxnreg", "CB")
     for kind in ("recurrent", "decode"):
-        ok = [r for r in res[kind] if "error" not in r]
+        ok = [r for r in res[kind] if "frac_copy" in r]
         if ok:
             best = max(ok, key=lambda r: r["frac_copy"])
-            res["best_" + kind] = dict(BV=best["BV"], num_warps=best["num_warps"])
-            print(f"tune {kind}: best BV={best['BV']} num_warps={best['num_warps']} "
-                  f"({best['frac_copy']:.0%} of copy)", flush=True)
-    del buf
+            res["best_" + kind] = {k: best[k] for k in keys if k in best}
+            print(f"tune {kind}: best {res['best_' + kind]} ({best['frac_copy']:.0%} of copy)", flush=True)
+    del buf, snap
     torch.cuda.empty_cache()
     return res
 
@@ -346,8 +389,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64,128,256,512")
     ap.add_argument("--capacities", default="16,32,64")
-    ap.add_argument("--tune", action="store_true", help="sweep (BV, num_warps) and time with the best")
-    ap.add_argument("--tune-seconds", type=float, default=90.0)
+    ap.add_argument("--tune", action="store_true",
+                    help="sweep launch configs (decode: each checked against the oracle first) and time with the best")
+    ap.add_argument("--tune-seconds", type=float, default=50.0)
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer correctness cases")
     ap.add_argument("--cpu-smoke", action="store_true",

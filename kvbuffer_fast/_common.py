@@ -90,7 +90,7 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 # flush: no spills at BV=128 / 4 warps (same check).  Docs: docs/kernels.md.
 _CONFIG = {
     "recurrent": dict(BV=64, num_warps=2),
-    "decode": dict(BV=128, num_warps=4),
+    "decode": dict(BV=64, num_warps=2, CB=16, book="ticket"),
     "flush": dict(BV=128, num_warps=4),
 }
 

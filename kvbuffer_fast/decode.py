@@ -64,13 +64,87 @@ def _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_
 
 
 @triton.jit
+def _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n,
+                 C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr):
+    """Append request i_b's new key (every q/k head) and G (every value head) at row `keep`, advance its
+    length, and mark a folded request as owning a state.  n is its length before the step."""
+    full = n >= C
+    keep = tl.where(full, 0, n)
+    has_last = (n > 0) & (n < C)  # the new G builds on G_n; on 0 when empty or folded (rebased)
+    last = tl.maximum(n - 1, 0)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_h = tl.arange(0, BH)
+    m_hk = (o_h < H)[:, None] & m_k[None, :]
+    k_all = tl.load(k_ptr + (i_b * H + o_h[:, None]) * K + o_k[None, :], mask=m_hk, other=0.0)
+    tl.store(ck_ptr + ((i_b * C + keep) * H + o_h[:, None]) * K + o_k[None, :], k_all.to(ck_ptr.dtype.element_ty),
+             mask=m_hk)
+    o_hv = tl.arange(0, BHV)
+    if CHANNEL:
+        m_g = (o_hv < HV)[:, None] & m_k[None, :]
+        g_prev = tl.load(cg_ptr + ((i_b * C + last) * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g,
+                         other=0.0).to(tl.float32)
+        g_tok = tl.load(g_ptr + (i_b * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g, other=0.0).to(tl.float32)
+        tl.store(cg_ptr + ((i_b * C + keep) * HV + o_hv[:, None]) * K + o_k[None, :],
+                 (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
+    else:
+        m_g = o_hv < HV
+        g_prev = tl.load(cg_ptr + (i_b * C + last) * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
+        g_tok = tl.load(g_ptr + i_b * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
+        tl.store(cg_ptr + (i_b * C + keep) * HV + o_hv,
+                 (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
+    tl.store(len_ptr + i_b, (keep + 1).to(len_ptr.dtype.element_ty))
+    if full:
+        tl.store(own_ptr + i_b, 1)
+
+
+@triton.jit
+def _book_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr,
+                 C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr):
+    """book="launch": the bookkeeping as a second, tiny launch (grid (B,)), after every decode program."""
+    i_b = tl.program_id(0).to(tl.int64)
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
+
+
+@triton.jit
+def _entry_chunk(ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, rows, m_load, m_r, b_k, b_q, g_new, o_k, o_v, m_k, m_v,
+                 C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 CHANNEL: tl.constexpr):
+    """(sum_j w^k_j u_j, sum_j w^q_j u_j) over the rows of one chunk, w^x_j = exp(G_new - G_j)(x.k_j).
+
+    Rows are loaded where m_load holds and used where m_r holds; the others may hold anything (NaN
+    included): every use goes through tl.where, never through a multiplication by 0."""
+    m2 = m_load[:, None] & m_k[None, :]
+    kc = tl.load(ck_ptr + ((i_b * C + rows[:, None]) * H + i_h) * K + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+    uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                 mask=m_load[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    if CHANNEL:
+        gc = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+        kd = kc * tl.exp(tl.where(m_r[:, None], g_new[None, :] - gc, float("-inf")))
+        kd = tl.where(m_r[:, None], kd, 0.0)
+        wk = tl.sum(kd * b_k[None, :], 1)
+        wq = tl.sum(kd * b_q[None, :], 1)
+    else:
+        gc = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_load, other=0.0).to(tl.float32)
+        dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))
+        wk = tl.where(m_r, tl.sum(kc * b_k[None, :], 1) * dec, 0.0)
+        wq = tl.where(m_r, tl.sum(kc * b_q[None, :], 1) * dec, 0.0)
+    uc = tl.where(m_r[:, None], uc, 0.0)
+    return tl.sum(wk[:, None] * uc, 0), tl.sum(wq[:, None] * uc, 0)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
     scale,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    CB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr,
-    CHANNEL: tl.constexpr, STORAGE: tl.constexpr,
+    CB: tl.constexpr, FB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr, STORAGE: tl.constexpr, TICKET: tl.constexpr,
 ):
     GROUP: tl.constexpr = HV // H
     i_v = tl.program_id(0)
@@ -78,100 +152,104 @@ def _decode_kernel(
     i_b = i_bhv // HV
     i_hv = i_bhv % HV
     i_h = i_hv // GROUP
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    owns = tl.load(own_ptr + i_b) != 0
-    full = n >= C
-    keep = tl.where(full, 0, n)  # entries the new token attends to; it is stored at row `keep`
-    has_last = (n > 0) & (n < C)  # G_new builds on G_n (else on 0: empty, or reset by the fold)
-    last = tl.maximum(n - 1, 0)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
     p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-    # the big load first: the state tile (none in direct mode)
+    # ---- round trip 1: nothing here depends on a loaded value.  The state tile first, unmasked by
+    # has_state (a direct request's storage may hold garbage: it is dropped by a select below).
     if STORAGE:
-        s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    else:
-        s = tl.zeros([BK, BV], dtype=tl.float32)
+        s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_k = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
     b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
-    qk_self = tl.sum(b_q * b_k, 0)
     if CHANNEL:
-        g_n = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        g_new = tl.where(has_last, g_n, 0.0) + tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        g_tok = tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     else:
-        g_n = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv).to(tl.float32)
-        g_new = tl.where(has_last, g_n, 0.0) + tl.load(g_ptr + i_bhv).to(tl.float32)
-    # the buffered entries, CB rows at a time: scores of the new key/query, then their u columns
-    acc_k = tl.zeros([BV], dtype=tl.float32)  # sum_j exp(G_new - G_j)(k.k_j) u_j
-    acc_q = tl.zeros([BV], dtype=tl.float32)  # sum_j exp(G_new - G_j)(q.k_j) u_j
-    for c0 in range(0, keep, CB):
-        rows = c0 + tl.arange(0, CB)
-        m_r = rows < keep
-        kc = tl.load(ck_ptr + ((i_b * C + rows[:, None]) * H + i_h) * K + o_k[None, :],
-                     mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [CB, BK]
-        uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
-                     mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [CB, BV]
+        g_tok = tl.load(g_ptr + i_bhv).to(tl.float32)
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    owns = tl.load(own_ptr + i_b) != 0
+    # the first CB cached rows always exist (rows < C): loaded before n is known, used where j < n
+    rows = tl.arange(0, CB)
+    m_r = rows < n
+    if C <= CB:
+        # G_{n-1} (the new token's G builds on it) is one of these rows: picked out, not loaded
         if CHANNEL:
-            gc = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + o_k[None, :],
-                         mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [CB, BK]
-            dec = tl.exp(tl.where(m_r[:, None] & m_k[None, :], g_new[None, :] - gc, float("-inf")))
-            wk = tl.sum(kc * dec * b_k[None, :], 1)
-            wq = tl.sum(kc * dec * b_q[None, :], 1)
+            g_last = tl.sum(tl.where((rows == n - 1)[:, None] & m_k[None, :],
+                                     tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + o_k[None, :],
+                                             mask=(rows < C)[:, None] & m_k[None, :], other=0.0).to(tl.float32),
+                                     0.0), 0)
         else:
-            gc = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)  # [CB]
-            dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))
-            wk = tl.sum(kc * b_k[None, :], 1) * dec
-            wq = tl.sum(kc * b_q[None, :], 1) * dec
-        acc_k += tl.sum(wk[:, None] * uc, 0)
-        acc_q += tl.sum(wq[:, None] * uc, 0)
+            g_last = tl.sum(tl.where(rows == n - 1, tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=rows < C,
+                                                            other=0.0).to(tl.float32), 0.0), 0)
+    else:
+        last = tl.maximum(n - 1, 0)
+        if CHANNEL:
+            g_last = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        else:
+            g_last = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv).to(tl.float32)
+        g_last = tl.where(n > 0, g_last, 0.0)
+    g_new = g_last + g_tok  # also when full: the folded state serves the token, G_C + g (see module doc)
+    acc_k, acc_q = _entry_chunk(ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, rows, rows < C, m_r, b_k, b_q, g_new,
+                                o_k, o_v, m_k, m_v, C, H, HV, K, V, CHANNEL)
+    # ---- later chunks (C > CB only) depend on n
+    if C > CB:
+        for c0 in range(CB, n, CB):
+            rows_c = c0 + rows
+            a_k, a_q = _entry_chunk(ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, rows_c, rows_c < n, rows_c < n, b_k, b_q,
+                                    g_new, o_k, o_v, m_k, m_v, C, H, HV, K, V, CHANNEL)
+            acc_k += a_k
+            acc_q += a_q
     e_new = tl.exp(g_new)
     if STORAGE:
-        # a full buffer is folded first (zero iterations otherwise): S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T
-        n_fold = tl.where(full, n, 0)
-        g_end = tl.where(full, g_n, 0.0)
-        if CHANNEL:
-            s = s * tl.exp(g_end)[:, None]
-        else:
-            s = s * tl.exp(g_end)
-        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
-                       C, H, HV, K, V, CHANNEL)
-        tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=(o_k < tl.where(full, K, 0))[:, None] & m_v[None, :])
-    b_u = b_beta * (b_v - tl.sum(s * (b_k * e_new)[:, None], 0) - acc_k)
-    b_o = tl.sum(s * (b_q * e_new)[:, None], 0) + acc_q + qk_self * b_u
+        s = tl.where(owns, s, 0.0)  # a select: NaN in a direct request's storage never propagates
+        sk = tl.sum(s * (b_k * e_new)[:, None], 0)
+        sq = tl.sum(s * (b_q * e_new)[:, None], 0)
+    else:
+        sk = tl.zeros([BV], dtype=tl.float32)
+        sq = tl.zeros([BV], dtype=tl.float32)
+    b_u = b_beta * (b_v - sk - acc_k)
+    b_o = sq + acc_q + tl.sum(b_q * b_k, 0) * b_u
     tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-    tl.debug_barrier()  # a fold read row 0 of these columns: every warp is past it
-    tl.store(cu_ptr + ((i_b * C + keep) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
-    # the request's last program writes what the others read: the new key and G rows, lengths, has_state
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-    if ticket == HV * NV - 1:
-        o_h = tl.arange(0, BH)
-        m_hk = (o_h < H)[:, None] & m_k[None, :]
-        k_all = tl.load(k_ptr + (i_b * H + o_h[:, None]) * K + o_k[None, :], mask=m_hk, other=0.0)
-        tl.store(ck_ptr + ((i_b * C + keep) * H + o_h[:, None]) * K + o_k[None, :],
-                 k_all.to(ck_ptr.dtype.element_ty), mask=m_hk)
-        o_hv = tl.arange(0, BHV)
-        if CHANNEL:
-            m_g = (o_hv < HV)[:, None] & m_k[None, :]
-            g_prev = tl.load(cg_ptr + ((i_b * C + last) * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g,
-                             other=0.0).to(tl.float32)
-            g_tok = tl.load(g_ptr + (i_b * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g, other=0.0).to(tl.float32)
-            tl.store(cg_ptr + ((i_b * C + keep) * HV + o_hv[:, None]) * K + o_k[None, :],
-                     (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
-        else:
-            m_g = o_hv < HV
-            g_prev = tl.load(cg_ptr + (i_b * C + last) * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
-            g_tok = tl.load(g_ptr + i_b * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
-            tl.store(cg_ptr + (i_b * C + keep) * HV + o_hv, (tl.where(has_last, g_prev, 0.0) + g_tok).to(
-                cg_ptr.dtype.element_ty), mask=m_g)
-        tl.store(len_ptr + i_b, (keep + 1).to(len_ptr.dtype.element_ty))
+    full = n >= C
+    if STORAGE:
         if full:
-            tl.store(own_ptr + i_b, 1)
-        tl.store(ticket_ptr + i_b, 0)
+            # the fold (1 step in C): S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, FB rows per tl.dot
+            if CHANNEL:
+                s = s * tl.exp(g_last)[:, None]
+            else:
+                s = s * tl.exp(g_last)
+            o_f = tl.arange(0, FB)
+            # a runtime trip count (n == C here): fully unrolled, the tl.dot spilled kilobytes (ptxas, sm_90)
+            for c0 in range(0, tl.minimum(n, C), FB):
+                rows_f = c0 + o_f
+                m_f = rows_f < C
+                m_kf = m_k[:, None] & m_f[None, :]
+                kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
+                             other=0.0).to(tl.float32)  # [BK, FB]
+                if CHANNEL:
+                    gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
+                                 other=0.0).to(tl.float32)
+                    kt = tl.where(m_kf, kt * tl.exp(g_last[:, None] - gt), 0.0)
+                else:
+                    gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
+                    kt = tl.where(m_kf, kt * tl.exp(g_last - gt)[None, :], 0.0)
+                uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
+                             mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
+                s = tl.dot(kt, uf, s, input_precision="ieee")
+            tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+            tl.debug_barrier()  # the fold read row 0 of this tile's u columns: every warp is past it
+    keep = tl.where(full, 0, n)
+    tl.store(cu_ptr + ((i_b * C + keep) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
+    if TICKET:
+        # the request's last program writes what the others read (key/G rows, lengths, has_state)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+        if ticket == HV * NV - 1:
+            _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
+            tl.store(ticket_ptr + i_b, 0)
 
 
 @triton.jit
@@ -237,6 +315,9 @@ def buffered_decode(
     validate: bool = True,
     BV: Optional[int] = None,
     num_warps: Optional[int] = None,
+    CB: Optional[int] = None,
+    book: Optional[str] = None,
+    maxnreg: Optional[int] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -248,8 +329,10 @@ def buffered_decode(
     state.  That needs state storage: ``buffer.state`` None with a full request is a ValueError.
 
     ``validate=False`` skips the checks that read device values (buffer lengths, has_state): no host
-    synchronisation, e.g. inside a CUDA graph; shapes are still checked.  ``BV`` / ``num_warps``
-    override the tuned launch (benchmarks only).
+    synchronisation, e.g. inside a CUDA graph; shapes are still checked.  ``BV`` / ``num_warps`` /
+    ``CB`` (cached rows per chunk) / ``book`` ("ticket": the last program of a request appends the
+    shared rows; "launch": a second tiny launch does) / ``maxnreg`` override the tuned launch
+    (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the ones bench/gpu_decode.py --tune sweeps).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
@@ -271,23 +354,53 @@ def buffered_decode(
                 f"the state) or use a larger capacity"
             )
     s = check_scale(scale, d.K)
-    cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps)
+    cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg)
+    if cfg["book"] not in ("ticket", "launch"):
+        raise ValueError(f"book: expected 'ticket' or 'launch', got {cfg['book']!r}")
     o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
     if d.B == 0:
         return o, buffer
     storage = buffer.state is not None
     state = buffer.state if storage else buffer.lengths  # a dummy pointer, never dereferenced
     NV = triton.cdiv(d.V, cfg["BV"])
+    ticket = cfg["book"] == "ticket"
+    shared = dict(C=C, H=d.H, HV=d.HV, K=d.K, BK=block(d.K), BH=block(d.H, 1), BHV=block(d.HV, 1),
+                  CHANNEL=d.channel_gate)
     with device_guard(q):
         _decode_kernel[(NV, d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o,
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
-            ticket_counters(d.B, q.device),
+            ticket_counters(d.B, q.device) if ticket else buffer.lengths,
             s,
-            C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=16, BK=block(d.K), BV=cfg["BV"], NV=NV,
-            BH=block(d.H, 1), BHV=block(d.HV, 1), CHANNEL=d.channel_gate, STORAGE=storage, num_warps=cfg["num_warps"],
+            V=d.V, CB=max(16, cfg["CB"]), FB=16, BV=cfg["BV"], NV=NV, STORAGE=storage, TICKET=ticket,
+            num_warps=cfg["num_warps"], **shared, **_maxnreg(cfg),
         )
+        if not ticket:
+            _book_kernel[(d.B,)](as_input(k), as_input(g), buffer.k, buffer.G, buffer.lengths,
+                                 flag_view(buffer.has_state), num_warps=1, **shared)
     return o, buffer
+
+
+def _maxnreg(cfg: dict) -> dict:
+    """The launch's register cap, passed only when set (Triton >= 3.0 takes ``maxnreg``)."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+
+
+#: Launch configurations ``bench/gpu_decode.py --tune`` sweeps for buffered_decode (the best one that
+#: passes its correctness check is timed).  Register use, compiled offline for sm_90 (docs/kernels.md):
+#: every config without a cap sits at ~240-255 registers with no or little stack.
+DECODE_TUNE_CONFIGS = (
+    dict(BV=64, num_warps=2, book="ticket"),
+    dict(BV=64, num_warps=2, book="launch"),
+    dict(BV=64, num_warps=4, book="ticket"),
+    dict(BV=128, num_warps=4, book="ticket"),
+    dict(BV=128, num_warps=4, book="launch"),
+    dict(BV=32, num_warps=1, book="ticket"),
+    dict(BV=32, num_warps=1, book="launch"),
+    dict(BV=32, num_warps=2, book="ticket", maxnreg=128),
+    dict(BV=64, num_warps=2, book="launch", maxnreg=168),
+    dict(BV=128, num_warps=8, book="ticket"),
+)
 
 
 def _counts(buffer: KVBuffer, count, validate: bool) -> torch.Tensor:

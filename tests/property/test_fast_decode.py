@@ -136,6 +136,34 @@ def test_capacity_above_one_chunk(channel_gate):
                                flushes={2: [0, 18, 1]}, device=DEVICE))
 
 
+@pytest.mark.parametrize("book", ["ticket", "launch"])
+@pytest.mark.parametrize("BV", [16, None], ids=["BV16", "BVdefault"])
+@pytest.mark.parametrize("channel_gate", [False, True])
+def test_launch_configs(book, BV, channel_gate):
+    """Every launch option the GPU tune may pick: the shared rows appended by the last program (ticket)
+    or by a second launch; V split over several column tiles (BV=16 < V=24, the last one partial)."""
+    C, hist = 4, 6
+    case = Case(B=3, T=hist + 2 * C + 1, H=1, HV=2, K=8, V=24, channel_gate=channel_gate, gate="mixed",
+                beta="uniform", seed=31)
+
+    class Cfg(Poisoned):
+        @staticmethod
+        def buffered_decode(*args, buffer, **kw):
+            return Poisoned.buffered_decode(*args, buffer=buffer, BV=BV, book=book, **kw)
+
+    _assert_all(P.check_decode(Cfg, case, torch.float32, capacity=C, history=hist, lengths=[C, 0, 2],
+                               flushes={3: [1, 0, 2]}, device=DEVICE))
+
+
+def test_bad_book_is_rejected():
+    buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
+    x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
+                                          v=torch.randn(1, 1, 1, 8), g=-torch.rand(1, 1, 1),
+                                          beta=torch.rand(1, 1, 1)).items()}
+    with pytest.raises(ValueError, match="book"):
+        fast.buffered_decode(**x, buffer=buf, book="atomic")
+
+
 @given(setup=buffered(capacities=(2, 4, 8), max_new=1), data=st.data())
 def test_flush_prefix_matches_reference_flush(setup, data):
     """flush of any per-request prefix == the reference's: same entries moved down, G rebased, state folded."""
