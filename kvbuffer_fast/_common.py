@@ -85,8 +85,8 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 
 # Launch parameters per kernel: (BV, num_warps); the interpreter ignores num_warps.
 # recurrent: best of a sweep on an H200 (bench/results/gpu_decode_h200_run1.json, 91% of copy at B=128).
-# decode: best of the sweep of the previous version of the kernel (run2.json); BV=128 / 4 warps also
-# compiles without spills for C=16..64 in this version (ptxas via cuobjdump -res-usage, sm_90).
+# decode: BV=64 / 2 warps like recurrent (no stack, sm_90, offline); the GPU tune (bench/gpu_decode.py --tune)
+# picks among kvbuffer_fast.decode.DECODE_TUNE_CONFIGS; book: see decode.py.
 # flush: no spills at BV=128 / 4 warps (same check).  Docs: docs/kernels.md.
 _CONFIG = {
     "recurrent": dict(BV=64, num_warps=2),

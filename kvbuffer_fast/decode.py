@@ -1,29 +1,39 @@
 """Buffered decode (no state write per step) and flush (the fold), on the u-cache (k, u, G).
 
 Both kernels run one program per (request, value head, V-tile of BV columns): grid (V / BV, B * HV),
-the layout of the recurrent kernel, which streams the state at ~90% of copy bandwidth.  A program
-loads its [K, BV] state tile once, then walks the n cached entries 16 rows at a time: the new
-token's scores against the keys of its q/k head, and the matching [16, BV] tile of cached u:
+the layout of the recurrent kernel, which streams the state at ~90% of copy bandwidth.
 
-    decode (G_new = G_n + g; per-channel gates put the exp inside the dots):
-        u = beta (v - exp(G_new) S0^T k - sum_j exp(G_new - G_j)(k.k_j) u_j)
-        o = exp(G_new) S0^T q + sum_j exp(G_new - G_j)(q.k_j) u_j + (q.k) u
-    one state tile gives both S0^T k and S0^T q; nothing is written to the state, except for a
-    request whose buffer is full (n == C): its C entries are first folded into the tile
-    (S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, rank-1 updates four rows at a time), which is
-    stored and serves the new token with an empty buffer.
+decode (G_new = G_n + g; per-channel gates put the exp inside the dots):
+    u = beta (v - exp(G_new) S0^T k - sum_{j<n} exp(G_new - G_j)(k.k_j) u_j)
+    o = exp(G_new) S0^T q + sum_{j<n} exp(G_new - G_j)(q.k_j) u_j + (q.k) u
+One state tile gives both S0^T k and S0^T q.  A full buffer (n == C) is first folded,
+S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, and the token then sees S with an empty buffer:
+exp(g) S^T k expands to exactly the formula above with n = C, so o and u come from the same code
+for every request, and the fold is a side computation (1 step in C) whose only output is the stored
+tile (and the new entry going to row 0, G rebased to g).
+
+Latency: the program's first round trip issues everything that depends on no loaded value: the
+[K, BV] state tile (whenever storage exists, not masked by has_state: a direct request's garbage is
+dropped by a select), the token's q, k, v, g, beta, lengths/has_state, and the first CB cached rows
+(rows < C always exist; rows >= n are dropped by selects, never multiplied by 0).  With C <= CB
+(C=16) that is the only round trip before the output: G_{n-1} is picked out of those rows.  Later
+chunks (C > CB) are loaded once n is known.  The fold runs tl.dot steps of FB=16 rows over a runtime
+trip count (fully unrolled at C=16, ptxas spilled kilobytes).
 
     flush: S = diag(exp(G_m)) S0 + sum_{j<m} (exp(G_m - G_j) * k_j) u_j^T for a per-request prefix m,
-    then the remaining u columns of the tile move down by m.
+    then the remaining u columns of the tile move down by m (rank-1 steps, off the hot path).
 
 The cached keys [C, K] of a q/k head are shared by its HV/H value heads and their V-tiles: those
 programs are adjacent in the grid, so the keys come from HBM once and from L2 after; each program
-recomputes the C scores (C*K multiply-adds, nothing next to its K*BV state tile).  Requests in direct
-mode (has_state False) use S0 = 0: their state loads are fully masked, so no state memory is read.
-What all programs of a request read and one must write (the new entry's key per q/k head and G per
-value head, lengths, has_state) is written by the request's last program to finish (an atomic
-ticket), after every program of it has read them.
+recomputes the scores (C*K multiply-adds, nothing next to its K*BV state tile).  What all programs
+of a request read and one must write (the new entry's key per q/k head and G per value head,
+lengths, has_state) is written either by the request's last program to finish (book="ticket": an
+atomic ticket after a barrier, once every program of it has read them) or by a second tiny launch
+of one program per request (book="launch").  On a fold the new row is row 0, which every program
+of the request reads during its fold: that is why it cannot be written by any one decode program
+without such an election.
 """
+
 
 from __future__ import annotations
 
@@ -388,7 +398,8 @@ def _maxnreg(cfg: dict) -> dict:
 
 #: Launch configurations ``bench/gpu_decode.py --tune`` sweeps for buffered_decode (the best one that
 #: passes its correctness check is timed).  Register use, compiled offline for sm_90 (docs/kernels.md):
-#: every config without a cap sits at ~240-255 registers with no or little stack.
+#: without a cap, scalar gates, C=16..64, 236-255 registers and no stack at BV=64/2, BV=128/4 and
+#: BV=32/1 warps (some stack at 4 warps per 64 columns); maxnreg=168 costs 0.4-0.8 KB of stack.
 DECODE_TUNE_CONFIGS = (
     dict(BV=64, num_warps=2, book="ticket"),
     dict(BV=64, num_warps=2, book="launch"),
@@ -397,9 +408,7 @@ DECODE_TUNE_CONFIGS = (
     dict(BV=128, num_warps=4, book="launch"),
     dict(BV=32, num_warps=1, book="ticket"),
     dict(BV=32, num_warps=1, book="launch"),
-    dict(BV=32, num_warps=2, book="ticket", maxnreg=128),
     dict(BV=64, num_warps=2, book="launch", maxnreg=168),
-    dict(BV=128, num_warps=8, book="ticket"),
 )
 
 
