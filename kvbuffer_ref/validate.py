@@ -76,7 +76,7 @@ SMALL = Sizes(max_B=3, max_T=8, max_H=2, max_group=2, max_capacity=5, max_histor
               max_tree=6, max_after=2, max_prompt=8, big_capacity=18)
 #: examples per lane on the interpreter, per profile: its cases are SMALL (the interpreter is ~1000x slower
 #: than PyTorch), so more of them; each still covers ragged requests in several modes at once.
-INTERPRETED_EXAMPLES = {"ci": 40, "thorough": 300}
+INTERPRETED_EXAMPLES = {"ci": 30, "thorough": 300}
 
 
 # ----------------------------------------------------------------------------- operations
