@@ -1,9 +1,13 @@
 """GPU speculative-verification benchmark: buffered verify (no per-draft states) vs the per-draft-state
 baseline vs flash-linear-attention, plus a memory cross-check.
 
-    python -m bench.gpu_verify --out results.json [--batches 64,128,256,512] [--quick] [--cpu-smoke]
+    python -m bench.gpu_verify --out results.json [--batches 64,128,256,512] [--quick] [--no-tune] [--cpu-smoke]
 
-(a) checks kvbuffer_fast.verify / accept (chains with counts, trees with nodes, ragged, folds on accept;
+(0) tunes first (unless --no-tune): times every verify launch in kvbuffer_fast.speculative.LAUNCH_CANDIDATES
+    (two phases: BV / warps / dot precision), checks the fastest against the float64 oracle (the next one
+    if it fails), makes it the default, then the accept copy's BV and the baseline's (BV, warps);
+
+(a) checks kvbuffer_fast.verify / accept at the tuned launch, then decode / flush (chains with counts, trees with nodes, ragged, folds on accept;
     both dot precisions) and per_draft_state_verify / accept, compiled, against the float64 oracle at
     Qwen3-Next shapes (H=16, HV=32, K=V=128) in fp32 and bf16;
 (b) times (triton.testing.do_bench, median) at B = 64..512: verifying 4 drafts, i.e. 5 new tokens per
@@ -78,11 +82,19 @@ def impl_with(precision):
     import kvbuffer_fast as fast
     import kvbuffer_ref as ref
 
-    # the tokens after accept are decoded by the oracle: the check judges verify/accept alone
+    # the tokens after accept are decoded and flushed by kvbuffer_fast too (the whole serving loop)
     return types.SimpleNamespace(
         verify=functools.partial(fast.verify, precision=precision),
         accept=functools.partial(fast.accept, precision=precision),
-        buffered_decode=ref.buffered_decode, flush=ref.flush)
+        buffered_decode=fast.buffered_decode, flush=owned_flush)
+
+
+def owned_flush(buffer, **kw):
+    """kvbuffer_fast.flush, with S = 0 for requests that own no state (their storage row is garbage)."""
+    import kvbuffer_fast as fast
+
+    out = fast.flush(buffer, **kw)
+    return out.replace(state=torch.where(out.has_state[:, None, None, None], out.state, 0.0))
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -117,7 +129,7 @@ def run_checks(quick: bool) -> list[dict]:
     if quick:
         plans = plans[:1] + plans[2:]
     for prec in ("tf32x3", "ieee"):
-        impl = impl_with(prec)
+        impl = impl_with(prec)  # dot precision of both verify phases (the launch's BV / warps stay)
         for ch in (False, True):
             for dt in (torch.float32, torch.bfloat16):
                 if prec == "ieee" and (ch or dt == torch.bfloat16):
@@ -186,36 +198,75 @@ def baseline_fn(x, state, **kw):
     return lambda: fast.per_draft_state_verify(**x, state=state, intermediate=inter, out=o, **kw)
 
 
-def tune(B=128, seconds=60.0) -> dict:
-    """(BV, num_warps[, precision]) sweep for both verify kernels at B=128, D=5."""
+def candidate_check() -> bool:
+    """A small fp32 check of the launch now set (trees, Qwen3-Next heads) against the float64 oracle."""
+    from kvbuffer_ref.testing import Case
+    from kvbuffer_ref.testing import properties as P
+
+    case = Case(B=2, T=6 + 5 + 1, H=H, HV=HV, K=K, V=V, gate="mild", beta="uniform", seed=3)
+    res = P.check_verify_accept(impl_with(None), case, torch.float32, capacity=16, history=6, lengths=[6, 3],
+                                parents=[[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]], num_drafts=[5, 4], nodes=[3, 3],
+                                after=1, device=DEVICE, use_counts=False)
+    for c in res:
+        if not c.passed:
+            print("   !! " + str(c), flush=True)
+    return all(c.passed for c in res)
+
+
+def tune(B=128) -> dict:
+    """Time every kvbuffer_fast.speculative.LAUNCH_CANDIDATES of verify at B=128, D=5, then check the
+    fastest against the oracle (next fastest if it fails) and make it the default (set_launch); also the
+    accept copy's BV and the baseline's (BV, num_warps)."""
+    import kvbuffer_fast as fast
+    import kvbuffer_fast.speculative as spec
+
     x, buf = tokens(B, 5), buffer_with(B)
-    res = dict(verify=[], baseline=[])
-    deadline = time.time() + seconds
-    for prec in ("tf32x3", "ieee"):
-        for bv in (16, 32, 64):
-            for w in (2, 4, 8):
-                if time.time() > deadline and res["verify"]:
-                    continue
-                try:
-                    ms = bench_ms(verify_fn(x, buf, BV=bv, num_warps=w, precision=prec))
-                except Exception as e:  # noqa: BLE001 - e.g. out of registers / shared memory
-                    ms = None
-                    print(f"   verify BV={bv} w={w} {prec}: {e!r}"[:200], flush=True)
-                res["verify"].append(dict(BV=bv, num_warps=w, precision=prec, ms=ms))
-    for bv in (16, 32, 64):
-        for w in (2, 4, 8):
-            if time.time() > deadline + 20 and res["baseline"]:
-                continue
-            try:
-                ms = bench_ms(baseline_fn(x, buf.state, BV=bv, num_warps=w))
-            except Exception as e:  # noqa: BLE001
-                ms = None
-            res["baseline"].append(dict(BV=bv, num_warps=w, ms=ms))
-    ok_v = [r for r in res["verify"] if r["ms"] is not None]
-    ok_b = [r for r in res["baseline"] if r["ms"] is not None]
-    res["best_verify"] = min(ok_v, key=lambda r: r["ms"])
-    res["best_verify_tf32x3"] = min([r for r in ok_v if r["precision"] == "tf32x3"], key=lambda r: r["ms"])
-    res["best_baseline"] = min(ok_b, key=lambda r: r["ms"])
+    default = dict(spec._CONFIG["verify"])
+    res = dict(verify=[], accept=[], baseline=[])
+    for cand in spec.LAUNCH_CANDIDATES:
+        spec.set_launch("verify", **cand)
+        row = dict(cand)
+        try:
+            row["ms"] = bench_ms(verify_fn(x, buf))
+        except Exception as e:  # noqa: BLE001 - e.g. out of resources: record and go on
+            row["ms"], row["error"] = None, repr(e)[:300]
+        print(f"   verify {cand}: {row['ms'] if row['ms'] is None else round(row['ms'] * 1e3, 1)} us", flush=True)
+        res["verify"].append(row)
+    best = None
+    for row in sorted([r for r in res["verify"] if r["ms"] is not None], key=lambda r: r["ms"]):
+        spec.set_launch("verify", **{k: row[k] for k in default})
+        try:
+            row["check_passed"] = candidate_check()
+        except Exception as e:  # noqa: BLE001
+            row["check_passed"], row["check_error"] = False, repr(e)[:300]
+        if row["check_passed"]:
+            best = row
+            break
+    chosen = {k: best[k] for k in default} if best else default
+    spec.set_launch("verify", **chosen)
+    res["best_verify"] = dict(best or default)
+    _, drafts = verify_fn(x, buf)()
+    counts = torch.full((B,), 3, dtype=torch.long, device=DEVICE)
+    for bv in (32, 64, 128):
+        def acc():
+            buf.lengths.fill_(N_BUF)
+            fast.accept(buf, drafts, counts=counts, validate=False, BV=bv)
+        try:
+            res["accept"].append(dict(BV=bv, ms=bench_ms(acc)))
+        except Exception as e:  # noqa: BLE001
+            res["accept"].append(dict(BV=bv, ms=None, error=repr(e)[:300]))
+    ok_a = [r for r in res["accept"] if r["ms"] is not None]
+    if ok_a:
+        res["best_accept"] = min(ok_a, key=lambda r: r["ms"])
+        spec.set_launch("accept", BV=res["best_accept"]["BV"])
+    buf.lengths.fill_(N_BUF)
+    for bv, w in ((16, 2), (32, 2), (64, 2), (32, 4), (64, 4)):
+        try:
+            ms = bench_ms(baseline_fn(x, buf.state, BV=bv, num_warps=w))
+        except Exception:  # noqa: BLE001
+            ms = None
+        res["baseline"].append(dict(BV=bv, num_warps=w, ms=ms))
+    res["best_baseline"] = min([r for r in res["baseline"] if r["ms"] is not None], key=lambda r: r["ms"])
     return res
 
 
@@ -366,6 +417,14 @@ def main(argv=None) -> int:
             json.dump(result, fh, indent=1)
 
     t0 = time.time()
+    cfg_v, cfg_b = {}, {}  # verify / accept: the launch set by tune() (kvbuffer_fast.speculative.set_launch)
+    if not args.no_tune:
+        result["tuning"] = tune(B=2 if args.cpu_smoke else 128)
+        bb = result["tuning"]["best_baseline"]
+        cfg_b = dict(BV=bb["BV"], num_warps=bb["num_warps"])
+        print(f"tuned: verify {result['tuning']['best_verify']}, accept {result['tuning'].get('best_accept')}, "
+              f"baseline {cfg_b}  ({time.time() - t0:.0f} s)", flush=True)
+        save()
     if not args.skip_check:
         result["checks"] = run_checks(args.quick)
         bad = [c for c in result["checks"] if not c.get("passed", False)]
@@ -373,19 +432,13 @@ def main(argv=None) -> int:
         print(f"checks: {len(result['checks'])} comparisons, {len(bad)} failed/errored, {time.time() - t0:.0f} s",
               flush=True)
         save()
+    import kvbuffer_fast.speculative as spec
+
     batches = [int(b) for b in args.batches.split(",") if b]
     if args.cpu_smoke:
         batches = [2]
-    cfg_v, cfg_b = {}, {}
-    if not args.no_tune:
-        result["tuning"] = tune(B=2 if args.cpu_smoke else 128)
-        bv = result["tuning"]["best_verify_tf32x3"]
-        cfg_v = dict(BV=bv["BV"], num_warps=bv["num_warps"], precision=bv["precision"])
-        bb = result["tuning"]["best_baseline"]
-        cfg_b = dict(BV=bb["BV"], num_warps=bb["num_warps"])
-        print(f"tuned: verify {cfg_v}, baseline {cfg_b}  ({time.time() - t0:.0f} s)", flush=True)
-        save()
-    result["launch"] = dict(verify=cfg_v or "default", baseline=cfg_b or "default")
+    result["launch"] = dict(verify=dict(spec._CONFIG["verify"]), accept=dict(spec._CONFIG["accept"]),
+                            baseline=cfg_b or "default")
     result["batches"] = time_batches(batches, cfg_v, cfg_b)
     save()
     result["draft_sweep"] = draft_sweep(2 if args.cpu_smoke else 128, cfg_v, cfg_b)

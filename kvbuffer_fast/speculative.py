@@ -1,13 +1,6 @@
 """Speculative verification without per-draft states: verify (chains and trees) and accept, on the u-cache.
 
-verify, grid (V / BV, B * HV): one program per (request b, value head, V-tile of BV columns), the
-layout of the recurrent decode kernel.  A program issues ALL its loads at once, the [K, BV] state tile
-first (unconditionally when state storage exists; requests in direct mode select zeros with
-``tl.where`` afterwards), the drafts' inputs with it, the buffered entries as soon as the length n is
-known, and does all the small per-(request, value head) algebra while the tile is in flight.  After
-the tile arrives there is ONE product ``[2 BD, K] x [K, BV]`` and the stores.
-
-Rows.  With BD >= D drafts (a power of two >= 8), the program works on 2 BD rows: row i < BD is draft
+Rows.  With BD >= D drafts (a power of two >= 8), verify works on R = 2 BD rows: row i < BD is draft
 i's key (its innovation u_i is computed there) and row BD + i is draft i's scaled query (its output
 o_i).  Per value head, with G_i = G_parent(i) + g_i (the root's parent: the buffer's tail, 0 if
 empty), D_ij = exp(G_i - G_j), m over the request's n buffered entries and j over the tree:
@@ -15,29 +8,34 @@ empty), D_ij = exp(G_i - G_j), m over the request's n buffered entries and j ove
     u_i = beta_i (v_i - exp(G_i) S0^T k_i - sum_m D_im (k_i.k_m) u_m - sum_{j proper anc i} D_ij (k_i.k_j) u_j)
     o_i = exp(G_i) S0^T q_i + sum_m D_im (q_i.k_m) u_m + sum_{j anc i or j = i} D_ij (q_i.k_j) u_j
 
-In matrix form over the 2 BD rows: N [U; O] = diag(b) Z with b = [beta; 1],
+In matrix form over the R rows: N [U; O] = diag(b) Z with b = [beta; 1],
 Z = [v; 0] + W U_buf + diag(sgn) Y S0 (sgn = -1 on key rows, +1 on query rows; W the decayed
 draft x buffer scores with that sign; Y the rows k_i, q_i scaled by exp(G_i)), and N unit lower
 triangular: [[I + A, 0], [-QQ, I]] with A_ij = beta_i D_ij (k_i.k_j) over proper ancestors and
-QQ_ij = D_ij (q_i.k_j) over ancestors-or-self.  So with L = N^-1 diag(b) (forward substitution over
-the d key rows, then one product for the query rows):
+QQ_ij = D_ij (q_i.k_j) over ancestors-or-self.  With L = N^-1 diag(b):
 
-    [U; O] = L ([v; 0] + W U_buf)  +  (L diag(sgn) Y) S0
-             `-- before the tile --'   `-- [2BD, K], before the tile; x the tile after it
+    [U; O] = L [v; 0] + (L W) U_buf + P S0,     P = L diag(sgn) Y   ([R, K])
 
-Scores come from two small products ([2BD, K] x [K, C] and [2BD, K] x [K, 2BD]), the ancestor mask
-from a walk up ``parents`` (at most d steps, on [2BD, 2BD] registers), no [D, D, K] temporary.
-Nothing is written to the state and no state is formed per draft: ``Drafts`` keeps the drafts' (k, u, G).
-Per-channel (KDA) gates: the exp moves inside the dot products (scores row by row; slower, same layout).
+verify runs in two launches.  Phase 1 (``_verify_prep_kernel``, grid B * HV, one warp): all that does
+not touch the state: the ancestor mask (a walk up ``parents``, at most d steps, on [R, R] registers),
+G along each path, the scores ([R, K] x [K, C] and [R, K] x [K, R], in chunks of key columns), N^-1
+by forward substitution over the d key rows plus one product for the query rows, then L, L W and P
+(fp32 scratch), Drafts.G and Drafts.k.  Phase 2 (``_verify_kernel``, grid (V / BV, B * HV), the
+recurrent kernel's layout): each program issues all its loads at once, the [K, BV] state tile first
+and unconditionally (direct-mode requests select zeros with ``tl.where`` afterwards), then three
+small products and the state product in key chunks (no dot operand spans all of K: tf32x3 holds each
+operand twice), and stores o and u.  Nothing is written to the state and no state is formed per
+draft: ``Drafts`` keeps the drafts' (k, u, G).  Per-channel (KDA) gates: the exp moves inside the
+scores, computed row by row in phase 1 (slower, same phase 2).
 
 accept, grid (V / BV, B * HV): per request the accepted node's root-to-node path (m entries, found by
-walking ``parents`` in registers) is appended from the drafts' cached (k, u, G): each program copies
-its [m, BV] u columns, the V-tile-0 programs the G rows (and one per q/k head the keys).  When
-n + m > C the reference's rule applies (``kvbuffer_ref.entries.fold_count``): all n old entries plus
-the oldest max(0, m - C) path entries are folded into the state tile by each program (rare), the rest
-of the path goes to row 0 on; the keys and rebased G, which other programs of the request still read,
-are then written by the request's last program (atomic ticket), which also advances ``lengths`` /
-``has_state``.  The buffer is updated IN PLACE and returned.
+walking ``parents`` in registers) is appended from the drafts' cached (k, u, G).  When n + m > C the
+reference's rule applies (``kvbuffer_ref.entries.fold_count``): all n old entries plus the oldest
+max(0, m - C) path entries are folded into the state first, by a separate launch whose programs return
+at once for every other request (rank-1 updates, as decode's fold; kept apart so that its registers
+do not slow the common case).  Then the copy: u columns (every program), G rows (V-tile 0, rebased on
+the last folded entry) and keys (one program per q/k head); the request's last program (atomic
+ticket) advances ``lengths`` / ``has_state``.  The buffer is updated IN PLACE and returned.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ from kvbuffer_ref.validation import (check_buffer, check_counts, check_nodes, ch
                                      check_scale, check_tokens)
 
 from ._common import block, as_input, device_guard, flag_view, new_output, ticket_counters
-from .decode import _check_u_form
+from .decode import _check_u_form, _fold_rows
 
 __all__ = ["verify", "accept", "MAX_DRAFTS", "launch_config", "set_launch", "LAUNCH_CANDIDATES"]
 
@@ -65,20 +63,24 @@ MAX_DRAFTS = 64
 # verify: no register spills at these (ptxas sm_90, cuobjdump -res-usage; docs/speculative.md);
 # bench/gpu_verify.py --tune times LAUNCH_CANDIDATES on the GPU and calls set_launch with the best.
 _CONFIG = {
-    "verify": dict(BV=64, num_warps=4, precision="tf32x3"),
+    "verify": dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=1),
     "accept": dict(BV=64, num_warps=4, precision="tf32x3"),
+    "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
 
-#: The (BV, num_warps, precision) configurations of verify worth timing on a GPU (all spill-free at
-#: Qwen3-Next shapes with D <= 8, C <= 64; see docs/speculative.md).
+#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): phase 2's BV / num_warps /
+#: dot precision and phase 1's warps.  Registers at Qwen3-Next shapes, D <= 8, C = 16 (ptxas sm_90):
+#: phase 1 146 (1 warp, tf32x3), phase 2 128 / 217 / 198 / 198 (BV 32 w4, 64 w4, 128 w8, 32 w2,
+#: tf32x3), 91 / 48 ('ieee' at 64 w4 / 32 w4, FMA dots through shared memory); none spills.
 LAUNCH_CANDIDATES = [
-    dict(BV=64, num_warps=4, precision="tf32x3"),
-    dict(BV=32, num_warps=4, precision="tf32x3"),
-    dict(BV=128, num_warps=8, precision="tf32x3"),
-    dict(BV=64, num_warps=8, precision="tf32x3"),
-    dict(BV=32, num_warps=2, precision="tf32x3"),
-    dict(BV=64, num_warps=4, precision="ieee"),
-    dict(BV=32, num_warps=4, precision="ieee"),
+    dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=1),
+    dict(BV=64, num_warps=4, precision="tf32x3", prep_warps=1),
+    dict(BV=128, num_warps=8, precision="tf32x3", prep_warps=1),
+    dict(BV=32, num_warps=2, precision="tf32x3", prep_warps=1),
+    dict(BV=32, num_warps=4, precision="ieee", prep_warps=1),
+    dict(BV=64, num_warps=4, precision="ieee", prep_warps=1),
+    dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=2),
+    dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=4),
 ]
 
 
@@ -141,7 +143,7 @@ def _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K: tl.constexpr, KC: tl.
 
 @triton.jit
 def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexpr, R: tl.constexpr,
-                   BC: tl.constexpr):
+                   BC: tl.constexpr, SCORES: tl.constexpr):
     """Per-channel gates, one column chunk: G of every row (base + the gates along its path) and this
     chunk's share of the decayed scores vs the buffer [R, BC] and vs the tree [R, R], row by row."""
     base = tl.sum(tl.where((o_m == n - 1)[:, None], gc, 0.0), 0)  # the buffer tail's G (0 if empty)
@@ -154,7 +156,10 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
     Gr = tl.where(m_t[:, None], Gr + base[None, :], 0.0)
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
-    for rr in range(0, 2 * t):
+    n_rows = t * 0
+    if SCORES:  # else only G
+        n_rows = 2 * t
+    for rr in range(0, n_rows):
         r = tl.where(rr < t, rr, BD + rr - t)
         sel = o_r == r
         x_r = tl.sum(tl.where(sel[:, None], kq, 0.0), 0)
@@ -168,92 +173,48 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
 
 
 @triton.jit
-def _chunk_store(dk_ptr, dg_ptr, k_in, Gr, p_kq, p_rt, m_in, is_q, m_t, k0, DK: tl.constexpr, K: tl.constexpr,
-                 KC: tl.constexpr, CHANNEL: tl.constexpr):
-    """Drafts.k (when DK) and, per-channel, Drafts.G for columns k0..k0+KC."""
-    o_k = k0 + tl.arange(0, KC)
-    m = (m_in & ~is_q)[:, None] & (o_k < K)[None, :]
-    if DK:
-        tl.store(dk_ptr + p_kq[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
-                 mask=m)
-    if CHANNEL:
-        tl.store(dg_ptr + p_rt[:, None] * K + o_k[None, :], Gr.to(dg_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _verify_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr,
-    o_ptr, du_ptr, dg_ptr, dk_ptr,
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+def _verify_prep_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr,
+    ck_ptr, cg_ptr, len_ptr, p_ptr, l_ptr,
     scale, D,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr, BV: tl.constexpr,
-    CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PREC: tl.constexpr,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr,
+    CHANNEL: tl.constexpr, PREC: tl.constexpr,
 ):
-    # The key dimension is handled in NKC (1, 2 or 4) column chunks of KC: every product over K is a
-    # sum of per-chunk products, so no dot operand ever spans all of K (registers: tf32x3 splits both
-    # operands in two).  Chunks are separate variables (c0..c3) written out below.
+    """Phase 1, one program per (request, value head): everything that does not touch the state.
+    Writes L = N^-1 diag(b) and L W ([R, R + BC], see the module docstring), P = L diag(sgn) Y
+    ([R, K]), Drafts.G and (one program per q/k head) Drafts.k.  The key dimension is walked in
+    chunks of KC columns (two passes: scores, then P), so that few registers are live: many
+    programs share an SM and hide each other's latency."""
     R: tl.constexpr = 2 * BD  # rows: draft keys 0..BD-1, draft queries BD..2BD-1
     GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
+    i_bhv = tl.program_id(0).to(tl.int64)
     i_b = i_bhv // HV
     i_hv = i_bhv % HV
     i_h = i_hv // GROUP
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_kc = tl.arange(0, KC)
-    # ---- every load first.  The state tile: unconditional (direct requests select zeros below)
-    if STORAGE:
-        p_s = state_ptr + (i_bhv * K + o_kc[:, None]) * V + o_v[None, :]
-        m_s = (o_kc < K)[:, None] & m_v[None, :]
-        s0 = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-        if NKC > 1:
-            s1 = tl.load(p_s + KC * V, mask=m_s & (o_kc < K - KC)[:, None], other=0.0).to(tl.float32)
-        if NKC > 2:
-            s2 = tl.load(p_s + 2 * KC * V, mask=m_s & (o_kc < K - 2 * KC)[:, None], other=0.0).to(tl.float32)
-            s3 = tl.load(p_s + 3 * KC * V, mask=m_s & (o_kc < K - 3 * KC)[:, None], other=0.0).to(tl.float32)
     n = tl.load(len_ptr + i_b).to(tl.int32)
     t = tl.load(nd_ptr + i_b).to(tl.int32)
-    owns = tl.load(own_ptr + i_b) != 0
     o_r = tl.arange(0, R)  # row index
     o_c = tl.arange(0, R)  # column index of the [R, R] matrices (columns < BD: draft keys)
     dr = o_r % BD  # the draft a row belongs to
     is_q = o_r >= BD
     m_in = dr < D  # rows that exist in the [B, D, ...] inputs
     m_t = dr < t  # rows of real drafts; padding rows are zeroed by selects, never by multiplying
+    m_own = dr < tl.where(i_hv % GROUP == 0, D, 0)  # one program per (request, q/k head) keeps the keys
     p_kq = ((i_b * D + dr) * H + i_h) * K
     p_rt = (i_b * D + dr) * HV + i_hv  # [R] offsets of per-(draft, value head) rows
-    p_rv = p_rt[:, None] * V + o_v[None, :]
-    k0_in, kq0, g0 = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, 0, scale, K, KC, CHANNEL)
-    if NKC > 1:
-        k1_in, kq1, g1 = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, KC, scale, K, KC, CHANNEL)
-    if NKC > 2:
-        k2_in, kq2, g2 = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, 2 * KC, scale, K, KC, CHANNEL)
-        k3_in, kq3, g3 = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, 3 * KC, scale, K, KC, CHANNEL)
-    v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
     beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
     m_cin = (o_c < BD) & (o_c < D)
     par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
     beta_cin = tl.load(beta_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
     if not CHANNEL:
         g_in = tl.load(g_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
-    # the buffered entries (the only loads that wait for n)
     o_m = tl.arange(0, BC)
     m_n = o_m < n
     p_ck = ((i_b * C + o_m) * H + i_h) * K
     p_cg = (i_b * C + o_m) * HV + i_hv
-    uc = tl.load(cu_ptr + p_cg[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0)
-    uc = uc.to(tl.float32)  # [BC, BV]
-    kc0, gc0 = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, 0, K, KC, CHANNEL)
-    if NKC > 1:
-        kc1, gc1 = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, KC, K, KC, CHANNEL)
-    if NKC > 2:
-        kc2, gc2 = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, 2 * KC, K, KC, CHANNEL)
-        kc3, gc3 = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, 3 * KC, K, KC, CHANNEL)
     if not CHANNEL:
         gc = tl.load(cg_ptr + p_cg, mask=m_n, other=0.0).to(tl.float32)  # [BC]
-    # ---- the small algebra, while the tile is in flight
     m_ct = (o_c < BD) & (o_c < t)
     b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
     b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)  # b = [beta; 1]
@@ -268,43 +229,31 @@ def _verify_kernel(
         cur = tl.where(cur >= 0, up, -1)
     proper = anc & (o_c[None, :] != dr[:, None])
     is_self = o_r[:, None] == o_c[None, :]  # row c of the key half is draft c
-    if CHANNEL:
-        G0, SB, SS = _chunk_channel(kq0, g0, kc0, gc0, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC)
-        Y0 = kq0 * tl.exp(G0)
-        if NKC > 1:
-            G1, SB1, SS1 = _chunk_channel(kq1, g1, kc1, gc1, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC)
-            Y1 = kq1 * tl.exp(G1)
-            SB += SB1
-            SS += SS1
-        if NKC > 2:
-            G2, SB2, SS2 = _chunk_channel(kq2, g2, kc2, gc2, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC)
-            G3, SB3, SS3 = _chunk_channel(kq3, g3, kc3, gc3, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC)
-            Y2 = kq2 * tl.exp(G2)
-            Y3 = kq3 * tl.exp(G3)
-            SB += SB2 + SB3
-            SS += SS2 + SS3
-    else:
+    # pass 1 over the key dimension: scores vs the buffer [R, BC] and vs the drafts [R, R]; Drafts.k
+    SB = tl.zeros([R, BC], dtype=tl.float32)
+    SS = tl.zeros([R, R], dtype=tl.float32)
+    for k0 in range(0, K, KC):
+        k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, CHANNEL)
+        kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, CHANNEL)
+        o_k = k0 + tl.arange(0, KC)
+        tl.store(dk_ptr + p_kq[:, None] + o_k[None, :],
+                 tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
+                 mask=(m_own & ~is_q)[:, None] & (o_k < K)[None, :])
+        if CHANNEL:
+            Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, True)
+            SB += SB_c
+            SS += SS_c
+        else:
+            SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
+            SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)  # columns < BD: the drafts' keys
+    if not CHANNEL:  # scalar gates: the decays multiply the finished scores
         base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
         gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)  # [R] over columns
         Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)  # [R] G of each row's draft
         Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] the same, over columns
-        eG = tl.exp(Gr)[:, None]
-        SB = tl.dot(kq0, tl.trans(kc0), input_precision=PREC)  # [R, BC]
-        SS = tl.dot(kq0, tl.trans(kq0), input_precision=PREC)  # [R, R]; columns < BD: the drafts' keys
-        Y0 = kq0 * eG
-        if NKC > 1:
-            SB += tl.dot(kq1, tl.trans(kc1), input_precision=PREC)
-            SS += tl.dot(kq1, tl.trans(kq1), input_precision=PREC)
-            Y1 = kq1 * eG
-        if NKC > 2:
-            SB += tl.dot(kq2, tl.trans(kc2), input_precision=PREC)
-            SS += tl.dot(kq2, tl.trans(kq2), input_precision=PREC)
-            SB += tl.dot(kq3, tl.trans(kc3), input_precision=PREC)
-            SS += tl.dot(kq3, tl.trans(kq3), input_precision=PREC)
-            Y2 = kq2 * eG
-            Y3 = kq3 * eG
         SB *= tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
         SS *= tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
+        tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
     W = tl.where(is_q[:, None], SB, -SB)
     M = tl.where(is_q[:, None], -SS, tl.where(proper, b_row[:, None] * SS, 0.0))  # N - I, strictly lower
     # N^-1: forward substitution over the key rows, then the query rows in one product
@@ -315,166 +264,229 @@ def _verify_kernel(
         Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
     Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
     L = Ninv * b_col[None, :]
-    Z = tl.where(m_t[:, None], v_in.to(tl.float32), 0.0) + tl.dot(W, uc, input_precision=PREC)
-    out = tl.dot(L, Z, input_precision=PREC)  # [R, BV]
-    if STORAGE:  # the products with the state tile: (L diag(sgn) Y) S0, chunk by chunk
-        X = tl.dot(tl.dot(L, tl.where(is_q[:, None], Y0, -Y0), input_precision=PREC), s0, input_precision=PREC)
+    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
+    tl.store(p_l + o_c[None, :], L)
+    tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
+    # pass 2: P = L diag(sgn) Y, Y = the rows k_i, q_i scaled by exp(G_i) (per-channel: Drafts.G too)
+    for k0 in range(0, K, KC):
+        k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, CHANNEL)
+        o_k = k0 + tl.arange(0, KC)
+        if CHANNEL:
+            kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, CHANNEL)
+            Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, False)
+            tl.store(dg_ptr + p_rt[:, None] * K + o_k[None, :], Gr_c.to(dg_ptr.dtype.element_ty),
+                     mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
+            Y = kq * tl.exp(Gr_c)
+        else:
+            Y = kq * tl.exp(Gr)[:, None]
+        P = tl.dot(L, tl.where(is_q[:, None], Y, -Y), input_precision=PREC)
+        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * K + o_k[None, :], P, mask=(o_k < K)[None, :])
+
+
+@triton.jit
+def _verify_kernel(
+    v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
+    C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr, BV: tl.constexpr,
+    STORAGE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0.
+    Every load is issued at once, the state tile first (unconditionally; direct requests select 0)."""
+    R: tl.constexpr = 2 * BD
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_kc = tl.arange(0, KC)
+    if STORAGE:
+        p_s = state_ptr + (i_bhv * K + o_kc[:, None]) * V + o_v[None, :]
+        m_s = (o_kc < K)[:, None] & m_v[None, :]
+        s0 = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
         if NKC > 1:
-            X += tl.dot(tl.dot(L, tl.where(is_q[:, None], Y1, -Y1), input_precision=PREC), s1, input_precision=PREC)
+            s1 = tl.load(p_s + KC * V, mask=m_s & (o_kc < K - KC)[:, None], other=0.0).to(tl.float32)
         if NKC > 2:
-            X += tl.dot(tl.dot(L, tl.where(is_q[:, None], Y2, -Y2), input_precision=PREC), s2, input_precision=PREC)
-            X += tl.dot(tl.dot(L, tl.where(is_q[:, None], Y3, -Y3), input_precision=PREC), s3, input_precision=PREC)
+            s2 = tl.load(p_s + 2 * KC * V, mask=m_s & (o_kc < K - 2 * KC)[:, None], other=0.0).to(tl.float32)
+            s3 = tl.load(p_s + 3 * KC * V, mask=m_s & (o_kc < K - 3 * KC)[:, None], other=0.0).to(tl.float32)
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    owns = tl.load(own_ptr + i_b) != 0
+    o_r = tl.arange(0, R)
+    dr = o_r % BD
+    is_q = o_r >= BD
+    m_in = dr < D
+    p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
+    v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
+    o_c = tl.arange(0, R)
+    o_m = tl.arange(0, BC)
+    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
+    L = tl.load(p_l + o_c[None, :])
+    LW = tl.load(p_l + R + o_m[None, :])
+    p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kc[None, :]
+    if STORAGE:
+        P0 = tl.load(p_p, mask=(o_kc < K)[None, :], other=0.0)
+        if NKC > 1:
+            P1 = tl.load(p_p + KC, mask=(o_kc < K - KC)[None, :], other=0.0)
+        if NKC > 2:
+            P2 = tl.load(p_p + 2 * KC, mask=(o_kc < K - 2 * KC)[None, :], other=0.0)
+            P3 = tl.load(p_p + 3 * KC, mask=(o_kc < K - 3 * KC)[None, :], other=0.0)
+    m_n = o_m < n
+    uc = tl.load(cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :],
+                 mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    m_t = dr < t
+    out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
+    out += tl.dot(LW, uc, input_precision=PREC)
+    if STORAGE:
+        X = tl.dot(P0, s0, input_precision=PREC)
+        if NKC > 1:
+            X += tl.dot(P1, s1, input_precision=PREC)
+        if NKC > 2:
+            X += tl.dot(P2, s2, input_precision=PREC)
+            X += tl.dot(P3, s3, input_precision=PREC)
         out += tl.where(owns, X, 0.0)
     out = tl.where(m_t[:, None], out, 0.0)
     m_out = m_in[:, None] & m_v[None, :]
     tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
     tl.store(du_ptr + p_rv, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
-    if i_v == 0:
-        DK: tl.constexpr = True
-        if not CHANNEL:
-            tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
-            G0 = kq0  # unused below
-            G1 = kq0
-            G2 = kq0
-            G3 = kq0
-        m_own = dr < tl.where(i_hv % GROUP == 0, D, 0)  # one program per (request, q/k head) keeps the keys
-        _chunk_store(dk_ptr, dg_ptr, k0_in, G0, p_kq, p_rt, m_own, is_q, m_t, 0, DK, K, KC, False)
-        if CHANNEL:
-            _chunk_store(dk_ptr, dg_ptr, k0_in, G0, p_kq, p_rt, m_in, is_q, m_t, 0, False, K, KC, CHANNEL)
-        if NKC > 1:
-            _chunk_store(dk_ptr, dg_ptr, k1_in, G1, p_kq, p_rt, m_own, is_q, m_t, KC, DK, K, KC, False)
-            if CHANNEL:
-                _chunk_store(dk_ptr, dg_ptr, k1_in, G1, p_kq, p_rt, m_in, is_q, m_t, KC, False, K, KC, CHANNEL)
-        if NKC > 2:
-            _chunk_store(dk_ptr, dg_ptr, k2_in, G2, p_kq, p_rt, m_own, is_q, m_t, 2 * KC, DK, K, KC, False)
-            _chunk_store(dk_ptr, dg_ptr, k3_in, G3, p_kq, p_rt, m_own, is_q, m_t, 3 * KC, DK, K, KC, False)
-            if CHANNEL:
-                _chunk_store(dk_ptr, dg_ptr, k2_in, G2, p_kq, p_rt, m_in, is_q, m_t, 2 * KC, False, K, KC, CHANNEL)
-                _chunk_store(dk_ptr, dg_ptr, k3_in, G3, p_kq, p_rt, m_in, is_q, m_t, 3 * KC, False, K, KC, CHANNEL)
 
 
 @triton.jit
-def _accept_kernel(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHV: tl.constexpr, NV: tl.constexpr,
-    CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PREC: tl.constexpr,
-):
-    GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+def _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C: tl.constexpr, BD: tl.constexpr):
+    """The accepted node's root-to-node path (walked up ``parents`` in registers) and the overflow rule:
+    returns (n, node, on_path [BD], pos [BD] index along the path, m, fold, nf = path entries folded)."""
     node = tl.load(node_ptr + i_b).to(tl.int32)
     n = tl.load(len_ptr + i_b).to(tl.int32)
-    owns = tl.load(own_ptr + i_b) != 0
     o_d = tl.arange(0, BD)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
     par = tl.load(par_ptr + i_b * D + o_d, mask=o_d < D, other=-1).to(tl.int32)
-    # the root-to-node path, walked up in registers (parents precede children)
     on_path = o_d < 0
     cur = node
     for _ in range(0, node + 1):
         hit = o_d == cur
         on_path = on_path | hit
         cur = tl.where(cur >= 0, tl.sum(tl.where(hit, par, 0), 0), -1)
-    pos = tl.sum(tl.where((o_d[None, :] < o_d[:, None]) & on_path[None, :], 1, 0), 1)  # index along the path
+    pos = tl.sum(tl.where((o_d[None, :] < o_d[:, None]) & on_path[None, :], 1, 0), 1)
     m = tl.sum(on_path.to(tl.int32), 0)
     fold = n + m > C  # kvbuffer_ref.entries.fold_count: all old entries + the oldest max(0, m - C) new
     nf = tl.where(fold, tl.maximum(m - C, 0), 0)
-    m_fd = on_path & (pos < nf)  # path entries folded into the state
+    return n, node, on_path, pos, m, fold, nf
+
+
+@triton.jit
+def _accept_fold_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    """Phase 1 of accept, only for requests past the capacity (the others return at once): fold the n
+    old entries and the oldest nf path entries into this [K, BV] state tile,
+    S = diag(exp(G_end)) S0 + sum_j exp(G_end - G_j) k_j u_j^T (rank-1 updates, as decode's fold)."""
+    GROUP: tl.constexpr = HV // H
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
+    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C, BD)
+    if fold:
+        owns = tl.load(own_ptr + i_b) != 0
+        o_d = tl.arange(0, BD)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+        s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        s = tl.where(owns, s, 0.0)  # direct mode: S0 = 0 (the storage row is garbage)
+        last = tl.maximum(n - 1, 0)
+        j_end = tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # the last folded path entry, if any
+        if CHANNEL:
+            g_old = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=o_k < tl.where(n > 0, K, 0),
+                            other=0.0).to(tl.float32)
+            g_new = tl.load(dg_ptr + ((i_b * D + j_end) * HV + i_hv) * K + o_k, mask=o_k < tl.where(nf > 0, K, 0),
+                            other=0.0).to(tl.float32)
+            g_end = tl.where(nf > 0, g_new, g_old)  # [BK]
+            s = s * tl.exp(g_end)[:, None]
+        else:
+            g_old = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv, mask=n > 0, other=0.0).to(tl.float32)
+            g_new = tl.load(dg_ptr + (i_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
+            g_end = tl.where(nf > 0, g_new, g_old)
+            s = s * tl.exp(g_end)
+        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n, g_end, o_k, o_v, m_k, m_v,
+                       C, H, HV, K, V, CHANNEL)
+        for j in range(0, tl.where(nf > 0, node + 1, 0)):  # drafts <= node: real rows written by verify
+            take = tl.sum(tl.where((o_d == j) & (pos < nf), on_path.to(tl.int32), 0), 0) > 0
+            k_j = tl.load(dk_ptr + ((i_b * D + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            u_j = tl.load(du_ptr + ((i_b * D + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            if CHANNEL:
+                G_j = tl.load(dg_ptr + ((i_b * D + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            else:
+                G_j = tl.load(dg_ptr + (i_b * D + j) * HV + i_hv).to(tl.float32)
+            w = tl.where(take, tl.exp(g_end - G_j), 0.0)
+            s += (k_j * w)[:, None] * u_j[None, :]
+        tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _accept_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    """Phase 2 of accept (after any fold has read the old rows): append the kept path entries' u
+    columns (every program), G (V-tile 0, rebased on the last folded entry) and keys (one program per
+    q/k head); the request's last program (atomic ticket) advances lengths / has_state."""
+    GROUP: tl.constexpr = HV // H
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
+    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C, BD)
+    o_d = tl.arange(0, BD)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
     m_keep = on_path & (pos >= nf)  # path entries that stay buffered ...
     dest = tl.where(fold, pos - nf, n + pos)  # ... at these rows
     p_dt = (i_b * D + o_d) * HV + i_hv
-    ud = tl.load(du_ptr + p_dt[:, None] * V + o_v[None, :], mask=on_path[:, None] & m_v[None, :], other=0.0)
-    if CHANNEL:
-        Gd = tl.load(dg_ptr + p_dt[:, None] * K + o_k[None, :], mask=on_path[:, None] & m_k[None, :],
-                     other=0.0).to(tl.float32)
-    else:
-        Gd = tl.load(dg_ptr + p_dt, mask=on_path, other=0.0).to(tl.float32)
-    if STORAGE:
-        if fold:  # rare: S = diag(exp(G_end)) S0 + sum over folded entries exp(G_end - G_j) k_j u_j^T
-            p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-            s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            s = tl.where(owns, s, 0.0)
-            o_c = tl.arange(0, BC)
-            m_n = o_c < n
-            m_nk = m_n[:, None] & m_k[None, :]
-            kc = tl.load(ck_ptr + ((i_b * C + o_c[:, None]) * H + i_h) * K + o_k[None, :], mask=m_nk,
-                         other=0.0).to(tl.float32)
-            uc = tl.load(cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
-                         mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            dk = tl.load(dk_ptr + ((i_b * D + o_d[:, None]) * H + i_h) * K + o_k[None, :],
-                         mask=m_fd[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            if CHANNEL:
-                gc = tl.load(cg_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_nk,
-                             other=0.0).to(tl.float32)
-                g_end = tl.where(nf > 0, tl.sum(tl.where((on_path & (pos == nf - 1))[:, None], Gd, 0.0), 0),
-                                 tl.sum(tl.where((o_c == n - 1)[:, None], gc, 0.0), 0))  # [BK]
-                kcd = kc * tl.exp(tl.where(m_nk, g_end[None, :] - gc, float("-inf")))
-                kdd = dk * tl.exp(tl.where(m_fd[:, None] & m_k[None, :], g_end[None, :] - Gd, float("-inf")))
-                s = s * tl.exp(g_end)[:, None]
-            else:
-                gc = tl.load(cg_ptr + (i_b * C + o_c) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)
-                g_end = tl.where(nf > 0, tl.sum(tl.where(on_path & (pos == nf - 1), Gd, 0.0), 0),
-                                 tl.sum(tl.where(o_c == n - 1, gc, 0.0), 0))
-                kcd = kc * tl.exp(tl.where(m_n, g_end - gc, float("-inf")))[:, None]
-                kdd = dk * tl.exp(tl.where(m_fd, g_end - Gd, float("-inf")))[:, None]
-                s = s * tl.exp(g_end)
-            s += tl.dot(tl.trans(kcd), uc, input_precision=PREC)
-            s += tl.dot(tl.trans(kdd), tl.where(m_fd[:, None], ud.to(tl.float32), 0.0), input_precision=PREC)
-            tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
-            tl.debug_barrier()  # every warp has read the old u rows before any is overwritten
+    ud = tl.load(du_ptr + p_dt[:, None] * V + o_v[None, :], mask=m_keep[:, None] & m_v[None, :], other=0.0)
     tl.store(cu_ptr + ((i_b * C + dest[:, None]) * HV + i_hv) * V + o_v[None, :],
              ud.to(cu_ptr.dtype.element_ty), mask=m_keep[:, None] & m_v[None, :])
-    if (i_v == 0) & (n + m <= C):  # no fold: no old row is read by anyone: write the new key and G rows now
+    if i_v == 0:
+        last = tl.maximum(n - 1, 0)
+        j_end = tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)
+        m_ko = o_k < tl.where(fold, K, 0)
         if CHANNEL:
+            Gd = tl.load(dg_ptr + p_dt[:, None] * K + o_k[None, :], mask=m_keep[:, None] & m_k[None, :],
+                         other=0.0).to(tl.float32)
+            g_old = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k,
+                            mask=m_ko & (o_k < tl.where(n > 0, K, 0)), other=0.0).to(tl.float32)
+            g_new = tl.load(dg_ptr + ((i_b * D + j_end) * HV + i_hv) * K + o_k,
+                            mask=m_ko & (o_k < tl.where(nf > 0, K, 0)), other=0.0).to(tl.float32)
+            g_end = tl.where(nf > 0, g_new, g_old)  # 0 without a fold
             tl.store(cg_ptr + ((i_b * C + dest[:, None]) * HV + i_hv) * K + o_k[None, :],
-                     Gd.to(cg_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
+                     (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
         else:
-            tl.store(cg_ptr + (i_b * C + dest) * HV + i_hv, Gd.to(cg_ptr.dtype.element_ty), mask=m_keep)
+            Gd = tl.load(dg_ptr + p_dt, mask=m_keep, other=0.0).to(tl.float32)
+            g_old = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv, mask=tl.where(fold, n, 0) > 0,
+                            other=0.0).to(tl.float32)
+            g_new = tl.load(dg_ptr + (i_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
+            g_end = tl.where(nf > 0, g_new, g_old)
+            tl.store(cg_ptr + (i_b * C + dest) * HV + i_hv, (Gd - g_end).to(cg_ptr.dtype.element_ty), mask=m_keep)
         if i_hv % GROUP == 0:
             p_k = ((i_b * D + o_d[:, None]) * H + i_h) * K + o_k[None, :]
             k_new = tl.load(dk_ptr + p_k, mask=m_keep[:, None] & m_k[None, :], other=0.0)
             tl.store(ck_ptr + ((i_b * C + dest[:, None]) * H + i_h) * K + o_k[None, :],
                      k_new.to(ck_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
-    # the request's last program writes what the others read: lengths, has_state and, after a fold,
-    # the kept keys and rebased G of every head
+    # the request's last program writes what every program read: lengths and has_state
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + i_b, 1)
     if ticket == HV * NV - 1:
         if fold:
-            for h in range(0, H):
-                p_k = ((i_b * D + o_d[:, None]) * H + h) * K + o_k[None, :]
-                k_new = tl.load(dk_ptr + p_k, mask=m_keep[:, None] & m_k[None, :], other=0.0)
-                tl.store(ck_ptr + ((i_b * C + dest[:, None]) * H + h) * K + o_k[None, :],
-                         k_new.to(ck_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
-            last = tl.maximum(n - 1, 0)
-            if CHANNEL:
-                for hv in range(0, HV):
-                    m_pk = on_path[:, None] & m_k[None, :]
-                    G_p = tl.load(dg_ptr + ((i_b * D + o_d[:, None]) * HV + hv) * K + o_k[None, :], mask=m_pk,
-                                  other=0.0).to(tl.float32)
-                    g_old = tl.load(cg_ptr + ((i_b * C + last) * HV + hv) * K + o_k, mask=o_k < tl.where(n > 0, K, 0),
-                                    other=0.0).to(tl.float32)
-                    g_end = tl.where(nf > 0, tl.sum(tl.where((on_path & (pos == nf - 1))[:, None], G_p, 0.0), 0),
-                                     g_old)
-                    tl.store(cg_ptr + ((i_b * C + dest[:, None]) * HV + hv) * K + o_k[None, :],
-                             (G_p - g_end[None, :]).to(cg_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
-            else:
-                o_hv = tl.arange(0, BHV)
-                m_hv = o_hv < HV
-                G_p = tl.load(dg_ptr + (i_b * D + o_d[:, None]) * HV + o_hv[None, :],
-                              mask=on_path[:, None] & m_hv[None, :], other=0.0).to(tl.float32)  # [BD, BHV]
-                g_old = tl.load(cg_ptr + (i_b * C + last) * HV + o_hv, mask=o_hv < tl.where(n > 0, HV, 0), other=0.0).to(tl.float32)
-                g_end = tl.where(nf > 0, tl.sum(tl.where((on_path & (pos == nf - 1))[:, None], G_p, 0.0), 0), g_old)
-                tl.store(cg_ptr + (i_b * C + dest[:, None]) * HV + o_hv[None, :],
-                         (G_p - g_end[None, :]).to(cg_ptr.dtype.element_ty), mask=m_keep[:, None] & m_hv[None, :])
             tl.store(own_ptr + i_b, 1)
         tl.store(len_ptr + i_b, tl.where(fold, m - nf, n + m).to(len_ptr.dtype.element_ty))
         tl.store(ticket_ptr + i_b, 0)
@@ -547,17 +559,27 @@ def verify(
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision)
     nkc = min(4, block(d.K) // 16)  # key-dimension chunks of the kernel (1, 2 or 4)
     storage = buffer.state is not None
+    BD = block(d.T, 8)
+    R, BC = 2 * BD, block(buffer.capacity)
+    # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC], P [B*HV, R, K]
+    lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
+    pk = torch.empty(d.B * d.HV, R, d.K, dtype=torch.float32, device=q.device)
+    prec = _precision(q, cfg["precision"])
+    KC, NKC = block(d.K) // nkc, nkc
     with device_guard(q):
-        _verify_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
-            as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), parents, num_drafts,
-            o, du, dG, dk,
-            buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
-            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+        _verify_prep_kernel[(d.B * d.HV,)](
+            as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, dG, dk,
+            buffer.k, buffer.G, buffer.lengths, pk, lw,
             s, d.T,
-            C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, V=d.V,
-            BD=block(d.T, 8), BC=block(buffer.capacity), KC=block(d.K) // nkc, NKC=nkc, BV=cfg["BV"],
-            CHANNEL=d.channel_gate, STORAGE=storage, PREC=_precision(q, cfg["precision"]),
-            num_warps=cfg["num_warps"],
+            C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
+            CHANNEL=d.channel_gate, PREC=prec, num_warps=cfg["prep_warps"],
+        )
+        _verify_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
+            as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
+            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+            pk, lw, d.T,
+            C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, KC=KC, NKC=NKC, BV=cfg["BV"],
+            STORAGE=storage, PREC=prec, num_warps=cfg["num_warps"],
         )
     return o, drafts
 
@@ -642,16 +664,19 @@ def accept(
     if B == 0 or D == 0:
         return buffer
     cfg = launch_config("accept", buffer.head_v_dim, BV=BV, num_warps=num_warps, precision=precision)
+    _precision(buffer.k, cfg["precision"])  # validated; the fold is rank-1 updates in fp32 (no dot)
     storage = buffer.state is not None
     H, HV, K, V = buffer.num_heads, buffer.num_value_heads, buffer.head_k_dim, buffer.head_v_dim
     NV = triton.cdiv(V, cfg["BV"])
+    args = (as_input(drafts.k), as_input(drafts.u), as_input(drafts.G), as_input(drafts.parents), nodes, D)
+    consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), BK=block(K), CHANNEL=buffer.channel_gate)
+    fcfg = launch_config("accept_fold", V)
     with device_guard(buffer.k):
-        _accept_kernel[(NV, B * HV)](
-            buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
-            buffer.state if storage else buffer.lengths, ticket_counters(B, dev),
-            as_input(drafts.k), as_input(drafts.u), as_input(drafts.G), as_input(drafts.parents), nodes, D,
-            C=C, H=H, HV=HV, K=K, V=V, BD=block(D), BC=block(C), BK=block(K), BV=cfg["BV"], BHV=block(HV, 1), NV=NV,
-            CHANNEL=buffer.channel_gate, STORAGE=storage, PREC=_precision(buffer.k, cfg["precision"]),
-            num_warps=cfg["num_warps"],
-        )
+        if storage:  # requests past the capacity fold first (the others' programs return at once)
+            _accept_fold_kernel[(triton.cdiv(V, fcfg["BV"]), B * HV)](
+                buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), buffer.state, *args,
+                BV=fcfg["BV"], num_warps=fcfg["num_warps"], **consts)
+        _accept_kernel[(NV, B * HV)](buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
+                                     ticket_counters(B, dev), *args, BV=cfg["BV"], NV=NV, num_warps=cfg["num_warps"],
+                                     **consts)
     return buffer

@@ -89,8 +89,8 @@ class Poisoned:
 
 @pytest.fixture
 def _launch():
-    """Small V-tiles (BV=16: several programs per value head) for verify and accept, restored after."""
-    old = {kern: spec.set_launch(kern, BV=16) for kern in ("verify", "accept")}
+    """Small V-tiles (BV=16: several programs per value head) for verify and accept (fold too), restored after."""
+    old = {kern: spec.set_launch(kern, BV=16) for kern in ("verify", "accept", "accept_fold")}
     yield
     for kern, cfg in old.items():
         spec.set_launch(kern, **cfg)
@@ -143,8 +143,9 @@ def test_fold_on_accept_past_capacity_and_direct_requests():
 
 @pytest.mark.parametrize("channel", [False, True])
 def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
-    """V = 40 over BV = 16 tiles (a partial last tile; accept's ticket counts every tile), K = 40 (four key chunks, partial), ten
-    drafts (two row blocks of 16), a tree with several branches, folds on accept, a direct request."""
+    """V = 40 over BV = 16 tiles (a partial last tile; accept's ticket counts every tile), K = 40 (four key
+    chunks, partial), ten drafts (two row blocks of 16), a tree with several branches, folds on accept
+    (several V-tiles of the fold too), a direct request."""
     case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mixed", beta="mixed", seed=11)
     tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
     _assert_all(P.check_verify_accept(
