@@ -62,9 +62,11 @@ MAX_DRAFTS = 64
 # dot precision on CUDA ('tf32x3': three TF32 tensor-core products, ~fp32 accuracy; 'ieee': FMA).
 # verify: no register spills at these (ptxas sm_90, cuobjdump -res-usage; docs/speculative.md);
 # bench/gpu_verify.py --tune times LAUNCH_CANDIDATES on the GPU and calls set_launch with the best.
+# Defaults: the best of that sweep on the H200 (bench/results/h200_gpu_check_call1: B=128, D=5:
+# verify 274 us at BV=64 / 4 warps / ieee vs 311-446 us for the others; accept 67 us at BV=32).
 _CONFIG = {
-    "verify": dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=1),
-    "accept": dict(BV=64, num_warps=4, precision="tf32x3"),
+    "verify": dict(BV=64, num_warps=4, precision="ieee", prep_warps=1),
+    "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
 
