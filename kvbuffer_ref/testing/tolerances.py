@@ -4,7 +4,7 @@ An implementation's output is compared with the float64 recurrent truth.  Its er
 relative RMS error ``||x - ref|| / ||ref||`` of each (request, head) slice; the worst slice is
 what counts.  It passes when
 
-    rel(actual)[s] <= kappa * rel(baseline)[s] + (floor + gate_floor * gate_span) * eps(dtype)
+    rel(actual)[s] <= kappa * rel(baseline)[s] + floor * eps(dtype) + gate_floor * gate_span * eps(compute)
 
 for every (request, head) slice s: each slice is held to the baseline's error on that same slice
 (a slice the baseline itself gets badly wrong, e.g. one whose exact value is a float32-underflowing
@@ -13,7 +13,9 @@ furthest past, its budget.
 
 where *baseline* is the plain recurrent reference run in the implementation's own compute dtype
 (float32 accumulation for float32/float16/bfloat16 inputs, cast to the output dtype) on the same
-inputs, and ``eps(dtype)`` is the machine epsilon of the output dtype.  NaN or Inf never passes.
+inputs, ``eps(dtype)`` is the machine epsilon of the output dtype and ``eps(compute)`` that of
+the dtype the decays are computed in (float64 for float64, float32 for everything narrower: the
+cumulative gates live in float32 even when the output is bf16).  NaN or Inf never passes.
 
 ``gate_span`` is the conditioning of the buffered and chunked forms: they form decays as
 ``exp(G_i - G_j)`` from cumulative log-gates, and a difference of two cumulative sums of size |G|
@@ -123,12 +125,13 @@ class Comparison:
         verdict = "PASS" if self.passed else "FAIL"
         tol = tolerance_for(self.dtype)
         b, h = self.worst_slice
+        compute = torch.float64 if self.dtype == torch.float64 else torch.float32
         extra = f", {self.nonfinite} non-finite elements" if self.nonfinite else ""
         return (
             f"{verdict} {self.name} [{str(self.dtype).replace('torch.', '')}]: worst slice (request {b}, head {h}) "
             f"rel-RMS {self.worst_rel:.3e}, max-abs {self.max_abs:.3e}{extra}; budget {self.budget:.3e} = "
-            f"{tol.kappa:g} x baseline {self.baseline_rel:.3e} + ({tol.floor:g} + {tol.gate_floor:g} x gate span "
-            f"{self.gate_span:.3g}) x eps {torch.finfo(self.dtype).eps:.2e}"
+            f"{tol.kappa:g} x baseline {self.baseline_rel:.3e} + {tol.floor:g} x eps {torch.finfo(self.dtype).eps:.2e} "
+            f"+ {tol.gate_floor:g} x gate span {self.gate_span:.3g} x eps {torch.finfo(compute).eps:.2e}"
         )
 
 
@@ -149,7 +152,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     dtype = dtype or actual.dtype
     tol = tolerance_for(dtype)
     span = gate_span(g)
-    floor = (tol.floor + tol.gate_floor * span) * torch.finfo(dtype).eps
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    floor = tol.floor * torch.finfo(dtype).eps + tol.gate_floor * span * torch.finfo(compute).eps
     rel = rel_rms_slices(actual, expected, head_axis, valid)
     base = torch.zeros_like(rel) if baseline is None else rel_rms_slices(baseline, expected, head_axis, valid)
     budgets = tol.kappa * base + floor
