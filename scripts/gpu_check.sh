@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh OUTDIR [STAGE...]    (the fla wheel must be in .whl/)
 #
 # STAGEs (default: all, in this order; the device tool allows 10 minutes a call, so split them
-# over two calls: `tests validate decode` then `verify report`):
+# over three calls: `decode verify`, `tests report`, `validate`; bench/results/h200_gpu_check/):
 #
 # 1. the fast property tests, compiled on the GPU (hypothesis profile 'gpu');
 # 2. `kvbuffer validate --device cuda` on the bundled implementations;
@@ -42,7 +42,7 @@ export PYTHONPATH=$(pwd):/tmp/site:${PYTHONPATH:-}
   python3 -c "import torch, triton, hypothesis; import fla; print('torch', torch.__version__, 'triton', triton.__version__, 'hypothesis', hypothesis.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"; } | tee "$W/env.txt"
 
 stage tests 100 env HYPOTHESIS_PROFILE=gpu python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py -q -p no:cacheprovider
-stage validate 90 python3 -m kvbuffer_ref.cli validate --device cuda --impl reference --impl fast --impl fla --max-examples 5 --json "$W/validate.json"
+stage validate 200 python3 -m kvbuffer_ref.cli validate --device cuda --impl reference --impl fast --impl fla --max-examples 5 --json "$W/validate.json"
 stage decode 150 python3 -m bench.gpu_decode --tune --out "$W/gpu_decode.json"
 stage verify 120 python3 -m bench.gpu_verify --quick --out "$W/gpu_verify.json"
 stage report 400 bash bench/run_gpu.sh "$W/report"
