@@ -66,6 +66,9 @@ class Run:
                 ref = self.find(kind=r["kind"], style="per_draft_state", B=r.get("B"), d=r.get("d"))
                 if ref:
                     r["vs_per_draft_state"] = r["device_us"] / ref["device_us"]
+                ref = self.find(kind="verify", style="fla", B=r.get("B"), d=r.get("d"))
+                if ref and r["kind"] == "verify":
+                    r["vs_fla_tokens"] = r["device_us"] / ref["device_us"]
                 for ref_kind, key in (("recurrent", "vs_recurrent"), ("fla", "vs_fla")):
                     ref = self.find(kind=ref_kind, B=r.get("B"))
                     if ref:
@@ -139,7 +142,7 @@ def decode_table(run: Run):
 def verify_table(run: Run):
     keys = sorted({(r["B"], r["d"]) for r in run.rows if r["kind"] in ("verify", "step")})
     header = ["B", "d", "buffered chain µs", "buffered tree µs", "per-draft-state µs", "buffered/per-draft",
-              "step buffered µs", "step per-draft µs", "step ratio"]
+              "fla over d tokens µs", "buffered/fla", "step buffered µs", "step per-draft µs", "step ratio"]
     rows = []
     for B, d in keys:
         bc = run.find(kind="verify", style="buffered", topology="chain", B=B, d=d)
@@ -147,8 +150,10 @@ def verify_table(run: Run):
         pd = run.find(kind="verify", style="per_draft_state", B=B, d=d)
         sb = run.find(kind="step", style="buffered", B=B, d=d)
         sp = run.find(kind="step", style="per_draft_state", B=B, d=d)
+        fl = run.find(kind="verify", style="fla", B=B, d=d)
         get = lambda r: _us(r["device_us"]) if r else "–"  # noqa: E731
         rows.append([B, d, get(bc), get(bt), get(pd), _x(bc.get("vs_per_draft_state")) if bc else "–",
+                     get(fl), _x(bc.get("vs_fla_tokens")) if bc else "–",
                      get(sb), get(sp), _x(sb.get("vs_per_draft_state")) if sb else "–"])
     return header, rows
 
@@ -266,7 +271,8 @@ def plot_verify(run: Run, path: str):
     plt = _plt()
     batches = sorted({r["B"] for r in run.rows if r["kind"] in ("verify", "step")}) or [None]
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches) + 1, 4.5), squeeze=False)
-    styles = {("buffered", "chain"): "-", ("buffered", "tree"): "-.", ("per_draft_state", "chain"): "--"}
+    styles = {("buffered", "chain"): "-", ("buffered", "tree"): "-.", ("per_draft_state", "chain"): "--",
+              ("fla", "chain"): ":"}
     for ax, B in zip(axes[0], batches):
         series = defaultdict(list)
         for r in run.rows:
@@ -373,7 +379,8 @@ def build(run: Run, out: str, before: Optional[Run] = None, budget_gib: float = 
     h, rows = verify_table(run)
     if rows:
         md += ["## Speculative verify", "", "Device µs per launch for d drafts; `step` = verify + accept of all d "
-               "drafts. Ratios: buffered / per-draft-state at the same (B, d).", "", _table(h, rows), "",
+               "drafts. Ratios: buffered / per-draft-state and buffered / fla's fused_recurrent over the same d "
+               "tokens (which keeps only the final state and cannot roll back), at the same (B, d).", "", _table(h, rows), "",
                f"![verify vs drafts]({PLOTS[2]})", ""]
     md += ["## Bandwidth", "", "Bytes from the IO model (bench/io_model.py, DESIGN.md §6); achieved TB/s = bytes / "
            "device time; share of the copy bandwidth measured in the same run.", "",

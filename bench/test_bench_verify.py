@@ -155,3 +155,30 @@ def test_step_per_draft_state(benchmark, bench, vbatch, drafts):
     bench.measure(benchmark, step, kind="step", style="per_draft_state", topology="chain",
                   impl="kvbuffer_fast.per_draft_state_verify + accept",
                   io_bytes=io.per_draft_verify(s, B, d) + io.per_draft_accept(s, B), checks=checks, B=B, d=d)
+
+
+def test_verify_fla_tokens(benchmark, bench, vbatch, drafts):
+    """flash-linear-attention 0.6.0 fused_recurrent_gated_delta_rule over the same d tokens in one call
+    (reads the state, writes only the final one: it cannot roll back a rejected draft).  The
+    comparison the speculative issue asks for: buffered verify of d tokens vs this."""
+    mod = pytest.importorskip("fla.ops.gated_delta_rule",
+                              reason="flash-linear-attention (fla-core 0.6.0) is not importable")
+    fused = mod.fused_recurrent_gated_delta_rule
+    s, rows, B, d = bench.cfg.shapes, check_rows(vbatch), vbatch, drafts
+    state, x, _ = _per_draft_setup(bench, B, d, seed=3)
+    truth = bench.truth(x, rows, initial_state=state)
+
+    def run():
+        # keywords only (fla's positional order differs between its functions); state [B, HV, K, V]
+        return fused(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], scale=s.K ** -0.5, initial_state=state,
+                     output_final_state=True, use_qk_l2norm_in_kernel=False)
+
+    o, S = run()
+    checks = require([bench.compare(f"fla.fused_recurrent[d={d}].o", o, rows, truth),
+                      bench.compare(f"fla.fused_recurrent[d={d}].state", S, rows, truth, state=True)])
+    import fla
+
+    bench.measure(benchmark, run, kind="verify", style="fla", topology="chain",
+                  impl=f"fla {getattr(fla, '__version__', '?')} fused_recurrent_gated_delta_rule over d tokens",
+                  io_bytes=io.recurrent_step(s, B), checks=checks, B=B, d=d,
+                  design_bytes=io.design_model_bytes("fla", s, B))

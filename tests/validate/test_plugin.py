@@ -12,8 +12,17 @@ def _pytest(tmp_path, *args):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("HYPOTHESIS_PROFILE", None)
     (tmp_path / "test_trivial.py").write_text("def test_trivial():\n    assert True\n")
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "kvbuffer_ref.pytest_plugin", "-p", "no:cacheprovider",
+    # pip-installed, the package registers the plugin through its pytest11 entry point; from a bare
+    # checkout (PYTHONPATH only) it has to be named with -p, and naming it twice is an error
+    load = [] if _entry_point_installed() else ["-p", "kvbuffer_ref.pytest_plugin"]
+    return subprocess.run([sys.executable, "-m", "pytest", *load, "-p", "no:cacheprovider",
                            "-rs", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.value == "kvbuffer_ref.pytest_plugin" for ep in entry_points(group="pytest11"))
 
 
 def test_without_the_option_the_plugin_does_nothing(tmp_path):
