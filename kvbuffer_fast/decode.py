@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.validation import check_buffer, check_scale, check_tokens
+from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
 from ._common import (as_input, block, device_guard, flag_view, launch_config, new_output, require_inplace,
                       ticket_counters)
@@ -412,27 +412,6 @@ DECODE_TUNE_CONFIGS = (
 )
 
 
-def _counts(buffer: KVBuffer, count, validate: bool) -> torch.Tensor:
-    """count (None = all, an int, or a [B] int tensor, each in 0..lengths[b]) as a [B] int64 tensor."""
-    B = buffer.batch
-    if count is None:
-        return buffer.lengths.clone()
-    if isinstance(count, int) and not isinstance(count, bool):
-        count = torch.full((B,), count, dtype=torch.long, device=buffer.k.device)
-    if not isinstance(count, torch.Tensor) or count.dtype.is_floating_point or count.dtype == torch.bool \
-            or tuple(count.shape) != (B,):
-        desc = f"{count.dtype} {list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
-        raise ValueError(f"count: expected None, an int or an integer tensor [B] = [{B}], got {desc}")
-    count = count.to(device=buffer.k.device, dtype=torch.long)
-    if validate:
-        bad = (count < 0) | (count > buffer.lengths)
-        if bool(bad.any()):
-            b = int(bad.nonzero()[0, 0])
-            raise ValueError(f"count: entry [{b}] is {int(count[b])}, expected a value in 0..{int(buffer.lengths[b])} "
-                             f"(request {b}'s buffer length)")
-    return count.contiguous()
-
-
 def flush(buffer: KVBuffer, *, count=None, validate: bool = True, BV: Optional[int] = None,
           num_warps: Optional[int] = None) -> KVBuffer:
     """Fold the first ``count`` entries of each request into its state, IN PLACE; return the buffer.
@@ -447,7 +426,7 @@ def flush(buffer: KVBuffer, *, count=None, validate: bool = True, BV: Optional[i
     elif not isinstance(buffer, KVBuffer):
         raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
     _check_u_form(buffer, "flush")
-    count = _counts(buffer, count, validate)
+    count = check_flush_count(count, buffer.lengths, validate)
     if buffer.state is None:
         B, HV, K, V = buffer.batch, buffer.num_value_heads, buffer.head_k_dim, buffer.head_v_dim
         state = torch.zeros(B, HV, K, V, dtype=torch.promote_types(buffer.u.dtype, torch.float32),
@@ -491,4 +470,7 @@ def materialize_state(buffer: KVBuffer) -> torch.Tensor:
     """The current state S_n of every request [B, HV, K, V] (zeros where none exists); the buffer is unchanged."""
     fields = {f: (None if getattr(buffer, f) is None else getattr(buffer, f).clone())
               for f in ("k", "lengths", "state", "has_state", "u", "G", "v", "g", "beta")}
-    return flush(KVBuffer(**fields)).state
+    folded = flush(KVBuffer(**fields))
+    # a request that owns no state and had nothing to fold: its storage row is not its state
+    owns = folded.has_state[:, None, None, None]
+    return torch.where(owns, folded.state, torch.zeros((), dtype=folded.state.dtype, device=folded.state.device))

@@ -9,7 +9,7 @@ import torch
 from .buffer import KVBuffer
 from .entries import entries_of, stale_state, store
 from .speculative import accept, verify
-from .validation import check_buffer
+from .validation import check_buffer, check_flush_count
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -48,18 +48,7 @@ def flush(buffer: KVBuffer, *, count=None) -> KVBuffer:
     """
     check_buffer(buffer)
     B = buffer.batch
-    if count is None:
-        count = buffer.lengths
-    elif isinstance(count, int) and not isinstance(count, bool):
-        count = torch.full((B,), count, dtype=torch.long, device=buffer.k.device)
-    if not isinstance(count, torch.Tensor) or count.dtype.is_floating_point or tuple(count.shape) != (B,):
-        desc = f"{count.dtype} {list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
-        raise ValueError(f"count: expected None, an int or an integer tensor [B] = [{B}], got {desc}")
-    bad = (count < 0) | (count > buffer.lengths)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
-        raise ValueError(f"count: entry [{b}] is {int(count[b])}, expected a value in 0..{int(buffer.lengths[b])} "
-                         f"(request {b}'s buffer length)")
+    count = check_flush_count(count, buffer.lengths)
     dt = buffer.values.dtype
     fields = {f: (None if getattr(buffer, f) is None else getattr(buffer, f).clone())
               for f in ("k", "u", "G", "v", "g", "beta", "state", "has_state", "lengths")}

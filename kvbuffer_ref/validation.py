@@ -30,6 +30,8 @@ __all__ = [
     "check_counts",
     "check_nodes",
     "check_capacity",
+    "check_buffer",
+    "check_flush_count",
 ]
 
 
@@ -315,3 +317,28 @@ def check_buffer(buffer, dims: Optional[Dims] = None, device: Optional[torch.dev
             raise ValueError(f"g: the buffer holds {kinds[buffer.channel_gate]} gates but g is {kinds[dims.channel_gate]}")
     if device is not None:
         _require_device("buffer", k, device)
+
+
+def check_flush_count(count, lengths: torch.Tensor, check_values: bool = True) -> torch.Tensor:
+    """Check ``flush``'s count (None = every entry, an int, or an integer tensor [B], each in
+    0..lengths[b]) and return it as a [B] int64 tensor on the lengths' device.
+
+    ``check_values=False`` skips the range check, which reads device values (a host sync).
+    """
+    B = lengths.shape[0]
+    if count is None:
+        return lengths.clone()
+    if isinstance(count, int) and not isinstance(count, bool):
+        count = torch.full((B,), count, dtype=torch.long, device=lengths.device)
+    if not isinstance(count, torch.Tensor) or count.dtype.is_floating_point or count.dtype == torch.bool \
+            or tuple(count.shape) != (B,):
+        desc = f"{count.dtype} {list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
+        raise ValueError(f"count: expected None, an int or an integer tensor [B] = [{B}], got {desc}")
+    count = count.to(device=lengths.device, dtype=torch.long)
+    if check_values:
+        bad = (count < 0) | (count > lengths)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"count: entry [{b}] is {int(count[b])}, expected a value in 0..{int(lengths[b])} "
+                             f"(request {b}'s buffer length)")
+    return count.contiguous()

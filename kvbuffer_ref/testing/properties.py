@@ -317,15 +317,15 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
 def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, lengths: Sequence[int],
                       form: str = "u", device="cpu", poison: bool = False) -> list[Comparison]:
     """materialize_state(impl) of a ragged buffer holding all T tokens == the recurrence's final state,
-    twice in a row (the first call must leave the buffer as it was).  poison: unused slots hold NaN
-    (the state storage of direct-mode requests is kept: materialize_state returns zeros for them)."""
+    twice in a row (the first call must leave the buffer as it was).  poison: unused slots and the
+    state storage of direct-mode requests hold NaN (it must never be read, nor returned)."""
     x = case.inputs(dtype, device)
     xd = torch.promote_types(dtype, torch.float32)
     (_, S64), base = truth_and_baseline(x)
     buf = buffer_to(ragged_buffer(upcast_inputs(x), lengths, capacity, form), dtype=xd, device=device,
                     key_dtype=dtype)
     if poison:
-        buf = poison_unused(buf).replace(state=buf.state)
+        buf = poison_unused(buf)
     name = f"materialize_state[C={capacity},{form}]"
     res = []
     for i in range(2):

@@ -267,3 +267,13 @@ def test_inputs_are_validated_like_the_reference():
         fast.flush(buf, count=torch.tensor([3], device=DEVICE))
     with pytest.raises(ValueError, match="state"):
         fast.recurrent_decode(**one, state=torch.zeros(1, 2, 8, 4, device=DEVICE))
+
+
+def test_materialize_state_is_zero_for_requests_without_a_state():
+    """A request that owns no state and has no entries: its storage row is garbage (here NaN), not a state."""
+    import kvbuffer_fast
+    from kvbuffer_ref import KVBuffer
+
+    buf = KVBuffer.empty(2, 1, 2, 8, 8, 4, dtype=torch.float32, device=DEVICE)
+    buf = buf.replace(state=torch.full_like(buf.state, float("nan")))
+    assert torch.equal(kvbuffer_fast.materialize_state(buf).cpu(), torch.zeros(2, 2, 8, 8))
