@@ -23,10 +23,6 @@ overhead is hidden (what a CUDA graph gives), median over repetitions.  States a
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +30,8 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+
+from bench._meta import run_metadata, save_json
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3-Next linear-attention layer
 SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than any op's launch overhead here
@@ -403,31 +401,10 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench.gpu_decode needs a CUDA device", file=sys.stderr)
         return 2
-    import triton
-
-    result = dict(
-        device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke test)", torch=torch.__version__, triton=triton.__version__,
-        python=platform.python_version(), shapes=dict(H=H, HV=HV, K=K, V=V),
-        started=time.strftime("%Y-%m-%d %H:%M:%S"),
-    )
-    try:
-        import subprocess
-
-        result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        result["commit"] = "unknown"
-    try:
-        import fla
-
-        result["fla"] = getattr(fla, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        result["fla"] = f"unavailable: {e!r}"
+    result = run_metadata(DEVICE, shapes=dict(H=H, HV=HV, K=K, V=V))
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        save_json(args.out, result)
 
     t0 = time.time()
     if not args.skip_check:

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import platform
 import sys
 import time
 import traceback
@@ -34,6 +31,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from bench._meta import run_metadata, save_json
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3-Next linear-attention layer
 C, N_BUF = 16, 8  # capacity and entries held by every request while timing
@@ -392,29 +391,16 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench.gpu_verify needs a CUDA device (or --cpu-smoke)", file=sys.stderr)
         return 2
-    import triton
-
-    result = dict(
-        device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke test)",
-        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-        shapes=dict(H=H, HV=HV, K=K, V=V), buffer=dict(capacity=C, entries_held=N_BUF),
+    result = run_metadata(
+        DEVICE, shapes=dict(H=H, HV=HV, K=K, V=V), buffer=dict(capacity=C, entries_held=N_BUF),
         convention=("'verify 4 drafts' = 5 new tokens per request (the bonus token plus 4 drafts) in one call: "
                     "buffered verify D=5 (no state written), per-draft-state verify writes 5 intermediate states, "
                     "fla fused_recurrent runs the 5 tokens from the state and writes the final state"),
         timing="triton.testing.do_bench median (L2 flushed), milliseconds",
-        started=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
-    try:
-        import fla
-
-        result["fla"] = getattr(fla, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        result["fla"] = f"unavailable: {e!r}"
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        save_json(args.out, result)
 
     t0 = time.time()
     cfg_v, cfg_b = {}, {}  # verify / accept: the launch set by tune() (kvbuffer_fast.speculative.set_launch)
