@@ -38,6 +38,7 @@ __all__ = [
     "check_verify_accept",
     "check_prefill",
     "poison_unused",
+    "poison_unused_",
     "owned_state",
     "check_materialize",
 ]
@@ -90,30 +91,30 @@ def ragged_buffer(x64: dict, lengths: Sequence[int], capacity: int, form: str = 
     return stack_buffers(rows)
 
 
-def poison_unused(buffer: KVBuffer) -> KVBuffer:
-    """A copy of ``buffer`` whose unused parts hold NaN: every slot at or past ``lengths[b]`` (keys,
-    u/G or v/g/beta) and the state storage of every request that owns no state (direct mode).
+def poison_unused_(buffer: KVBuffer) -> KVBuffer:
+    """Put NaN, IN PLACE, into the unused parts of ``buffer``: every slot at or past ``lengths[b]``
+    (keys, u/G or v/g/beta) and the state storage of every request that owns no state (direct mode).
+    Returns the same buffer (for implementations that update buffers in place).
 
     The contract says those are garbage that is never read (in serving, a reused slot holds another
     request's data); an implementation that reads them anyway, or masks a lane wrongly, turns the
     NaN into a failing output instead of silently reading zeros.
     """
-    C = buffer.capacity
-    unused = torch.arange(C, device=buffer.lengths.device)[None, :] >= buffer.lengths[:, None]  # [B, C]
-    fields = {}
+    unused = torch.arange(buffer.capacity, device=buffer.lengths.device)[None, :] >= buffer.lengths[:, None]
     for f in ("k", "u", "G", "v", "g", "beta"):
         x = getattr(buffer, f)
-        if x is None:
-            fields[f] = None
-            continue
-        m = unused.reshape(unused.shape + (1,) * (x.dim() - 2))
-        fields[f] = torch.where(m, torch.full_like(x, float("nan")), x).contiguous()
-    state = buffer.state
-    if state is not None:
-        m = (~buffer.has_state.to(torch.bool)).reshape(-1, 1, 1, 1)
-        state = torch.where(m, torch.full_like(state, float("nan")), state).contiguous()
-    return KVBuffer(k=fields["k"], lengths=buffer.lengths.clone(), state=state, has_state=buffer.has_state.clone(),
-                    u=fields["u"], G=fields["G"], v=fields["v"], g=fields["g"], beta=fields["beta"])
+        if x is not None:
+            x[unused] = float("nan")
+    if buffer.state is not None:
+        buffer.state[~buffer.has_state.to(torch.bool)] = float("nan")
+    return buffer
+
+
+def poison_unused(buffer: KVBuffer) -> KVBuffer:
+    """A poisoned copy of ``buffer`` (see ``poison_unused_``); the buffer itself is untouched."""
+    copy = KVBuffer(**{f: (None if getattr(buffer, f) is None else getattr(buffer, f).clone().contiguous())
+                       for f in ("k", "lengths", "state", "has_state", "u", "G", "v", "g", "beta")})
+    return poison_unused_(copy)
 
 
 def owned_state(buffer: KVBuffer) -> torch.Tensor:

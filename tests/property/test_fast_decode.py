@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from kvbuffer_ref.testing.properties import poison_unused_
+
 if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -45,17 +47,6 @@ def _assert_all(results):
         assert r.passed, str(r)
 
 
-def _poison_unread(buffer):
-    """NaN into every buffer element the kernels must not read (the ops may only mask them out)."""
-    C = buffer.capacity
-    dead = torch.arange(C, device=buffer.lengths.device)[None, :] >= buffer.lengths[:, None]  # [B, C]
-    for name in ("k", "u", "G"):
-        x = getattr(buffer, name)
-        x[dead] = float("nan")
-    if buffer.state is not None:
-        buffer.state[~buffer.has_state] = float("nan")
-
-
 class Poisoned:
     """kvbuffer_fast with every unread buffer element NaN before each call (reads of garbage show)."""
 
@@ -63,14 +54,14 @@ class Poisoned:
 
     @staticmethod
     def buffered_decode(*args, buffer, **kw):
-        _poison_unread(buffer)
+        poison_unused_(buffer)
         o, out = fast.buffered_decode(*args, buffer=buffer, **kw)
         assert out is buffer, "buffered_decode must return the buffer it updated in place"
         return o, out
 
     @staticmethod
     def flush(buffer, **kw):
-        _poison_unread(buffer)
+        poison_unused_(buffer)
         return fast.flush(buffer, **kw)
 
 

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from kvbuffer_ref.testing.properties import poison_unused_
+
 if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -44,20 +46,12 @@ def _poison_outputs():
     common.POISON = False
 
 
-def _poison_unread(buffer):
-    dead = torch.arange(buffer.capacity, device=buffer.lengths.device)[None, :] >= buffer.lengths[:, None]
-    for name in ("k", "u", "G"):
-        getattr(buffer, name)[dead] = float("nan")
-    if buffer.state is not None:
-        buffer.state[~buffer.has_state] = float("nan")
-
-
 class Poisoned:
     """kvbuffer_fast with every buffer element it must not read set to NaN before each call."""
 
     @staticmethod
     def verify(*args, buffer, **kw):
-        _poison_unread(buffer)
+        poison_unused_(buffer)
         before = {n: getattr(buffer, n).clone() for n in ("k", "u", "G", "lengths", "has_state")}
         o, drafts = fast.verify(*args, buffer=buffer, **kw)
         for n, x in before.items():
@@ -66,7 +60,7 @@ class Poisoned:
 
     @staticmethod
     def accept(buffer, drafts, **kw):
-        _poison_unread(buffer)
+        poison_unused_(buffer)
         out = fast.accept(buffer, drafts, **kw)
         assert out is buffer, "accept must return the buffer it updated in place"
         return out
@@ -74,14 +68,14 @@ class Poisoned:
     # the tokens after accept: kvbuffer_fast's decode and flush, on what accept left in place
     @staticmethod
     def buffered_decode(*args, buffer, **kw):
-        _poison_unread(buffer)
+        poison_unused_(buffer)
         o, out = fast.buffered_decode(*args, buffer=buffer, **kw)
         assert out is buffer, "buffered_decode must return the buffer it updated in place"
         return o, out
 
     @staticmethod
     def flush(buffer, **kw):
-        _poison_unread(buffer)
+        poison_unused_(buffer)
         out = fast.flush(buffer, **kw)
         # a request that still owns no state has S = 0; its storage row is (poisoned) garbage by design
         return out.replace(state=torch.where(out.has_state[:, None, None, None], out.state, 0.0))
