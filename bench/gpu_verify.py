@@ -85,15 +85,7 @@ def impl_with(precision):
     return types.SimpleNamespace(
         verify=functools.partial(fast.verify, precision=precision),
         accept=functools.partial(fast.accept, precision=precision),
-        buffered_decode=fast.buffered_decode, flush=owned_flush)
-
-
-def owned_flush(buffer, **kw):
-    """kvbuffer_fast.flush, with S = 0 for requests that own no state (their storage row is garbage)."""
-    import kvbuffer_fast as fast
-
-    out = fast.flush(buffer, **kw)
-    return out.replace(state=torch.where(out.has_state[:, None, None, None], out.state, 0.0))
+        buffered_decode=fast.buffered_decode, flush=fast.flush)
 
 
 # ----------------------------------------------------------------------------- correctness

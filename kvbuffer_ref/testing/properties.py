@@ -187,7 +187,8 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
 
     flushes: {step: counts} flushes ``counts`` ([B] ints, each <= the length at that point, or None
     for all) before decode step ``step``.  Also compares the final state (flush of everything).
-    poison: start from ``poison_unused(buffer)`` and compare ``owned_state`` of the final buffer.
+    poison: start from ``poison_unused(buffer)``.  The final state compared is ``owned_state``: a
+    request that owns no state has S = 0 whatever its storage row holds.
     """
     x = case.inputs(dtype, device)
     P = history
@@ -210,8 +211,7 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     res = []
     if outs:
         res.append(_cmp(f"{name}.o", torch.cat(outs, dim=1), o64[:, P:], base and base[0][:, P:], dtype, g=x["g"]))
-    final = impl.flush(buf)
-    final = owned_state(final) if poison else final.state
+    final = owned_state(impl.flush(buf))
     res.append(_cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
                     head_axis=1, g=x["g"]))
     return res
@@ -277,8 +277,7 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     for t in range(P + D, case.T):
         ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf)
         outs.append(ot)
-    final = impl.flush(buf)
-    final = owned_state(final) if poison else final.state
+    final = owned_state(impl.flush(buf))
     exp_o, exp_S, bas_o, bas_S = [], [], [], []
     for b in range(B):
         keep = list(range(P)) + [P + i for i in path_to(par[b].cpu(), int(nodes[b]))] + list(range(P + D, case.T))
@@ -308,7 +307,7 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
     for t in range(prompt, case.T):
         ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf)
         outs.append(ot)
-    final = impl.flush(buf).state
+    final = owned_state(impl.flush(buf))
     name = f"prefill[C={capacity},tail={tail},{form}]"
     return [_cmp(f"{name}.o", torch.cat(outs, dim=1), o64, base and base[0], dtype, g=x["g"]),
             _cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),

@@ -11,8 +11,6 @@ import os
 
 import torch
 
-from kvbuffer_ref.testing.properties import poison_unused_
-
 if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -26,6 +24,8 @@ import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.testing import Case, assert_matches, compare  # noqa: E402
 from kvbuffer_ref.testing import properties as P  # noqa: E402
 from kvbuffer_ref.testing import strategies as kst  # noqa: E402
+
+from .fast_adapter import Poisoned  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DIMS = (8, 16, 24)
@@ -45,24 +45,6 @@ def _assert_all(results):
     assert results, "no comparison was made"
     for r in results:
         assert r.passed, str(r)
-
-
-class Poisoned:
-    """kvbuffer_fast with every unread buffer element NaN before each call (reads of garbage show)."""
-
-    recurrent_gated_delta_rule = staticmethod(fast.recurrent_gated_delta_rule)
-
-    @staticmethod
-    def buffered_decode(*args, buffer, **kw):
-        poison_unused_(buffer)
-        o, out = fast.buffered_decode(*args, buffer=buffer, **kw)
-        assert out is buffer, "buffered_decode must return the buffer it updated in place"
-        return o, out
-
-    @staticmethod
-    def flush(buffer, **kw):
-        poison_unused_(buffer)
-        return fast.flush(buffer, **kw)
 
 
 @st.composite

@@ -16,8 +16,6 @@ import os
 
 import torch
 
-from kvbuffer_ref.testing.properties import poison_unused_
-
 if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -33,6 +31,8 @@ from kvbuffer_ref.testing import Case, compare  # noqa: E402
 from kvbuffer_ref.testing import properties as P  # noqa: E402
 from kvbuffer_ref.testing import strategies as kst  # noqa: E402
 
+from .fast_adapter import Poisoned  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(max_H=2, max_group=2, dims=(3, 8, 16))
 # the interpreter is slow: the ci profile runs 8 examples per test here; thorough keeps its own count
@@ -44,41 +44,6 @@ def _poison_outputs():
     common.POISON = True
     yield
     common.POISON = False
-
-
-class Poisoned:
-    """kvbuffer_fast with every buffer element it must not read set to NaN before each call."""
-
-    @staticmethod
-    def verify(*args, buffer, **kw):
-        poison_unused_(buffer)
-        before = {n: getattr(buffer, n).clone() for n in ("k", "u", "G", "lengths", "has_state")}
-        o, drafts = fast.verify(*args, buffer=buffer, **kw)
-        for n, x in before.items():
-            assert torch.equal(x.nan_to_num(0.0), getattr(buffer, n).nan_to_num(0.0)), f"verify modified buffer.{n}"
-        return o, drafts
-
-    @staticmethod
-    def accept(buffer, drafts, **kw):
-        poison_unused_(buffer)
-        out = fast.accept(buffer, drafts, **kw)
-        assert out is buffer, "accept must return the buffer it updated in place"
-        return out
-
-    # the tokens after accept: kvbuffer_fast's decode and flush, on what accept left in place
-    @staticmethod
-    def buffered_decode(*args, buffer, **kw):
-        poison_unused_(buffer)
-        o, out = fast.buffered_decode(*args, buffer=buffer, **kw)
-        assert out is buffer, "buffered_decode must return the buffer it updated in place"
-        return o, out
-
-    @staticmethod
-    def flush(buffer, **kw):
-        poison_unused_(buffer)
-        out = fast.flush(buffer, **kw)
-        # a request that still owns no state has S = 0; its storage row is (poisoned) garbage by design
-        return out.replace(state=torch.where(out.has_state[:, None, None, None], out.state, 0.0))
 
 
 @pytest.fixture
