@@ -215,7 +215,7 @@ def tune(B=128) -> dict:
     default = dict(spec._CONFIG["verify"])
     res = dict(verify=[], accept=[], baseline=[])
     for cand in spec.LAUNCH_CANDIDATES:
-        spec.set_launch("verify", **cand)
+        spec.set_launch("verify", **{**default, **cand})
         row = dict(cand)
         try:
             row["ms"] = bench_ms(verify_fn(x, buf))
@@ -225,7 +225,7 @@ def tune(B=128) -> dict:
         res["verify"].append(row)
     best = None
     for row in sorted([r for r in res["verify"] if r["ms"] is not None], key=lambda r: r["ms"]):
-        spec.set_launch("verify", **{k: row[k] for k in default})
+        spec.set_launch("verify", **{k: row.get(k, default[k]) for k in default})
         try:
             row["check_passed"] = candidate_check()
         except Exception as e:  # noqa: BLE001
@@ -233,7 +233,7 @@ def tune(B=128) -> dict:
         if row["check_passed"]:
             best = row
             break
-    chosen = {k: best[k] for k in default} if best else default
+    chosen = {k: best.get(k, default[k]) for k in default} if best else default
     spec.set_launch("verify", **chosen)
     res["best_verify"] = dict(best or default)
     _, drafts = verify_fn(x, buf)()

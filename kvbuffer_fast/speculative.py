@@ -65,7 +65,8 @@ MAX_DRAFTS = 64
 # Defaults: the best of that sweep on the H200 (bench/results/h200_gpu_check_call1: B=128, D=5:
 # verify 274 us at BV=64 / 4 warps / ieee vs 311-446 us for the others; accept 67 us at BV=32).
 _CONFIG = {
-    "verify": dict(BV=64, num_warps=4, precision="ieee", prep_warps=1),
+    "verify": dict(BV=64, num_warps=4, precision="ieee", prep_warps=1, variant="tile", KB=32, NS=3,
+                   prep_precision=None),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
@@ -100,15 +101,15 @@ def set_launch(kernel: str, **cfg) -> dict:
     if kernel not in _CONFIG:
         raise ValueError(f"kernel: expected one of {sorted(_CONFIG)}, got {kernel!r}")
     old = dict(_CONFIG[kernel])
-    _CONFIG[kernel].update({k: v for k, v in cfg.items() if v is not None})
+    _CONFIG[kernel].update(cfg)
     return old
 
 
 def _precision(x: torch.Tensor, precision: Optional[str]) -> str:
     """fp32 dot precision on CUDA ('tf32x3' or 'ieee'; plain tf32 misses the fp32 budget); the
     interpreter always uses 'ieee'."""
-    if precision not in ("ieee", "tf32x3"):
-        raise ValueError(f"precision: expected None, 'ieee' or 'tf32x3', got {precision!r}")
+    if precision not in ("ieee", "tf32x3", "tf32"):
+        raise ValueError(f"precision: expected None, 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
     return precision if x.is_cuda else "ieee"
 
 
@@ -354,6 +355,59 @@ def _verify_kernel(
 
 
 @triton.jit
+def _verify_stream_kernel(
+    v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
+    C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+    STORAGE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Phase 2 of ``_verify_kernel`` with the state streamed in [KB, BV] blocks through a pipelined
+    loop (P S0 accumulated block by block) instead of register chunks issued at once."""
+    R: tl.constexpr = 2 * BD
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    owns = tl.load(own_ptr + i_b) != 0
+    o_r = tl.arange(0, R)
+    dr = o_r % BD
+    is_q = o_r >= BD
+    m_in = dr < D
+    p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
+    v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
+    o_c = tl.arange(0, R)
+    o_m = tl.arange(0, BC)
+    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
+    L = tl.load(p_l + o_c[None, :])
+    LW = tl.load(p_l + R + o_m[None, :])
+    m_n = o_m < n
+    uc = tl.load(cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :],
+                 mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    m_t = dr < t
+    out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
+    out += tl.dot(LW, uc, input_precision=PREC)
+    if STORAGE:
+        o_kb = tl.arange(0, KB)
+        p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
+        p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kb[None, :]
+        X = tl.zeros([R, BV], dtype=tl.float32)
+        for k0 in tl.range(0, K, KB, num_stages=NS):
+            m_kb = (k0 + o_kb) < K
+            sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            pb = tl.load(p_p + k0, mask=m_kb[None, :], other=0.0)
+            X = tl.dot(pb, sb, X, input_precision=PREC)
+        out += tl.where(owns, X, 0.0)
+    out = tl.where(m_t[:, None], out, 0.0)
+    m_out = m_in[:, None] & m_v[None, :]
+    tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
+    tl.store(du_ptr + p_rv, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
+
+
+@triton.jit
 def _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C: tl.constexpr, BD: tl.constexpr):
     """The accepted node's root-to-node path (walked up ``parents`` in registers) and the overflow rule:
     returns (n, node, on_path [BD], pos [BD] index along the path, m, fold, nf = path entries folded)."""
@@ -510,6 +564,11 @@ def verify(
     precision: Optional[str] = None,
     BV: Optional[int] = None,
     num_warps: Optional[int] = None,
+    variant: Optional[str] = None,
+    KB: Optional[int] = None,
+    NS: Optional[int] = None,
+    prep_warps: Optional[int] = None,
+    prep_precision: Optional[str] = None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
@@ -558,7 +617,10 @@ def verify(
     drafts = Drafts(parents=parents, num_drafts=num_drafts, k=dk, u=du, G=dG)
     if d.B == 0 or d.T == 0:
         return o, drafts
-    cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision)
+    cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
+                        NS=NS, prep_warps=prep_warps, prep_precision=prep_precision)
+    if cfg["variant"] not in ("tile", "stream"):
+        raise ValueError(f"variant: expected 'tile' or 'stream', got {cfg['variant']!r}")
     nkc = min(4, block(d.K) // 16)  # key-dimension chunks of the kernel (1, 2 or 4)
     storage = buffer.state is not None
     BD = block(d.T, 8)
@@ -567,6 +629,7 @@ def verify(
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
     pk = torch.empty(d.B * d.HV, R, d.K, dtype=torch.float32, device=q.device)
     prec = _precision(q, cfg["precision"])
+    prep_prec = _precision(q, cfg.get("prep_precision") or cfg["precision"])
     KC, NKC = block(d.K) // nkc, nkc
     with device_guard(q):
         _verify_prep_kernel[(d.B * d.HV,)](
@@ -574,15 +637,18 @@ def verify(
             buffer.k, buffer.G, buffer.lengths, pk, lw,
             s, d.T,
             C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
-            CHANNEL=d.channel_gate, PREC=prec, num_warps=cfg["prep_warps"],
+            CHANNEL=d.channel_gate, PREC=prep_prec, num_warps=cfg["prep_warps"],
         )
-        _verify_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
-            as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
-            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
-            pk, lw, d.T,
-            C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, KC=KC, NKC=NKC, BV=cfg["BV"],
-            STORAGE=storage, PREC=prec, num_warps=cfg["num_warps"],
-        )
+        args = (as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
+                buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+                pk, lw, d.T)
+        consts = dict(C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"], STORAGE=storage,
+                      PREC=prec, num_warps=cfg["num_warps"])
+        if cfg["variant"] == "stream":
+            _verify_stream_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
+                *args, KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], **consts)
+        else:
+            _verify_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](*args, KC=KC, NKC=NKC, **consts)
     return o, drafts
 
 

@@ -128,6 +128,33 @@ def test_launch_configs(book, BV, channel_gate):
                                flushes={3: [1, 0, 2]}, device=DEVICE))
 
 
+OPTIONS = {
+    "stream": dict(variant="stream"),
+    "stream-split": dict(variant="stream", fold="split", loop_first=True, loadn=True),
+    "tile-split": dict(variant="tile", fold="split"),
+}
+
+
+@pytest.mark.parametrize("opts", list(OPTIONS))
+@pytest.mark.parametrize("C,hist,lengths", [(4, 6, [4, 0, 2]), (20, 22, [20, 17, 3])], ids=["C4", "C20"])
+@pytest.mark.parametrize("channel_gate", [False, True])
+def test_variants(opts, C, hist, lengths, channel_gate):
+    """variant='stream' (the state streamed in KB-row blocks: K=24 in two blocks of 16, the last partial;
+    folds re-read the blocks; optionally the block loop first and the entries loaded under n) and
+    fold='split' (full buffers folded by a launch of their own first): V in partial column tiles,
+    C=20 spans two entry chunks, a direct request folds into its first state."""
+    case = Case(B=3, T=hist + 2 * C + 1, H=1, HV=2, K=24, V=24, channel_gate=channel_gate, gate="mixed",
+                beta="uniform", seed=33)
+
+    class Cfg(Poisoned):
+        @staticmethod
+        def buffered_decode(*args, buffer, **kw):
+            return Poisoned.buffered_decode(*args, buffer=buffer, KB=16, BV=16, **OPTIONS[opts], **kw)
+
+    _assert_all(P.check_decode(Cfg, case, torch.float32, capacity=C, history=hist, lengths=lengths,
+                               flushes={3: [1, 0, 2]}, device=DEVICE))
+
+
 def test_bad_book_is_rejected():
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),

@@ -113,6 +113,23 @@ def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
         num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2, device=DEVICE))
 
 
+@pytest.mark.parametrize("channel", [False, True])
+def test_stream_variant(channel):
+    """variant='stream' (phase 2 streams the state in KB=16-row blocks: K=40 gives three, the last partial),
+    V over partial BV=16 tiles, a tree, folds on accept and a direct request."""
+    old = spec.set_launch("verify", BV=16, variant="stream", KB=16)
+    try:
+        case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mild", beta="mixed",
+                    seed=12)
+        tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
+        _assert_all(P.check_verify_accept(
+            Poisoned, case, torch.float32, capacity=4, history=3, lengths=[3, 0, 2],
+            parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
+            device=DEVICE))
+    finally:
+        spec.set_launch("verify", **old)
+
+
 def test_verify_validate_false_matches_validated():
     """validate=False (CUDA graphs: no host reads) gives the same outputs and drafts."""
     case = Case(B=2, T=7, H=2, HV=4, K=8, V=8, seed=3)
