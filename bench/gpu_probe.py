@@ -99,22 +99,21 @@ def floor(B, copy_TBps) -> list:
     return rows
 
 
+_LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
 DECODE_VARIANTS = [
+    dict(_LEAN, BV=32, num_warps=1),
+    dict(_LEAN, BV=32, num_warps=1, loadn=True),
+    dict(_LEAN, BV=64, num_warps=2),
+    dict(_LEAN, BV=64, num_warps=2, loadn=True),
+    dict(_LEAN, BV=32, num_warps=1, KB=16),
+    dict(_LEAN, BV=32, num_warps=1, NS=2),
+    dict(_LEAN, BV=128, num_warps=4),
+    dict(_LEAN, BV=64, num_warps=4),
+    dict(_LEAN, BV=32, num_warps=1, book="launch"),
+    dict(_LEAN, BV=32, num_warps=1, fold_BV=128, fold_warps=8),
+    dict(_LEAN, BV=32, num_warps=1, fold_BV=32, fold_warps=2),
+    dict(_LEAN, BV=32, num_warps=1, fold_BV=64, fold_warps=2),
     dict(variant="stream", BV=32, KB=32, NS=1, num_warps=1, fold="split", loop_first=True, loadn=True),
-    dict(variant="stream", BV=32, KB=32, NS=1, num_warps=1, fold="split", loop_first=True),
-    dict(variant="stream", BV=32, KB=32, NS=1, num_warps=1, fold="split", loadn=True),
-    dict(variant="stream", BV=64, KB=32, NS=1, num_warps=2, fold="split", loop_first=True, loadn=True),
-    dict(variant="stream", BV=32, KB=32, NS=2, num_warps=1, fold="split", loop_first=True, loadn=True),
-    dict(variant="stream", BV=32, KB=16, NS=1, num_warps=1, fold="split", loop_first=True, loadn=True),
-    dict(variant="stream", BV=32, KB=32, NS=1, num_warps=1, fold="split", loop_first=True, loadn=True,
-         book="launch"),
-    dict(variant="stream", BV=32, KB=32, NS=1, num_warps=1, fold="split", loop_first=True, loadn=True,
-         fold_BV=128, fold_warps=8),
-    dict(variant="stream", BV=32, KB=32, NS=1, num_warps=1, fold="split", loop_first=True, loadn=True,
-         fold_BV=32, fold_warps=2),
-    dict(variant="tile", BV=64, num_warps=2, fold="split"),
-    dict(variant="tile", BV=64, num_warps=4, fold="split"),
-    dict(variant="tile", BV=128, num_warps=4, fold="split"),
 ]
 
 
@@ -159,7 +158,8 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
     rows = []
     import kvbuffer_fast._common as common
 
-    kernels = [dec._decode_kernel, dec._decode_stream_kernel, dec._book_kernel, dec._fold_full_kernel]
+    kernels = [dec._decode_kernel, dec._decode_stream_kernel, dec._decode_lean_kernel, dec._book_kernel,
+               dec._fold_full_kernel]
     fold_default = dict(common._CONFIG["fold_full"])
     for cfg in DECODE_VARIANTS:
         cfg = dict(cfg)

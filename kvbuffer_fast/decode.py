@@ -415,6 +415,109 @@ def _decode_stream_kernel(
 
 
 @triton.jit
+def _decode_lean_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
+    scale,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    CB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr, STORAGE: tl.constexpr, TICKET: tl.constexpr,
+    KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr,
+):
+    """decode for fold="split" (no request is full here): ONE loop over the key dimension in KB-row
+    blocks forms S0^T k, S0^T q and the scores k.k_j, q.k_j of the buffered keys together, so only
+    [KB, *] blocks are live (few registers, many programs per SM).  C <= CB (one chunk of entries)."""
+    GROUP: tl.constexpr = HV // H
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    owns = tl.load(own_ptr + i_b) != 0
+    b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
+    rows = tl.arange(0, CB)
+    m_c = rows < C
+    if not CHANNEL:
+        g_tok = tl.load(g_ptr + i_bhv).to(tl.float32)
+        gc = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
+    if not LOADN:  # all C rows, issued before anything waits (rows >= n are dropped by selects)
+        uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                     mask=m_c[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    o_kb = tl.arange(0, KB)
+    p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
+    p_x = (i_b * H + i_h) * K + o_kb
+    p_c = ((i_b * C + rows[:, None]) * H + i_h) * K + o_kb[None, :]
+    sk = tl.zeros([BV], dtype=tl.float32)
+    sq = tl.zeros([BV], dtype=tl.float32)
+    wk = tl.zeros([CB], dtype=tl.float32)
+    wq = tl.zeros([CB], dtype=tl.float32)
+    qk = tl.zeros([KB], dtype=tl.float32)
+    last = tl.maximum(n - 1, 0)
+    for k0 in tl.range(0, K, KB, num_stages=NS):
+        m_kb = (k0 + o_kb) < K
+        kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+        qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+        kc = tl.load(ck_ptr + p_c + k0, mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
+        if STORAGE:
+            st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        qk += kb * qb
+        if CHANNEL:
+            gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
+            gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
+            gn = tl.where(n > 0, gl, 0.0) + gb  # G_new over this block of channels
+            gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
+                          mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
+            kd = tl.where((rows < n)[:, None], kc * tl.exp(tl.where((rows < n)[:, None], gn[None, :] - gcb, 0.0)), 0.0)
+            wk += tl.sum(kd * kb[None, :], 1)
+            wq += tl.sum(kd * qb[None, :], 1)
+            en = tl.exp(gn)
+            if STORAGE:
+                sk += tl.sum(st * (kb * en)[:, None], 0)
+                sq += tl.sum(st * (qb * en)[:, None], 0)
+        else:
+            wk += tl.sum(kc * kb[None, :], 1)
+            wq += tl.sum(kc * qb[None, :], 1)
+            if STORAGE:
+                sk += tl.sum(st * kb[:, None], 0)
+                sq += tl.sum(st * qb[:, None], 0)
+    m_r = rows < n
+    if LOADN:
+        uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                     mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    uc = tl.where(m_r[:, None], uc, 0.0)
+    if not CHANNEL:
+        g_last = tl.where(n > 0, tl.sum(tl.where(rows == n - 1, gc, 0.0), 0), 0.0)
+        g_new = g_last + g_tok
+        dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))
+        wk = tl.where(m_r, wk * dec, 0.0)
+        wq = tl.where(m_r, wq * dec, 0.0)
+        e_new = tl.exp(g_new)
+        sk = sk * e_new
+        sq = sq * e_new
+    acc_k = tl.sum(wk[:, None] * uc, 0)
+    acc_q = tl.sum(wq[:, None] * uc, 0) * scale
+    if STORAGE:
+        sk = tl.where(owns, sk, 0.0)  # a select: a direct request's storage (maybe NaN) never propagates
+        sq = tl.where(owns, sq, 0.0) * scale
+    b_u = b_beta * (b_v - sk - acc_k)
+    b_o = sq + acc_q + tl.sum(qk, 0) * scale * b_u
+    tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    # n < C here (full buffers were folded by the split launch; a full one without storage is refused)
+    tl.store(cu_ptr + ((i_b * C + n) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
+             mask=o_v < tl.where(n < C, V, 0))
+    if TICKET:
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+        if ticket == HV * NV - 1:
+            _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
+            tl.store(ticket_ptr + i_b, 0)
+
+
+@triton.jit
 def _fold_full_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -448,7 +551,8 @@ def _fold_full_kernel(
             g_end = tl.load(cg_ptr + (i_b * C + C - 1) * HV + i_hv).to(tl.float32)
             s = s * tl.exp(g_end)
         o_f = tl.arange(0, FB)
-        for c0 in range(0, C, FB):
+        # a runtime trip count (n == C): with a constant one, ptxas unrolled it into 32 registers + spills
+        for c0 in range(0, tl.minimum(n, C), FB):
             rows_f = c0 + o_f
             m_f = rows_f < C
             m_kf = m_k[:, None] & m_f[None, :]
@@ -584,8 +688,8 @@ def buffered_decode(
     cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg,
                         variant=variant, KB=KB, NS=NS, fold=fold, loadn=loadn,
                         loop_first=loop_first)
-    if cfg["variant"] not in ("tile", "stream"):
-        raise ValueError(f"variant: expected 'tile' or 'stream', got {cfg['variant']!r}")
+    if cfg["variant"] not in ("tile", "stream", "lean"):
+        raise ValueError(f"variant: expected 'tile', 'stream' or 'lean', got {cfg['variant']!r}")
     if cfg["book"] not in ("ticket", "launch"):
         raise ValueError(f"book: expected 'ticket' or 'launch', got {cfg['book']!r}")
     o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
@@ -598,11 +702,16 @@ def buffered_decode(
     shared = dict(C=C, H=d.H, HV=d.HV, K=d.K, BK=block(d.K), BH=block(d.H, 1), BHV=block(d.HV, 1),
                   CHANNEL=d.channel_gate)
     with device_guard(q):
-        if cfg["variant"] == "stream":
-            kernel, extra = _decode_stream_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"])
+        if cfg["variant"] == "lean":
+            if cfg.get("fold", "fused") != "split" or C > 16:
+                raise ValueError("variant: 'lean' needs fold='split' and a capacity C <= 16")
+            kernel, extra = _decode_lean_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"],
+                                                      LOADN=bool(cfg.get("loadn")))
+        elif cfg["variant"] == "stream":
+            kernel, extra = _decode_stream_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], FB=16)
         else:
-            kernel, extra = _decode_kernel, {}
-        if cfg.get("fold", "fused") in ("off", "split"):  # "off": bench/gpu_probe.py's ablation, wrong when full
+            kernel, extra = _decode_kernel, dict(FB=16)
+        if cfg.get("fold", "fused") in ("off", "split") and cfg["variant"] != "lean":  # "off": an ablation
             extra["FOLD"] = False
         if cfg.get("fold", "fused") == "split" and storage:
             fcfg = launch_config("fold_full", d.V)
@@ -620,7 +729,7 @@ def buffered_decode(
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
             ticket_counters(d.B, q.device) if ticket else buffer.lengths,
             s,
-            V=d.V, CB=max(16, cfg["CB"]), FB=16, BV=cfg["BV"], NV=NV, STORAGE=storage, TICKET=ticket,
+            V=d.V, CB=max(16, cfg["CB"]), BV=cfg["BV"], NV=NV, STORAGE=storage, TICKET=ticket,
             num_warps=cfg["num_warps"], **shared, **extra, **_maxnreg(cfg),
         )
         if not ticket:
