@@ -100,20 +100,16 @@ def floor(B, copy_TBps) -> list:
 
 
 _LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
+_BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 DECODE_VARIANTS = [
-    dict(_LEAN, BV=32, num_warps=1),
-    dict(_LEAN, BV=32, num_warps=1, loadn=True),
-    dict(_LEAN, BV=64, num_warps=2),
-    dict(_LEAN, BV=64, num_warps=2, loadn=True),
-    dict(_LEAN, BV=32, num_warps=1, KB=16),
-    dict(_LEAN, BV=32, num_warps=1, NS=2),
-    dict(_LEAN, BV=128, num_warps=4),
-    dict(_LEAN, BV=64, num_warps=4),
-    dict(_LEAN, BV=32, num_warps=1, book="launch"),
-    dict(_LEAN, BV=32, num_warps=1, fold_BV=128, fold_warps=8),
-    dict(_LEAN, BV=32, num_warps=1, fold_BV=32, fold_warps=2),
-    dict(_LEAN, BV=32, num_warps=1, fold_BV=64, fold_warps=2),
-    dict(variant="stream", BV=32, KB=32, NS=1, num_warps=1, fold="split", loop_first=True, loadn=True),
+    dict(_BEST, book="launch"),
+    dict(_BEST, book="snapshot"),
+    dict(_BEST, book="snapshot", kt=True),
+    dict(_BEST, book="launch", kt=True),
+    dict(_BEST, book="snapshot", kt=True, BV=32, num_warps=1, NS=2),
+    dict(_BEST, book="snapshot", kt=True, NS=2),
+    dict(_BEST, book="snapshot", kt=True, loadn=False, keyn=False),
+    dict(_BEST, book="snapshot", kt=True, KB=16),
 ]
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "require_inplace",
     "device_guard",
     "ticket_counters",
+    "int_scratch",
     "flag_view",
     "launch_config",
 ]
@@ -75,6 +76,20 @@ def ticket_counters(n: int, device) -> torch.Tensor:
     if t is None or t.numel() < n:
         t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
         _TICKETS[key] = t
+    return t
+
+
+_SCRATCH: dict = {}
+
+
+def int_scratch(name: str, n: int, device) -> torch.Tensor:
+    """A reusable int32 scratch of >= n entries on ``device`` that one launch writes and the next reads
+    (e.g. decode's length snapshot); like the tickets, launches that use it must be stream-ordered."""
+    key = (name, str(torch.device(device)))
+    t = _SCRATCH.get(key)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        _SCRATCH[key] = t
     return t
 
 

@@ -46,8 +46,8 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
-from ._common import (as_input, block, device_guard, flag_view, launch_config, new_output, require_inplace,
-                      ticket_counters)
+from ._common import (as_input, block, device_guard, flag_view, int_scratch, launch_config, new_output,
+                      require_inplace, ticket_counters)
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -418,11 +418,12 @@ def _decode_stream_kernel(
 def _decode_lean_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
-    scale,
+    scale, snap_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr, STORAGE: tl.constexpr, TICKET: tl.constexpr,
-    KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr,
+    KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr, KEYN: tl.constexpr = False,
+    KT: tl.constexpr = False, SNAP: tl.constexpr = False,
 ):
     """decode for fold="split" (no request is full here): ONE loop over the key dimension in KB-row
     blocks forms S0^T k, S0^T q and the scores k.k_j, q.k_j of the buffered keys together, so only
@@ -435,8 +436,14 @@ def _decode_lean_kernel(
     i_h = i_hv // GROUP
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    owns = tl.load(own_ptr + i_b) != 0
+    if SNAP:  # the fold launch's snapshot of the length (-1: folded just now); lengths is written below
+        n_in = tl.load(snap_ptr + i_b).to(tl.int32)
+        folded = n_in < 0
+        n = tl.maximum(n_in, 0)
+        owns = (tl.load(own_ptr + i_b) != 0) | folded
+    else:
+        n = tl.load(len_ptr + i_b).to(tl.int32)
+        owns = tl.load(own_ptr + i_b) != 0
     b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
     rows = tl.arange(0, CB)
@@ -450,37 +457,57 @@ def _decode_lean_kernel(
     o_kb = tl.arange(0, KB)
     p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
     p_x = (i_b * H + i_h) * K + o_kb
-    p_c = ((i_b * C + rows[:, None]) * H + i_h) * K + o_kb[None, :]
+    if KT:  # the keys as [KB, CB] blocks: K on axis 0 like the state blocks (reductions along the same axis)
+        p_c = ((i_b * C + rows[None, :]) * H + i_h) * K + o_kb[:, None]
+    else:
+        p_c = ((i_b * C + rows[:, None]) * H + i_h) * K + o_kb[None, :]
     sk = tl.zeros([BV], dtype=tl.float32)
     sq = tl.zeros([BV], dtype=tl.float32)
     wk = tl.zeros([CB], dtype=tl.float32)
     wq = tl.zeros([CB], dtype=tl.float32)
     qk = tl.zeros([KB], dtype=tl.float32)
     last = tl.maximum(n - 1, 0)
+    m_key = (rows < n) if KEYN else m_c  # KEYN: only the n live rows (waits for n), else all C
     for k0 in tl.range(0, K, KB, num_stages=NS):
         m_kb = (k0 + o_kb) < K
-        kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-        qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-        kc = tl.load(ck_ptr + p_c + k0, mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
         if STORAGE:
             st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+        qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+        if KT:
+            kc = tl.load(ck_ptr + p_c + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0).to(tl.float32)
+        else:
+            kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
         qk += kb * qb
         if CHANNEL:
             gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
             gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
             gn = tl.where(n > 0, gl, 0.0) + gb  # G_new over this block of channels
-            gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
-                          mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
-            kd = tl.where((rows < n)[:, None], kc * tl.exp(tl.where((rows < n)[:, None], gn[None, :] - gcb, 0.0)), 0.0)
-            wk += tl.sum(kd * kb[None, :], 1)
-            wq += tl.sum(kd * qb[None, :], 1)
+            if KT:
+                gcb = tl.load(cg_ptr + ((i_b * C + rows[None, :]) * HV + i_hv) * K + k0 + o_kb[:, None],
+                              mask=m_kb[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+                live = (rows < n)[None, :]
+                kd = tl.where(live, kc * tl.exp(tl.where(live, gn[:, None] - gcb, 0.0)), 0.0)
+                wk += tl.sum(kd * kb[:, None], 0)
+                wq += tl.sum(kd * qb[:, None], 0)
+            else:
+                gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
+                              mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
+                live = (rows < n)[:, None]
+                kd = tl.where(live, kc * tl.exp(tl.where(live, gn[None, :] - gcb, 0.0)), 0.0)
+                wk += tl.sum(kd * kb[None, :], 1)
+                wq += tl.sum(kd * qb[None, :], 1)
             en = tl.exp(gn)
             if STORAGE:
                 sk += tl.sum(st * (kb * en)[:, None], 0)
                 sq += tl.sum(st * (qb * en)[:, None], 0)
         else:
-            wk += tl.sum(kc * kb[None, :], 1)
-            wq += tl.sum(kc * qb[None, :], 1)
+            if KT:
+                wk += tl.sum(kc * kb[:, None], 0)
+                wq += tl.sum(kc * qb[:, None], 0)
+            else:
+                wk += tl.sum(kc * kb[None, :], 1)
+                wq += tl.sum(kc * qb[None, :], 1)
             if STORAGE:
                 sk += tl.sum(st * kb[:, None], 0)
                 sq += tl.sum(st * qb[:, None], 0)
@@ -509,6 +536,28 @@ def _decode_lean_kernel(
     # n < C here (full buffers were folded by the split launch; a full one without storage is refused)
     tl.store(cu_ptr + ((i_b * C + n) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
              mask=o_v < tl.where(n < C, V, 0))
+    if SNAP:
+        # no other program reads row n (their reads of rows >= n are dropped by selects) nor lengths
+        # (they read the snapshot): the new key / G rows and the length are written here directly
+        if i_v == 0:
+            if CHANNEL:
+                o_k = tl.arange(0, BK)
+                m_k = o_k < K
+                gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                gt = tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                tl.store(cg_ptr + ((i_b * C + n) * HV + i_hv) * K + o_k,
+                         (tl.where(n > 0, gl, 0.0) + gt).to(cg_ptr.dtype.element_ty), mask=o_k < tl.where(n < C, K, 0))
+            else:
+                if n < C:
+                    tl.store(cg_ptr + (i_b * C + n) * HV + i_hv, g_new.to(cg_ptr.dtype.element_ty))
+            if i_hv % GROUP == 0:
+                o_k = tl.arange(0, BK)
+                kk = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+                tl.store(ck_ptr + ((i_b * C + n) * H + i_h) * K + o_k, kk.to(ck_ptr.dtype.element_ty),
+                         mask=o_k < tl.where(n < C, K, 0))
+            if i_hv == 0:
+                tl.store(len_ptr + i_b, tl.minimum(n + 1, C).to(len_ptr.dtype.element_ty))
+                tl.store(own_ptr + i_b, owns.to(tl.uint8))  # the value every program computed (benign race)
     if TICKET:
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + i_b, 1)
@@ -519,9 +568,10 @@ def _decode_lean_kernel(
 
 @triton.jit
 def _fold_full_kernel(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr, snap_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     FB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
+    SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True,
 ):
     """fold="split": before the decode launch, fold every FULL buffer (n == C) into its state,
     S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T (FB rows per tl.dot), and empty it (the request's
@@ -534,47 +584,58 @@ def _fold_full_kernel(
     i_hv = i_bhv % HV
     i_h = i_hv // GROUP
     n = tl.load(len_ptr + i_b).to(tl.int32)
-    if n >= C:
-        owns = tl.load(own_ptr + i_b) != 0
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_s = m_k[:, None] & m_v[None, :]
-        p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-        s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-        s = tl.where(owns, s, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)
-        if CHANNEL:
-            g_end = tl.load(cg_ptr + ((i_b * C + C - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            s = s * tl.exp(g_end)[:, None]
-        else:
-            g_end = tl.load(cg_ptr + (i_b * C + C - 1) * HV + i_hv).to(tl.float32)
-            s = s * tl.exp(g_end)
-        o_f = tl.arange(0, FB)
-        # a runtime trip count (n == C): with a constant one, ptxas unrolled it into 32 registers + spills
-        for c0 in range(0, tl.minimum(n, C), FB):
-            rows_f = c0 + o_f
-            m_f = rows_f < C
-            m_kf = m_k[:, None] & m_f[None, :]
-            kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
-                         other=0.0).to(tl.float32)  # [BK, FB]
+    if SNAP:  # snapshot for the decode launch (-1: folded here); it then writes lengths / has_state itself
+        if i_v == 0:
+            if i_hv == 0:
+                if STORAGE:
+                    tl.store(snap_ptr + i_b, tl.where(n >= C, -1, n))
+                else:
+                    tl.store(snap_ptr + i_b, n)
+    if STORAGE:
+        if n >= C:
+            owns = tl.load(own_ptr + i_b) != 0
+            o_k = tl.arange(0, BK)
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_k = o_k < K
+            m_v = o_v < V
+            m_s = m_k[:, None] & m_v[None, :]
+            p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+            s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+            s = tl.where(owns, s, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)
             if CHANNEL:
-                gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
-                             other=0.0).to(tl.float32)
-                kt = tl.where(m_kf, kt * tl.exp(g_end[:, None] - gt), 0.0)
+                g_end = tl.load(cg_ptr + ((i_b * C + C - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                s = s * tl.exp(g_end)[:, None]
             else:
-                gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
-                kt = tl.where(m_kf, kt * tl.exp(g_end - gt)[None, :], 0.0)
-            uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
-                         mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
-            s = tl.dot(kt, uf, s, input_precision="ieee")
-        tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-        if ticket == HV * NV - 1:  # every program of the request has read its length: empty the buffer
-            tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))
-            tl.store(own_ptr + i_b, 1)
-            tl.store(ticket_ptr + i_b, 0)
+                g_end = tl.load(cg_ptr + (i_b * C + C - 1) * HV + i_hv).to(tl.float32)
+                s = s * tl.exp(g_end)
+            o_f = tl.arange(0, FB)
+            # a runtime trip count (n == C): with a constant one, ptxas unrolled it into 32 registers + spills
+            for c0 in range(0, tl.minimum(n, C), FB):
+                rows_f = c0 + o_f
+                m_f = rows_f < C
+                m_kf = m_k[:, None] & m_f[None, :]
+                kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
+                             other=0.0).to(tl.float32)  # [BK, FB]
+                if CHANNEL:
+                    gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
+                                 other=0.0).to(tl.float32)
+                    kt = tl.where(m_kf, kt * tl.exp(g_end[:, None] - gt), 0.0)
+                else:
+                    gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
+                    kt = tl.where(m_kf, kt * tl.exp(g_end - gt)[None, :], 0.0)
+                uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
+                             mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
+                s = tl.dot(kt, uf, s, input_precision="ieee")
+            tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
+    if STORAGE:
+        if not SNAP:
+            if n >= C:
+                tl.debug_barrier()
+                ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+                if ticket == HV * NV - 1:  # every program of the request has read its length: empty the buffer
+                    tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))
+                    tl.store(own_ptr + i_b, 1)
+                    tl.store(ticket_ptr + i_b, 0)
 
 
 @triton.jit
@@ -649,6 +710,8 @@ def buffered_decode(
     fold: Optional[str] = None,
     loadn: Optional[bool] = None,
     loop_first: Optional[bool] = None,
+    keyn: Optional[bool] = None,
+    kt: Optional[bool] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -687,11 +750,13 @@ def buffered_decode(
     s = check_scale(scale, d.K)
     cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg,
                         variant=variant, KB=KB, NS=NS, fold=fold, loadn=loadn,
-                        loop_first=loop_first)
+                        loop_first=loop_first, keyn=keyn, kt=kt)
     if cfg["variant"] not in ("tile", "stream", "lean"):
         raise ValueError(f"variant: expected 'tile', 'stream' or 'lean', got {cfg['variant']!r}")
-    if cfg["book"] not in ("ticket", "launch"):
-        raise ValueError(f"book: expected 'ticket' or 'launch', got {cfg['book']!r}")
+    if cfg["book"] not in ("ticket", "launch", "snapshot"):
+        raise ValueError(f"book: expected 'ticket', 'launch' or 'snapshot', got {cfg['book']!r}")
+    if cfg["book"] == "snapshot" and (cfg["variant"] != "lean" or cfg.get("fold") != "split"):
+        raise ValueError("book: 'snapshot' is only for variant='lean' with fold='split'")
     o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
     if d.B == 0:
         return o, buffer
@@ -706,20 +771,28 @@ def buffered_decode(
             if cfg.get("fold", "fused") != "split" or C > 16:
                 raise ValueError("variant: 'lean' needs fold='split' and a capacity C <= 16")
             kernel, extra = _decode_lean_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"],
-                                                      LOADN=bool(cfg.get("loadn")))
+                                                      LOADN=bool(cfg.get("loadn")), KEYN=bool(cfg.get("keyn")),
+                                                      KT=bool(cfg.get("kt")))
         elif cfg["variant"] == "stream":
             kernel, extra = _decode_stream_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], FB=16)
         else:
             kernel, extra = _decode_kernel, dict(FB=16)
         if cfg.get("fold", "fused") in ("off", "split") and cfg["variant"] != "lean":  # "off": an ablation
             extra["FOLD"] = False
-        if cfg.get("fold", "fused") == "split" and storage:
+        snap = cfg["book"] == "snapshot"
+        snapshot = int_scratch("snapshot", d.B, q.device) if snap else buffer.lengths
+        if snap:
+            extra.update(SNAP=True, snap_ptr=snapshot)
+        elif cfg["variant"] == "lean":
+            extra.update(snap_ptr=buffer.lengths)  # never read
+        if cfg.get("fold", "fused") == "split" and (storage or snap):
             fcfg = launch_config("fold_full", d.V)
             NVF = triton.cdiv(d.V, fcfg["BV"])
             _fold_full_kernel[(NVF, d.B * d.HV)](
                 buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
-                ticket_counters(d.B, q.device), C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, FB=16, BK=block(d.K),
-                BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, num_warps=fcfg["num_warps"])
+                ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V,
+                FB=16, BK=block(d.K), BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage,
+                num_warps=fcfg["num_warps"])
         if cfg["variant"] == "stream" and cfg.get("loadn"):
             extra["LOADN"] = True
         if cfg["variant"] == "stream" and cfg.get("loop_first"):
@@ -732,7 +805,7 @@ def buffered_decode(
             V=d.V, CB=max(16, cfg["CB"]), BV=cfg["BV"], NV=NV, STORAGE=storage, TICKET=ticket,
             num_warps=cfg["num_warps"], **shared, **extra, **_maxnreg(cfg),
         )
-        if not ticket:
+        if cfg["book"] == "launch":
             _book_kernel[(d.B,)](as_input(k), as_input(g), buffer.k, buffer.G, buffer.lengths,
                                  flag_view(buffer.has_state), num_warps=1, **shared)
     return o, buffer

@@ -133,7 +133,8 @@ OPTIONS = {
     "stream-split": dict(variant="stream", fold="split", loop_first=True, loadn=True),
     "tile-split": dict(variant="tile", fold="split"),
     "lean": dict(variant="lean", fold="split"),
-    "lean-loadn": dict(variant="lean", fold="split", loadn=True),
+    "lean-loadn": dict(variant="lean", fold="split", loadn=True, keyn=True, book="launch", NS=2),
+    "lean-snapshot-kt": dict(variant="lean", fold="split", loadn=True, keyn=True, book="snapshot", kt=True),
 }
 
 
