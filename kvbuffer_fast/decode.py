@@ -264,157 +264,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _state_dots(state_ptr, k_ptr, q_ptr, g_ptr, cg_ptr, i_b, i_h, i_hv, i_bhv, n, last, o_v, m_v,
-                C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr, CHANNEL: tl.constexpr, STORAGE: tl.constexpr):
-    """(S0^T k, S0^T q) over this program's BV columns, the state streamed in [KB, BV] blocks; q unscaled.
-    Per-channel gates: the decay exp(G_new) is applied inside (per key row); scalar: by the caller."""
-    sk = tl.zeros([BV], dtype=tl.float32)
-    sq = tl.zeros([BV], dtype=tl.float32)
-    if STORAGE:
-        o_kb = tl.arange(0, KB)
-        p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
-        p_k = k_ptr + (i_b * H + i_h) * K + o_kb
-        p_q = q_ptr + (i_b * H + i_h) * K + o_kb
-        for k0 in tl.range(0, K, KB, num_stages=NS):
-            m_kb = (k0 + o_kb) < K
-            s = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            kb = tl.load(p_k + k0, mask=m_kb, other=0.0).to(tl.float32)
-            qb = tl.load(p_q + k0, mask=m_kb, other=0.0).to(tl.float32)
-            if CHANNEL:
-                gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
-                gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb,
-                             other=0.0).to(tl.float32)
-                gl = tl.where(n > 0, gl, 0.0)
-                eb = tl.exp(gl + gb)
-                kb = kb * eb
-                qb = qb * eb
-            sk += tl.sum(s * kb[:, None], 0)
-            sq += tl.sum(s * qb[:, None], 0)
-    return sk, sq
-
-
-@triton.jit
-def _decode_stream_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
-    scale,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    CB: tl.constexpr, FB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr, STORAGE: tl.constexpr, TICKET: tl.constexpr,
-    KB: tl.constexpr, NS: tl.constexpr, FOLD: tl.constexpr = True, LOADN: tl.constexpr = False,
-    LOOP_FIRST: tl.constexpr = False,
-):
-    """The decode of ``_decode_kernel`` with the state streamed in [KB, BV] blocks (a pipelined loop)
-    instead of held as one [K, BV] register tile: few registers per program, so many programs (and
-    their loads) are in flight per SM.  A fold re-reads the blocks (L2) in a second loop."""
-    GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    b_k = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_q = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-    b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
-    if CHANNEL:
-        g_tok = tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    else:
-        g_tok = tl.load(g_ptr + i_bhv).to(tl.float32)
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    owns = tl.load(own_ptr + i_b) != 0
-    rows = tl.arange(0, CB)
-    m_r = rows < n
-    last = tl.maximum(n - 1, 0)
-    if LOOP_FIRST:
-        sk, sq = _state_dots(state_ptr, k_ptr, q_ptr, g_ptr, cg_ptr, i_b, i_h, i_hv, i_bhv, n, last, o_v, m_v,
-                             C, H, HV, K, V, BV, KB, NS, CHANNEL, STORAGE)
-    if CHANNEL:
-        g_last = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    elif C <= CB:  # picked out of the first CB rows (loaded whatever n is): no load that waits for n
-        g_last = tl.sum(tl.where(rows == n - 1, tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=rows < C,
-                                                        other=0.0).to(tl.float32), 0.0), 0)
-    else:
-        g_last = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv).to(tl.float32)
-    g_last = tl.where(n > 0, g_last, 0.0)
-    g_new = g_last + g_tok
-    acc_k, acc_q = _entry_chunk(ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, rows, m_r if LOADN else rows < C, m_r, b_k,
-                                b_q, g_new,
-                                o_k, o_v, m_k, m_v, C, H, HV, K, V, CHANNEL)
-    if C > CB:
-        for c0 in range(CB, n, CB):
-            rows_c = c0 + rows
-            a_k, a_q = _entry_chunk(ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, rows_c, rows_c < n, rows_c < n, b_k, b_q,
-                                    g_new, o_k, o_v, m_k, m_v, C, H, HV, K, V, CHANNEL)
-            acc_k += a_k
-            acc_q += a_q
-    if not LOOP_FIRST:
-        sk, sq = _state_dots(state_ptr, k_ptr, q_ptr, g_ptr, cg_ptr, i_b, i_h, i_hv, i_bhv, n, last, o_v, m_v,
-                             C, H, HV, K, V, BV, KB, NS, CHANNEL, STORAGE)
-    if STORAGE:
-        if not CHANNEL:
-            e_new = tl.exp(g_new)
-            sk = sk * e_new
-            sq = sq * e_new * scale
-        else:
-            sq = sq * scale
-        sk = tl.where(owns, sk, 0.0)  # a select: a direct request's storage (maybe NaN) never propagates
-        sq = tl.where(owns, sq, 0.0)
-    b_u = b_beta * (b_v - sk - acc_k)
-    b_o = sq + acc_q + tl.sum(b_q * b_k, 0) * b_u
-    tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-    full = n >= C
-    if STORAGE and FOLD:
-        if full:
-            # the fold (1 step in C), block by block: S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T
-            o_kb = tl.arange(0, KB)
-            o_f = tl.arange(0, FB)
-            for k0 in range(0, K, KB):
-                m_kb = (k0 + o_kb) < K
-                m_s = m_kb[:, None] & m_v[None, :]
-                p_s = state_ptr + (i_bhv * K + k0 + o_kb[:, None]) * V + o_v[None, :]
-                s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-                s = tl.where(owns, s, 0.0)
-                if CHANNEL:
-                    gl = tl.load(cg_ptr + ((i_b * C + C - 1) * HV + i_hv) * K + k0 + o_kb, mask=m_kb,
-                                 other=0.0).to(tl.float32)
-                    s = s * tl.exp(gl)[:, None]
-                else:
-                    s = s * tl.exp(g_last)
-                for c0 in range(0, C, FB):
-                    rows_f = c0 + o_f
-                    m_f = rows_f < C
-                    m_kf = m_kb[:, None] & m_f[None, :]
-                    kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + k0 + o_kb[:, None], mask=m_kf,
-                                 other=0.0).to(tl.float32)  # [KB, FB]
-                    if CHANNEL:
-                        gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + k0 + o_kb[:, None],
-                                     mask=m_kf, other=0.0).to(tl.float32)
-                        kt = tl.where(m_kf, kt * tl.exp(gl[:, None] - gt), 0.0)
-                    else:
-                        gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
-                        kt = tl.where(m_kf, kt * tl.exp(g_last - gt)[None, :], 0.0)
-                    uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
-                                 mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
-                    s = tl.dot(kt, uf, s, input_precision="ieee")
-                tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
-            tl.debug_barrier()  # the fold read row 0 of this tile's u columns: every warp is past it
-    keep = tl.where(full, 0, n)
-    tl.store(cu_ptr + ((i_b * C + keep) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
-    if TICKET:
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-        if ticket == HV * NV - 1:
-            _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
-            tl.store(ticket_ptr + i_b, 0)
-
-
-@triton.jit
 def _decode_lean_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
@@ -709,7 +558,6 @@ def buffered_decode(
     NS: Optional[int] = None,
     fold: Optional[str] = None,
     loadn: Optional[bool] = None,
-    loop_first: Optional[bool] = None,
     keyn: Optional[bool] = None,
     kt: Optional[bool] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
@@ -750,12 +598,16 @@ def buffered_decode(
     s = check_scale(scale, d.K)
     cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg,
                         variant=variant, KB=KB, NS=NS, fold=fold, loadn=loadn,
-                        loop_first=loop_first, keyn=keyn, kt=kt)
-    if cfg["variant"] not in ("tile", "stream", "lean"):
-        raise ValueError(f"variant: expected 'tile', 'stream' or 'lean', got {cfg['variant']!r}")
+                        keyn=keyn, kt=kt)
+    if cfg["variant"] not in ("tile", "lean"):
+        raise ValueError(f"variant: expected 'tile' or 'lean', got {cfg['variant']!r}")
+    if cfg["fold"] not in ("fused", "split"):
+        raise ValueError(f"fold: expected 'fused' or 'split', got {cfg['fold']!r}")
     if cfg["book"] not in ("ticket", "launch", "snapshot"):
         raise ValueError(f"book: expected 'ticket', 'launch' or 'snapshot', got {cfg['book']!r}")
-    if cfg["book"] == "snapshot" and (cfg["variant"] != "lean" or cfg.get("fold") != "split"):
+    if cfg["variant"] == "lean" and cfg["fold"] != "split":
+        raise ValueError("variant: 'lean' needs fold='split' (its kernel has no fold)")
+    if cfg["book"] == "snapshot" and (cfg["variant"] != "lean" or cfg["fold"] != "split"):
         raise ValueError("book: 'snapshot' is only for variant='lean' with fold='split'")
     o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
     if d.B == 0:
@@ -768,16 +620,13 @@ def buffered_decode(
                   CHANNEL=d.channel_gate)
     with device_guard(q):
         if cfg["variant"] == "lean":
-            if cfg.get("fold", "fused") != "split" or C > 16:
-                raise ValueError("variant: 'lean' needs fold='split' and a capacity C <= 16")
             kernel, extra = _decode_lean_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"],
+                                                      CB=block(C),
                                                       LOADN=bool(cfg.get("loadn")), KEYN=bool(cfg.get("keyn")),
                                                       KT=bool(cfg.get("kt")))
-        elif cfg["variant"] == "stream":
-            kernel, extra = _decode_stream_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], FB=16)
         else:
             kernel, extra = _decode_kernel, dict(FB=16)
-        if cfg.get("fold", "fused") in ("off", "split") and cfg["variant"] != "lean":  # "off": an ablation
+        if cfg["fold"] == "split" and cfg["variant"] == "tile":
             extra["FOLD"] = False
         snap = cfg["book"] == "snapshot"
         snapshot = int_scratch("snapshot", d.B, q.device) if snap else buffer.lengths
@@ -785,7 +634,7 @@ def buffered_decode(
             extra.update(SNAP=True, snap_ptr=snapshot)
         elif cfg["variant"] == "lean":
             extra.update(snap_ptr=buffer.lengths)  # never read
-        if cfg.get("fold", "fused") == "split" and (storage or snap):
+        if cfg["fold"] == "split" and (storage or snap):
             fcfg = launch_config("fold_full", d.V)
             NVF = triton.cdiv(d.V, fcfg["BV"])
             _fold_full_kernel[(NVF, d.B * d.HV)](
@@ -793,17 +642,13 @@ def buffered_decode(
                 ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V,
                 FB=16, BK=block(d.K), BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage,
                 num_warps=fcfg["num_warps"])
-        if cfg["variant"] == "stream" and cfg.get("loadn"):
-            extra["LOADN"] = True
-        if cfg["variant"] == "stream" and cfg.get("loop_first"):
-            extra["LOOP_FIRST"] = True
         kernel[(NV, d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o,
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
             ticket_counters(d.B, q.device) if ticket else buffer.lengths,
             s,
-            V=d.V, CB=max(16, cfg["CB"]), BV=cfg["BV"], NV=NV, STORAGE=storage, TICKET=ticket,
-            num_warps=cfg["num_warps"], **shared, **extra, **_maxnreg(cfg),
+            V=d.V, BV=cfg["BV"], NV=NV, STORAGE=storage, TICKET=ticket,
+            num_warps=cfg["num_warps"], **shared, **{"CB": max(16, cfg["CB"]), **extra}, **_maxnreg(cfg),
         )
         if cfg["book"] == "launch":
             _book_kernel[(d.B,)](as_input(k), as_input(g), buffer.k, buffer.G, buffer.lengths,
@@ -817,18 +662,17 @@ def _maxnreg(cfg: dict) -> dict:
 
 
 #: Launch configurations ``bench/gpu_decode.py --tune`` sweeps for buffered_decode (the best one that
-#: passes its correctness check is timed).  Register use, compiled offline for sm_90 (docs/kernels.md):
-#: without a cap, scalar gates, C=16..64, 236-255 registers and no stack at BV=64/2, BV=128/4 and
-#: BV=32/1 warps (some stack at 4 warps per 64 columns); maxnreg=168 costs 0.4-0.8 KB of stack.
+#: passes its correctness check is timed).  The lean ones were the fastest in bench/gpu_probe.py's runs
+#: (bench/results/h200_probe/); the register-tile kernel with its fold fused is the previous default.
 DECODE_TUNE_CONFIGS = (
-    dict(BV=64, num_warps=2, book="ticket"),
-    dict(BV=64, num_warps=2, book="launch"),
-    dict(BV=64, num_warps=4, book="ticket"),
-    dict(BV=128, num_warps=4, book="ticket"),
-    dict(BV=128, num_warps=4, book="launch"),
-    dict(BV=32, num_warps=1, book="ticket"),
-    dict(BV=32, num_warps=1, book="launch"),
-    dict(BV=64, num_warps=2, book="launch", maxnreg=168),
+    dict(variant="lean", fold="split", book="snapshot", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True),
+    dict(variant="lean", fold="split", book="snapshot", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
+         kt=True),
+    dict(variant="lean", fold="split", book="snapshot", BV=64, num_warps=2, KB=32, NS=1, loadn=False, keyn=False),
+    dict(variant="lean", fold="split", book="snapshot", BV=32, num_warps=1, KB=32, NS=2, loadn=True, keyn=True),
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True),
+    dict(variant="tile", fold="fused", book="ticket", BV=64, num_warps=2),
+    dict(variant="tile", fold="split", book="launch", BV=64, num_warps=2),
 )
 
 

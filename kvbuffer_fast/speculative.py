@@ -65,7 +65,7 @@ MAX_DRAFTS = 64
 # Defaults: the best of that sweep on the H200 (bench/results/h200_gpu_check_call1: B=128, D=5:
 # verify 274 us at BV=64 / 4 warps / ieee vs 311-446 us for the others; accept 67 us at BV=32).
 _CONFIG = {
-    "verify": dict(BV=64, num_warps=4, precision="ieee", prep_warps=1, variant="tile", KB=32, NS=3,
+    "verify": dict(BV=64, num_warps=4, precision="tf32x3", prep_warps=1, variant="fused", KB=32, NS=2,
                    prep_precision=None),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
@@ -76,14 +76,14 @@ _CONFIG = {
 #: phase 1 146 (1 warp, tf32x3), phase 2 128 / 217 / 198 / 198 (BV 32 w4, 64 w4, 128 w8, 32 w2,
 #: tf32x3), 91 / 48 ('ieee' at 64 w4 / 32 w4, FMA dots through shared memory); none spills.
 LAUNCH_CANDIDATES = [
-    dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=1),
-    dict(BV=64, num_warps=4, precision="tf32x3", prep_warps=1),
-    dict(BV=128, num_warps=8, precision="tf32x3", prep_warps=1),
-    dict(BV=32, num_warps=2, precision="tf32x3", prep_warps=1),
-    dict(BV=32, num_warps=4, precision="ieee", prep_warps=1),
-    dict(BV=64, num_warps=4, precision="ieee", prep_warps=1),
-    dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=2),
-    dict(BV=32, num_warps=4, precision="tf32x3", prep_warps=4),
+    dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=2),
+    dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=1),
+    dict(variant="fused", BV=64, num_warps=4, precision="ieee", KB=32, NS=2),
+    dict(variant="fused", BV=32, num_warps=2, precision="tf32x3", KB=32, NS=2),
+    dict(variant="fused", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=2),
+    dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=16, NS=3),
+    dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, prep_precision="tf32x3"),
+    dict(variant="tile", BV=64, num_warps=4, precision="ieee", prep_precision="tf32x3"),
 ]
 
 
@@ -408,6 +408,117 @@ def _verify_stream_kernel(
 
 
 @triton.jit
+def _verify_fused_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, o_ptr, du_ptr, dg_ptr, dk_ptr,
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    scale, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+    STORAGE: tl.constexpr, PREC: tl.constexpr,
+):
+    """verify in ONE launch (scalar gates), one program per (request, value head, V-tile): a single loop
+    over the key dimension in KB-row blocks accumulates the state product Y S0 ([R, BV]) and the
+    scores vs the buffer (Y Kbuf^T) and vs the drafts (Y Y^T) from the same blocks of keys and
+    queries; after it, the decays, the ancestor mask, one forward substitution over the draft rows
+    (rows as in the module docstring) and the outputs.  Nothing goes through memory between phases."""
+    R: tl.constexpr = 2 * BD
+    GROUP: tl.constexpr = HV // H
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    owns = tl.load(own_ptr + i_b) != 0
+    o_r = tl.arange(0, R)
+    o_c = tl.arange(0, R)
+    dr = o_r % BD
+    is_q = o_r >= BD
+    m_in = dr < D
+    m_t = dr < t
+    o_m = tl.arange(0, BC)
+    m_n = o_m < n
+    # everything that does not wait for the loop, issued first
+    p_rt = (i_b * D + dr) * HV + i_hv
+    beta_r = tl.where(m_t & ~is_q, tl.load(beta_ptr + p_rt, mask=m_in & ~is_q, other=0.0).to(tl.float32), 0.0)
+    m_cin = (o_c < BD) & (o_c < D)
+    m_ct = (o_c < BD) & (o_c < t)
+    par = tl.where(m_ct, tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1).to(tl.int32), -1)
+    gd = tl.where(m_ct, tl.load(g_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0).to(tl.float32), 0.0)
+    gc = tl.load(cg_ptr + (i_b * C + o_m) * HV + i_hv, mask=o_m < C, other=0.0).to(tl.float32)
+    p_rv = p_rt[:, None] * V + o_v[None, :]
+    v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q & m_t)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    # the loop: rows k_i (i < BD) and scale * q_i (BD + i) of the drafts, the buffer's keys, the state
+    o_kb = tl.arange(0, KB)
+    p_kq = ((i_b * D + dr) * H + i_h) * K
+    p_ck = ((i_b * C + o_m) * H + i_h) * K
+    m_own = m_in & ~is_q & (dr < tl.where((i_v == 0) & (i_hv % GROUP == 0), BD, 0))  # one program per (request,
+    # q/k head) writes Drafts.k (padding drafts: zeros, from the masked loads)
+    X = tl.zeros([R, BV], dtype=tl.float32)
+    SB = tl.zeros([R, BC], dtype=tl.float32)
+    SS = tl.zeros([R, R], dtype=tl.float32)
+    for k0 in tl.range(0, K, KB, num_stages=NS):
+        m_kb = (k0 + o_kb) < K
+        if STORAGE:
+            st = tl.load(state_ptr + (i_bhv * K + k0 + o_kb[:, None]) * V + o_v[None, :],
+                         mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        k_in = tl.load(k_ptr + p_kq[:, None] + k0 + o_kb[None, :], mask=(m_t & ~is_q)[:, None] & m_kb[None, :],
+                       other=0.0)
+        q_in = tl.load(q_ptr + p_kq[:, None] + k0 + o_kb[None, :], mask=(m_t & is_q)[:, None] & m_kb[None, :],
+                       other=0.0)
+        y = k_in.to(tl.float32) + q_in.to(tl.float32) * scale  # [R, KB]; padding rows are 0 (masked loads)
+        kc = tl.load(ck_ptr + p_ck[:, None] + k0 + o_kb[None, :], mask=m_n[:, None] & m_kb[None, :],
+                     other=0.0).to(tl.float32)  # [BC, KB]
+        tl.store(dk_ptr + p_kq[:, None] + k0 + o_kb[None, :], k_in, mask=m_own[:, None] & m_kb[None, :])
+        SB = tl.dot(y, tl.trans(kc), SB, input_precision=PREC)
+        SS = tl.dot(y, tl.trans(y), SS, input_precision=PREC)
+        if STORAGE:
+            X = tl.dot(y, st, X, input_precision=PREC)
+    # ancestor-or-self mask anc[r, c] (draft c on the root-to-dr path): walk up t steps at most
+    cur = tl.where(m_t, dr, -1)
+    anc = (o_r[:, None] < 0) & (o_c[None, :] < 0)
+    for _ in range(0, t):
+        hit = cur[:, None] == o_c[None, :]
+        anc = anc | hit
+        up = tl.sum(tl.where(hit, par[None, :], 0), 1)
+        cur = tl.where(cur >= 0, up, -1)
+    proper = anc & (o_c[None, :] != dr[:, None])
+    is_self = o_r[:, None] == o_c[None, :]
+    base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
+    base = tl.where(n > 0, base, 0.0)
+    Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)  # [R] G of each row's draft
+    Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # the same over columns (key rows = drafts)
+    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
+    SS = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
+    uc = tl.load(cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :],
+                 mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    # Z = [v; 0] + sgn (SB U_buf + exp(G) S0^T y), sgn = -1 on key rows
+    Z = tl.dot(SB, uc, input_precision=PREC)
+    if STORAGE:
+        Z += tl.where(owns, X * tl.exp(Gr)[:, None], 0.0)  # a select: direct requests' storage never read
+    Z = tl.where(is_q[:, None], Z, v_in - Z)
+    # key rows: U_i = beta_i Z_i - sum_{j proper anc i} beta_i D_ij (k_i.k_j) U_j, in draft order
+    A = tl.where(proper & ~is_q[:, None], beta_r[:, None] * SS, 0.0)
+    UO = tl.where(is_q[:, None], 0.0, beta_r[:, None] * Z)
+    for i in range(0, t):
+        a_i = tl.sum(tl.where((o_r == i)[:, None], A, 0.0), 0)  # [R] row i of A (over columns)
+        a_i = tl.sum(tl.where(is_self, a_i[None, :], 0.0), 1)  # ... as a column vector over the rows of UO
+        upd = tl.sum(a_i[:, None] * UO, 0)
+        UO = tl.where((o_r == i)[:, None], UO - upd[None, :], UO)
+    # query rows: O_i = Z_i + sum_{j anc-or-self i} D_ij (q_i.k_j) U_j
+    QQ = tl.where(is_q[:, None] & anc, SS, 0.0)
+    UO = tl.where(is_q[:, None], Z + tl.dot(QQ, UO, input_precision=PREC), UO)
+    UO = tl.where(m_t[:, None], UO, 0.0)
+    m_out = m_in[:, None] & m_v[None, :]
+    tl.store(o_ptr + p_rv, UO.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
+    tl.store(du_ptr + p_rv, UO.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
+    tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q & (o_r < tl.where(i_v == 0, R, 0)))
+
+
+@triton.jit
 def _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C: tl.constexpr, BD: tl.constexpr):
     """The accepted node's root-to-node path (walked up ``parents`` in registers) and the overflow rule:
     returns (n, node, on_path [BD], pos [BD] index along the path, m, fold, nf = path entries folded)."""
@@ -619,17 +730,27 @@ def verify(
         return o, drafts
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision)
-    if cfg["variant"] not in ("tile", "stream"):
-        raise ValueError(f"variant: expected 'tile' or 'stream', got {cfg['variant']!r}")
+    if cfg["variant"] not in ("tile", "stream", "fused"):
+        raise ValueError(f"variant: expected 'tile', 'stream' or 'fused', got {cfg['variant']!r}")
     nkc = min(4, block(d.K) // 16)  # key-dimension chunks of the kernel (1, 2 or 4)
     storage = buffer.state is not None
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
+    prec = _precision(q, cfg["precision"])
+    prep_prec = _precision(q, cfg.get("prep_precision") or cfg["precision"])
+    if cfg["variant"] == "fused" and not d.channel_gate:
+        with device_guard(q):
+            _verify_fused_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
+                as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), parents, num_drafts, o, du, dG, dk,
+                buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
+                buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+                s, d.T, C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC,
+                KB=max(16, min(cfg["KB"], block(d.K))), BV=cfg["BV"], NS=cfg["NS"], STORAGE=storage, PREC=prec,
+                num_warps=cfg["num_warps"])
+        return o, drafts
     # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC], P [B*HV, R, K]
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
     pk = torch.empty(d.B * d.HV, R, d.K, dtype=torch.float32, device=q.device)
-    prec = _precision(q, cfg["precision"])
-    prep_prec = _precision(q, cfg.get("prep_precision") or cfg["precision"])
     KC, NKC = block(d.K) // nkc, nkc
     with device_guard(q):
         _verify_prep_kernel[(d.B * d.HV,)](
@@ -644,7 +765,7 @@ def verify(
                 pk, lw, d.T)
         consts = dict(C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"], STORAGE=storage,
                       PREC=prec, num_warps=cfg["num_warps"])
-        if cfg["variant"] == "stream":
+        if cfg["variant"] in ("stream", "fused"):  # fused: scalar gates only; per-channel ones take two phases
             _verify_stream_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
                 *args, KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], **consts)
         else:

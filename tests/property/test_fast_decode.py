@@ -129,12 +129,11 @@ def test_launch_configs(book, BV, channel_gate):
 
 
 OPTIONS = {
-    "stream": dict(variant="stream"),
-    "stream-split": dict(variant="stream", fold="split", loop_first=True, loadn=True),
-    "tile-split": dict(variant="tile", fold="split"),
-    "lean": dict(variant="lean", fold="split"),
-    "lean-loadn": dict(variant="lean", fold="split", loadn=True, keyn=True, book="launch", NS=2),
-    "lean-snapshot-kt": dict(variant="lean", fold="split", loadn=True, keyn=True, book="snapshot", kt=True),
+    "tile-fused": dict(variant="tile", fold="fused", book="ticket"),
+    "tile-split": dict(variant="tile", fold="split", book="launch"),
+    "lean-ticket": dict(variant="lean", fold="split", book="ticket", loadn=False, keyn=False, NS=2),
+    "lean-launch": dict(variant="lean", fold="split", book="launch"),
+    "lean-snapshot-kt": dict(variant="lean", fold="split", book="snapshot", kt=True),
 }
 
 
@@ -142,12 +141,11 @@ OPTIONS = {
 @pytest.mark.parametrize("C,hist,lengths", [(4, 6, [4, 0, 2]), (20, 22, [20, 17, 3])], ids=["C4", "C20"])
 @pytest.mark.parametrize("channel_gate", [False, True])
 def test_variants(opts, C, hist, lengths, channel_gate):
-    if opts.startswith("lean") and C > 16:
-        pytest.skip("variant='lean' takes C <= 16 (one chunk of entries); it refuses more (tested below)")
-    """variant='stream' (the state streamed in KB-row blocks: K=24 in two blocks of 16, the last partial;
-    folds re-read the blocks; optionally the block loop first and the entries loaded under n) and
-    fold='split' (full buffers folded by a launch of their own first): V in partial column tiles,
-    C=20 spans two entry chunks, a direct request folds into its first state."""
+    """Every launch variant beside the default (lean kernel, split fold, snapshot bookkeeping): the
+    register-tile kernel with its fold fused or split, the lean kernel with the other bookkeepings,
+    all entries loaded or only the live ones, pipelined blocks, transposed key blocks.  K=24 streams
+    in two KB=16 blocks (the last partial), V in partial BV=16 tiles, C=20 spans two 16-row chunks of
+    the tile kernel, a direct request folds into its first state."""
     # per-channel 'mixed' gates underflow most channels of the state within a few steps, which would hide
     # the state term; those regimes are drawn by the hypothesis tests above
     case = Case(B=3, T=hist + 2 * C + 1, H=1, HV=2, K=24, V=24, channel_gate=channel_gate,
@@ -163,13 +161,20 @@ def test_variants(opts, C, hist, lengths, channel_gate):
                                flushes={3: [1, 0, 2]}, device=DEVICE))
 
 
-def test_bad_book_is_rejected():
+@pytest.mark.parametrize("opts,match", [
+    (dict(book="atomic"), "book: expected"),
+    (dict(variant="tiles"), "variant: expected"),
+    (dict(fold="later"), "fold: expected"),
+    (dict(variant="lean", fold="fused"), "variant: 'lean' needs fold='split'"),
+    (dict(variant="tile", book="snapshot"), "book: 'snapshot' is only for"),
+], ids=["book", "variant", "fold", "lean-fused", "tile-snapshot"])
+def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
                                           v=torch.randn(1, 1, 1, 8), g=-torch.rand(1, 1, 1),
                                           beta=torch.rand(1, 1, 1)).items()}
-    with pytest.raises(ValueError, match="book"):
-        fast.buffered_decode(**x, buffer=buf, book="atomic")
+    with pytest.raises(ValueError, match=match):
+        fast.buffered_decode(**x, buffer=buf, **opts)
 
 
 @given(setup=buffered(capacities=(2, 4, 8), max_new=1), data=st.data())

@@ -113,11 +113,13 @@ def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
         num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2, device=DEVICE))
 
 
+@pytest.mark.parametrize("variant", ["stream", "fused"])
 @pytest.mark.parametrize("channel", [False, True])
-def test_stream_variant(channel):
-    """variant='stream' (phase 2 streams the state in KB=16-row blocks: K=40 gives three, the last partial),
-    V over partial BV=16 tiles, a tree, folds on accept and a direct request."""
-    old = spec.set_launch("verify", BV=16, variant="stream", KB=16)
+def test_variants(channel, variant):
+    """variant='stream' (phase 2 streams the state in KB=16-row blocks: K=40 gives three, the last partial)
+    and 'fused' (one launch: the state, the scores and the solve in one program; per-channel gates take
+    the two phases), V over partial BV=16 tiles, a tree, folds on accept and a direct request."""
+    old = spec.set_launch("verify", BV=16, variant=variant, KB=16)
     try:
         case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mild", beta="mixed",
                     seed=12)
