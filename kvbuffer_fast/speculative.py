@@ -62,11 +62,12 @@ MAX_DRAFTS = 64
 # dot precision on CUDA ('tf32x3': three TF32 tensor-core products, ~fp32 accuracy; 'ieee': FMA).
 # verify: no register spills at these (ptxas sm_90, cuobjdump -res-usage; docs/speculative.md);
 # bench/gpu_verify.py --tune times LAUNCH_CANDIDATES on the GPU and calls set_launch with the best.
-# Defaults: the best of that sweep on the H200 (bench/results/h200_gpu_check_call1: B=128, D=5:
-# verify 274 us at BV=64 / 4 warps / ieee vs 311-446 us for the others; accept 67 us at BV=32).
+# Defaults: the best of that sweep on the H200 (bench/results/h200_gpu_check/call5_tests_decode_verify:
+# B=128, D=5: the two phases with a streamed phase 2, tf32x3, 197 us; the one-launch 'fused' kernel
+# 220-507 us; the register-tile phase 2 213 us).  accept: BV=32 (its sweep's best was within noise).
 _CONFIG = {
-    "verify": dict(BV=64, num_warps=4, precision="tf32x3", prep_warps=1, variant="fused", KB=32, NS=2,
-                   prep_precision=None),
+    "verify": dict(BV=64, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
+                   prep_precision="tf32x3"),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
