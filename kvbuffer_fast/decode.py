@@ -285,13 +285,11 @@ def _decode_lean_kernel(
     i_h = i_hv // GROUP
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    if SNAP:  # the fold launch's snapshot of the length (-1: folded just now, and its token served there:
-        # this program only appends the key / G rows below, every load and store of the step is masked off)
+    if SNAP:  # the fold launch's snapshot of the length (-1: folded just now); lengths is written below
         n_in = tl.load(snap_ptr + i_b).to(tl.int32)
         folded = n_in < 0
         n = tl.maximum(n_in, 0)
         owns = (tl.load(own_ptr + i_b) != 0) | folded
-        m_v = m_v & (o_v < tl.where(folded, 0, V))
     else:
         n = tl.load(len_ptr + i_b).to(tl.int32)
         owns = tl.load(own_ptr + i_b) != 0
@@ -386,7 +384,7 @@ def _decode_lean_kernel(
     tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
     # n < C here (full buffers were folded by the split launch; a full one without storage is refused)
     tl.store(cu_ptr + ((i_b * C + n) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
-             mask=m_v & (o_v < tl.where(n < C, V, 0)))
+             mask=o_v < tl.where(n < C, V, 0))
     if SNAP:
         # no other program reads row n (their reads of rows >= n are dropped by selects) nor lengths
         # (they read the snapshot): the new key / G rows and the length are written here directly
@@ -420,7 +418,6 @@ def _decode_lean_kernel(
 @triton.jit
 def _fold_full_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr, snap_ptr,
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, scale,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     FB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
     SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True,
@@ -428,11 +425,7 @@ def _fold_full_kernel(
     """fold="split": before the decode launch, fold every FULL buffer (n == C) into its state,
     S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T (FB rows per tl.dot), and empty it (the request's
     last program sets its length to 0 and has_state); every other program returns at once.  The decode
-    launch then sees those requests with an empty buffer and the folded state: the same outputs.
-    SNAP (book="snapshot"): it also writes the length snapshot the decode launch reads (-1: folded),
-    and serves the folded requests' token itself from the tile it holds (the recurrent step on S:
-    u = beta (v - exp(g) S^T k), o = exp(g) S^T q + (q.k) u; u goes to row 0): the decode launch
-    then only appends their key / G rows, so a fold step reads the state once, not twice."""
+    launch then sees those requests with an empty buffer and the folded state: the same outputs."""
     GROUP: tl.constexpr = HV // H
     i_v = tl.program_id(0)
     i_bhv = tl.program_id(1).to(tl.int64)
@@ -483,24 +476,6 @@ def _fold_full_kernel(
                              mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
                 s = tl.dot(kt, uf, s, input_precision="ieee")
             tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
-            if SNAP:  # the token, on the folded state
-                b_k = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                b_q = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-                b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
-                if CHANNEL:
-                    e_g = tl.exp(tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32))
-                    sk = tl.sum(s * (b_k * e_g)[:, None], 0)
-                    sq = tl.sum(s * (b_q * e_g)[:, None], 0)
-                else:
-                    e_g = tl.exp(tl.load(g_ptr + i_bhv).to(tl.float32))
-                    sk = tl.sum(s * b_k[:, None], 0) * e_g
-                    sq = tl.sum(s * b_q[:, None], 0) * e_g
-                b_u = b_beta * (b_v - sk)
-                b_o = sq + tl.sum(b_q * b_k, 0) * b_u
-                tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-                tl.debug_barrier()  # the fold read row 0 of these u columns: every warp is past it
-                tl.store(cu_ptr + ((i_b * C) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
     if STORAGE:
         if not SNAP:
             if n >= C:
@@ -664,9 +639,8 @@ def buffered_decode(
             NVF = triton.cdiv(d.V, fcfg["BV"])
             _fold_full_kernel[(NVF, d.B * d.HV)](
                 buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
-                ticket_counters(d.B, q.device), snapshot,
-                as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o, s,
-                C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, FB=16, BK=block(d.K), BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage,
+                ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V,
+                FB=16, BK=block(d.K), BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage,
                 num_warps=fcfg["num_warps"])
         kernel[(NV, d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o,

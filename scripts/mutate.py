@@ -144,11 +144,6 @@ MUTANTS = [
        "decode: wrong sign of the decay when folding a full buffer (scalar gate)"),
     _m("F30", F, "decode.py", "            s = tl.where(owns, s, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)\n",
        "", DEC, "decode: a direct request's full buffer folded onto its storage's garbage", True),
-    _m("F31", F, "decode.py", "                    sk = tl.sum(s * b_k[:, None], 0) * e_g\n",
-       "                    sk = tl.sum(s * b_k[:, None], 0)\n", DEC,
-       "decode: the token served by the fold launch reads the folded state undecayed (scalar gate)", True),
-    _m("F32", F, "decode.py", "        m_v = m_v & (o_v < tl.where(folded, 0, V))\n", "", DEC,
-       "decode: a request folded (and served) by the fold launch is served again by the decode launch", True),
     _m("F28", F, "decode.py", "w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)", "w = tl.exp(g_end - G_j)", FL,
        "fold: the padding rows of the last group of four are folded too (a masked lane not masked)", True),
     # ------------------------------------------------------------------ kvbuffer_fast: flush
