@@ -105,7 +105,7 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 # flush: no spills at BV=128 / 4 warps (same check).  Docs: docs/kernels.md.
 _CONFIG = {
     "recurrent": dict(BV=64, num_warps=2),
-    "decode": dict(BV=64, num_warps=2, CB=16, book="snapshot", variant="lean", fold="split", KB=32, NS=1,
+    "decode": dict(BV=64, num_warps=2, CB=16, book="launch", variant="lean", fold="split", KB=32, NS=1,
                    loadn=True, keyn=True, kt=False),
     "flush": dict(BV=128, num_warps=4),
     "fold_full": dict(BV=64, num_warps=4),
