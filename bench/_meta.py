@@ -3,6 +3,7 @@ bench/gpu_*.py scripts)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-__all__ = ["run_metadata", "save_json"]
+__all__ = ["run_metadata", "save_json", "sources_digest"]
 
 
 def run_metadata(device: str, **extra) -> dict:
@@ -26,8 +27,12 @@ def run_metadata(device: str, **extra) -> dict:
     try:
         meta["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                         timeout=10).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        meta["commit_dirty"] = bool(dirty)  # the device's copy of a working tree can differ from its HEAD
     except Exception:  # noqa: BLE001 - no git on the machine: say so
         meta["commit"] = "unknown"
+    meta["sources_sha256"] = sources_digest()
     try:
         import fla
 
@@ -43,3 +48,20 @@ def save_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(obj, fh, indent=1)
+
+
+def sources_digest() -> str:
+    """sha256 over the .py files of kvbuffer_fast and kvbuffer_ref (sorted paths): which code a result
+    file measured, even where the recorded git HEAD is stale.  Recompute it at a commit with
+    ``python -c "from bench._meta import sources_digest; print(sources_digest())"``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for pkg in ("kvbuffer_fast", "kvbuffer_ref"):
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, pkg))):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as fh:
+                        h.update(fh.read())
+    return h.hexdigest()
