@@ -72,10 +72,9 @@ _CONFIG = {
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
 
-#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): phase 2's BV / num_warps /
-#: dot precision and phase 1's warps.  Registers at Qwen3-Next shapes, D <= 8, C = 16 (ptxas sm_90):
-#: phase 1 146 (1 warp, tf32x3), phase 2 128 / 217 / 198 / 198 (BV 32 w4, 64 w4, 128 w8, 32 w2,
-#: tf32x3), 91 / 48 ('ieee' at 64 w4 / 32 w4, FMA dots through shared memory); none spills.
+#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): the variant ('stream' / 'tile':
+#: two phases; 'fused': one launch, scalar gates), BV / num_warps / dot precision, key blocks KB and
+#: pipelining NS.  The H200 sweep's times are in docs/speculative.md.
 LAUNCH_CANDIDATES = [
     dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=2),
     dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=1),
