@@ -1,14 +1,16 @@
 """Where the decode / verify time goes, on the GPU: one run of small, separate measurements.
 
-    python -m bench.gpu_probe --out probe.json [--B 128]
+    python -m bench.gpu_probe --out probe.json [--B 128] [--skip floor,decode,verify] [--cpu-smoke]
+    (on the device: PROBE_ARGS="--skip floor" bash scripts/gpu_check.sh OUT probe)
 
 (a) the floor: a kernel that only reads a [K, BV] state tile per (request, value head) and forms
     S^T k and S^T q ("read"), as one register tile or streamed in KB-row blocks through a pipelined
     loop, for several launches; bytes = the state once (reads only);
-(b) buffered_decode per launch variant (the register tile / the streamed blocks), at a fixed buffer
-    length n (lengths restored before every repetition) for n = 0, 8, 15 (no fold) and n = C (the
-    fold step), and over a whole cycle of C steps from full buffers;
-(c) verify of 5 tokens per variant, and the time of each of its kernels (torch.profiler);
+(b) buffered_decode per launch in DECODE_VARIANTS (kernel variant, fold, bookkeeping, blocks), at a
+    fixed buffer length n (lengths restored before every repetition) for n = 0, 8, 15 (no fold) and
+    n = C (the fold step), and over a whole cycle of C steps from full buffers, with the registers,
+    spills and shared memory of every kernel it compiled;
+(c) verify of 5 tokens per launch in VERIFY_VARIANTS, and the time of each of its kernels (torch.profiler);
 (d) recurrent_decode and fla at the same batch, in the same run.
 Each variant is checked against the float64 oracle (compiled) before it is timed.
 """
@@ -215,7 +217,6 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
 
 
 VERIFY_VARIANTS = [
-    dict(variant="tile", BV=64, num_warps=4, precision="ieee", prep_precision="tf32x3"),
     dict(variant="stream", BV=64, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3"),
     dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3"),
     dict(variant="stream", BV=64, KB=32, NS=2, num_warps=4, precision="tf32x3", prep_precision="tf32x3"),
@@ -274,7 +275,7 @@ def verify_rows(B, copy_TBps, fla5_us) -> list:
     D = 5
     x = gv.tokens(B, D)
     buf = gv.buffer_with(B)
-    kernels = [spec._verify_prep_kernel, spec._verify_kernel, spec._verify_stream_kernel]
+    kernels = [spec._verify_prep_kernel, spec._verify_stream_kernel, spec._verify_fused_kernel]
     for cfg in VERIFY_VARIANTS:
         row = dict(cfg)
         _, seen = compiled_info(kernels)

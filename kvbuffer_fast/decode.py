@@ -1,37 +1,36 @@
 """Buffered decode (no state write per step) and flush (the fold), on the u-cache (k, u, G).
 
-Both kernels run one program per (request, value head, V-tile of BV columns): grid (V / BV, B * HV),
-the layout of the recurrent kernel, which streams the state at ~90% of copy bandwidth.
-
-decode (G_new = G_n + g; per-channel gates put the exp inside the dots):
+Every kernel runs one program per (request, value head, V-tile of BV columns): grid (V / BV, B * HV),
+the layout of the recurrent kernel.  decode (G_new = G_n + g; per-channel gates put the exp inside
+the dots):
     u = beta (v - exp(G_new) S0^T k - sum_{j<n} exp(G_new - G_j)(k.k_j) u_j)
     o = exp(G_new) S0^T q + sum_{j<n} exp(G_new - G_j)(q.k_j) u_j + (q.k) u
-One state tile gives both S0^T k and S0^T q.  A full buffer (n == C) is first folded,
-S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, and the token then sees S with an empty buffer:
-exp(g) S^T k expands to exactly the formula above with n = C, so o and u come from the same code
-for every request, and the fold is a side computation (1 step in C) whose only output is the stored
-tile (and the new entry going to row 0, G rebased to g).
+A full buffer (n == C) is first folded, S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, and the
+token then sees S with an empty buffer (C -> 1).
 
-Latency: the program's first round trip issues everything that depends on no loaded value: the
-[K, BV] state tile (whenever storage exists, not masked by has_state: a direct request's garbage is
-dropped by a select), the token's q, k, v, g, beta, lengths/has_state, and the first CB cached rows
-(rows < C always exist; rows >= n are dropped by selects, never multiplied by 0).  With C <= CB
-(C=16) that is the only round trip before the output: G_{n-1} is picked out of those rows.  Later
-chunks (C > CB) are loaded once n is known.  The fold runs tl.dot steps of FB=16 rows over a runtime
-trip count (fully unrolled at C=16, ptxas spilled kilobytes).
+The default launch (variant="lean", fold="split", book="launch"; docs/kernels.md has the H200
+measurements that chose it):
+1. ``_fold_full_kernel``: the programs of full requests fold their [K, BV] tile (tl.dot steps of FB=16
+   rows over a runtime trip count: a constant one made ptxas unroll it into 32 registers and spills)
+   and the request's last program (atomic ticket) empties the buffer; the others return at once.
+2. ``_decode_lean_kernel``: one loop over the key dimension in [KB, BV] state blocks that also forms
+   the scores of the buffered keys block by block, so only blocks are live (few registers, many
+   programs per SM); then the decays, the u rows of the n live entries, u and o.
+3. ``_book_kernel`` (one program per request): appends the new key (per q/k head) and G (per value
+   head) and advances the length, after every program of launch 2 has read them.
+Options: book="ticket" (the request's last decode program does 3, after an atomic ticket) or
+"snapshot" (1 copies the lengths to a scratch that 2 reads, so 2 can append the rows itself);
+variant="tile" (the previous kernel: the whole [K, BV] tile in registers, one round trip at C <= 16
+with G_{n-1} picked out of the loaded rows, and the fold fused in the same launch (fold="fused")
+or split off).  Rows >= n that a kernel loads are dropped by selects, never multiplied by 0, and a
+direct request's state storage is never used (a select), so garbage there (NaN) cannot leak.
 
     flush: S = diag(exp(G_m)) S0 + sum_{j<m} (exp(G_m - G_j) * k_j) u_j^T for a per-request prefix m,
     then the remaining u columns of the tile move down by m (rank-1 steps, off the hot path).
 
 The cached keys [C, K] of a q/k head are shared by its HV/H value heads and their V-tiles: those
 programs are adjacent in the grid, so the keys come from HBM once and from L2 after; each program
-recomputes the scores (C*K multiply-adds, nothing next to its K*BV state tile).  What all programs
-of a request read and one must write (the new entry's key per q/k head and G per value head,
-lengths, has_state) is written either by the request's last program to finish (book="ticket": an
-atomic ticket after a barrier, once every program of it has read them) or by a second tiny launch
-of one program per request (book="launch").  On a fold the new row is row 0, which every program
-of the request reads during its fold: that is why it cannot be written by any one decode program
-without such an election.
+recomputes the scores (C*K multiply-adds, nothing next to its K*BV state tile).
 """
 
 
@@ -70,6 +69,33 @@ def _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_
                 G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
             w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)
             s += (k_j * w)[:, None] * u_j[None, :]
+    return s
+
+
+@triton.jit
+def _fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
+              C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              FB: tl.constexpr, CHANNEL: tl.constexpr):
+    """s + sum_{j < n_fold} (exp(g_end - G_j) * k_j) u_j^T over this [BK, BV] tile, FB rows per tl.dot
+    (fp32 FMA: input_precision="ieee").  n_fold must be a runtime value: with a constant trip count
+    ptxas unrolled the loop into 32 registers and kilobytes of spills (sm_90)."""
+    o_f = tl.arange(0, FB)
+    for c0 in range(0, n_fold, FB):
+        rows_f = c0 + o_f
+        m_f = rows_f < n_fold
+        m_kf = m_k[:, None] & m_f[None, :]
+        kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
+                     other=0.0).to(tl.float32)  # [BK, FB]
+        if CHANNEL:
+            gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
+                         other=0.0).to(tl.float32)
+            kt = tl.where(m_kf, kt * tl.exp(g_end[:, None] - gt), 0.0)
+        else:
+            gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
+            kt = tl.where(m_kf, kt * tl.exp(g_end - gt)[None, :], 0.0)
+        uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
+                     mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
+        s = tl.dot(kt, uf, s, input_precision="ieee")
     return s
 
 
@@ -232,24 +258,8 @@ def _decode_kernel(
                 s = s * tl.exp(g_last)[:, None]
             else:
                 s = s * tl.exp(g_last)
-            o_f = tl.arange(0, FB)
-            # a runtime trip count (n == C here): fully unrolled, the tl.dot spilled kilobytes (ptxas, sm_90)
-            for c0 in range(0, tl.minimum(n, C), FB):
-                rows_f = c0 + o_f
-                m_f = rows_f < C
-                m_kf = m_k[:, None] & m_f[None, :]
-                kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
-                             other=0.0).to(tl.float32)  # [BK, FB]
-                if CHANNEL:
-                    gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
-                                 other=0.0).to(tl.float32)
-                    kt = tl.where(m_kf, kt * tl.exp(g_last[:, None] - gt), 0.0)
-                else:
-                    gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
-                    kt = tl.where(m_kf, kt * tl.exp(g_last - gt)[None, :], 0.0)
-                uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
-                             mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
-                s = tl.dot(kt, uf, s, input_precision="ieee")
+            s = _fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, tl.minimum(n, C), g_last, o_k, o_v, m_k, m_v,
+                          C, H, HV, K, V, FB, CHANNEL)
             tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
             tl.debug_barrier()  # the fold read row 0 of this tile's u columns: every warp is past it
     keep = tl.where(full, 0, n)
@@ -276,7 +286,10 @@ def _decode_lean_kernel(
 ):
     """decode for fold="split" (no request is full here): ONE loop over the key dimension in KB-row
     blocks forms S0^T k, S0^T q and the scores k.k_j, q.k_j of the buffered keys together, so only
-    [KB, *] blocks are live (few registers, many programs per SM).  C <= CB (one chunk of entries)."""
+    [KB, *] blocks are live (few registers, many programs per SM).  CB = block(C) rows of entries.
+    LOADN / KEYN: load the u rows / key blocks of the n live entries only (else all C, dropped by
+    selects); KT: key blocks as [KB, CB]; SNAP: book="snapshot" (the length from the fold launch's
+    copy, and this kernel appends the key / G rows and the length itself)."""
     GROUP: tl.constexpr = HV // H
     i_v = tl.program_id(0)
     i_bhv = tl.program_id(1).to(tl.int64)
@@ -457,24 +470,8 @@ def _fold_full_kernel(
             else:
                 g_end = tl.load(cg_ptr + (i_b * C + C - 1) * HV + i_hv).to(tl.float32)
                 s = s * tl.exp(g_end)
-            o_f = tl.arange(0, FB)
-            # a runtime trip count (n == C): with a constant one, ptxas unrolled it into 32 registers + spills
-            for c0 in range(0, tl.minimum(n, C), FB):
-                rows_f = c0 + o_f
-                m_f = rows_f < C
-                m_kf = m_k[:, None] & m_f[None, :]
-                kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
-                             other=0.0).to(tl.float32)  # [BK, FB]
-                if CHANNEL:
-                    gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
-                                 other=0.0).to(tl.float32)
-                    kt = tl.where(m_kf, kt * tl.exp(g_end[:, None] - gt), 0.0)
-                else:
-                    gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
-                    kt = tl.where(m_kf, kt * tl.exp(g_end - gt)[None, :], 0.0)
-                uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
-                             mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
-                s = tl.dot(kt, uf, s, input_precision="ieee")
+            s = _fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, tl.minimum(n, C), g_end, o_k, o_v, m_k, m_v,
+                          C, H, HV, K, V, FB, CHANNEL)
             tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
     if STORAGE:
         if not SNAP:

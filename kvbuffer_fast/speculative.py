@@ -20,13 +20,14 @@ verify runs in two launches.  Phase 1 (``_verify_prep_kernel``, grid B * HV, one
 not touch the state: the ancestor mask (a walk up ``parents``, at most d steps, on [R, R] registers),
 G along each path, the scores ([R, K] x [K, C] and [R, K] x [K, R], in chunks of key columns), N^-1
 by forward substitution over the d key rows plus one product for the query rows, then L, L W and P
-(fp32 scratch), Drafts.G and Drafts.k.  Phase 2 (``_verify_kernel``, grid (V / BV, B * HV), the
-recurrent kernel's layout): each program issues all its loads at once, the [K, BV] state tile first
-and unconditionally (direct-mode requests select zeros with ``tl.where`` afterwards), then three
-small products and the state product in key chunks (no dot operand spans all of K: tf32x3 holds each
-operand twice), and stores o and u.  Nothing is written to the state and no state is formed per
-draft: ``Drafts`` keeps the drafts' (k, u, G).  Per-channel (KDA) gates: the exp moves inside the
-scores, computed row by row in phase 1 (slower, same phase 2).
+(fp32 scratch), Drafts.G and Drafts.k.  Phase 2 (``_verify_stream_kernel``, grid (V / BV, B * HV),
+the recurrent kernel's layout): two small products for L [v; 0] + (L W) U_buf, then the state product
+P S0 over [KB, BV] blocks of the state in a pipelined loop (direct-mode requests select zeros with
+``tl.where``), and stores o and u.  variant='fused' (``_verify_fused_kernel``, scalar gates) does both
+phases in one program per (request, value head, V-tile), without scratch; it measured slower on the
+H200 (docs/speculative.md).  Nothing is written to the state and no state is formed per draft:
+``Drafts`` keeps the drafts' (k, u, G).  Per-channel (KDA) gates: the exp moves inside the scores,
+computed row by row in phase 1 (slower, same phase 2).
 
 accept, grid (V / BV, B * HV): per request the accepted node's root-to-node path (m entries, found by
 walking ``parents`` in registers) is appended from the drafts' cached (k, u, G).  When n + m > C the
@@ -72,9 +73,10 @@ _CONFIG = {
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
 
-#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): the variant ('stream' / 'tile':
-#: two phases; 'fused': one launch, scalar gates), BV / num_warps / dot precision, key blocks KB and
-#: pipelining NS.  The H200 sweep's times are in docs/speculative.md.
+#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): the variant ('stream': two
+#: phases; 'fused': one launch, scalar gates), BV / num_warps / dot precision, key blocks KB and
+#: pipelining NS.  The H200 sweep's times are in docs/speculative.md (a register-tile phase 2, the
+#: first session's default, was slower than 'stream' and is gone).
 LAUNCH_CANDIDATES = [
     dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=2),
     dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=1),
@@ -83,7 +85,6 @@ LAUNCH_CANDIDATES = [
     dict(variant="fused", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=2),
     dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=16, NS=3),
     dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, prep_precision="tf32x3"),
-    dict(variant="tile", BV=64, num_warps=4, precision="ieee", prep_precision="tf32x3"),
 ]
 
 
@@ -108,8 +109,9 @@ def set_launch(kernel: str, **cfg) -> dict:
 def _precision(x: torch.Tensor, precision: Optional[str]) -> str:
     """fp32 dot precision on CUDA ('tf32x3' or 'ieee'; plain tf32 misses the fp32 budget); the
     interpreter always uses 'ieee'."""
-    if precision not in ("ieee", "tf32x3", "tf32"):
-        raise ValueError(f"precision: expected None, 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
+    if precision not in ("ieee", "tf32x3"):
+        raise ValueError(f"precision: expected None, 'ieee' or 'tf32x3', got {precision!r} (plain 'tf32' was "
+                         f"measured and misses the fp32 budget of the u-cache: docs/speculative.md)")
     return precision if x.is_cuda else "ieee"
 
 
@@ -287,82 +289,15 @@ def _verify_prep_kernel(
 
 
 @triton.jit
-def _verify_kernel(
-    v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
-    C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr, BV: tl.constexpr,
-    STORAGE: tl.constexpr, PREC: tl.constexpr,
-):
-    """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0.
-    Every load is issued at once, the state tile first (unconditionally; direct requests select 0)."""
-    R: tl.constexpr = 2 * BD
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_kc = tl.arange(0, KC)
-    if STORAGE:
-        p_s = state_ptr + (i_bhv * K + o_kc[:, None]) * V + o_v[None, :]
-        m_s = (o_kc < K)[:, None] & m_v[None, :]
-        s0 = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-        if NKC > 1:
-            s1 = tl.load(p_s + KC * V, mask=m_s & (o_kc < K - KC)[:, None], other=0.0).to(tl.float32)
-        if NKC > 2:
-            s2 = tl.load(p_s + 2 * KC * V, mask=m_s & (o_kc < K - 2 * KC)[:, None], other=0.0).to(tl.float32)
-            s3 = tl.load(p_s + 3 * KC * V, mask=m_s & (o_kc < K - 3 * KC)[:, None], other=0.0).to(tl.float32)
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    t = tl.load(nd_ptr + i_b).to(tl.int32)
-    owns = tl.load(own_ptr + i_b) != 0
-    o_r = tl.arange(0, R)
-    dr = o_r % BD
-    is_q = o_r >= BD
-    m_in = dr < D
-    p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
-    v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
-    o_c = tl.arange(0, R)
-    o_m = tl.arange(0, BC)
-    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
-    L = tl.load(p_l + o_c[None, :])
-    LW = tl.load(p_l + R + o_m[None, :])
-    p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kc[None, :]
-    if STORAGE:
-        P0 = tl.load(p_p, mask=(o_kc < K)[None, :], other=0.0)
-        if NKC > 1:
-            P1 = tl.load(p_p + KC, mask=(o_kc < K - KC)[None, :], other=0.0)
-        if NKC > 2:
-            P2 = tl.load(p_p + 2 * KC, mask=(o_kc < K - 2 * KC)[None, :], other=0.0)
-            P3 = tl.load(p_p + 3 * KC, mask=(o_kc < K - 3 * KC)[None, :], other=0.0)
-    m_n = o_m < n
-    uc = tl.load(cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :],
-                 mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-    m_t = dr < t
-    out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
-    out += tl.dot(LW, uc, input_precision=PREC)
-    if STORAGE:
-        X = tl.dot(P0, s0, input_precision=PREC)
-        if NKC > 1:
-            X += tl.dot(P1, s1, input_precision=PREC)
-        if NKC > 2:
-            X += tl.dot(P2, s2, input_precision=PREC)
-            X += tl.dot(P3, s3, input_precision=PREC)
-        out += tl.where(owns, X, 0.0)
-    out = tl.where(m_t[:, None], out, 0.0)
-    m_out = m_in[:, None] & m_v[None, :]
-    tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
-    tl.store(du_ptr + p_rv, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
-
-
-@triton.jit
 def _verify_stream_kernel(
     v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
     C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Phase 2 of ``_verify_kernel`` with the state streamed in [KB, BV] blocks through a pipelined
-    loop (P S0 accumulated block by block) instead of register chunks issued at once."""
+    """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
+    the state streamed in [KB, BV] blocks through a pipelined loop (P S0 accumulated block by block;
+    direct requests select 0)."""
     R: tl.constexpr = 2 * BD
     i_v = tl.program_id(0)
     i_bhv = tl.program_id(1).to(tl.int64)
@@ -693,7 +628,11 @@ def verify(
 
     ``validate=False`` skips the checks that read device values (no host synchronisation).
     ``precision``: fp32 dot products on CUDA, 'tf32x3' (default) or 'ieee'; the interpreter uses 'ieee'.
-    ``BV`` / ``num_warps`` / ``precision`` override the launch (``launch_config``; benchmarks tune them).
+    ``BV`` / ``num_warps`` / ``precision`` / ``variant`` ('stream': two launches, phase 2 streaming the
+    state in KB-row blocks with NS pipeline stages; 'fused': one launch, scalar gates only, per-channel
+    gates then take 'stream') / ``KB`` / ``NS`` /
+    ``prep_warps`` / ``prep_precision`` (phase 1's) override the launch (``launch_config``; benchmarks
+    tune them).
     """
     d = check_tokens(q, k, v, g, beta)
     if validate:
@@ -730,9 +669,8 @@ def verify(
         return o, drafts
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision)
-    if cfg["variant"] not in ("tile", "stream", "fused"):
-        raise ValueError(f"variant: expected 'tile', 'stream' or 'fused', got {cfg['variant']!r}")
-    nkc = min(4, block(d.K) // 16)  # key-dimension chunks of the kernel (1, 2 or 4)
+    if cfg["variant"] not in ("stream", "fused"):
+        raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
@@ -751,7 +689,7 @@ def verify(
     # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC], P [B*HV, R, K]
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
     pk = torch.empty(d.B * d.HV, R, d.K, dtype=torch.float32, device=q.device)
-    KC, NKC = block(d.K) // nkc, nkc
+    KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
     with device_guard(q):
         _verify_prep_kernel[(d.B * d.HV,)](
             as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, dG, dk,
@@ -760,16 +698,12 @@ def verify(
             C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
             CHANNEL=d.channel_gate, PREC=prep_prec, num_warps=cfg["prep_warps"],
         )
-        args = (as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
-                buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
-                pk, lw, d.T)
-        consts = dict(C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"], STORAGE=storage,
-                      PREC=prec, num_warps=cfg["num_warps"])
-        if cfg["variant"] in ("stream", "fused"):  # fused: scalar gates only; per-channel ones take two phases
-            _verify_stream_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
-                *args, KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], **consts)
-        else:
-            _verify_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](*args, KC=KC, NKC=NKC, **consts)
+        _verify_stream_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
+            as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
+            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+            pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
+            KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
+            num_warps=cfg["num_warps"])
     return o, drafts
 
 

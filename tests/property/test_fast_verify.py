@@ -173,6 +173,17 @@ def test_accept_validation_errors():
     assert fast.accept(buf, drafts, nodes=2) is buf and int(buf.lengths[0]) == 2
 
 
+@pytest.mark.parametrize("opts,match", [(dict(precision="tf32"), "precision: expected"),
+                                        (dict(variant="two-phase"), "variant: expected")],
+                         ids=["tf32", "variant"])
+def test_bad_verify_launch_options_are_rejected(opts, match):
+    case = Case(B=1, T=2, H=1, HV=1, K=4, V=4, seed=2)
+    x = case.inputs(torch.float32, DEVICE)
+    buf = ref.KVBuffer.empty(1, 1, 1, 4, 4, 2, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        fast.verify(**x, buffer=buf, **opts)
+
+
 # ------------------------------------------------------------------ the per-draft-state baseline
 @FEW
 @given(case=kst.cases(max_T=6, **SMALL), data=st.data())
