@@ -12,7 +12,8 @@
 #    recurrent / fla / buffered-decode timings against the measured copy bandwidth;
 # 4. bench/gpu_verify.py: verify/accept checks, buffered vs per-draft-state vs fla, memory cross-check;
 # 5. bench/run_gpu.sh: the pytest-benchmark suites (device time) and the Markdown report with plots;
-# probe (not in the default list): bench/gpu_probe.py, where decode / verify time goes, per launch variant.
+# probe (not in the default list): bench/gpu_probe.py, where decode / verify time goes, per launch variant
+# (PROBE_ARGS="--skip floor,verify" passes options to it).
 # Everything lands in OUTDIR/gpu_results.tgz (one file: the device tool returns at most 8) and the
 # summary is printed last.  Each stage has its own time limit; a failing stage is reported, the
 # later stages still run, and the exit status is non-zero if any stage failed.
@@ -47,7 +48,7 @@ stage validate 200 python3 -m kvbuffer_ref.cli validate --device cuda --impl ref
 stage decode 200 python3 -m bench.gpu_decode --tune --out "$W/gpu_decode.json"
 stage verify 150 python3 -m bench.gpu_verify --quick --out "$W/gpu_verify.json"
 stage report 400 bash bench/run_gpu.sh "$W/report"
-stage probe 500 python3 -m bench.gpu_probe --out "$W/probe.json"
+stage probe 500 python3 -m bench.gpu_probe --out "$W/probe.json" ${PROBE_ARGS:-}
 
 tar czf "$OUTDIR/gpu_results_$(echo $STAGES | tr " " "_").tgz" -C "$W" .
 echo "=== summary (total $(( $(date +%s) - t0 )) s)"
