@@ -136,6 +136,20 @@ def _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n,
 
 
 @triton.jit
+def _ticket_bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, i_b, n,
+                        C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NV: tl.constexpr,
+                        BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr):
+    """book="ticket": the request's last program to finish (an atomic ticket after a barrier, once every
+    program of it has read them) writes what the others read (key / G rows, lengths, has_state) and
+    resets its counter."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+    if ticket == HV * NV - 1:
+        _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
+        tl.store(ticket_ptr + i_b, 0)
+
+
+@triton.jit
 def _book_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr,
                  C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr):
@@ -265,12 +279,8 @@ def _decode_kernel(
     keep = tl.where(full, 0, n)
     tl.store(cu_ptr + ((i_b * C + keep) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
     if TICKET:
-        # the request's last program writes what the others read (key/G rows, lengths, has_state)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-        if ticket == HV * NV - 1:
-            _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
-            tl.store(ticket_ptr + i_b, 0)
+        _ticket_bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, i_b, n, C, H, HV, K, NV,
+                            BK, BH, BHV, CHANNEL)
 
 
 @triton.jit
@@ -421,11 +431,8 @@ def _decode_lean_kernel(
                 tl.store(len_ptr + i_b, tl.minimum(n + 1, C).to(len_ptr.dtype.element_ty))
                 tl.store(own_ptr + i_b, owns.to(tl.uint8))  # the value every program computed (benign race)
     if TICKET:
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-        if ticket == HV * NV - 1:
-            _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
-            tl.store(ticket_ptr + i_b, 0)
+        _ticket_bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, i_b, n, C, H, HV, K, NV,
+                            BK, BH, BHV, CHANNEL)
 
 
 @triton.jit

@@ -116,6 +116,23 @@ def _precision(x: torch.Tensor, precision: Optional[str]) -> str:
 
 
 @triton.jit
+def _ancestors(par, dr, m_t, o_r, o_c, t):
+    """Over the [R, R] rows x draft columns: anc (draft c is on the root-to-dr(r) path, itself included),
+    proper (the same without c = dr(r)) and is_self (r == c: row c of the key half is draft c).  A walk
+    up ``par`` (the parents over the columns, -1 = the buffer's tail) of at most t steps."""
+    cur = tl.where(m_t, dr, -1)
+    anc = (o_r[:, None] < 0) & (o_c[None, :] < 0)
+    for _ in range(0, t):
+        hit = cur[:, None] == o_c[None, :]
+        anc = anc | hit
+        up = tl.sum(tl.where(hit, par[None, :], 0), 1)
+        cur = tl.where(cur >= 0, up, -1)
+    proper = anc & (o_c[None, :] != dr[:, None])
+    is_self = o_r[:, None] == o_c[None, :]
+    return anc, proper, is_self
+
+
+@triton.jit
 def _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale,
                 K: tl.constexpr, KC: tl.constexpr, CHANNEL: tl.constexpr):
     """Columns k0..k0+KC of the draft rows: the raw keys (for Drafts.k), the rows k_i / scale*q_i (padding
@@ -224,16 +241,7 @@ def _verify_prep_kernel(
     b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
     b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)  # b = [beta; 1]
     par = tl.where(m_ct, par_in.to(tl.int32), -1)
-    # ancestor-or-self mask anc[r, c]: draft c is on the root-to-dr path; walk up d steps at most
-    cur = tl.where(m_t, dr, -1)
-    anc = (o_r[:, None] < 0) & (o_c[None, :] < 0)
-    for _ in range(0, t):
-        hit = cur[:, None] == o_c[None, :]
-        anc = anc | hit
-        up = tl.sum(tl.where(hit, par[None, :], 0), 1)
-        cur = tl.where(cur >= 0, up, -1)
-    proper = anc & (o_c[None, :] != dr[:, None])
-    is_self = o_r[:, None] == o_c[None, :]  # row c of the key half is draft c
+    anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
     # pass 1 over the key dimension: scores vs the buffer [R, BC] and vs the drafts [R, R]; Drafts.k
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
@@ -412,16 +420,7 @@ def _verify_fused_kernel(
         SS = tl.dot(y, tl.trans(y), SS, input_precision=PREC)
         if STORAGE:
             X = tl.dot(y, st, X, input_precision=PREC)
-    # ancestor-or-self mask anc[r, c] (draft c on the root-to-dr path): walk up t steps at most
-    cur = tl.where(m_t, dr, -1)
-    anc = (o_r[:, None] < 0) & (o_c[None, :] < 0)
-    for _ in range(0, t):
-        hit = cur[:, None] == o_c[None, :]
-        anc = anc | hit
-        up = tl.sum(tl.where(hit, par[None, :], 0), 1)
-        cur = tl.where(cur >= 0, up, -1)
-    proper = anc & (o_c[None, :] != dr[:, None])
-    is_self = o_r[:, None] == o_c[None, :]
+    anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
     base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
     base = tl.where(n > 0, base, 0.0)
     Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)  # [R] G of each row's draft
