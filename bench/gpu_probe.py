@@ -119,6 +119,8 @@ def compiled_info(jitfns, before=None) -> tuple[list, set]:
     """Registers / spills / shared memory of every kernel of ``jitfns`` compiled so far (those not in
     ``before``), and the set of cache keys now."""
     rows, keys = [], set()
+    if gd.DEVICE == "cpu":  # the interpreter compiles nothing
+        return rows, keys
     for fn in jitfns:
         try:
             for dev, entry in fn.device_caches.items():
@@ -141,6 +143,20 @@ def compiled_info(jitfns, before=None) -> tuple[list, set]:
     return rows, keys
 
 
+def decode_kernels() -> list:
+    """The Triton kernels buffered_decode may launch (their compiled resources are recorded)."""
+    import kvbuffer_fast.decode as dec
+
+    return [dec._decode_kernel, dec._decode_lean_kernel, dec._book_kernel, dec._fold_full_kernel]
+
+
+def verify_kernels() -> list:
+    """The Triton kernels verify may launch."""
+    import kvbuffer_fast.speculative as spec
+
+    return [spec._verify_prep_kernel, spec._verify_stream_kernel, spec._verify_fused_kernel]
+
+
 def decode_ok(cfg) -> tuple[bool, str]:
     from bench.gpu_decode import _decode_config_ok
 
@@ -156,8 +172,7 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
     rows = []
     import kvbuffer_fast._common as common
 
-    kernels = [dec._decode_kernel, dec._decode_stream_kernel, dec._decode_lean_kernel, dec._book_kernel,
-               dec._fold_full_kernel]
+    kernels = decode_kernels()
     fold_default = dict(common._CONFIG["fold_full"])
     for cfg in DECODE_VARIANTS:
         cfg = dict(cfg)
@@ -275,7 +290,7 @@ def verify_rows(B, copy_TBps, fla5_us) -> list:
     D = 5
     x = gv.tokens(B, D)
     buf = gv.buffer_with(B)
-    kernels = [spec._verify_prep_kernel, spec._verify_stream_kernel, spec._verify_fused_kernel]
+    kernels = verify_kernels()
     for cfg in VERIFY_VARIANTS:
         row = dict(cfg)
         _, seen = compiled_info(kernels)
