@@ -18,7 +18,6 @@ Each variant is checked against the float64 oracle (compiled) before it is timed
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import traceback
 
@@ -29,7 +28,7 @@ import triton.language as tl
 import bench.gpu_decode as gd
 from bench._meta import run_metadata, save_json
 from bench.gpu_decode import (H, HV, K, V, copy_bandwidth, fla_fn, full_buffer, queued_ms, state_bytes, tokens,
-                              entry_bytes, token_bytes, recurrent_step_bytes, buffered_cycle_bytes)
+                              entry_bytes, buffered_cycle_bytes)
 
 
 @triton.jit
@@ -166,7 +165,6 @@ def decode_ok(cfg) -> tuple[bool, str]:
 def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
     import kvbuffer_fast as fast
 
-    import kvbuffer_fast.decode as dec
 
     x = tokens(B)
     rows = []
@@ -181,14 +179,10 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
             fold_cfg = dict(BV=cfg.pop("fold_BV"), num_warps=cfg.pop("fold_warps"))
         common._CONFIG["fold_full"] = fold_cfg
         _, seen = compiled_info(kernels)
-        ablation = cfg.get("fold") == "off"
-        if ablation:
-            ok, why = True, "ablation (no fold): timed at n < C only, not checked"
-        else:
-            try:
-                ok, why = decode_ok(cfg)
-            except Exception as e:  # noqa: BLE001
-                ok, why = False, repr(e)[:300]
+        try:
+            ok, why = decode_ok(cfg)
+        except Exception as e:  # noqa: BLE001
+            ok, why = False, repr(e)[:300]
         for C in Cs:
             row = dict(cfg, C=C, check=ok, why=why, fold_full=fold_cfg)
             if not ok:
@@ -205,13 +199,9 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
             def step():
                 fast.buffered_decode(**x, buffer=buf, validate=False, **cfg)
 
-            for n in ((0, C // 2, C - 1) if ablation else (0, C // 2, C - 1, C)):
+            for n in (0, C // 2, C - 1, C):
                 row[f"n{n}_us"] = queued_ms(step, reps=9, setup=lambda n=n: reset(n)) * 1e3
             row["compiled"] = compiled_info(kernels, seen)[0]
-            if ablation:
-                rows.append(row)
-                print("decode", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-                continue
 
             def cycle():
                 for _ in range(C):
