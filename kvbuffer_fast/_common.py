@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 
 __all__ = [
     "POISON",
@@ -119,3 +120,16 @@ def launch_config(kernel: str, V: int, **override) -> dict:
     cfg["BV"] = min(cfg["BV"], block(V))
     cfg["BV"] = max(cfg["BV"], 16)
     return cfg
+
+
+@triton.jit
+def _program_ids(H: tl.constexpr, HV: tl.constexpr):
+    """(i_v, i_bhv, i_b, i_hv, i_h) of a program of the (V / BV, B * HV) grid every state kernel uses:
+    V-tile, (request, value head) as one int64 index, request, value head, and its q/k head
+    (value heads i*HV/H .. (i+1)*HV/H - 1 share q/k head i)."""
+    i_v = tl.program_id(0)
+    i_bhv = tl.program_id(1).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // (HV // H)
+    return i_v, i_bhv, i_b, i_hv, i_h

@@ -45,8 +45,8 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
-from ._common import (as_input, block, device_guard, flag_view, int_scratch, launch_config, new_output,
-                      require_inplace, ticket_counters)
+from ._common import (_program_ids, as_input, block, device_guard, flag_view, int_scratch, launch_config,
+                      new_output, require_inplace, ticket_counters)
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -197,12 +197,7 @@ def _decode_kernel(
     BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr, STORAGE: tl.constexpr, TICKET: tl.constexpr,
     FOLD: tl.constexpr = True,
 ):
-    GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -301,11 +296,7 @@ def _decode_lean_kernel(
     selects); KT: key blocks as [KB, CB]; SNAP: book="snapshot" (the length from the fold launch's
     copy, and this kernel appends the key / G rows and the length itself)."""
     GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     if SNAP:  # the fold launch's snapshot of the length (-1: folded just now); lengths is written below
@@ -446,12 +437,7 @@ def _fold_full_kernel(
     S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T (FB rows per tl.dot), and empty it (the request's
     last program sets its length to 0 and has_state); every other program returns at once.  The decode
     launch then sees those requests with an empty buffer and the folded state: the same outputs."""
-    GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     n = tl.load(len_ptr + i_b).to(tl.int32)
     if SNAP:  # snapshot for the decode launch (-1: folded here); it then writes lengths / has_state itself
         if i_v == 0:
@@ -499,12 +485,7 @@ def _flush_kernel(
 ):
     """Fold the first m entries into the state tile and move this tile's remaining u columns down.
     Keys and G (shared with other programs) are moved and rebased by the caller afterwards."""
-    GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     m = tl.load(count_ptr + i_b).to(tl.int32)
     if m > 0:
         n = tl.load(len_ptr + i_b).to(tl.int32)

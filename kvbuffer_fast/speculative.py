@@ -51,7 +51,7 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.validation import (check_buffer, check_counts, check_nodes, check_num_drafts, check_parents,
                                      check_scale, check_tokens)
 
-from ._common import block, as_input, device_guard, flag_view, new_output, ticket_counters
+from ._common import _program_ids, block, as_input, device_guard, flag_view, new_output, ticket_counters
 from .decode import _check_u_form, _fold_rows
 
 __all__ = ["verify", "accept", "MAX_DRAFTS", "launch_config", "set_launch", "LAUNCH_CANDIDATES"]
@@ -366,11 +366,7 @@ def _verify_fused_kernel(
     (rows as in the module docstring) and the outputs.  Nothing goes through memory between phases."""
     R: tl.constexpr = 2 * BD
     GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n = tl.load(len_ptr + i_b).to(tl.int32)
@@ -483,12 +479,7 @@ def _accept_fold_kernel(
     """Phase 1 of accept, only for requests past the capacity (the others return at once): fold the n
     old entries and the oldest nf path entries into this [K, BV] state tile,
     S = diag(exp(G_end)) S0 + sum_j exp(G_end - G_j) k_j u_j^T (rank-1 updates, as decode's fold)."""
-    GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C, BD)
     if fold:
         owns = tl.load(own_ptr + i_b) != 0
@@ -540,11 +531,7 @@ def _accept_kernel(
     columns (every program), G (V-tile 0, rebased on the last folded entry) and keys (one program per
     q/k head); the request's last program (atomic ticket) advances lengths / has_state."""
     GROUP: tl.constexpr = HV // H
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // GROUP
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C, BD)
     o_d = tl.arange(0, BD)
     o_k = tl.arange(0, BK)
