@@ -61,37 +61,30 @@ def device_guard(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
-_TICKETS: dict = {}
-
-
-def ticket_counters(n: int, device) -> torch.Tensor:
-    """A zeroed int32 scratch of >= n counters on ``device``.
-
-    Kernels use them to elect the last program of a request (``atomic_add`` returns H - 1), which
-    then writes the per-request bookkeeping (lengths, has_state) after every program has read it,
-    and resets its counter to 0: the scratch is always zero between launches.  One scratch per
-    device, so launches that use it must be ordered (one stream), as a model's layers are.
-    """
-    key = str(torch.device(device))
-    t = _TICKETS.get(key)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        _TICKETS[key] = t
-    return t
-
-
 _SCRATCH: dict = {}
 
 
 def int_scratch(name: str, n: int, device) -> torch.Tensor:
-    """A reusable int32 scratch of >= n entries on ``device`` that one launch writes and the next reads
-    (e.g. decode's length snapshot); like the tickets, launches that use it must be stream-ordered."""
+    """A reusable int32 scratch of >= n entries on ``device``, zeroed when (re)allocated, one per name
+    and device (the tickets; decode's length snapshot, which one launch writes and the next reads):
+    launches that use one must be stream-ordered."""
     key = (name, str(torch.device(device)))
     t = _SCRATCH.get(key)
     if t is None or t.numel() < n:
         t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
         _SCRATCH[key] = t
     return t
+
+
+def ticket_counters(n: int, device) -> torch.Tensor:
+    """A zeroed int32 scratch of >= n counters on ``device`` (``int_scratch("ticket", ...)``).
+
+    Kernels use them to elect the last program of a request (``atomic_add`` returns H - 1), which
+    then writes the per-request bookkeeping (lengths, has_state) after every program has read it,
+    and resets its counter to 0: the scratch is always zero between launches.  One scratch per
+    device, so launches that use it must be ordered (one stream), as a model's layers are.
+    """
+    return int_scratch("ticket", n, device)
 
 
 def flag_view(x: torch.Tensor) -> torch.Tensor:
