@@ -9,10 +9,11 @@ import os
 import platform
 import subprocess
 import time
+import traceback
 
 import torch
 
-__all__ = ["run_metadata", "save_json", "sources_digest"]
+__all__ = ["run_metadata", "save_json", "sources_digest", "record_checks"]
 
 
 def run_metadata(device: str, **extra) -> dict:
@@ -65,3 +66,18 @@ def sources_digest() -> str:
                     with open(path, "rb") as fh:
                         h.update(fh.read())
     return h.hexdigest()
+
+
+def record_checks(out: list, label: str, fn) -> None:
+    """Run ``fn`` (returning oracle Comparisons), append one row per comparison to ``out`` and print it;
+    an exception becomes an error row, so a broken check is recorded and the GPU script goes on."""
+    t0 = time.time()
+    try:
+        for c in fn():
+            out.append(dict(check=label, name=c.name, dtype=str(c.dtype), passed=bool(c.passed),
+                            worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget,
+                            max_abs=c.max_abs, nonfinite=c.nonfinite, seconds=round(time.time() - t0, 2)))
+            print(("   " if c.passed else "!! ") + label + ": " + str(c), flush=True)
+    except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
+        out.append(dict(check=label, error=repr(e), trace=traceback.format_exc(limit=6)))
+        print(f"!! {label}: ERROR {e!r}", flush=True)

@@ -31,7 +31,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from bench._meta import run_metadata, save_json
+from bench._meta import record_checks, run_metadata, save_json
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3-Next linear-attention layer
 SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than any op's launch overhead here
@@ -145,17 +145,7 @@ def run_checks(quick: bool) -> list[dict]:
     out = []
 
     def record(label, fn):
-        t0 = time.time()
-        try:
-            res = fn()
-            for c in res:
-                out.append(dict(check=label, name=c.name, dtype=str(c.dtype), passed=bool(c.passed),
-                                worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget,
-                                max_abs=c.max_abs, nonfinite=c.nonfinite, seconds=round(time.time() - t0, 2)))
-                print(("   " if c.passed else "!! ") + label + ": " + str(c), flush=True)
-        except Exception as e:  # noqa: BLE001 - a broken check is recorded, the timings still run
-            out.append(dict(check=label, error=repr(e), trace=traceback.format_exc(limit=4)))
-            print(f"!! {label}: ERROR {e!r}", flush=True)
+        record_checks(out, label, fn)
 
     dtypes = (torch.float32, torch.bfloat16)
     for ch in (False, True):

@@ -26,13 +26,12 @@ import argparse
 import functools
 import sys
 import time
-import traceback
 import types
 
 import torch
 import torch.nn.functional as F
 
-from bench._meta import run_metadata, save_json
+from bench._meta import record_checks, run_metadata, save_json
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3-Next linear-attention layer
 C, N_BUF = 16, 8  # capacity and entries held by every request while timing
@@ -102,16 +101,7 @@ def run_checks(quick: bool) -> list[dict]:
     out = []
 
     def record(label, fn):
-        t0 = time.time()
-        try:
-            for c in fn():
-                out.append(dict(check=label, name=c.name, dtype=str(c.dtype), passed=bool(c.passed),
-                                worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget,
-                                max_abs=c.max_abs, nonfinite=c.nonfinite, seconds=round(time.time() - t0, 2)))
-                print(("   " if c.passed else "!! ") + label + ": " + str(c), flush=True)
-        except Exception as e:  # noqa: BLE001 - a broken check is recorded, the rest still runs
-            out.append(dict(check=label, error=repr(e), trace=traceback.format_exc(limit=6)))
-            print(f"!! {label}: ERROR {e!r}", flush=True)
+        record_checks(out, label, fn)
 
     B, hist, after = 4, 20, 2
     plans = [  # (label, parents per request, num_drafts, accepted nodes, use_counts, capacity, lengths)
