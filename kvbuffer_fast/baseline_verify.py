@@ -24,6 +24,7 @@ import triton.language as tl
 from kvbuffer_ref.validation import check_scale, check_state, check_tokens
 
 from ._common import as_input, block, device_guard, new_output, require_inplace
+from .recurrent import _gated_delta_step
 
 __all__ = ["per_draft_state_verify", "per_draft_state_accept"]
 
@@ -53,18 +54,8 @@ def _per_draft_verify_kernel(
     s = tl.load(state_ptr + i_bh * K * V + tile, mask=m_s, other=0.0).to(tl.float32)
     for t in range(T):
         i_bt = i_b * T + t
-        b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v_ptr + (i_bt * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta_ptr + i_bt * HV + i_hv).to(tl.float32)
-        if CHANNEL:
-            s = s * tl.exp(tl.load(g_ptr + (i_bt * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
-        else:
-            s = s * tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))
-        b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
-        s = s + b_k[:, None] * b_u[None, :]
-        tl.store(o_ptr + (i_bt * HV + i_hv) * V + o_v, tl.sum(s * b_q[:, None], 0).to(o_ptr.dtype.element_ty),
-                 mask=m_v)
+        s = _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, i_bt, i_h, i_hv, o_k, o_v, m_k, m_v,
+                              scale, H, HV, K, V, CHANNEL)
         # intermediate [B, T, HV, K, V]: the state after token t
         tl.store(inter_ptr + (i_bt * HV + i_hv) * K * V + tile, s.to(inter_ptr.dtype.element_ty), mask=m_s)
 

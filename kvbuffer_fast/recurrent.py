@@ -22,6 +22,28 @@ __all__ = ["recurrent_decode", "recurrent_gated_delta_rule"]
 
 
 @triton.jit
+def _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, i_bt, i_h, i_hv, o_k, o_v, m_k, m_v, scale,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHANNEL: tl.constexpr):
+    """One token (flat index i_bt = b * T + t) of the gated delta rule on a [K, BV] state tile held in
+    registers: S *= exp(g), u = beta (v - S^T k), S += k u^T, o = S^T q (q scaled), o stored.  Returns S.
+    Shared by the recurrent kernel and the per-draft-state baseline (inlined by Triton)."""
+    b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v_ptr + (i_bt * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + i_bt * HV + i_hv).to(tl.float32)
+    if CHANNEL:
+        b_g = tl.load(g_ptr + (i_bt * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        s = s * tl.exp(b_g)[:, None]
+    else:
+        s = s * tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))
+    b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
+    s = s + b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(s * b_q[:, None], 0)
+    tl.store(o_ptr + (i_bt * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    return s
+
+
+@triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr,
     scale, T,
@@ -41,20 +63,8 @@ def _recurrent_kernel(
     p_s = state_ptr + (i_bh * K + o_k[:, None]) * V + o_v[None, :]
     s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
     for t in range(T):
-        i_bt = i_b * T + t
-        b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v_ptr + (i_bt * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta_ptr + i_bt * HV + i_hv).to(tl.float32)
-        if CHANNEL:
-            b_g = tl.load(g_ptr + (i_bt * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            s = s * tl.exp(b_g)[:, None]
-        else:
-            s = s * tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))
-        b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
-        s = s + b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(s * b_q[:, None], 0)
-        tl.store(o_ptr + (i_bt * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+        s = _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, i_b * T + t, i_h, i_hv, o_k, o_v, m_k,
+                              m_v, scale, H, HV, K, V, CHANNEL)
     tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
 
 

@@ -75,19 +75,19 @@ FL = "flush,materialize"
 MUTANTS = [
     # ------------------------------------------------------------------ kvbuffer_fast: recurrent kernel
     _m("F01", F, "recurrent.py",
-       "        else:\n            s = s * tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))\n"
-       "        b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))\n        s = s + b_k[:, None] * b_u[None, :]\n",
-       "        else:\n            b_decay = tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))\n"
-       "        b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))\n        s = s + b_k[:, None] * b_u[None, :]\n"
-       "        if not CHANNEL:\n            s = s * b_decay\n",
+       "    else:\n        s = s * tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))\n"
+       "    b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))\n    s = s + b_k[:, None] * b_u[None, :]\n",
+       "    else:\n        b_decay = tl.exp(tl.load(g_ptr + i_bt * HV + i_hv).to(tl.float32))\n"
+       "    b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))\n    s = s + b_k[:, None] * b_u[None, :]\n"
+       "    if not CHANNEL:\n        s = s * b_decay\n",
        REC, "recurrent: the decay applied after the write (scalar gate)", True),
     _m("F02", F, "recurrent.py", "b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))",
        "b_u = (b_v - tl.sum(s * b_k[:, None], 0))", REC, "recurrent: beta dropped from the write", True),
     _m("F03", F, "recurrent.py", "i_h = i_hv // (HV // H)", "i_h = i_hv % H", REC,
        "recurrent: wrong q/k head for grouped value heads (i % H instead of i // (HV/H))", True),
     _m("F04", F, "recurrent.py",
-       "        s = s + b_k[:, None] * b_u[None, :]\n        b_o = tl.sum(s * b_q[:, None], 0)\n",
-       "        b_o = tl.sum(s * b_q[:, None], 0)\n        s = s + b_k[:, None] * b_u[None, :]\n",
+       "    s = s + b_k[:, None] * b_u[None, :]\n    b_o = tl.sum(s * b_q[:, None], 0)\n",
+       "    b_o = tl.sum(s * b_q[:, None], 0)\n    s = s + b_k[:, None] * b_u[None, :]\n",
        REC, "recurrent: output read from the state before the write"),
     _m("F05", F, "recurrent.py", "    tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)\n", "", REC,
        "recurrent: the final state write lost", True),
