@@ -12,6 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (Triton >= 3.3): used only when a launch asks for PDL
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:  # pragma: no cover
+    _gdc_wait = _gdc_launch_dependents = None
+
 __all__ = [
     "POISON",
     "block",
@@ -100,19 +106,37 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 _CONFIG = {
     "recurrent": dict(BV=64, num_warps=2),
     "decode": dict(BV=64, num_warps=2, CB=16, book="launch", variant="lean", fold="split", KB=32, NS=1,
-                   loadn=True, keyn=True, kt=False),
+                   loadn=True, keyn=True, kt=False, pf=False, pdl=True),
     "flush": dict(BV=128, num_warps=4),
-    "fold_full": dict(BV=64, num_warps=4),
+    "fold_full": dict(BV=64, num_warps=2, kernel="group", FH=8, KB=32, NS=2),
 }
 
 
-def launch_config(kernel: str, V: int, **override) -> dict:
-    """(BV, num_warps) for ``kernel`` at value dim V; ``override`` replaces entries (benchmarks tune with it)."""
-    cfg = dict(_CONFIG[kernel])
+def launch_config(name: str, V: int, **override) -> dict:
+    """(BV, num_warps, ...) for kernel ``name`` at value dim V; ``override`` replaces entries (benchmarks tune
+    with it)."""
+    cfg = dict(_CONFIG[name])
     cfg.update({k: v for k, v in override.items() if v is not None})
     cfg["BV"] = min(cfg["BV"], block(V))
     cfg["BV"] = max(cfg["BV"], 16)
     return cfg
+
+
+@triton.jit
+def _pdl_prologue(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL, sm_90+): wait until the previous kernel of the stream has
+    completed and its writes are visible (this kernel's programs may have been placed before that), then
+    let the next kernel be launched early.  Nothing when PDL is off (the interpreter has no inline asm)."""
+    if PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+
+
+def pdl_launch(x: torch.Tensor, cfg: dict) -> dict:
+    """(PDL flag, launch kwargs) for kernels launched on ``x``'s device: PDL only when ``cfg["pdl"]`` is set
+    and the device is a CUDA GPU of compute capability 9.0 or newer."""
+    on = bool(cfg.get("pdl")) and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
 @triton.jit

@@ -8,21 +8,28 @@ the dots):
 A full buffer (n == C) is first folded, S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, and the
 token then sees S with an empty buffer (C -> 1).
 
-The default launch (variant="lean", fold="split", book="launch"; docs/kernels.md has the H200
-measurements that chose it):
-1. ``_fold_full_kernel``: the programs of full requests fold their [K, BV] tile (tl.dot steps of FB=16
-   rows over a runtime trip count: a constant one made ptxas unroll it into 32 registers and spills)
-   and the request's last program (atomic ticket) empties the buffer; the others return at once.
+The default launch (variant="lean", fold="split", book="launch", pdl=True, the fold kernel "group";
+docs/kernels.md has the H200 measurements that chose it):
+1. ``_fold_group_kernel``, grid (V / BV, B * HV / FH): a program owns FH value heads of one request;
+   if the request is full it walks their [K, BV] tiles in [KB, BV] blocks, folds each (one tl.dot of
+   the C entries, fp32 FMA) and writes it back, and the request's last program (atomic ticket)
+   empties the buffer; otherwise it returns at once.  Few programs (1024 at B=128, FH=8): the launch
+   costs ~1.5 us when no buffer is full.  (The previous fold kernel, ``_fold_full_kernel`` with one
+   program of 167 registers per [K, BV] tile, took 9.3 us doing nothing: fold_launch=dict(kernel="tile").)
 2. ``_decode_lean_kernel``: one loop over the key dimension in [KB, BV] state blocks that also forms
    the scores of the buffered keys block by block, so only blocks are live (few registers, many
    programs per SM); then the decays, the u rows of the n live entries, u and o.
 3. ``_book_kernel`` (one program per request): appends the new key (per q/k head) and G (per value
    head) and advances the length, after every program of launch 2 has read them.
-Options: book="ticket" (the request's last decode program does 3, after an atomic ticket) or
-"snapshot" (1 copies the lengths to a scratch that 2 reads, so 2 can append the rows itself);
-variant="tile" (the previous kernel: the whole [K, BV] tile in registers, one round trip at C <= 16
-with G_{n-1} picked out of the loaded rows, and the fold fused in the same launch (fold="fused")
-or split off).  Rows >= n that a kernel loads are dropped by selects, never multiplied by 0, and a
+With pdl=True (CUDA, sm_90+) the three are chained by programmatic dependent launch: each kernel's
+programs may be placed before the previous kernel ends and wait for it (griddepcontrol.wait) before
+they read anything, which hides part of the gaps between launches.
+Options: book="ticket" (the request's last decode program does 3, after an atomic ticket), "early"
+(the ticket taken before the loop) or "snapshot" (1 copies the lengths to a scratch that 2 reads,
+so 2 can append the rows itself); fold="fused" (a full request folds inside launch 2; no launch 1);
+variant="tile" (the first kernel: the whole [K, BV] tile in registers, one round trip at C <= 16
+with G_{n-1} picked out of the loaded rows, the fold fused in the same launch (fold="fused") or
+split off).  Rows >= n that a kernel loads are dropped by selects, never multiplied by 0, and a
 direct request's state storage is never used (a select), so garbage there (NaN) cannot leak.
 
     flush: S = diag(exp(G_m)) S0 + sum_{j<m} (exp(G_m - G_j) * k_j) u_j^T for a per-request prefix m,
@@ -36,6 +43,8 @@ recomputes the scores (C*K multiply-adds, nothing next to its K*BV state tile).
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -45,8 +54,8 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
-from ._common import (_program_ids, as_input, block, device_guard, flag_view, int_scratch, launch_config,
-                      new_output, require_inplace, ticket_counters)
+from ._common import (_pdl_prologue, _program_ids, as_input, block, device_guard, flag_view, int_scratch,
+                      launch_config, new_output, pdl_launch, require_inplace, ticket_counters)
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -152,8 +161,10 @@ def _ticket_bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, ticket_p
 @triton.jit
 def _book_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr,
                  C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr):
+                 BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """book="launch": the bookkeeping as a second, tiny launch (grid (B,)), after every decode program."""
+    _pdl_prologue(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     n = tl.load(len_ptr + i_b).to(tl.int32)
     _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV, CHANNEL)
@@ -279,6 +290,59 @@ def _decode_kernel(
 
 
 @triton.jit
+def _fold_block(st, owns, ck_ptr, cu_ptr, cg_ptr, p_blk, i_b, i_h, i_hv, n, g_fold, k0, o_kb, m_kb, o_v, m_v,
+                C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                CHANNEL: tl.constexpr):
+    """fold="fused" in the lean loop: rows k0 .. k0+KB of a full request's state, exp(G_C) S0 +
+    sum_j exp(G_C - G_j) k_j u_j^T over its n = C entries, written back and returned.  st: the [KB, BV]
+    block of S0 (anything where the request has no state: S0 = 0 then, by a select); g_fold: G_C
+    (CHANNEL: loaded here for the block).  Rank-1 steps (_fold_rows, n a runtime trip count): a tl.dot
+    here made ptxas allocate 255 registers and spill for the whole kernel (H200, triton 3.6)."""
+    o_k = k0 + o_kb
+    st = tl.where(owns, st, 0.0)
+    if CHANNEL:
+        g_end = tl.load(cg_ptr + ((i_b * C + C - 1) * HV + i_hv) * K + o_k, mask=m_kb, other=0.0).to(tl.float32)
+        st = st * tl.exp(g_end)[:, None]
+    else:
+        g_end = g_fold
+        st = st * tl.exp(g_end)
+    st = _fold_rows(st, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n, g_end, o_k, o_v, m_kb, m_v, C, H, HV, K, V,
+                    CHANNEL)
+    tl.store(p_blk, st.to(p_blk.dtype.element_ty), mask=m_kb[:, None] & m_v[None, :])
+    return st
+
+
+@triton.jit
+def _fold_serve(state_ptr, k_ptr, q_ptr, g_ptr, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, i_bhv, n, g_fold, owns,
+                o_kb, o_v, m_v, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr):
+    """fold="fused", a full request: its own loop over the KB-row blocks folds each block (_fold_block)
+    and forms S^T k, S^T q from the folded block (the buffer is empty for the new token: G_new = g).
+    Returns (S^T k, S^T q, the per-channel products k * q summed over blocks); exp(g) scales the first
+    two later for scalar gates, per channel here."""
+    sk = tl.zeros([BV], dtype=tl.float32)
+    sq = tl.zeros([BV], dtype=tl.float32)
+    qk = tl.zeros([KB], dtype=tl.float32)
+    p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
+    p_x = (i_b * H + i_h) * K + o_kb
+    for k0 in range(0, K, KB):
+        m_kb = (k0 + o_kb) < K
+        st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+        qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+        st = _fold_block(st, owns, ck_ptr, cu_ptr, cg_ptr, p_s + k0 * V, i_b, i_h, i_hv, n, g_fold, k0,
+                         o_kb, m_kb, o_v, m_v, C, H, HV, K, V, CHANNEL)
+        qk += kb * qb
+        if CHANNEL:
+            en = tl.exp(tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32))
+            kb = kb * en
+            qb = qb * en
+        sk += tl.sum(st * kb[:, None], 0)
+        sq += tl.sum(st * qb[:, None], 0)
+    return sk, sq, qk
+
+
+@triton.jit
 def _decode_lean_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
@@ -287,15 +351,26 @@ def _decode_lean_kernel(
     CB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr, STORAGE: tl.constexpr, TICKET: tl.constexpr,
     KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr, KEYN: tl.constexpr = False,
-    KT: tl.constexpr = False, SNAP: tl.constexpr = False,
+    KT: tl.constexpr = False, SNAP: tl.constexpr = False, FOLD: tl.constexpr = False,
+    EARLY: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """decode for fold="split" (no request is full here): ONE loop over the key dimension in KB-row
-    blocks forms S0^T k, S0^T q and the scores k.k_j, q.k_j of the buffered keys together, so only
-    [KB, *] blocks are live (few registers, many programs per SM).  CB = block(C) rows of entries.
-    LOADN / KEYN: load the u rows / key blocks of the n live entries only (else all C, dropped by
-    selects); KT: key blocks as [KB, CB]; SNAP: book="snapshot" (the length from the fold launch's
-    copy, and this kernel appends the key / G rows and the length itself)."""
+    """ONE loop over the key dimension in KB-row blocks forms S0^T k, S0^T q and the scores k.k_j,
+    q.k_j of the buffered keys together, so only [KB, *] blocks are live (few registers, many programs
+    per SM).  CB = block(C) rows of entries.  LOADN / KEYN: load the u rows / key blocks of the n live
+    entries only (else all C, dropped by selects); KT: key blocks as [KB, CB]; SNAP: book="snapshot"
+    (the length from the fold launch's copy, and this kernel appends the key / G rows and the length
+    itself).  Without FOLD (fold="split", the default) no request is full here: the fold launch ran
+    first.  FOLD (fold="fused"): a full request (n == C) takes its own loop (_fold_serve), which folds
+    its C entries into each state block, writes it back and serves the token from it with an empty
+    buffer.  EARLY (book="early"): each program takes a "has read its length" ticket before its block
+    loop (with PF: after issuing the first block, so the state load hides its latency); the request's
+    last reader appends the key / G rows and advances the length at once, since no program reads row
+    n; a folded request reads rows 0..C-1 to its end, so its rows are written by its last program to
+    finish (a second ticket after a barrier).  PF: the state blocks are prefetched one iteration ahead
+    in registers (two blocks in flight per program).  PDL: programmatic dependent launch (see
+    _common._pdl_prologue).  FOLD, EARLY and PF measured slower on the H200 (docs/kernels.md)."""
     GROUP: tl.constexpr = HV // H
+    _pdl_prologue(PDL)
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -307,6 +382,10 @@ def _decode_lean_kernel(
     else:
         n = tl.load(len_ptr + i_b).to(tl.int32)
         owns = tl.load(own_ptr + i_b) != 0
+    n_buf = n  # n: the entries loaded; n_buf: those live for the new token (0 once folded)
+    if FOLD and STORAGE:
+        full = n >= C
+        n_buf = tl.where(full, 0, n)
     b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
     rows = tl.arange(0, CB)
@@ -329,58 +408,83 @@ def _decode_lean_kernel(
     wk = tl.zeros([CB], dtype=tl.float32)
     wq = tl.zeros([CB], dtype=tl.float32)
     qk = tl.zeros([KB], dtype=tl.float32)
-    last = tl.maximum(n - 1, 0)
-    m_key = (rows < n) if KEYN else m_c  # KEYN: only the n live rows (waits for n), else all C
-    for k0 in tl.range(0, K, KB, num_stages=NS):
-        m_kb = (k0 + o_kb) < K
-        if STORAGE:
-            st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-        qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-        if KT:
-            kc = tl.load(ck_ptr + p_c + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0).to(tl.float32)
-        else:
-            kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
-        qk += kb * qb
-        if CHANNEL:
-            gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
-            gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
-            gn = tl.where(n > 0, gl, 0.0) + gb  # G_new over this block of channels
-            if KT:
-                gcb = tl.load(cg_ptr + ((i_b * C + rows[None, :]) * HV + i_hv) * K + k0 + o_kb[:, None],
-                              mask=m_kb[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-                live = (rows < n)[None, :]
-                kd = tl.where(live, kc * tl.exp(tl.where(live, gn[:, None] - gcb, 0.0)), 0.0)
-                wk += tl.sum(kd * kb[:, None], 0)
-                wq += tl.sum(kd * qb[:, None], 0)
-            else:
-                gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
-                              mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
-                live = (rows < n)[:, None]
-                kd = tl.where(live, kc * tl.exp(tl.where(live, gn[None, :] - gcb, 0.0)), 0.0)
-                wk += tl.sum(kd * kb[None, :], 1)
-                wq += tl.sum(kd * qb[None, :], 1)
-            en = tl.exp(gn)
+    last = tl.maximum(n_buf - 1, 0)
+    m_key = (rows < n) if KEYN else m_c  # KEYN: only the n stored rows (waits for n), else all C
+    if CHANNEL:  # the fold loads its per-channel gates block by block
+        g_fold = 0.0
+    else:
+        g_fold = tl.sum(tl.where(rows == C - 1, gc, 0.0), 0)  # G_C: used only by a full request
+    tk = tl.zeros([], dtype=tl.int32)
+    folding = False
+    if FOLD and STORAGE:
+        folding = full
+    if folding:  # fold the C entries into each block, write it back, serve the token from it (buffer empty)
+        sk, sq, qk = _fold_serve(state_ptr, k_ptr, q_ptr, g_ptr, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, i_bhv, n,
+                                 g_fold, owns, o_kb, o_v, m_v, C, H, HV, K, V, KB, BV, CHANNEL)
+        if EARLY:
+            tk = tl.atomic_add(ticket_ptr + 2 * i_b, 1, sem="relaxed")
+    else:
+        st_next = tl.zeros([KB, BV], dtype=tl.float32)  # (defined on every path: the loop carries it when PF)
+        if PF:  # the first block issued here; each iteration then issues the next before using its own
             if STORAGE:
-                sk += tl.sum(st * (kb * en)[:, None], 0)
-                sq += tl.sum(st * (qb * en)[:, None], 0)
-        else:
-            if KT:
-                wk += tl.sum(kc * kb[:, None], 0)
-                wq += tl.sum(kc * qb[:, None], 0)
-            else:
-                wk += tl.sum(kc * kb[None, :], 1)
-                wq += tl.sum(kc * qb[None, :], 1)
+                st_next = tl.load(p_s, mask=(o_kb < K)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if EARLY:  # (after the first block's load when PF) the increment depends on n: taken once n is read
+            tk = tl.atomic_add(ticket_ptr + 2 * i_b, tl.where(n >= 0, 1, 0), sem="relaxed")
+        for k0 in tl.range(0, K, KB, num_stages=NS):
+            m_kb = (k0 + o_kb) < K
             if STORAGE:
-                sk += tl.sum(st * kb[:, None], 0)
-                sq += tl.sum(st * qb[:, None], 0)
-    m_r = rows < n
+                if PF:
+                    st = st_next
+                    m_nx = (k0 + KB + o_kb) < K
+                    st_next = tl.load(p_s + (k0 + KB) * V, mask=m_nx[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                else:
+                    st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+            qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+            if KT:
+                kc = tl.load(ck_ptr + p_c + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0).to(tl.float32)
+            else:
+                kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
+            qk += kb * qb
+            if CHANNEL:
+                gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
+                gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
+                gn = tl.where(n_buf > 0, gl, 0.0) + gb  # G_new over this block of channels
+                if KT:
+                    gcb = tl.load(cg_ptr + ((i_b * C + rows[None, :]) * HV + i_hv) * K + k0 + o_kb[:, None],
+                                  mask=m_kb[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+                    live = (rows < n_buf)[None, :]
+                    kd = tl.where(live, kc * tl.exp(tl.where(live, gn[:, None] - gcb, 0.0)), 0.0)
+                    wk += tl.sum(kd * kb[:, None], 0)
+                    wq += tl.sum(kd * qb[:, None], 0)
+                else:
+                    gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
+                                  mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
+                    live = (rows < n_buf)[:, None]
+                    kd = tl.where(live, kc * tl.exp(tl.where(live, gn[None, :] - gcb, 0.0)), 0.0)
+                    wk += tl.sum(kd * kb[None, :], 1)
+                    wq += tl.sum(kd * qb[None, :], 1)
+                en = tl.exp(gn)
+                if STORAGE:
+                    sk += tl.sum(st * (kb * en)[:, None], 0)
+                    sq += tl.sum(st * (qb * en)[:, None], 0)
+            else:
+                if KT:
+                    wk += tl.sum(kc * kb[:, None], 0)
+                    wq += tl.sum(kc * qb[:, None], 0)
+                else:
+                    wk += tl.sum(kc * kb[None, :], 1)
+                    wq += tl.sum(kc * qb[None, :], 1)
+                if STORAGE:
+                    sk += tl.sum(st * kb[:, None], 0)
+                    sq += tl.sum(st * qb[:, None], 0)
+    m_r = rows < n_buf
     if LOADN:
         uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
                      mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     uc = tl.where(m_r[:, None], uc, 0.0)
     if not CHANNEL:
-        g_last = tl.where(n > 0, tl.sum(tl.where(rows == n - 1, gc, 0.0), 0), 0.0)
+        g_last = tl.where(n_buf > 0, tl.sum(tl.where(rows == n_buf - 1, gc, 0.0), 0), 0.0)
         g_new = g_last + g_tok
         dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))
         wk = tl.where(m_r, wk * dec, 0.0)
@@ -391,14 +495,17 @@ def _decode_lean_kernel(
     acc_k = tl.sum(wk[:, None] * uc, 0)
     acc_q = tl.sum(wq[:, None] * uc, 0) * scale
     if STORAGE:
+        if FOLD:
+            owns = owns | full  # a folded block was written from S0 = 0 when the request had no state
         sk = tl.where(owns, sk, 0.0)  # a select: a direct request's storage (maybe NaN) never propagates
         sq = tl.where(owns, sq, 0.0) * scale
     b_u = b_beta * (b_v - sk - acc_k)
     b_o = sq + acc_q + tl.sum(qk, 0) * scale * b_u
     tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-    # n < C here (full buffers were folded by the split launch; a full one without storage is refused)
-    tl.store(cu_ptr + ((i_b * C + n) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
-             mask=o_v < tl.where(n < C, V, 0))
+    # n_buf < C here (full buffers were folded, by this loop or by the split launch; a full one without
+    # storage is refused); the new u row is the program's own slice, read by no other program
+    tl.store(cu_ptr + ((i_b * C + n_buf) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
+             mask=o_v < tl.where(n_buf < C, V, 0))
     if SNAP:
         # no other program reads row n (their reads of rows >= n are dropped by selects) nor lengths
         # (they read the snapshot): the new key / G rows and the length are written here directly
@@ -424,6 +531,21 @@ def _decode_lean_kernel(
     if TICKET:
         _ticket_bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, i_b, n, C, H, HV, K, NV,
                             BK, BH, BHV, CHANNEL)
+    if EARLY:
+        last_reader = tk == HV * NV - 1
+        if last_reader:
+            tl.store(ticket_ptr + 2 * i_b, 0)
+        if n < C:  # (n == C only with FOLD: a full buffer without it is folded by the split launch first)
+            if last_reader:
+                _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV,
+                             CHANNEL)
+        else:
+            tl.debug_barrier()
+            done = tl.atomic_add(ticket_ptr + 2 * i_b + 1, 1)
+            if done == HV * NV - 1:
+                _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV,
+                             CHANNEL)
+                tl.store(ticket_ptr + 2 * i_b + 1, 0)
 
 
 @triton.jit
@@ -474,6 +596,80 @@ def _fold_full_kernel(
                 if ticket == HV * NV - 1:  # every program of the request has read its length: empty the buffer
                     tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))
                     tl.store(own_ptr + i_b, 1)
+                    tl.store(ticket_ptr + i_b, 0)
+
+
+@triton.jit
+def _fold_group_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr, snap_ptr,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
+    CHANNEL: tl.constexpr, SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True, PDL: tl.constexpr = False,
+):
+    """fold="split" with the fold kernel "group": like _fold_full_kernel, but a program owns FH value
+    heads of one request (grid (V / BV, B * HV / FH)) and walks their [K, BV] tiles in KB-row blocks,
+    each folded with one tl.dot of the C entries (fp32 FMA) and written back.  Few programs and few
+    registers, so the launch costs little when no request is full (most steps), which is what the
+    tile kernel's 8192 programs of 167 registers did not (10 us at B=128 under ncu)."""
+    NG: tl.constexpr = HV // FH
+    _pdl_prologue(PDL)
+    i_v = tl.program_id(0)
+    i_g = tl.program_id(1).to(tl.int64)
+    i_b = i_g // NG
+    hv0 = (i_g % NG) * FH
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    if SNAP:
+        if i_v == 0:
+            if hv0 == 0:
+                if STORAGE:
+                    tl.store(snap_ptr + i_b, tl.where(n >= C, -1, n))
+                else:
+                    tl.store(snap_ptr + i_b, n)
+    if STORAGE:
+        if n >= C:
+            owns = tl.load(own_ptr + i_b) != 0
+            o_kb = tl.arange(0, KB)
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            rows = tl.arange(0, CB)
+            m_c = rows < C
+            for hh in range(FH):
+                i_hv = hv0 + hh
+                i_h = i_hv // (HV // H)
+                i_bhv = i_b * HV + i_hv
+                uf = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                             mask=m_c[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [CB, BV]
+                if not CHANNEL:
+                    gj = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
+                    g_end = tl.sum(tl.where(rows == C - 1, gj, 0.0), 0)
+                    w = tl.where(m_c, tl.exp(g_end - gj), 0.0)
+                for k0 in tl.range(0, K, KB, num_stages=NS):
+                    o_k = k0 + o_kb
+                    m_k = o_k < K
+                    p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+                    m_s = m_k[:, None] & m_v[None, :]
+                    st = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+                    st = tl.where(owns, st, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)
+                    kf = tl.load(ck_ptr + ((i_b * C + rows[None, :]) * H + i_h) * K + o_k[:, None],
+                                 mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [KB, CB]
+                    if CHANNEL:
+                        ge = tl.load(cg_ptr + ((i_b * C + C - 1) * HV + i_hv) * K + o_k, mask=m_k,
+                                     other=0.0).to(tl.float32)
+                        gjk = tl.load(cg_ptr + ((i_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None],
+                                      mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+                        kf = tl.where(m_c[None, :], kf * tl.exp(ge[:, None] - gjk), 0.0)
+                        st = st * tl.exp(ge)[:, None]
+                    else:
+                        kf = kf * w[None, :]
+                        st = st * tl.exp(g_end)
+                    st = tl.dot(kf, uf, st, input_precision="ieee")
+                    tl.store(p_s, st.to(state_ptr.dtype.element_ty), mask=m_s)
+            if not SNAP:
+                tl.debug_barrier()
+                ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+                if ticket == NG * NV - 1:  # the request's last program: every one has read its length
+                    tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))  # emptied
+                    tl.store(own_ptr + i_b, 1)  # (a direct request now owns its folded state)
                     tl.store(ticket_ptr + i_b, 0)
 
 
@@ -545,6 +741,9 @@ def buffered_decode(
     loadn: Optional[bool] = None,
     keyn: Optional[bool] = None,
     kt: Optional[bool] = None,
+    pf: Optional[bool] = None,
+    fold_launch: Optional[dict] = None,
+    pdl: Optional[bool] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -583,15 +782,15 @@ def buffered_decode(
     s = check_scale(scale, d.K)
     cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg,
                         variant=variant, KB=KB, NS=NS, fold=fold, loadn=loadn,
-                        keyn=keyn, kt=kt)
+                        keyn=keyn, kt=kt, pf=pf, pdl=pdl)
     if cfg["variant"] not in ("tile", "lean"):
         raise ValueError(f"variant: expected 'tile' or 'lean', got {cfg['variant']!r}")
     if cfg["fold"] not in ("fused", "split"):
         raise ValueError(f"fold: expected 'fused' or 'split', got {cfg['fold']!r}")
-    if cfg["book"] not in ("ticket", "launch", "snapshot"):
-        raise ValueError(f"book: expected 'ticket', 'launch' or 'snapshot', got {cfg['book']!r}")
-    if cfg["variant"] == "lean" and cfg["fold"] != "split":
-        raise ValueError("variant: 'lean' needs fold='split' (its kernel has no fold)")
+    if cfg["book"] not in ("ticket", "launch", "snapshot", "early"):
+        raise ValueError(f"book: expected 'ticket', 'launch', 'snapshot' or 'early', got {cfg['book']!r}")
+    if cfg["book"] == "early" and cfg["variant"] != "lean":
+        raise ValueError("book: 'early' is only for variant='lean'")
     if cfg["book"] == "snapshot" and (cfg["variant"] != "lean" or cfg["fold"] != "split"):
         raise ValueError("book: 'snapshot' is only for variant='lean' with fold='split'")
     o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
@@ -608,36 +807,49 @@ def buffered_decode(
             kernel, extra = _decode_lean_kernel, dict(KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"],
                                                       CB=block(C),
                                                       LOADN=bool(cfg.get("loadn")), KEYN=bool(cfg.get("keyn")),
-                                                      KT=bool(cfg.get("kt")))
+                                                      KT=bool(cfg.get("kt")), FOLD=cfg["fold"] == "fused",
+                                                      EARLY=cfg["book"] == "early", PF=bool(cfg.get("pf")))
         else:
             kernel, extra = _decode_kernel, dict(FB=16)
         if cfg["fold"] == "split" and cfg["variant"] == "tile":
             extra["FOLD"] = False
         snap = cfg["book"] == "snapshot"
+        pdl = pdl_launch(q, cfg)  # programmatic dependent launch: the lean kernels and the group fold / book
         snapshot = int_scratch("snapshot", d.B, q.device) if snap else buffer.lengths
         if snap:
             extra.update(SNAP=True, snap_ptr=snapshot)
         elif cfg["variant"] == "lean":
             extra.update(snap_ptr=buffer.lengths)  # never read
         if cfg["fold"] == "split" and (storage or snap):
-            fcfg = launch_config("fold_full", d.V)
+            fcfg = launch_config("fold_full", d.V, **(fold_launch or {}))
+            if fcfg.get("kernel", "tile") not in ("tile", "group"):
+                raise ValueError(f"fold_launch: kernel expected 'tile' or 'group', got {fcfg['kernel']!r}")
             NVF = triton.cdiv(d.V, fcfg["BV"])
-            _fold_full_kernel[(NVF, d.B * d.HV)](
-                buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
-                ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V,
-                FB=16, BK=block(d.K), BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage,
-                num_warps=fcfg["num_warps"])
+            if fcfg.get("kernel", "tile") == "group":
+                FH = math.gcd(d.HV, fcfg["FH"])
+                _fold_group_kernel[(NVF, d.B * d.HV // FH)](
+                    buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
+                    ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C),
+                    KB=max(16, min(fcfg["KB"], block(d.K))), BV=fcfg["BV"], NV=NVF, FH=FH, NS=fcfg["NS"],
+                    CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage, num_warps=fcfg["num_warps"], **pdl)
+            else:
+                _fold_full_kernel[(NVF, d.B * d.HV)](
+                    buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
+                    ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V,
+                    FB=16, BK=block(d.K), BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, SNAP=snap,
+                    STORAGE=storage, num_warps=fcfg["num_warps"])
         kernel[(NV, d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o,
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
-            ticket_counters(d.B, q.device) if ticket else buffer.lengths,
+            ticket_counters(2 * d.B, q.device) if ticket or cfg["book"] == "early" else buffer.lengths,
             s,
             V=d.V, BV=cfg["BV"], NV=NV, STORAGE=storage, TICKET=ticket,
             num_warps=cfg["num_warps"], **shared, **{"CB": max(16, cfg["CB"]), **extra}, **_maxnreg(cfg),
+            **(pdl if cfg["variant"] == "lean" else {}),
         )
         if cfg["book"] == "launch":
             _book_kernel[(d.B,)](as_input(k), as_input(g), buffer.k, buffer.G, buffer.lengths,
-                                 flag_view(buffer.has_state), num_warps=1, **shared)
+                                 flag_view(buffer.has_state), num_warps=1, **shared, **pdl)
     return o, buffer
 
 
@@ -650,14 +862,14 @@ def _maxnreg(cfg: dict) -> dict:
 #: passes its correctness check is timed).  The lean ones were the fastest in bench/gpu_probe.py's runs
 #: (bench/results/h200_probe/); the register-tile kernel with its fold fused is the previous default.
 DECODE_TUNE_CONFIGS = (
-    dict(variant="lean", fold="split", book="snapshot", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True),
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True),
     dict(variant="lean", fold="split", book="snapshot", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
-         kt=True),
-    dict(variant="lean", fold="split", book="snapshot", BV=64, num_warps=2, KB=32, NS=1, loadn=False, keyn=False),
-    dict(variant="lean", fold="split", book="snapshot", BV=32, num_warps=1, KB=32, NS=2, loadn=True, keyn=True),
-    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True),
+         pdl=True),
+    dict(variant="lean", fold="split", book="snapshot", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
+         kt=True, pdl=True),
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
+         pdl=False),
     dict(variant="tile", fold="fused", book="ticket", BV=64, num_warps=2),
-    dict(variant="tile", fold="split", book="launch", BV=64, num_warps=2),
 )
 
 

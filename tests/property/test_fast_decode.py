@@ -130,10 +130,25 @@ def test_launch_configs(book, BV, channel_gate):
 
 OPTIONS = {
     "tile-fused": dict(variant="tile", fold="fused", book="ticket"),
-    "tile-split": dict(variant="tile", fold="split", book="launch"),
+    "tile-split": dict(variant="tile", fold="split", book="launch", fold_launch=dict(kernel="tile", BV=16)),
+    "lean-tilefold": dict(variant="lean", fold="split", book="snapshot", fold_launch=dict(kernel="tile", BV=16)),
     "lean-ticket": dict(variant="lean", fold="split", book="ticket", loadn=False, keyn=False, NS=2),
     "lean-launch": dict(variant="lean", fold="split", book="launch"),
     "lean-snapshot-kt": dict(variant="lean", fold="split", book="snapshot", kt=True),
+    "lean-fused-launch": dict(variant="lean", fold="fused", book="launch"),
+    "lean-fused-ticket-kt": dict(variant="lean", fold="fused", book="ticket", kt=True),
+    "lean-fused-early": dict(variant="lean", fold="fused", book="early"),
+    "lean-fused-early-all": dict(variant="lean", fold="fused", book="early", loadn=False, keyn=False),
+    "lean-fused-early-pf": dict(variant="lean", fold="fused", book="early", pf=True),
+    "lean-split-launch-pf-kt": dict(variant="lean", fold="split", book="launch", pf=True, kt=True),
+    "lean-split-group": dict(variant="lean", fold="split", book="launch",
+                             fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
+    "lean-early-group": dict(variant="lean", fold="split", book="early",
+                             fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
+    "lean-group-pdl": dict(variant="lean", fold="split", book="launch", pdl=True,
+                           fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
+    "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",
+                                fold_launch=dict(kernel="group", FH=1, KB=16, BV=16, NS=1)),
 }
 
 
@@ -155,7 +170,7 @@ def test_variants(opts, C, hist, lengths, channel_gate):
     class Cfg(Poisoned):
         @staticmethod
         def buffered_decode(*args, buffer, **kw):
-            return Poisoned.buffered_decode(*args, buffer=buffer, KB=16, BV=16, **OPTIONS[opts], **kw)
+            return Poisoned.buffered_decode(*args, buffer=buffer, **{"KB": 16, "BV": 16, **OPTIONS[opts]}, **kw)
 
     _assert_all(P.check_decode(Cfg, case, torch.float32, capacity=C, history=hist, lengths=lengths,
                                flushes={3: [1, 0, 2]}, device=DEVICE))
@@ -165,9 +180,10 @@ def test_variants(opts, C, hist, lengths, channel_gate):
     (dict(book="atomic"), "book: expected"),
     (dict(variant="tiles"), "variant: expected"),
     (dict(fold="later"), "fold: expected"),
-    (dict(variant="lean", fold="fused"), "variant: 'lean' needs fold='split'"),
+    (dict(variant="lean", fold="fused", book="snapshot"), "book: 'snapshot' is only for"),
     (dict(variant="tile", book="snapshot"), "book: 'snapshot' is only for"),
-], ids=["book", "variant", "fold", "lean-fused", "tile-snapshot"])
+    (dict(variant="tile", fold="split", book="early"), "book: 'early' is only for"),
+], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
