@@ -16,18 +16,24 @@ QQ_ij = D_ij (q_i.k_j) over ancestors-or-self.  With L = N^-1 diag(b):
 
     [U; O] = L [v; 0] + (L W) U_buf + P S0,     P = L diag(sgn) Y   ([R, K])
 
-verify runs in two launches.  Phase 1 (``_verify_prep_kernel``, grid B * HV, one warp): all that does
-not touch the state: the ancestor mask (a walk up ``parents``, at most d steps, on [R, R] registers),
-G along each path, the scores ([R, K] x [K, C] and [R, K] x [K, R], in chunks of key columns), N^-1
-by forward substitution over the d key rows plus one product for the query rows, then L, L W and P
-(fp32 scratch), Drafts.G and Drafts.k.  Phase 2 (``_verify_stream_kernel``, grid (V / BV, B * HV),
-the recurrent kernel's layout): two small products for L [v; 0] + (L W) U_buf, then the state product
-P S0 over [KB, BV] blocks of the state in a pipelined loop (direct-mode requests select zeros with
-``tl.where``), and stores o and u.  variant='fused' (``_verify_fused_kernel``, scalar gates) does both
-phases in one program per (request, value head, V-tile), without scratch; it measured slower on the
-H200 (docs/speculative.md).  Nothing is written to the state and no state is formed per draft:
-``Drafts`` keeps the drafts' (k, u, G).  Per-channel (KDA) gates: the exp moves inside the scores,
-computed row by row in phase 1 (slower, same phase 2).
+verify runs in two launches.  Phase 1 (grid B * H, one warp: ``_verify_prep_group_kernel``, the
+default for scalar gates) does all that does not touch the state: the ancestor mask (a walk up
+``parents``, at most d steps, on [R, R] registers), the scores ([R, K] x [K, C] and [R, K] x [K, R],
+in chunks of key columns) once per q/k head, since its HV / H value heads share them, and then per
+value head G along each path, the decays, N^-1 by forward substitution over the d key rows plus one
+product for the query rows, L, L W and L' = L diag(sgn exp(G) s) (s: the query scale; fp32
+scratch), Drafts.G and Drafts.k.  Phase 2 (``_verify_stream_kernel``, grid (V / BV, B * HV), BV=128):
+the state product X S0 over [KB, BV] blocks of the state in a pipelined loop, X the raw key / query
+rows read from the inputs (P S0 = L' X S0), then L [v; 0] + (L W) U_buf + L' (X S0) (direct-mode
+requests select zeros with ``tl.where``), and stores o and u.  With pdl=True (CUDA, sm_90+) phase 2
+is launched as a programmatic dependent of phase 1 and runs its state loop before it waits for
+phase 1's results, so the two can overlap.  Per-channel (KDA) gates keep the per-value-head phase 1
+(``_verify_prep_kernel``: the exp moves inside the scores, computed row by row) and its
+P = L diag(sgn) Y ([R, K]), which phase 2 then multiplies by the state blocks (zp=False does that
+for scalar gates too: the previous default).  variant='fused' (``_verify_fused_kernel``, scalar
+gates) does both phases in one program per (request, value head, V-tile), without scratch; it
+measured slower on the H200 (docs/speculative.md).  Nothing is written to the state and no state is
+formed per draft: ``Drafts`` keeps the drafts' (k, u, G).
 
 accept, grid (V / BV, B * HV): per request the accepted node's root-to-node path (m entries, found by
 walking ``parents`` in registers) is appended from the drafts' cached (k, u, G).  When n + m > C the
@@ -51,7 +57,8 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.validation import (check_buffer, check_counts, check_nodes, check_num_drafts, check_parents,
                                      check_scale, check_tokens)
 
-from ._common import _program_ids, block, as_input, device_guard, flag_view, new_output, ticket_counters
+from ._common import (_gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard,
+                      flag_view, new_output, pdl_launch, ticket_counters)
 from .decode import _check_u_form, _fold_rows
 
 __all__ = ["verify", "accept", "MAX_DRAFTS", "launch_config", "set_launch", "LAUNCH_CANDIDATES"]
@@ -61,30 +68,30 @@ MAX_DRAFTS = 64
 
 # Launch parameters per kernel: BV (state columns per program), num_warps and, for verify, the fp32
 # dot precision on CUDA ('tf32x3': three TF32 tensor-core products, ~fp32 accuracy; 'ieee': FMA).
-# verify: no register spills at these (ptxas sm_90, cuobjdump -res-usage; docs/speculative.md);
 # bench/gpu_verify.py --tune times LAUNCH_CANDIDATES on the GPU and calls set_launch with the best.
-# Defaults: the best of that sweep on the H200 (bench/results/h200_gpu_check/call5_tests_decode_verify:
-# B=128, D=5: the two phases with a streamed phase 2, tf32x3, 197 us; the one-launch 'fused' kernel
-# 220-507 us; the register-tile phase 2 213 us).  accept: BV=32 (its sweep's best was within noise).
+# verify default: the best of the H200 probes of 2026-11-29 (bench/results/h200_probe/, B=128, D=5):
+# phase 1 per q/k head (37 us), phase 2 over BV=128 tiles reading the raw draft rows (108 us, 128
+# registers), launched with PDL: 147 us, against 196 us for the previous default (P from phase 1,
+# BV=64) and 220-507 us for the one-launch 'fused' kernel.  accept: BV=32 (its sweep's best was
+# within noise).
 _CONFIG = {
-    "verify": dict(BV=64, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
-                   prep_precision="tf32x3"),
+    "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
+                   prep_precision="tf32x3", zp=True, pdl=True, prep_group=True),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
 
-#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): the variant ('stream': two
-#: phases; 'fused': one launch, scalar gates), BV / num_warps / dot precision, key blocks KB and
-#: pipelining NS.  The H200 sweep's times are in docs/speculative.md (a register-tile phase 2, the
-#: first session's default, was slower than 'stream' and is gone).
+#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): the two-phase 'stream' variant
+#: with phase 2 reading the raw draft rows (zp), programmatic dependent launch (pdl), phase 1 per q/k
+#: head (prep_group), BV 128 or 64; and the previous default (P from phase 1, BV=64).  The probe
+#: (bench/gpu_probe.py, bench/results/h200_probe/) timed more (8 warps, NS=2, KB=64, ieee phase 1, the
+#: one-launch 'fused' kernel): all slower; docs/speculative.md has the numbers.
 LAUNCH_CANDIDATES = [
-    dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=2),
-    dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=1),
-    dict(variant="fused", BV=64, num_warps=4, precision="ieee", KB=32, NS=2),
-    dict(variant="fused", BV=32, num_warps=2, precision="tf32x3", KB=32, NS=2),
-    dict(variant="fused", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=2),
-    dict(variant="fused", BV=64, num_warps=4, precision="tf32x3", KB=16, NS=3),
-    dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, prep_precision="tf32x3"),
+    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True),
+    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=False),
+    dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True),
+    dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=False, pdl=False,
+         prep_group=False),
 ]
 
 
@@ -201,15 +208,18 @@ def _verify_prep_kernel(
     scale, D,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr,
-    CHANNEL: tl.constexpr, PREC: tl.constexpr,
+    CHANNEL: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Phase 1, one program per (request, value head): everything that does not touch the state.
     Writes L = N^-1 diag(b) and L W ([R, R + BC], see the module docstring), P = L diag(sgn) Y
     ([R, K]), Drafts.G and (one program per q/k head) Drafts.k.  The key dimension is walked in
     chunks of KC columns (two passes: scores, then P), so that few registers are live: many
-    programs share an SM and hide each other's latency."""
+    programs share an SM and hide each other's latency.  ZP (scalar gates): instead of P, the [R, R]
+    matrix L' = L diag(sgn exp(G) s) (s = scale on query rows, 0 on padding rows), so that
+    P S0 = L' (X S0) with X the raw key / query rows, which phase 2 reads itself: no second pass."""
     R: tl.constexpr = 2 * BD  # rows: draft keys 0..BD-1, draft queries BD..2BD-1
     GROUP: tl.constexpr = HV // H
+    _pdl_prologue(PDL)
     i_bhv = tl.program_id(0).to(tl.int64)
     i_b = i_bhv // HV
     i_hv = i_bhv % HV
@@ -280,8 +290,15 @@ def _verify_prep_kernel(
     p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
     tl.store(p_l + o_c[None, :], L)
     tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
+    if ZP and not CHANNEL:  # L' = L diag(sgn exp(G) s): phase 2 applies it to X S0
+        col = tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0)  # over rows of X = columns of L
+        col_c = tl.sum(tl.where(is_self, col[:, None], 0.0), 0)
+        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :], L * col_c[None, :])
+        n_pass2 = 0
+    else:
+        n_pass2 = K
     # pass 2: P = L diag(sgn) Y, Y = the rows k_i, q_i scaled by exp(G_i) (per-channel: Drafts.G too)
-    for k0 in range(0, K, KC):
+    for k0 in range(0, n_pass2, KC):
         k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, CHANNEL)
         o_k = k0 + tl.arange(0, KC)
         if CHANNEL:
@@ -297,20 +314,107 @@ def _verify_prep_kernel(
 
 
 @triton.jit
+def _verify_prep_group_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr,
+    ck_ptr, cg_ptr, len_ptr, p_ptr, l_ptr,
+    scale, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Phase 1 for scalar gates with ZP, one program per (request, q/k head): the scores of the drafts'
+    keys / queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value
+    heads that share the q/k head (only their decays, betas and gates differ), so they are formed
+    once, then each value head's decays, N^-1, L, L W and L' are written as _verify_prep_kernel does."""
+    R: tl.constexpr = 2 * BD
+    GROUP: tl.constexpr = HV // H
+    _pdl_prologue(PDL)
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    o_r = tl.arange(0, R)
+    o_c = tl.arange(0, R)
+    dr = o_r % BD
+    is_q = o_r >= BD
+    m_in = dr < D
+    m_t = dr < t
+    p_kq = ((i_b * D + dr) * H + i_h) * K
+    m_cin = (o_c < BD) & (o_c < D)
+    m_ct = (o_c < BD) & (o_c < t)
+    par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
+    par = tl.where(m_ct, par_in.to(tl.int32), -1)
+    anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
+    o_m = tl.arange(0, BC)
+    m_n = o_m < n
+    p_ck = ((i_b * C + o_m) * H + i_h) * K
+    SB = tl.zeros([R, BC], dtype=tl.float32)
+    SS = tl.zeros([R, R], dtype=tl.float32)
+    for k0 in range(0, K, KC):
+        k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_kq, m_in, is_q, m_t, k0, scale, K, KC, False)
+        kc, gcc = _chunk_entries(ck_ptr, ck_ptr, p_ck, p_ck, m_n, k0, K, KC, False)
+        o_k = k0 + tl.arange(0, KC)
+        tl.store(dk_ptr + p_kq[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
+                 mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
+        SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
+        SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)
+    for j in tl.static_range(GROUP):
+        i_hv = i_h * GROUP + j
+        i_bhv = i_b * HV + i_hv
+        p_rt = (i_b * D + dr) * HV + i_hv
+        beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
+        beta_cin = tl.load(beta_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
+        g_in = tl.load(g_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
+        gc = tl.load(cg_ptr + (i_b * C + o_m) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)
+        b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
+        b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
+        base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)
+        gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)
+        Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)
+        Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)
+        SBj = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
+        SSj = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
+        tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
+        W = tl.where(is_q[:, None], SBj, -SBj)
+        M = tl.where(is_q[:, None], -SSj, tl.where(proper, b_row[:, None] * SSj, 0.0))
+        Ninv = tl.where(is_self, 1.0, 0.0)
+        for i in range(0, t):
+            a_i = tl.sum(tl.where((o_r == i)[:, None], M, 0.0), 0)
+            row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ninv, 0)
+            Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
+        Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
+        L = Ninv * b_col[None, :]
+        p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
+        tl.store(p_l + o_c[None, :], L)
+        tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
+        col = tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0)
+        col_c = tl.sum(tl.where(is_self, col[:, None], 0.0), 0)
+        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :], L * col_c[None, :])
+
+
+@triton.jit
 def _verify_stream_kernel(
     v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
     C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
-    STORAGE: tl.constexpr, PREC: tl.constexpr,
+    STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr = False, PDL: tl.constexpr = False,
+    H: tl.constexpr = 1, q_ptr=None, k_ptr=None,
 ):
     """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
     the state streamed in [KB, BV] blocks through a pipelined loop (P S0 accumulated block by block;
-    direct requests select 0)."""
+    direct requests select 0).  ZP: the loop forms X S0 from the raw key / query rows instead (read
+    from the inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop
+    reads nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap)."""
     R: tl.constexpr = 2 * BD
     i_v = tl.program_id(0)
     i_bhv = tl.program_id(1).to(tl.int64)
     i_b = i_bhv // HV
     i_hv = i_bhv % HV
+    i_h = i_hv // (HV // H)
+    if PDL:
+        if not ZP:  # L, L W and P are read first
+            _gdc_wait()
+        _gdc_launch_dependents()
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n = tl.load(len_ptr + i_b).to(tl.int32)
@@ -320,6 +424,23 @@ def _verify_stream_kernel(
     dr = o_r % BD
     is_q = o_r >= BD
     m_in = dr < D
+    m_t = dr < t
+    o_kb = tl.arange(0, KB)
+    p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
+    X = tl.zeros([R, BV], dtype=tl.float32)
+    if ZP:
+        if STORAGE:
+            p_x = ((i_b * D + dr) * H + i_h)[:, None] * K + o_kb[None, :]
+            m_kx = (m_in & m_t & ~is_q)[:, None]
+            m_qx = (m_in & m_t & is_q)[:, None]
+            for k0 in tl.range(0, K, KB, num_stages=NS):
+                m_kb = (k0 + o_kb) < K
+                sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                xb = (tl.load(k_ptr + p_x + k0, mask=m_kx & m_kb[None, :], other=0.0).to(tl.float32)
+                      + tl.load(q_ptr + p_x + k0, mask=m_qx & m_kb[None, :], other=0.0).to(tl.float32))
+                X = tl.dot(xb, sb, X, input_precision=PREC)
+        if PDL:
+            _gdc_wait()  # phase 1's L, L W, L' from here on
     p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
     v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
     o_c = tl.arange(0, R)
@@ -330,19 +451,19 @@ def _verify_stream_kernel(
     m_n = o_m < n
     uc = tl.load(cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :],
                  mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-    m_t = dr < t
     out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
     out += tl.dot(LW, uc, input_precision=PREC)
     if STORAGE:
-        o_kb = tl.arange(0, KB)
-        p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
-        p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kb[None, :]
-        X = tl.zeros([R, BV], dtype=tl.float32)
-        for k0 in tl.range(0, K, KB, num_stages=NS):
-            m_kb = (k0 + o_kb) < K
-            sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            pb = tl.load(p_p + k0, mask=m_kb[None, :], other=0.0)
-            X = tl.dot(pb, sb, X, input_precision=PREC)
+        if ZP:
+            L2 = tl.load(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :])
+            X = tl.dot(L2, X, input_precision=PREC)
+        else:
+            p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kb[None, :]
+            for k0 in tl.range(0, K, KB, num_stages=NS):
+                m_kb = (k0 + o_kb) < K
+                sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                pb = tl.load(p_p + k0, mask=m_kb[None, :], other=0.0)
+                X = tl.dot(pb, sb, X, input_precision=PREC)
         out += tl.where(owns, X, 0.0)
     out = tl.where(m_t[:, None], out, 0.0)
     m_out = m_in[:, None] & m_v[None, :]
@@ -601,12 +722,16 @@ def verify(
     NS: Optional[int] = None,
     prep_warps: Optional[int] = None,
     prep_precision: Optional[str] = None,
+    zp: Optional[bool] = None,
+    pdl: Optional[bool] = None,
+    prep_group: Optional[bool] = None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
     q, k: [B, D, H, K]; v: [B, D, HV, V]; g: [B, D, HV]*; beta: [B, D, HV].  parents: [B, D] int
     (-1 = the buffer's tail; each parent before its child; default the chain -1, 0, ..., D-2);
-    num_drafts: [B] int in 0..D (default D): ragged draft counts, padding rows get o = 0.
+    num_drafts: [B] int in 0..D (default D): ragged draft counts, padding rows get o = 0.  The defaults
+    are made once per (B, D, device) and shared (the returned Drafts may hold them): do not modify them.
     Returns o [B, D, HV, V] (v's dtype, or written into ``out``) and ``Drafts`` in the u-cache form:
     u [B, D, HV, V] and G [B, D, HV]* (relative to the buffer's last flush) in the buffer's cache
     dtype, plus a copy of the keys.  Same results as ``kvbuffer_ref.verify``; the buffer is not
@@ -621,17 +746,16 @@ def verify(
     tune them).
     """
     d = check_tokens(q, k, v, g, beta)
+    if parents is None:  # the chain; cached, so that a default call launches nothing but the kernels
+        parents = _default_tensor("chain", d.B, d.T, q.device)
+    if num_drafts is None:
+        num_drafts = _default_tensor("count", d.B, d.T, q.device)
     if validate:
         check_buffer(buffer, d, q.device)
         parents = check_parents(parents, d.B, d.T, q.device)
         num_drafts = check_num_drafts(num_drafts, d.B, d.T, q.device)
-    else:
-        if not isinstance(buffer, KVBuffer):
-            raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
-        if parents is None:
-            parents = torch.arange(-1, d.T - 1, device=q.device, dtype=torch.long).expand(d.B, d.T)
-        if num_drafts is None:
-            num_drafts = torch.full((d.B,), d.T, dtype=torch.long, device=q.device)
+    elif not isinstance(buffer, KVBuffer):
+        raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
     _check_u_form(buffer, "verify")
     if d.T > MAX_DRAFTS:
         raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
@@ -654,7 +778,8 @@ def verify(
     if d.B == 0 or d.T == 0:
         return o, drafts
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
-                        NS=NS, prep_warps=prep_warps, prep_precision=prep_precision)
+                        NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
+                        prep_group=prep_group)
     if cfg["variant"] not in ("stream", "fused"):
         raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
@@ -672,25 +797,54 @@ def verify(
                 KB=max(16, min(cfg["KB"], block(d.K))), BV=cfg["BV"], NS=cfg["NS"], STORAGE=storage, PREC=prec,
                 num_warps=cfg["num_warps"])
         return o, drafts
-    # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC], P [B*HV, R, K]
+    # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC], P [B*HV, R, K] (ZP: L' [B*HV, R, R])
+    zp = bool(cfg.get("zp")) and not d.channel_gate
+    pdl = pdl_launch(q, cfg)
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
-    pk = torch.empty(d.B * d.HV, R, d.K, dtype=torch.float32, device=q.device)
+    pk = torch.empty(d.B * d.HV, R, R if zp else d.K, dtype=torch.float32, device=q.device)
     KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
     with device_guard(q):
-        _verify_prep_kernel[(d.B * d.HV,)](
-            as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, dG, dk,
-            buffer.k, buffer.G, buffer.lengths, pk, lw,
-            s, d.T,
-            C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
-            CHANNEL=d.channel_gate, PREC=prep_prec, num_warps=cfg["prep_warps"],
-        )
+        if zp and cfg.get("prep_group"):
+            _verify_prep_group_kernel[(d.B * d.H,)](
+                as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, dG, dk,
+                buffer.k, buffer.G, buffer.lengths, pk, lw,
+                s, d.T,
+                C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
+                PREC=prep_prec, num_warps=cfg["prep_warps"], **pdl,
+            )
+        else:
+            _verify_prep_kernel[(d.B * d.HV,)](
+                as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, dG, dk,
+                buffer.k, buffer.G, buffer.lengths, pk, lw,
+                s, d.T,
+                C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
+                CHANNEL=d.channel_gate, PREC=prep_prec, num_warps=cfg["prep_warps"], ZP=zp, **pdl,
+            )
         _verify_stream_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
             as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
             buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
             pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
             KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
-            num_warps=cfg["num_warps"])
+            num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl)
     return o, drafts
+
+
+_DEFAULTS: dict = {}
+
+
+def _default_tensor(kind: str, B: int, D: int, device) -> torch.Tensor:
+    """The default parents (the chain -1, 0, ..., D-2 per request) or num_drafts (D per request), made once
+    per (B, D, device) and then reused: without it a default call ran three small torch kernels (and
+    their launch gaps) before verify's own.  The returned Drafts may hold it: treat it as read-only."""
+    key = (kind, B, D, str(torch.device(device)))
+    t = _DEFAULTS.get(key)
+    if t is None:
+        if kind == "chain":
+            t = torch.arange(-1, D - 1, device=device, dtype=torch.long).expand(B, D).contiguous()
+        else:
+            t = torch.full((B,), D, dtype=torch.long, device=device)
+        _DEFAULTS[key] = t
+    return t
 
 
 def _check_drafts(buffer: KVBuffer, drafts: Drafts) -> None:

@@ -113,13 +113,20 @@ def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
         num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2, device=DEVICE))
 
 
-@pytest.mark.parametrize("variant", ["stream", "fused"])
+VARIANTS = {"stream": dict(variant="stream"), "stream-p": dict(variant="stream", zp=False),
+            "stream-group": dict(variant="stream", zp=True, prep_group=True),
+            "fused": dict(variant="fused")}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("channel", [False, True])
 def test_variants(channel, variant):
-    """variant='stream' (phase 2 streams the state in KB=16-row blocks: K=40 gives three, the last partial)
-    and 'fused' (one launch: the state, the scores and the solve in one program; per-channel gates take
-    the two phases), V over partial BV=16 tiles, a tree, folds on accept and a direct request."""
-    old = spec.set_launch("verify", BV=16, variant=variant, KB=16)
+    """variant='stream' (phase 2 streams the state in KB=16-row blocks: K=40 gives three, the last partial;
+    scalar gates form X S0 from the raw rows, 'stream-p' the [R, K] P of phase 1 instead, as per-channel
+    gates always do) and 'fused' (one launch: the state, the scores and the solve in one program;
+    per-channel gates take the two phases), V over partial BV=16 tiles, a tree, folds on accept and a
+    direct request."""
+    old = spec.set_launch("verify", BV=16, KB=16, **VARIANTS[variant])
     try:
         case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mild", beta="mixed",
                     seed=12)
