@@ -102,15 +102,16 @@ def floor(B, copy_TBps) -> list:
 
 _LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
 _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
+_GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
     dict(_BEST, book="launch"),
-    dict(_BEST, book="snapshot"),
-    dict(_BEST, book="snapshot", kt=True),
-    dict(_BEST, book="launch", kt=True),
-    dict(_BEST, book="snapshot", kt=True, BV=32, num_warps=1, NS=2),
-    dict(_BEST, book="snapshot", kt=True, NS=2),
-    dict(_BEST, book="snapshot", kt=True, loadn=False, keyn=False),
-    dict(_BEST, book="snapshot", kt=True, KB=16),
+    dict(_BEST, book="launch", fold_launch=_GROUP),
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),
+    dict(_BEST, book="snapshot", fold_launch=_GROUP),
+    dict(_BEST, book="snapshot", fold_launch=_GROUP, pdl=True),
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4, NS=3), pdl=True),
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True, maxnreg=104),
+    dict(_BEST, book="snapshot", fold_launch=_GROUP, pdl=True, kt=True),
 ]
 
 
@@ -146,7 +147,8 @@ def decode_kernels() -> list:
     """The Triton kernels buffered_decode may launch (their compiled resources are recorded)."""
     import kvbuffer_fast.decode as dec
 
-    return [dec._decode_kernel, dec._decode_lean_kernel, dec._book_kernel, dec._fold_full_kernel]
+    return [dec._decode_kernel, dec._decode_lean_kernel, dec._book_kernel, dec._fold_full_kernel,
+            dec._fold_group_kernel]
 
 
 def verify_kernels() -> list:
@@ -201,6 +203,8 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
 
             for n in (0, C // 2, C - 1, C):
                 row[f"n{n}_us"] = queued_ms(step, reps=9, setup=lambda n=n: reset(n)) * 1e3
+            reset(C // 2)  # GPU time per kernel of a plain step (5 steps from C/2: no fold)
+            row["kernels_plain_us"] = kernel_split(step, reps=4)
             row["compiled"] = compiled_info(kernels, seen)[0]
 
             def cycle():
@@ -221,14 +225,17 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
     return rows
 
 
+_STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3",
+               zp=True, pdl=True, prep_group=True)
 VERIFY_VARIANTS = [
-    dict(variant="stream", BV=64, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3"),
-    dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3"),
-    dict(variant="stream", BV=64, KB=32, NS=2, num_warps=4, precision="tf32x3", prep_precision="tf32x3"),
-    dict(variant="stream", BV=32, KB=32, NS=3, num_warps=2, precision="ieee", prep_precision="tf32x3"),
-    dict(variant="stream", BV=64, KB=16, NS=4, num_warps=4, precision="ieee", prep_precision="tf32x3"),
-    dict(variant="stream", BV=64, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3",
-         prep_warps=2),
+    dict(_STREAM),
+    dict(_STREAM, prep_group=False),
+    dict(_STREAM, num_warps=8),
+    dict(_STREAM, NS=2),
+    dict(_STREAM, prep_precision="ieee"),
+    dict(_STREAM, BV=64),
+    dict(_STREAM, KB=64, NS=2),
+    dict(_STREAM, pdl=False),
 ]
 
 

@@ -13,7 +13,8 @@
 # 4. bench/gpu_verify.py: verify/accept checks, buffered vs per-draft-state vs fla, memory cross-check;
 # 5. bench/run_gpu.sh: the pytest-benchmark suites (device time) and the Markdown report with plots;
 # probe (not in the default list): bench/gpu_probe.py, where decode / verify time goes, per launch variant
-# (PROBE_ARGS="--skip floor,verify" passes options to it).
+# (PROBE_ARGS="--skip floor,verify" passes options to it);
+# ncu (not in the default list): Nsight Compute counters of bench/ncu_targets.py's launches (ncu.txt).
 # Everything lands in OUTDIR/gpu_results.tgz (one file: the device tool returns at most 8) and the
 # summary is printed last.  Each stage has its own time limit; a failing stage is reported, the
 # later stages still run, and the exit status is non-zero if any stage failed.
@@ -49,6 +50,7 @@ stage decode 200 python3 -m bench.gpu_decode --tune --out "$W/gpu_decode.json"
 stage verify 150 python3 -m bench.gpu_verify --quick --out "$W/gpu_verify.json"
 stage report 400 bash bench/run_gpu.sh "$W/report"
 stage probe 500 python3 -m bench.gpu_probe --out "$W/probe.json" ${PROBE_ARGS:-}
+stage ncu 400 bash -c "\$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) --clock-control none -k 'regex:${NCU_KERNELS:-_read_blocks|_decode|_fold|_book|_verify}' --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 -m bench.ncu_targets > $W/ncu.txt 2>&1; rc=\$?; grep -E '^  _|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Eligible Warps|Issued Warp|Block Limit|Waves Per SM|L2 Hit' $W/ncu.txt | head -400; exit \$rc"
 
 tar czf "$OUTDIR/gpu_results_$(echo $STAGES | tr " " "_").tgz" -C "$W" .
 echo "=== summary (total $(( $(date +%s) - t0 )) s)"

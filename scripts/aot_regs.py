@@ -1,0 +1,73 @@
+"""Registers and spills of a kvbuffer_fast kernel for sm_90 without a GPU: Triton compiles it ahead of
+time to PTX, and the ptxas bundled with Triton reports (-v) what it allocated.  The local Triton may
+differ from the device's (3.6), so this only flags a change (e.g. a register blow-up) before a device
+call; the probe's `compiled` rows on the GPU are the record.
+
+    python scripts/aot_regs.py decode [KEY=VALUE ...]     e.g.  FOLD=1 EARLY=1 NV=2
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def _lean_decode(over):
+    import kvbuffer_fast.decode as dec
+
+    ptr = "*fp32"
+    sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr=ptr, beta_ptr="*bf16", o_ptr="*bf16",
+               ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
+               ticket_ptr="*i32", scale="fp32", snap_ptr="*i64")
+    const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, BK=128, BV=64, NV=2, BH=16, BHV=32, CHANNEL=False,
+                 STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True, KEYN=True, KT=False, SNAP=False, FOLD=False,
+                 EARLY=False, PF=False)
+    const.update(over)
+    return dec._decode_lean_kernel, sig, const
+
+
+KERNELS = {"decode": _lean_decode}
+
+
+def main(argv):
+    name, over = argv[0], {}
+    opts = dict(num_warps=2)
+    for kv in argv[1:]:
+        k, v = kv.split("=")
+        v = int(v) if v.lstrip("-").isdigit() else v
+        if k in ("num_warps", "maxnreg", "num_stages"):
+            opts[k] = v
+        else:
+            over[k] = v
+    fn, sig, const = KERNELS[name](over)
+    for k, v in const.items():
+        sig[k] = "constexpr"
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        open(p, "w").write(ck.asm["ptx"])
+        for exe in ("ptxas", "ptxas-blackwell"):  # Triton's sm_90 assembler; the newer one for newer PTX
+            out = subprocess.run([os.path.join(bindir, exe), "-v", "--gpu-name=sm_90a", p, "-o",
+                                  os.path.join(d, "k.cubin")], capture_output=True, text=True)
+            if out.returncode == 0:
+                break
+    info = out.stderr + out.stdout
+    if os.environ.get("AOT_DEBUG"):
+        print(info)
+    regs = re.findall(r"Used (\d+) registers", info)
+    spill = re.findall(r"(\d+) bytes spill stores", info)
+    print(name, over, opts, "regs", regs, "spill_stores", spill)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
