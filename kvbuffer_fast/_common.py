@@ -108,7 +108,7 @@ _CONFIG = {
     "decode": dict(BV=64, num_warps=2, CB=16, book="launch", variant="lean", fold="split", KB=32, NS=1,
                    loadn=True, keyn=True, kt=False, pf=False, pdl=True),
     "flush": dict(BV=128, num_warps=4),
-    "fold_full": dict(BV=64, num_warps=2, kernel="group", FH=8, KB=32, NS=2),
+    "fold_full": dict(BV=64, num_warps=2, kernel="auto", FH=8, KB=32, NS=2, tile_BV=64, tile_warps=4),
 }
 
 

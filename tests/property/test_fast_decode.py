@@ -176,6 +176,28 @@ def test_variants(opts, C, hist, lengths, channel_gate):
                                flushes={3: [1, 0, 2]}, device=DEVICE))
 
 
+@pytest.mark.parametrize("C,kernel", [(4, "_fold_group_kernel"), (34, "_fold_full_kernel")])
+def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
+    """The default fold launch ("auto") takes the grouped kernel up to C = 32 and the tile kernel past it
+    (measured 2x faster at C = 64 on the H200); both fold full buffers and a direct request correctly."""
+    import kvbuffer_fast.decode as dec
+
+    used = []
+    for name in ("_fold_group_kernel", "_fold_full_kernel"):
+        jit = getattr(dec, name)
+
+        class Spy:
+            def __getitem__(self, grid, jit=jit, name=name):
+                used.append(name)
+                return jit[grid]
+
+        monkeypatch.setattr(dec, name, Spy())
+    case = Case(B=2, T=C + 3, H=1, HV=2, K=8, V=8, gate="mild", beta="uniform", seed=37)
+    _assert_all(P.check_decode(Poisoned, case, torch.float32, capacity=C, history=C, lengths=[C, 1],
+                               device=DEVICE))
+    assert used and set(used) == {kernel}, used
+
+
 @pytest.mark.parametrize("opts,match", [
     (dict(book="atomic"), "book: expected"),
     (dict(variant="tiles"), "variant: expected"),
