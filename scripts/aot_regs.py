@@ -3,7 +3,11 @@ time to PTX, and the ptxas bundled with Triton reports (-v) what it allocated.  
 differ from the device's (3.6), so this only flags a change (e.g. a register blow-up) before a device
 call; the probe's `compiled` rows on the GPU are the record.
 
-    python scripts/aot_regs.py decode [KEY=VALUE ...]     e.g.  FOLD=1 EARLY=1 NV=2
+    python scripts/aot_regs.py decode [KEY=VALUE ...]     e.g.  FOLD=1 EARLY=1 maxnreg=96 num_warps=2
+
+KEY=VALUE sets a constexpr of the kernel (the rest: Qwen3-Next shapes, C=16, the kernel's defaults) or
+a compile option (num_warps, maxnreg, num_stages).  PYTHONPATH=<a Triton 3.6 install> compiles as the
+H200 image does; AOT_DEBUG=1 prints ptxas's whole report.  tests/bench/test_gpu_probe_config.py runs it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ def _lean_decode(over):
                ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
                ticket_ptr="*i32", scale="fp32", snap_ptr="*i64")
     const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, BK=128, BV=64, NV=2, BH=16, BHV=32, CHANNEL=False,
-                 STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True, KEYN=True, KT=False, SNAP=False, FOLD=False,
-                 EARLY=False, PF=False)
+                 STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True)
     const.update(over)
     return dec._decode_lean_kernel, sig, const
 
@@ -47,6 +50,13 @@ def main(argv):
         else:
             over[k] = v
     fn, sig, const = KERNELS[name](over)
+    import inspect
+
+    for prm in fn.params:  # constexprs added to the kernel since this list was written take their defaults
+        if prm.is_constexpr and prm.name not in const:
+            if prm.default is inspect.Parameter.empty:
+                raise SystemExit(f"aot_regs: give {prm.name}=... (a constexpr of {fn.__name__} without a default)")
+            const[prm.name] = prm.default
     for k, v in const.items():
         sig[k] = "constexpr"
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
