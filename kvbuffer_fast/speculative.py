@@ -202,6 +202,48 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
 
 
 @triton.jit
+def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n):
+    """Scalar gates: G of each row's draft (the buffer tail's G plus the gates along its path) and the
+    scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by their decays exp(G_i - G_j)."""
+    base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
+    gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)  # [R] over columns
+    Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)  # [R] G of each row's draft
+    Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] the same, over columns
+    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
+    SS = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
+    return Gr, SB, SS
+
+
+@triton.jit
+def _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC: tl.constexpr):
+    """From the decayed scores: W (sign -1 on key rows), M = N - I (strictly lower), N^-1 by forward
+    substitution over the t key rows and one product for the query rows, and L = N^-1 diag(b)."""
+    W = tl.where(is_q[:, None], SB, -SB)
+    M = tl.where(is_q[:, None], -SS, tl.where(proper, b_row[:, None] * SS, 0.0))
+    Ninv = tl.where(is_self, 1.0, 0.0)
+    for i in range(0, t):
+        a_i = tl.sum(tl.where((o_r == i)[:, None], M, 0.0), 0)
+        row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ninv, 0)
+        Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
+    Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
+    return Ninv * b_col[None, :], W
+
+
+@triton.jit
+def _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R: tl.constexpr,
+             BC: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr):
+    """Phase 1's results for one value head: L and L W ([R, R + BC]) and, with ZP, L' = L diag(sgn
+    exp(G) s) ([R, R]; s = the query scale, zero on padding rows), which phase 2 applies to X S0."""
+    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
+    tl.store(p_l + o_c[None, :], L)
+    tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
+    if ZP:
+        col = tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0)  # over rows of X = columns of L
+        col_c = tl.sum(tl.where(is_self, col[:, None], 0.0), 0)
+        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :], L * col_c[None, :])
+
+
+@triton.jit
 def _verify_prep_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr,
     ck_ptr, cg_ptr, len_ptr, p_ptr, l_ptr,
@@ -270,30 +312,14 @@ def _verify_prep_kernel(
             SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
             SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)  # columns < BD: the drafts' keys
     if not CHANNEL:  # scalar gates: the decays multiply the finished scores
-        base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
-        gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)  # [R] over columns
-        Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)  # [R] G of each row's draft
-        Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] the same, over columns
-        SB *= tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
-        SS *= tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
+        Gr, SB, SS = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
         tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
-    W = tl.where(is_q[:, None], SB, -SB)
-    M = tl.where(is_q[:, None], -SS, tl.where(proper, b_row[:, None] * SS, 0.0))  # N - I, strictly lower
-    # N^-1: forward substitution over the key rows, then the query rows in one product
-    Ninv = tl.where(is_self, 1.0, 0.0)
-    for i in range(0, t):
-        a_i = tl.sum(tl.where((o_r == i)[:, None], M, 0.0), 0)
-        row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ninv, 0)
-        Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
-    Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
-    L = Ninv * b_col[None, :]
-    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
-    tl.store(p_l + o_c[None, :], L)
-    tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
-    if ZP and not CHANNEL:  # L' = L diag(sgn exp(G) s): phase 2 applies it to X S0
-        col = tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0)  # over rows of X = columns of L
-        col_c = tl.sum(tl.where(is_self, col[:, None], 0.0), 0)
-        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :], L * col_c[None, :])
+    else:
+        Gr = b_row  # unused (per-channel G is formed chunk by chunk in pass 2)
+    L, W = _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
+    _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, ZP and not CHANNEL,
+             PREC)
+    if ZP and not CHANNEL:  # phase 2 forms X S0 itself: no P
         n_pass2 = 0
     else:
         n_pass2 = K
@@ -368,28 +394,10 @@ def _verify_prep_group_kernel(
         gc = tl.load(cg_ptr + (i_b * C + o_m) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)
         b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
-        base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)
-        gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)
-        Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)
-        Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)
-        SBj = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
-        SSj = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
+        Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
         tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
-        W = tl.where(is_q[:, None], SBj, -SBj)
-        M = tl.where(is_q[:, None], -SSj, tl.where(proper, b_row[:, None] * SSj, 0.0))
-        Ninv = tl.where(is_self, 1.0, 0.0)
-        for i in range(0, t):
-            a_i = tl.sum(tl.where((o_r == i)[:, None], M, 0.0), 0)
-            row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ninv, 0)
-            Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
-        Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
-        L = Ninv * b_col[None, :]
-        p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
-        tl.store(p_l + o_c[None, :], L)
-        tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
-        col = tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0)
-        col_c = tl.sum(tl.where(is_self, col[:, None], 0.0), 0)
-        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :], L * col_c[None, :])
+        L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
+        _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
 
 
 @triton.jit

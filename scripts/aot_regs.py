@@ -3,7 +3,9 @@ time to PTX, and the ptxas bundled with Triton reports (-v) what it allocated.  
 differ from the device's (3.6), so this only flags a change (e.g. a register blow-up) before a device
 call; the probe's `compiled` rows on the GPU are the record.
 
-    python scripts/aot_regs.py decode [KEY=VALUE ...]     e.g.  FOLD=1 EARLY=1 maxnreg=96 num_warps=2
+    python scripts/aot_regs.py KERNEL [KEY=VALUE ...]     e.g.  decode FOLD=1 EARLY=1 maxnreg=96 num_warps=2
+
+KERNEL: decode (the lean decode kernel), verify_prep, verify_prep_group, verify_stream (num_warps=4).
 
 KEY=VALUE sets a constexpr of the kernel (the rest: Qwen3-Next shapes, C=16, the kernel's defaults) or
 a compile option (num_warps, maxnreg, num_stages).  PYTHONPATH=<a Triton 3.6 install> compiles as the
@@ -31,12 +33,36 @@ def _lean_decode(over):
                ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
                ticket_ptr="*i32", scale="fp32", snap_ptr="*i64")
     const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, BK=128, BV=64, NV=2, BH=16, BHV=32, CHANNEL=False,
-                 STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True)
+                 STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True, KEYN=True)
     const.update(over)
     return dec._decode_lean_kernel, sig, const
 
 
-KERNELS = {"decode": _lean_decode}
+def _verify(kernel: str):
+    def make(over):
+        import kvbuffer_fast.speculative as spec
+
+        ptr = "*fp32"
+        fn = getattr(spec, kernel)
+        if kernel == "_verify_stream_kernel":
+            sig = dict(v_ptr="*bf16", nd_ptr="*i64", o_ptr="*bf16", du_ptr=ptr, cu_ptr=ptr, len_ptr="*i64",
+                       own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", q_ptr="*bf16", k_ptr="*bf16")
+            const = dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
+                         ZP=True, PDL=True, H=16)
+        else:
+            sig = dict(q_ptr="*bf16", k_ptr="*bf16", g_ptr=ptr, beta_ptr="*bf16", par_ptr="*i64", nd_ptr="*i64",
+                       dg_ptr=ptr, dk_ptr="*bf16", ck_ptr="*bf16", cg_ptr=ptr, len_ptr="*i64", p_ptr=ptr, l_ptr=ptr,
+                       scale="fp32", D="i32")
+            const = dict(C=16, H=16, HV=32, K=128, BD=8, BC=16, KC=32, PREC="tf32x3", PDL=True)
+            if kernel == "_verify_prep_kernel":
+                const.update(CHANNEL=False, ZP=True)
+        const.update(over)
+        return fn, sig, const
+    return make
+
+
+KERNELS = {"decode": _lean_decode, "verify_prep": _verify("_verify_prep_kernel"),
+           "verify_prep_group": _verify("_verify_prep_group_kernel"), "verify_stream": _verify("_verify_stream_kernel")}
 
 
 def main(argv):
@@ -45,6 +71,7 @@ def main(argv):
     for kv in argv[1:]:
         k, v = kv.split("=")
         v = int(v) if v.lstrip("-").isdigit() else v
+        v = {"True": True, "False": False}.get(v, v) if isinstance(v, str) else v
         if k in ("num_warps", "maxnreg", "num_stages"):
             opts[k] = v
         else:
