@@ -29,15 +29,13 @@ import bench.gpu_decode as gd
 from bench._meta import run_metadata, save_json
 from bench.gpu_decode import (H, HV, K, V, copy_bandwidth, fla_fn, full_buffer, queued_ms, state_bytes, tokens,
                               entry_bytes, buffered_cycle_bytes)
+from kvbuffer_fast._common import _program_ids
 
 
 @triton.jit
 def _read_tile(state_ptr, k_ptr, q_ptr, o_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BV: tl.constexpr):
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_h = (i_bhv % HV) // (HV // H)
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     s = tl.load(state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :])
@@ -50,10 +48,7 @@ def _read_tile(state_ptr, k_ptr, q_ptr, o_ptr, H: tl.constexpr, HV: tl.constexpr
 @triton.jit
 def _read_blocks(state_ptr, k_ptr, q_ptr, o_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr):
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_h = (i_bhv % HV) // (HV // H)
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_kb = tl.arange(0, KB)
     o_v = i_v * BV + tl.arange(0, BV)
     sk = tl.zeros([BV], dtype=tl.float32)

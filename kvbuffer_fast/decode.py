@@ -550,6 +550,30 @@ def _decode_lean_kernel(
 
 
 @triton.jit
+def _fold_snapshot(snap_ptr, i_b, n, first, C: tl.constexpr, STORAGE: tl.constexpr):
+    """book="snapshot": the request's first fold program copies its length for the decode launch
+    (-1: folded here; without state storage nothing is folded)."""
+    if first:
+        if STORAGE:
+            tl.store(snap_ptr + i_b, tl.where(n >= C, -1, n))
+        else:
+            tl.store(snap_ptr + i_b, n)
+
+
+@triton.jit
+def _fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, programs):
+    """After a full request's fold: its last program (an atomic ticket after a barrier, once all
+    ``programs`` of the request have read its length) empties the buffer, marks the request as owning
+    a state and resets the counter."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+    if ticket == programs - 1:  # the request's last program: every one has read its length
+        tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))  # emptied
+        tl.store(own_ptr + i_b, 1)  # (a direct request now owns its folded state)
+        tl.store(ticket_ptr + i_b, 0)
+
+
+@triton.jit
 def _fold_full_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr, snap_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -562,13 +586,8 @@ def _fold_full_kernel(
     launch then sees those requests with an empty buffer and the folded state: the same outputs."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     n = tl.load(len_ptr + i_b).to(tl.int32)
-    if SNAP:  # snapshot for the decode launch (-1: folded here); it then writes lengths / has_state itself
-        if i_v == 0:
-            if i_hv == 0:
-                if STORAGE:
-                    tl.store(snap_ptr + i_b, tl.where(n >= C, -1, n))
-                else:
-                    tl.store(snap_ptr + i_b, n)
+    if SNAP:  # snapshot for the decode launch, which then writes lengths / has_state itself
+        _fold_snapshot(snap_ptr, i_b, n, (i_v == 0) & (i_hv == 0), C, STORAGE)
     if STORAGE:
         if n >= C:
             owns = tl.load(own_ptr + i_b) != 0
@@ -592,12 +611,7 @@ def _fold_full_kernel(
     if STORAGE:
         if not SNAP:
             if n >= C:
-                tl.debug_barrier()
-                ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-                if ticket == HV * NV - 1:  # every program of the request has read its length: empty the buffer
-                    tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))
-                    tl.store(own_ptr + i_b, 1)
-                    tl.store(ticket_ptr + i_b, 0)
+                _fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, HV * NV)
 
 
 @triton.jit
@@ -620,12 +634,7 @@ def _fold_group_kernel(
     hv0 = (i_g % NG) * FH
     n = tl.load(len_ptr + i_b).to(tl.int32)
     if SNAP:
-        if i_v == 0:
-            if hv0 == 0:
-                if STORAGE:
-                    tl.store(snap_ptr + i_b, tl.where(n >= C, -1, n))
-                else:
-                    tl.store(snap_ptr + i_b, n)
+        _fold_snapshot(snap_ptr, i_b, n, (i_v == 0) & (hv0 == 0), C, STORAGE)
     if STORAGE:
         if n >= C:
             owns = tl.load(own_ptr + i_b) != 0
@@ -666,12 +675,7 @@ def _fold_group_kernel(
                     st = tl.dot(kf, uf, st, input_precision="ieee")
                     tl.store(p_s, st.to(state_ptr.dtype.element_ty), mask=m_s)
             if not SNAP:
-                tl.debug_barrier()
-                ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-                if ticket == NG * NV - 1:  # the request's last program: every one has read its length
-                    tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))  # emptied
-                    tl.store(own_ptr + i_b, 1)  # (a direct request now owns its folded state)
-                    tl.store(ticket_ptr + i_b, 0)
+                _fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, NG * NV)  # NG * NV programs per request
 
 
 @triton.jit

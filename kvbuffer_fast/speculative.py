@@ -140,6 +140,20 @@ def _ancestors(par, dr, m_t, o_r, o_c, t):
 
 
 @triton.jit
+def _draft_rows(len_ptr, nd_ptr, i_b, D, BD: tl.constexpr):
+    """The request's buffer length n and draft count t, and the R = 2 BD rows every verify kernel works
+    on: o_r (row index), dr (the draft a row belongs to), is_q (query rows BD..2BD-1), m_in (rows that
+    exist in the [B, D, ...] inputs) and m_t (rows of real drafts; padding rows are zeroed by selects,
+    never by multiplying)."""
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    o_r = tl.arange(0, 2 * BD)
+    dr = o_r % BD
+    is_q = o_r >= BD
+    return n, t, o_r, dr, is_q, dr < D, dr < t
+
+
+@triton.jit
 def _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale,
                 K: tl.constexpr, KC: tl.constexpr, CHANNEL: tl.constexpr):
     """Columns k0..k0+KC of the draft rows: the raw keys (for Drafts.k), the rows k_i / scale*q_i (padding
@@ -266,14 +280,8 @@ def _verify_prep_kernel(
     i_b = i_bhv // HV
     i_hv = i_bhv % HV
     i_h = i_hv // GROUP
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    t = tl.load(nd_ptr + i_b).to(tl.int32)
-    o_r = tl.arange(0, R)  # row index
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
     o_c = tl.arange(0, R)  # column index of the [R, R] matrices (columns < BD: draft keys)
-    dr = o_r % BD  # the draft a row belongs to
-    is_q = o_r >= BD
-    m_in = dr < D  # rows that exist in the [B, D, ...] inputs
-    m_t = dr < t  # rows of real drafts; padding rows are zeroed by selects, never by multiplying
     m_own = dr < tl.where(i_hv % GROUP == 0, D, 0)  # one program per (request, q/k head) keeps the keys
     p_kq = ((i_b * D + dr) * H + i_h) * K
     p_rt = (i_b * D + dr) * HV + i_hv  # [R] offsets of per-(draft, value head) rows
@@ -357,14 +365,8 @@ def _verify_prep_group_kernel(
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    t = tl.load(nd_ptr + i_b).to(tl.int32)
-    o_r = tl.arange(0, R)
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
     o_c = tl.arange(0, R)
-    dr = o_r % BD
-    is_q = o_r >= BD
-    m_in = dr < D
-    m_t = dr < t
     p_kq = ((i_b * D + dr) * H + i_h) * K
     m_cin = (o_c < BD) & (o_c < D)
     m_ct = (o_c < BD) & (o_c < t)
@@ -414,25 +416,15 @@ def _verify_stream_kernel(
     from the inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop
     reads nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap)."""
     R: tl.constexpr = 2 * BD
-    i_v = tl.program_id(0)
-    i_bhv = tl.program_id(1).to(tl.int64)
-    i_b = i_bhv // HV
-    i_hv = i_bhv % HV
-    i_h = i_hv // (HV // H)
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     if PDL:
         if not ZP:  # L, L W and P are read first
             _gdc_wait()
         _gdc_launch_dependents()
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
     owns = tl.load(own_ptr + i_b) != 0
-    o_r = tl.arange(0, R)
-    dr = o_r % BD
-    is_q = o_r >= BD
-    m_in = dr < D
-    m_t = dr < t
     o_kb = tl.arange(0, KB)
     p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
     X = tl.zeros([R, BV], dtype=tl.float32)
@@ -498,15 +490,9 @@ def _verify_fused_kernel(
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    n = tl.load(len_ptr + i_b).to(tl.int32)
-    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
     owns = tl.load(own_ptr + i_b) != 0
-    o_r = tl.arange(0, R)
     o_c = tl.arange(0, R)
-    dr = o_r % BD
-    is_q = o_r >= BD
-    m_in = dr < D
-    m_t = dr < t
     o_m = tl.arange(0, BC)
     m_n = o_m < n
     # everything that does not wait for the loop, issued first
