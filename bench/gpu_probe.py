@@ -99,14 +99,10 @@ _LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
 _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
-    dict(_BEST, book="launch"),
-    dict(_BEST, book="launch", fold_launch=_GROUP),
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),
-    dict(_BEST, book="snapshot", fold_launch=_GROUP),
-    dict(_BEST, book="snapshot", fold_launch=_GROUP, pdl=True),
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4, NS=3), pdl=True),
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True, maxnreg=104),
-    dict(_BEST, book="snapshot", fold_launch=_GROUP, pdl=True, kt=True),
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # the session-3 default
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve=True), pdl=True),  # the fold launch serves
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4, serve=True), pdl=True),
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=2, serve=True), pdl=True),
 ]
 
 
@@ -150,7 +146,8 @@ def verify_kernels() -> list:
     """The Triton kernels verify may launch."""
     import kvbuffer_fast.speculative as spec
 
-    return [spec._verify_prep_kernel, spec._verify_stream_kernel, spec._verify_fused_kernel]
+    return [spec._verify_prep_kernel, spec._verify_prep_group_kernel, spec._verify_stream_kernel,
+            spec._verify_fused_kernel]
 
 
 def decode_ok(cfg) -> tuple[bool, str]:
@@ -223,14 +220,10 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
 _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3",
                zp=True, pdl=True, prep_group=True)
 VERIFY_VARIANTS = [
-    dict(_STREAM),
-    dict(_STREAM, prep_group=False),
-    dict(_STREAM, num_warps=8),
-    dict(_STREAM, NS=2),
-    dict(_STREAM, prep_precision="ieee"),
-    dict(_STREAM, BV=64),
-    dict(_STREAM, KB=64, NS=2),
-    dict(_STREAM, pdl=False),
+    dict(_STREAM, side=False),  # the session-3 default
+    dict(_STREAM, variant="xs", side=False),  # X S0 first, phase 1 as its PDL dependent, the combine
+    dict(_STREAM, variant="xs", side=True),  # phase 1 on a high-priority side stream
+    dict(_STREAM, variant="xs", side=True, pdl=False),
 ]
 
 

@@ -5,7 +5,7 @@ call; the probe's `compiled` rows on the GPU are the record.
 
     python scripts/aot_regs.py KERNEL [KEY=VALUE ...]     e.g.  decode FOLD=1 EARLY=1 maxnreg=96 num_warps=2
 
-KERNEL: decode (the lean decode kernel), verify_prep, verify_prep_group, verify_stream (num_warps=4).
+KERNEL: decode (the lean decode kernel), fold_group, verify_prep, verify_prep_group, verify_stream (num_warps=4).
 
 KEY=VALUE sets a constexpr of the kernel (the rest: Qwen3-Next shapes, C=16, the kernel's defaults) or
 a compile option (num_warps, maxnreg, num_stages).  PYTHONPATH=<a Triton 3.6 install> compiles as the
@@ -46,7 +46,8 @@ def _verify(kernel: str):
         fn = getattr(spec, kernel)
         if kernel == "_verify_stream_kernel":
             sig = dict(v_ptr="*bf16", nd_ptr="*i64", o_ptr="*bf16", du_ptr=ptr, cu_ptr=ptr, len_ptr="*i64",
-                       own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", q_ptr="*bf16", k_ptr="*bf16")
+                       own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", q_ptr="*bf16", k_ptr="*bf16",
+                       xs_ptr=ptr)
             const = dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
                          ZP=True, PDL=True, H=16)
         else:
@@ -61,7 +62,19 @@ def _verify(kernel: str):
     return make
 
 
-KERNELS = {"decode": _lean_decode, "verify_prep": _verify("_verify_prep_kernel"),
+def _fold_group(over):
+    import kvbuffer_fast.decode as dec
+
+    ptr = "*fp32"
+    sig = dict(ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
+               ticket_ptr="*i32", snap_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr=ptr,
+               beta_ptr="*bf16", o_ptr="*bf16", scale="fp32")
+    const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, KB=32, BV=64, NV=2, FH=8, NS=2, CHANNEL=False)
+    const.update(over)
+    return dec._fold_group_kernel, sig, const
+
+
+KERNELS = {"decode": _lean_decode, "fold_group": _fold_group, "verify_prep": _verify("_verify_prep_kernel"),
            "verify_prep_group": _verify("_verify_prep_group_kernel"), "verify_stream": _verify("_verify_stream_kernel")}
 
 
