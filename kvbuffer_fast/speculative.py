@@ -47,8 +47,6 @@ ticket) advances ``lengths`` / ``has_state``.  The buffer is updated IN PLACE an
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import Optional
 
 import torch
@@ -74,11 +72,14 @@ MAX_DRAFTS = 64
 # verify default: the best of the H200 probes of 2026-11-29 (bench/results/h200_probe/, B=128, D=5):
 # phase 1 per q/k head (37 us), phase 2 over BV=128 tiles reading the raw draft rows (108 us, 128
 # registers), launched with PDL: 147 us, against 196 us for the previous default (P from phase 1,
-# BV=64) and 220-507 us for the one-launch 'fused' kernel.  accept: BV=32 (its sweep's best was
-# within noise).
+# BV=64) and 220-507 us for the one-launch 'fused' kernel.  Session 4: phase 1 capped at 128
+# registers (16 one-warp programs per SM instead of 9) with its per-value-head loads hoisted (8 bytes
+# of spill instead of 104): 147.5 -> 137.6 us at B=128, 81.0 -> 78.1 at B=64, 531.9 -> 503.6 at B=512
+# (bench/results/h200_probe/session4/).  accept: BV=32 (its sweep's best was within noise).
 _CONFIG = {
     "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
-                   prep_precision="tf32x3", zp=True, pdl=True, prep_group=True, side=False),
+                   prep_precision="tf32x3", zp=True, pdl=True, prep_group=True, prep_maxnreg=128,
+                   prep_hoist=True),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
@@ -89,7 +90,10 @@ _CONFIG = {
 #: (bench/gpu_probe.py, bench/results/h200_probe/) timed more (8 warps, NS=2, KB=64, ieee phase 1, the
 #: one-launch 'fused' kernel): all slower; docs/speculative.md has the numbers.
 LAUNCH_CANDIDATES = [
-    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True),
+    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
+         prep_maxnreg=128, prep_hoist=True),
+    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
+         prep_maxnreg=0, prep_hoist=False),
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=False),
     dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True),
     dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=False, pdl=False,
@@ -356,22 +360,18 @@ def _verify_prep_group_kernel(
     scale, D,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False,
-    LATE: tl.constexpr = False,
+    HOIST: tl.constexpr = False, BG: tl.constexpr = 2,
 ):
     """Phase 1 for scalar gates with ZP, one program per (request, q/k head): the scores of the drafts'
     keys / queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value
     heads that share the q/k head (only their decays, betas and gates differ), so they are formed
     once, then each value head's decays, N^-1, L, L W and L' are written as _verify_prep_kernel does.
-    LATE (variant 'xs', launched after the X S0 launch, which waited for everything before it): with
-    PDL it lets the combine launch be placed at once and waits for the X S0 launch only at its end,
-    since it reads nothing that launch writes; the combine's wait then covers both."""
+    HOIST (the default, prep_hoist=True): the betas and gates of all the value heads ([BG, *], BG = the
+    group size rounded up to a power of two) are loaded before the chunk loop, so no value head waits
+    for a load after it (a load after a store cannot be moved above it: the pointers might alias)."""
     R: tl.constexpr = 2 * BD
     GROUP: tl.constexpr = HV // H
-    if LATE:
-        if PDL:
-            _gdc_launch_dependents()
-    else:
-        _pdl_prologue(PDL)
+    _pdl_prologue(PDL)
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -386,6 +386,19 @@ def _verify_prep_group_kernel(
     o_m = tl.arange(0, BC)
     m_n = o_m < n
     p_ck = ((i_b * C + o_m) * H + i_h) * K
+    if HOIST:
+        tl.static_assert(BG >= GROUP)
+        o_g = tl.arange(0, BG)
+        hv_g = (i_h * GROUP + o_g)[:, None]
+        m_g = (o_g < GROUP)[:, None]
+        beta_in2 = tl.load(beta_ptr + (i_b * D + dr[None, :]) * HV + hv_g, mask=m_g & m_in[None, :],
+                           other=0.0).to(tl.float32)
+        beta_cin2 = tl.load(beta_ptr + (i_b * D + o_c[None, :]) * HV + hv_g, mask=m_g & m_cin[None, :],
+                            other=0.0).to(tl.float32)
+        g_in2 = tl.load(g_ptr + (i_b * D + o_c[None, :]) * HV + hv_g, mask=m_g & m_cin[None, :],
+                        other=0.0).to(tl.float32)
+        gc2 = tl.load(cg_ptr + (i_b * C + o_m[None, :]) * HV + hv_g, mask=m_g & m_n[None, :],
+                      other=0.0).to(tl.float32)
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
     for k0 in range(0, K, KC):
@@ -400,19 +413,23 @@ def _verify_prep_group_kernel(
         i_hv = i_h * GROUP + j
         i_bhv = i_b * HV + i_hv
         p_rt = (i_b * D + dr) * HV + i_hv
-        beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
-        beta_cin = tl.load(beta_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
-        g_in = tl.load(g_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
-        gc = tl.load(cg_ptr + (i_b * C + o_m) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)
+        if HOIST:  # this value head's row of the loads issued before the chunk loop
+            sel = (o_g == j)[:, None]
+            beta_in = tl.sum(tl.where(sel, beta_in2, 0.0), 0)
+            beta_cin = tl.sum(tl.where(sel, beta_cin2, 0.0), 0)
+            g_in = tl.sum(tl.where(sel, g_in2, 0.0), 0)
+            gc = tl.sum(tl.where(sel, gc2, 0.0), 0)
+        else:
+            beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
+            beta_cin = tl.load(beta_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
+            g_in = tl.load(g_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
+            gc = tl.load(cg_ptr + (i_b * C + o_m) * HV + i_hv, mask=m_n, other=0.0).to(tl.float32)
         b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
         Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
         tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
         L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
         _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
-    if LATE:
-        if PDL:
-            _gdc_wait()  # complete only after the X S0 launch: the combine's wait covers both
 
 
 @triton.jit
@@ -421,20 +438,17 @@ def _verify_stream_kernel(
     C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr = False, PDL: tl.constexpr = False,
-    H: tl.constexpr = 1, q_ptr=None, k_ptr=None, XS: tl.constexpr = 0, xs_ptr=None,
+    H: tl.constexpr = 1, q_ptr=None, k_ptr=None,
 ):
     """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
     the state streamed in [KB, BV] blocks through a pipelined loop (P S0 accumulated block by block;
     direct requests select 0).  ZP: the loop forms X S0 from the raw key / query rows instead (read
     from the inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop
-    reads nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap).
-    XS (variant 'xs', with ZP and state storage): 1 = only the loop, X S0 [R, BV] stored to xs_ptr
-    ([B*HV, R, V], rows of real drafts), launched BEFORE phase 1; 2 = no loop, X S0 read back from
-    xs_ptr, after phase 1 (the combine)."""
+    reads nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap)."""
     R: tl.constexpr = 2 * BD
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     if PDL:
-        if (not ZP) or (XS != 0):  # L, L W and P are read first; XS: launched behind other kernels
+        if not ZP:  # L, L W and P are read first
             _gdc_wait()
         _gdc_launch_dependents()
     o_v = i_v * BV + tl.arange(0, BV)
@@ -444,10 +458,7 @@ def _verify_stream_kernel(
     o_kb = tl.arange(0, KB)
     p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
     X = tl.zeros([R, BV], dtype=tl.float32)
-    if XS == 2:
-        X = tl.load(xs_ptr + (i_bhv * R + o_r[:, None]) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                    other=0.0)
-    if ZP and XS != 2:
+    if ZP:
         if STORAGE:
             p_x = ((i_b * D + dr) * H + i_h)[:, None] * K + o_kb[None, :]
             m_kx = (m_in & m_t & ~is_q)[:, None]
@@ -458,25 +469,8 @@ def _verify_stream_kernel(
                 xb = (tl.load(k_ptr + p_x + k0, mask=m_kx & m_kb[None, :], other=0.0).to(tl.float32)
                       + tl.load(q_ptr + p_x + k0, mask=m_qx & m_kb[None, :], other=0.0).to(tl.float32))
                 X = tl.dot(xb, sb, X, input_precision=PREC)
-        if PDL and XS == 0:
+        if PDL:
             _gdc_wait()  # phase 1's L, L W, L' from here on
-    if XS == 1:
-        tl.store(xs_ptr + (i_bhv * R + o_r[:, None]) * V + o_v[None, :], X, mask=m_t[:, None] & m_v[None, :])
-    else:
-        _verify_combine(v_ptr, o_ptr, du_ptr, cu_ptr, p_ptr, l_ptr, state_ptr, X, owns, p_s, n, t, o_r, dr, is_q,
-                        m_in, m_t, o_v, m_v, o_kb, i_b, i_hv, i_bhv, D, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE,
-                        PREC, ZP)
-
-
-@triton.jit
-def _verify_combine(v_ptr, o_ptr, du_ptr, cu_ptr, p_ptr, l_ptr, state_ptr, X, owns, p_s, n, t, o_r, dr, is_q,
-                    m_in, m_t, o_v, m_v, o_kb, i_b, i_hv, i_bhv, D, C: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr,
-                    BV: tl.constexpr, NS: tl.constexpr, STORAGE: tl.constexpr, PREC: tl.constexpr,
-                    ZP: tl.constexpr):
-    """Phase 2 after its state loop: [U; O] = L [v; 0] + (L W) U_buf + L' (X S0) (ZP; else P S0 by a
-    second loop over the state), direct requests selecting 0; o and u stored."""
-    R: tl.constexpr = 2 * BD
     p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
     v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
     o_c = tl.arange(0, R)
@@ -755,7 +749,8 @@ def verify(
     zp: Optional[bool] = None,
     pdl: Optional[bool] = None,
     prep_group: Optional[bool] = None,
-    side: Optional[bool] = None,
+    prep_maxnreg: Optional[int] = None,
+    prep_hoist: Optional[bool] = None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
@@ -810,9 +805,9 @@ def verify(
         return o, drafts
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
-                        prep_group=prep_group, side=side)
-    if cfg["variant"] not in ("stream", "fused", "xs"):
-        raise ValueError(f"variant: expected 'stream', 'fused' or 'xs', got {cfg['variant']!r}")
+                        prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist)
+    if cfg["variant"] not in ("stream", "fused"):
+        raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
@@ -834,39 +829,8 @@ def verify(
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
     pk = torch.empty(d.B * d.HV, R, R if zp else d.K, dtype=torch.float32, device=q.device)
     KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
-    stream_args = (as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
-                   buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
-                   pk, lw, d.T)
-    stream_kw = dict(C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
-                     KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
-                     num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k))
-    grid2 = (triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)
-    if cfg["variant"] == "xs" and zp and storage:  # three launches: X S0 first, phase 1, the combine
-        xs = torch.empty(d.B * d.HV, R, d.V, dtype=torch.float32, device=q.device)
-        side = _side_stream(q) if cfg.get("side") else None
-        with device_guard(q):
-            _verify_stream_kernel[grid2](*stream_args, **stream_kw, XS=1, xs_ptr=xs, **pdl)
-            fork = None
-            if side is not None:  # phase 1 on a side stream, concurrently with the X S0 launch
-                fork = torch.cuda.Event()
-                fork.record(torch.cuda.current_stream(q.device))
-                side.wait_event(fork)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                _verify_prep_group_kernel[(d.B * d.H,)](
-                    as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, dG, dk,
-                    buffer.k, buffer.G, buffer.lengths, pk, lw,
-                    s, d.T,
-                    C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
-                    PREC=prep_prec, num_warps=cfg["prep_warps"], LATE=True,
-                    **(pdl if side is None else dict(PDL=False)),
-                )
-            if side is not None:
-                join = torch.cuda.Event()
-                join.record(side)
-                torch.cuda.current_stream(q.device).wait_event(join)
-            _verify_stream_kernel[grid2](*stream_args, **stream_kw, XS=2, xs_ptr=xs,
-                                         **(pdl if side is None else dict(PDL=False)))
-        return o, drafts
+    # phase 1's register cap (prep_maxnreg; Triton's maxnreg): more of its one-warp programs per SM
+    prep_cap = {"maxnreg": int(cfg["prep_maxnreg"])} if cfg.get("prep_maxnreg") else {}
     with device_guard(q):
         if zp and cfg.get("prep_group"):
             _verify_prep_group_kernel[(d.B * d.H,)](
@@ -874,7 +838,8 @@ def verify(
                 buffer.k, buffer.G, buffer.lengths, pk, lw,
                 s, d.T,
                 C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
-                PREC=prep_prec, num_warps=cfg["prep_warps"], **pdl,
+                PREC=prep_prec, num_warps=cfg["prep_warps"], **prep_cap, **pdl,
+                HOIST=bool(cfg.get("prep_hoist")), BG=triton.next_power_of_2(d.HV // d.H),
             )
         else:
             _verify_prep_kernel[(d.B * d.HV,)](
@@ -882,25 +847,15 @@ def verify(
                 buffer.k, buffer.G, buffer.lengths, pk, lw,
                 s, d.T,
                 C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
-                CHANNEL=d.channel_gate, PREC=prep_prec, num_warps=cfg["prep_warps"], ZP=zp, **pdl,
+                CHANNEL=d.channel_gate, PREC=prep_prec, num_warps=cfg["prep_warps"], ZP=zp, **prep_cap, **pdl,
             )
-        _verify_stream_kernel[grid2](*stream_args, **stream_kw, **pdl)
+        _verify_stream_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
+            as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
+            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+            pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
+            KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
+            num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl)
     return o, drafts
-
-
-_SIDE: dict = {}
-
-
-def _side_stream(x: torch.Tensor):
-    """A high-priority side stream of x's CUDA device (variant 'xs' with side=True runs phase 1 on it);
-    None off CUDA (the interpreter runs the launches in order)."""
-    if not x.is_cuda:
-        return None
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev not in _SIDE:
-        lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
-        _SIDE[dev] = torch.cuda.Stream(device=dev, priority=min(lo, hi))
-    return _SIDE[dev]
 
 
 _DEFAULTS: dict = {}

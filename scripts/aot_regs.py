@@ -46,8 +46,7 @@ def _verify(kernel: str):
         fn = getattr(spec, kernel)
         if kernel == "_verify_stream_kernel":
             sig = dict(v_ptr="*bf16", nd_ptr="*i64", o_ptr="*bf16", du_ptr=ptr, cu_ptr=ptr, len_ptr="*i64",
-                       own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", q_ptr="*bf16", k_ptr="*bf16",
-                       xs_ptr=ptr)
+                       own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", q_ptr="*bf16", k_ptr="*bf16")
             const = dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
                          ZP=True, PDL=True, H=16)
         else:
@@ -67,8 +66,7 @@ def _fold_group(over):
 
     ptr = "*fp32"
     sig = dict(ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
-               ticket_ptr="*i32", snap_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr=ptr,
-               beta_ptr="*bf16", o_ptr="*bf16", scale="fp32")
+               ticket_ptr="*i32", snap_ptr="*i64")
     const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, KB=32, BV=64, NV=2, FH=8, NS=2, CHANNEL=False)
     const.update(over)
     return dec._fold_group_kernel, sig, const
@@ -115,7 +113,7 @@ def main(argv):
         print(info)
     regs = re.findall(r"Used (\d+) registers", info)
     spill = re.findall(r"(\d+) bytes spill stores", info)
-    print(name, over, opts, "regs", regs, "spill_stores", spill)
+    print(name, over, opts, "regs", regs, "spill_stores", spill, "shared", getattr(ck.metadata, "shared", None))
     return 0
 
 

@@ -143,10 +143,6 @@ OPTIONS = {
     "lean-split-launch-pf-kt": dict(variant="lean", fold="split", book="launch", pf=True, kt=True),
     "lean-early-group": dict(variant="lean", fold="split", book="early",
                              fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
-    "lean-serve-group": dict(variant="lean", fold="split", book="launch",  # the fold launch serves full requests
-                             fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True)),
-    "lean-serve-tile": dict(variant="lean", fold="split", book="launch",
-                            fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",
                                 fold_launch=dict(kernel="group", FH=1, KB=16, BV=16, NS=1)),
 }

@@ -114,10 +114,8 @@ def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
 
 
 VARIANTS = {"stream": dict(variant="stream"), "stream-p": dict(variant="stream", zp=False),
-            "stream-group": dict(variant="stream", zp=True, prep_group=True),
-            "fused": dict(variant="fused"),
-            "xs": dict(variant="xs", zp=True, prep_group=True, side=False),
-            "xs-side": dict(variant="xs", zp=True, prep_group=True, side=True)}
+            "stream-group": dict(variant="stream", zp=True, prep_group=True, prep_hoist=False, prep_maxnreg=0),
+            "fused": dict(variant="fused")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -126,9 +124,9 @@ def test_variants(channel, variant):
     """variant='stream' (phase 2 streams the state in KB=16-row blocks: K=40 gives three, the last partial;
     scalar gates form X S0 from the raw rows, 'stream-p' the [R, K] P of phase 1 instead, as per-channel
     gates always do) and 'fused' (one launch: the state, the scores and the solve in one program;
-    per-channel gates take the two phases) and 'xs' (three launches: X S0 to a scratch first, phase 1 on
-    the same or, compiled, a side stream, then the combine; per-channel gates take 'stream'), V over
-    partial BV=16 tiles, a tree, folds on accept and a direct request."""
+    per-channel gates take the two phases), V over partial BV=16 tiles, a tree, folds on accept and a
+    direct request.  'stream' is the default (phase 1 per q/k head, its loads hoisted, a register cap);
+    'stream-group' without the hoisted loads."""
     old = spec.set_launch("verify", BV=16, KB=16, **VARIANTS[variant])
     try:
         case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mild", beta="mixed",
