@@ -360,7 +360,8 @@ def tune(copy_TBps, B=128, C=16, deadline=None) -> dict:
         except Exception as e:  # noqa: BLE001 - e.g. a config this Triton cannot compile
             res["decode"].append(dict(cfg, error=repr(e)))
             print(f"tune decode {cfg}: ERROR {e!r}", flush=True)
-    keys = ("BV", "num_warps", "book", "maxnreg", "CB", "variant", "fold", "KB", "NS", "loadn", "keyn", "kt")
+    keys = ("BV", "num_warps", "book", "maxnreg", "CB", "variant", "fold", "KB", "NS", "loadn", "keyn", "kt", "pf",
+            "pdl", "fold_launch")
     for kind in ("recurrent", "decode"):
         ok = [r for r in res[kind] if "frac_copy" in r]
         if ok:

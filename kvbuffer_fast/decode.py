@@ -354,6 +354,7 @@ def _decode_lean_kernel(
     KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr, KEYN: tl.constexpr = False,
     KT: tl.constexpr = False, SNAP: tl.constexpr = False, FOLD: tl.constexpr = False,
     EARLY: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
+    SERVED: tl.constexpr = False,
 ):
     """ONE loop over the key dimension in KB-row blocks forms S0^T k, S0^T q and the scores k.k_j,
     q.k_j of the buffered keys together, so only [KB, *] blocks are live (few registers, many programs
@@ -369,7 +370,9 @@ def _decode_lean_kernel(
     n; a folded request reads rows 0..C-1 to its end, so its rows are written by its last program to
     finish (a second ticket after a barrier).  PF: the state blocks are prefetched one iteration ahead
     in registers (two blocks in flight per program).  PDL: programmatic dependent launch (see
-    _common._pdl_prologue).  FOLD, EARLY and PF measured slower on the H200 (docs/kernels.md)."""
+    _common._pdl_prologue).  FOLD, EARLY and PF measured slower on the H200 (docs/kernels.md).
+    SERVED (fold launch with serve): a full request (n == C) was folded AND served by the fold launch;
+    every load and store of it here is masked off (its length stays C until the bookkeeping launch)."""
     GROUP: tl.constexpr = HV // H
     _pdl_prologue(PDL)
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
@@ -383,6 +386,8 @@ def _decode_lean_kernel(
     else:
         n = tl.load(len_ptr + i_b).to(tl.int32)
         owns = tl.load(own_ptr + i_b) != 0
+    if SERVED:  # served by the fold launch: nothing of this request is read or written here
+        m_v = o_v < tl.where(n < C, V, 0)
     n_buf = n  # n: the entries loaded; n_buf: those live for the new token (0 once folded)
     if FOLD and STORAGE:
         full = n >= C
@@ -411,6 +416,8 @@ def _decode_lean_kernel(
     qk = tl.zeros([KB], dtype=tl.float32)
     last = tl.maximum(n_buf - 1, 0)
     m_key = (rows < n) if KEYN else m_c  # KEYN: only the n stored rows (waits for n), else all C
+    if SERVED:
+        m_key = rows < tl.where(n < C, n if KEYN else C, 0)
     if CHANNEL:  # the fold loads its per-channel gates block by block
         g_fold = 0.0
     else:
@@ -574,16 +581,57 @@ def _fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, programs):
 
 
 @triton.jit
+def _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, sq, qk, scale, o_v, m_v,
+                  C: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, CHANNEL: tl.constexpr):
+    """fold launch with serve: the token of a request folded just now, from the folded state S with an
+    empty buffer: sk = S^T k, sq = S^T q (per-channel gates: already with exp(g) inside), qk = k.q;
+    u = beta (v - exp(g) S^T k), o = exp(g) S^T q s + (q.k) s u; u is written to row 0 of its own
+    columns (the bookkeeping launch appends the key / G rows there and sets the length to 1)."""
+    if not CHANNEL:
+        e_new = tl.exp(tl.load(g_ptr + i_bhv).to(tl.float32))
+        sk = sk * e_new
+        sq = sq * e_new
+    b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + i_bhv).to(tl.float32)
+    b_u = b_beta * (b_v - sk)
+    b_o = sq * scale + qk * scale * b_u
+    tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    tl.store(cu_ptr + (i_b * C * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
+                H: tl.constexpr, K: tl.constexpr, CHANNEL: tl.constexpr):
+    """Accumulate S^T k, S^T q (exp(g) inside for per-channel gates) and k.q over the rows o_k of a
+    folded state block st [len(o_k), BV]."""
+    kb = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    qb = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    qk += tl.sum(kb * qb, 0)
+    if CHANNEL:
+        en = tl.exp(tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32))
+        sk += tl.sum(st * (kb * en)[:, None], 0)
+        sq += tl.sum(st * (qb * en)[:, None], 0)
+    else:
+        sk += tl.sum(st * kb[:, None], 0)
+        sq += tl.sum(st * qb[:, None], 0)
+    return sk, sq, qk
+
+
+@triton.jit
 def _fold_full_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr, snap_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     FB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
-    SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True,
+    SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True, SERVE: tl.constexpr = False,
+    q_ptr=None, k_ptr=None, v_ptr=None, g_ptr=None, beta_ptr=None, o_ptr=None, scale=1.0,
 ):
     """fold="split": before the decode launch, fold every FULL buffer (n == C) into its state,
     S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T (FB rows per tl.dot), and empty it (the request's
     last program sets its length to 0 and has_state); every other program returns at once.  The decode
-    launch then sees those requests with an empty buffer and the folded state: the same outputs."""
+    launch then sees those requests with an empty buffer and the folded state: the same outputs.
+    SERVE (fold_launch serve=True): the program also serves the request's token from its folded tile
+    (_serve_folded) and leaves the length at C; the decode launch skips full requests and the
+    bookkeeping launch restarts their buffer at row 0."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     n = tl.load(len_ptr + i_b).to(tl.int32)
     if SNAP:  # snapshot for the decode launch, which then writes lengths / has_state itself
@@ -608,8 +656,14 @@ def _fold_full_kernel(
             s = _fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, tl.minimum(n, C), g_end, o_k, o_v, m_k, m_v,
                           C, H, HV, K, V, FB, CHANNEL)
             tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
+            if SERVE:
+                zero = tl.zeros([BV], dtype=tl.float32)
+                sk, sq, qk = _serve_sums(s, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, zero, zero,
+                                         tl.zeros([], dtype=tl.float32), H, K, CHANNEL)
+                _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, sq, qk, scale, o_v, m_v,
+                              C, HV, V, CHANNEL)
     if STORAGE:
-        if not SNAP:
+        if not SNAP and not SERVE:
             if n >= C:
                 _fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, HV * NV)
 
@@ -620,12 +674,17 @@ def _fold_group_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True, PDL: tl.constexpr = False,
+    SERVE: tl.constexpr = False, q_ptr=None, k_ptr=None, v_ptr=None, g_ptr=None, beta_ptr=None, o_ptr=None,
+    scale=1.0, FP: tl.constexpr = "ieee",
 ):
     """fold="split" with the fold kernel "group": like _fold_full_kernel, but a program owns FH value
     heads of one request (grid (V / BV, B * HV / FH)) and walks their [K, BV] tiles in KB-row blocks,
     each folded with one tl.dot of the C entries (fp32 FMA) and written back.  Few programs and few
     registers, so the launch costs little when no request is full (most steps), which is what the
-    tile kernel's 8192 programs of 167 registers did not (10 us at B=128 under ncu)."""
+    tile kernel's 8192 programs of 167 registers did not (10 us at B=128 under ncu).  SERVE: as in
+    _fold_full_kernel, each folded block also feeds S^T k, S^T q of the token, which is served here.
+    FP: the fold product's precision, "ieee" (fp32 FMA) or "tf32x3" (three TF32 tensor-core products,
+    about fp32 accuracy; CUDA only): the FMA product made the kernel issue-bound."""
     NG: tl.constexpr = HV // FH
     _pdl_prologue(PDL)
     i_v = tl.program_id(0)
@@ -653,6 +712,9 @@ def _fold_group_kernel(
                     gj = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
                     g_end = tl.sum(tl.where(rows == C - 1, gj, 0.0), 0)
                     w = tl.where(m_c, tl.exp(g_end - gj), 0.0)
+                sk = tl.zeros([BV], dtype=tl.float32)
+                sq = tl.zeros([BV], dtype=tl.float32)
+                qk = tl.zeros([], dtype=tl.float32)
                 for k0 in tl.range(0, K, KB, num_stages=NS):
                     o_k = k0 + o_kb
                     m_k = o_k < K
@@ -672,9 +734,15 @@ def _fold_group_kernel(
                     else:
                         kf = kf * w[None, :]
                         st = st * tl.exp(g_end)
-                    st = tl.dot(kf, uf, st, input_precision="ieee")
+                    st = tl.dot(kf, uf, st, input_precision=FP)
                     tl.store(p_s, st.to(state_ptr.dtype.element_ty), mask=m_s)
-            if not SNAP:
+                    if SERVE:
+                        sk, sq, qk = _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
+                                                 H, K, CHANNEL)
+                if SERVE:
+                    _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, sq, qk, scale,
+                                  o_v, m_v, C, HV, V, CHANNEL)
+            if not SNAP and not SERVE:
                 _fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, NG * NV)  # NG * NV programs per request
 
 
@@ -835,6 +903,20 @@ def buffered_decode(
                 else:
                     fcfg.update(kernel="tile", BV=max(16, min(fcfg["tile_BV"], block(d.V))),
                                 num_warps=fcfg["tile_warps"])
+            serve = bool(fcfg.get("serve"))
+            if serve and (cfg["variant"] != "lean" or cfg["book"] != "launch"):
+                if not (fold_launch or {}).get("serve"):  # the default: only where it applies
+                    serve = False
+                else:
+                        raise ValueError(f"fold_launch: serve=True needs variant='lean' and book='launch' (the decode "
+                                     f"launch skips served requests, the bookkeeping launch restarts their buffer), "
+                                     f"got variant={cfg['variant']!r}, book={cfg['book']!r}")
+            if serve:
+                served = dict(SERVE=True, q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v),
+                              g_ptr=as_input(g), beta_ptr=as_input(beta), o_ptr=o, scale=s)
+                extra["SERVED"] = True
+            else:
+                served = {}
             NVF = triton.cdiv(d.V, fcfg["BV"])
             if fcfg.get("kernel", "tile") == "group":
                 FH = math.gcd(d.HV, fcfg["FH"])
@@ -842,13 +924,14 @@ def buffered_decode(
                     buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
                     ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C),
                     KB=max(16, min(fcfg["KB"], block(d.K))), BV=fcfg["BV"], NV=NVF, FH=FH, NS=fcfg["NS"],
-                    CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage, num_warps=fcfg["num_warps"], **pdl)
+                    CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage, num_warps=fcfg["num_warps"], **pdl,
+                    **served, FP=_fold_precision(q, fcfg.get("prec", "ieee")))
             else:
                 _fold_full_kernel[(NVF, d.B * d.HV)](
                     buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
                     ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V,
                     FB=16, BK=block(d.K), BV=fcfg["BV"], NV=NVF, CHANNEL=d.channel_gate, SNAP=snap,
-                    STORAGE=storage, num_warps=fcfg["num_warps"])
+                    STORAGE=storage, num_warps=fcfg["num_warps"], **served)
         kernel[(NV, d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o,
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
@@ -862,6 +945,13 @@ def buffered_decode(
             _book_kernel[(d.B,)](as_input(k), as_input(g), buffer.k, buffer.G, buffer.lengths,
                                  flag_view(buffer.has_state), num_warps=1, **shared, **pdl)
     return o, buffer
+
+
+def _fold_precision(x: torch.Tensor, prec: str) -> str:
+    """The grouped fold kernel's product precision: 'ieee' or 'tf32x3' (CUDA; the interpreter: 'ieee')."""
+    if prec not in ("ieee", "tf32x3"):
+        raise ValueError(f"fold_launch: prec expected 'ieee' or 'tf32x3', got {prec!r}")
+    return prec if x.is_cuda else "ieee"
 
 
 def _maxnreg(cfg: dict) -> dict:
@@ -881,6 +971,16 @@ DECODE_TUNE_CONFIGS = (
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
          pdl=False),
     dict(variant="tile", fold="fused", book="ticket", BV=64, num_warps=2),
+    # the grouped fold in tf32x3 on 4 warps (the FMA product made it issue-bound), and serving the tokens of
+    # the requests it folds (a fold step then reads the state once)
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
+         fold_launch=dict(kernel="auto", prec="tf32x3", num_warps=4)),
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
+         fold_launch=dict(kernel="auto", prec="tf32x3", num_warps=4, serve=True)),
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
+         fold_launch=dict(kernel="auto", prec="tf32x3", num_warps=4, serve=True, NS=1)),
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
+         fold_launch=dict(kernel="auto", serve=True)),
 )
 
 

@@ -79,7 +79,7 @@ MAX_DRAFTS = 64
 _CONFIG = {
     "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
                    prep_precision="tf32x3", zp=True, pdl=True, prep_group=True, prep_maxnreg=128,
-                   prep_hoist=True),
+                   prep_hoist=True, prep_mma=False),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
@@ -91,9 +91,11 @@ _CONFIG = {
 #: one-launch 'fused' kernel): all slower; docs/speculative.md has the numbers.
 LAUNCH_CANDIDATES = [
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
-         prep_maxnreg=128, prep_hoist=True),
+         prep_maxnreg=128, prep_hoist=True, prep_mma=True),
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
-         prep_maxnreg=0, prep_hoist=False),
+         prep_maxnreg=128, prep_hoist=True, prep_mma=False),
+    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
+         prep_maxnreg=0, prep_hoist=False, prep_mma=False),
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=False),
     dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True),
     dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=False, pdl=False,
@@ -360,7 +362,7 @@ def _verify_prep_group_kernel(
     scale, D,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False,
-    HOIST: tl.constexpr = False, BG: tl.constexpr = 2,
+    HOIST: tl.constexpr = False, BG: tl.constexpr = 2, MMA16: tl.constexpr = False,
 ):
     """Phase 1 for scalar gates with ZP, one program per (request, q/k head): the scores of the drafts'
     keys / queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value
@@ -368,7 +370,10 @@ def _verify_prep_group_kernel(
     once, then each value head's decays, N^-1, L, L W and L' are written as _verify_prep_kernel does.
     HOIST (the default, prep_hoist=True): the betas and gates of all the value heads ([BG, *], BG = the
     group size rounded up to a power of two) are loaded before the chunk loop, so no value head waits
-    for a load after it (a load after a store cannot be moved above it: the pointers might alias)."""
+    for a load after it (a load after a store cannot be moved above it: the pointers might alias).
+    MMA16 (q, k and the buffered keys all bf16 or all fp16, prep_mma=True): the scores are 16-bit MMAs
+    of the raw rows (exact products, fp32 sums: no tf32 splitting), and the query scale multiplies
+    the finished scores' query rows / columns."""
     R: tl.constexpr = 2 * BD
     GROUP: tl.constexpr = HV // H
     _pdl_prologue(PDL)
@@ -402,13 +407,28 @@ def _verify_prep_group_kernel(
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
     for k0 in range(0, K, KC):
-        k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_kq, m_in, is_q, m_t, k0, scale, K, KC, False)
-        kc, gcc = _chunk_entries(ck_ptr, ck_ptr, p_ck, p_ck, m_n, k0, K, KC, False)
         o_k = k0 + tl.arange(0, KC)
+        if MMA16:
+            m_k = o_k < K
+            k_in = tl.load(k_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & ~is_q)[:, None] & m_k[None, :],
+                           other=0.0)
+            q_in = tl.load(q_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & is_q)[:, None] & m_k[None, :],
+                           other=0.0)
+            x = tl.where(m_t[:, None], k_in + q_in, tl.zeros_like(k_in))  # one of the two is 0: exact
+            kc = tl.load(ck_ptr + p_ck[:, None] + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+            SB += tl.dot(x, tl.trans(kc))
+            SS += tl.dot(x, tl.trans(x))
+        else:
+            k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_kq, m_in, is_q, m_t, k0, scale, K, KC, False)
+            kc, gcc = _chunk_entries(ck_ptr, ck_ptr, p_ck, p_ck, m_n, k0, K, KC, False)
+            SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
+            SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)
         tl.store(dk_ptr + p_kq[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
                  mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
-        SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
-        SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)
+    if MMA16:  # the query rows carry the scale (kq = [k; s q] in the fp32 path); SS's query columns go unused
+        s_r = tl.where(is_q, scale, 1.0)
+        SB = SB * s_r[:, None]
+        SS = SS * s_r[:, None]
     for j in tl.static_range(GROUP):
         i_hv = i_h * GROUP + j
         i_bhv = i_b * HV + i_hv
@@ -751,6 +771,7 @@ def verify(
     prep_group: Optional[bool] = None,
     prep_maxnreg: Optional[int] = None,
     prep_hoist: Optional[bool] = None,
+    prep_mma: Optional[bool] = None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
@@ -805,7 +826,8 @@ def verify(
         return o, drafts
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
-                        prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist)
+                        prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist,
+                        prep_mma=prep_mma)
     if cfg["variant"] not in ("stream", "fused"):
         raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
@@ -840,6 +862,8 @@ def verify(
                 C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
                 PREC=prep_prec, num_warps=cfg["prep_warps"], **prep_cap, **pdl,
                 HOIST=bool(cfg.get("prep_hoist")), BG=triton.next_power_of_2(d.HV // d.H),
+                MMA16=bool(cfg.get("prep_mma")) and q.dtype == k.dtype == buffer.k.dtype
+                and q.dtype in (torch.bfloat16, torch.float16),
             )
         else:
             _verify_prep_kernel[(d.B * d.HV,)](

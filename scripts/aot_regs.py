@@ -66,7 +66,8 @@ def _fold_group(over):
 
     ptr = "*fp32"
     sig = dict(ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
-               ticket_ptr="*i32", snap_ptr="*i64")
+               ticket_ptr="*i32", snap_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr=ptr,
+               beta_ptr="*bf16", o_ptr="*bf16", scale="fp32")
     const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, KB=32, BV=64, NV=2, FH=8, NS=2, CHANNEL=False)
     const.update(over)
     return dec._fold_group_kernel, sig, const

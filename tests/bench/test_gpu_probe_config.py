@@ -72,3 +72,37 @@ def test_aot_register_report_runs():
             pytest.skip("no usable ptxas for sm_90 in this Triton install")
         pytest.fail(out.stdout[-2000:])
     assert int(regs.strip("'\" ").split("'")[0]) > 0
+
+
+@pytest.mark.parametrize("i", range(len(__import__("kvbuffer_fast.decode", fromlist=["x"]).DECODE_TUNE_CONFIGS)))
+def test_decode_tune_config_runs_and_matches_the_oracle(i):
+    """bench/gpu_decode.py --tune times DECODE_TUNE_CONFIGS on the GPU: each must exist and be correct."""
+    from kvbuffer_fast.decode import DECODE_TUNE_CONFIGS
+
+    cfg = dict(DECODE_TUNE_CONFIGS[i])
+
+    class Cfg(Poisoned):
+        @staticmethod
+        def buffered_decode(*args, buffer, **kw):
+            return Poisoned.buffered_decode(*args, buffer=buffer, **cfg, **kw)
+
+    case = Case(B=2, T=4 + 5, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=5)
+    res = P.check_decode(Cfg, case, torch.float32, capacity=4, history=4, lengths=[4, 1], device=DEVICE)
+    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]
+
+
+@pytest.mark.parametrize("i", range(len(__import__("kvbuffer_fast.speculative", fromlist=["x"]).LAUNCH_CANDIDATES)))
+def test_verify_launch_candidate_runs_and_matches_the_oracle(i):
+    """bench/gpu_verify.py's tune times LAUNCH_CANDIDATES: each must exist and be correct (fp16 inputs, so
+    that prep_mma's 16-bit path runs under the interpreter too)."""
+    import kvbuffer_fast.speculative as spec
+
+    old = spec.set_launch("verify", **{**spec.LAUNCH_CANDIDATES[i], "BV": 16, "KB": 16})
+    try:
+        case = Case(B=2, T=3 + 3 + 1, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=6)
+        res = P.check_verify_accept(Poisoned, case, torch.float16, capacity=4, history=3, lengths=[3, 1],
+                                    parents=[[-1, 0, 0], [-1, 0, 1]], num_drafts=[3, 2], nodes=[2, 1], after=1,
+                                    device=DEVICE)
+    finally:
+        spec.set_launch("verify", **old)
+    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]

@@ -143,6 +143,15 @@ OPTIONS = {
     "lean-split-launch-pf-kt": dict(variant="lean", fold="split", book="launch", pf=True, kt=True),
     "lean-early-group": dict(variant="lean", fold="split", book="early",
                              fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
+    "lean-serve-group": dict(variant="lean", fold="split", book="launch",  # the fold launch serves full requests
+                             fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True)),
+    "lean-serve-group-tf32x3": dict(variant="lean", fold="split", book="launch",
+                                    fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=1, serve=True,
+                                                     prec="tf32x3", num_warps=4)),
+    "lean-group-tf32x3": dict(variant="lean", fold="split", book="launch",
+                              fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, prec="tf32x3", num_warps=4)),
+    "lean-serve-tile": dict(variant="lean", fold="split", book="launch",
+                            fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",
                                 fold_launch=dict(kernel="group", FH=1, KB=16, BV=16, NS=1)),
 }
@@ -156,7 +165,9 @@ def test_variants(opts, C, hist, lengths, channel_gate):
     when compiled on a GPU) and the options it was measured against: the register-tile kernel with
     its fold fused or split, the tile fold launch, the lean kernel with each bookkeeping (ticket,
     early, snapshot) and its fold fused, all entries loaded or only the live ones, pipelined,
-    prefetched and transposed blocks.  K=24 streams in two KB=16 blocks (the last partial), V in
+    prefetched and transposed blocks, the fold launch serving the tokens of the requests it folds
+    (grouped or tile kernel), the grouped fold in tf32x3 (compiled only: the interpreter multiplies in
+    fp32).  K=24 streams in two KB=16 blocks (the last partial), V in
     partial BV=16 tiles, C=20 spans two 16-row chunks of the tile kernel, a direct request folds
     into its first state."""
     # per-channel 'mixed' gates underflow most channels of the state within a few steps, which would hide

@@ -217,3 +217,24 @@ def test_per_draft_state_baseline_matches_recurrence(case, data):
     for b in range(case.B):
         want = keep[b] if int(counts[b]) == 0 else inter[b, int(counts[b]) - 1]
         assert torch.equal(state[b], want)
+
+
+@pytest.mark.parametrize("mma", [True, False], ids=["mma16", "tf32"])
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only"))],
+    ids=["fp16", "bf16"])
+def test_16bit_inputs_phase1_scores(dtype, mma):
+    """16-bit q / k (and keys cached in the same dtype): phase 1 forms its scores with 16-bit MMAs of the
+    raw rows (prep_mma=True: exact products, the query scale applied after) or with the fp32 path, both
+    within the 16-bit row of the tolerance table; several q/k heads with two value heads each, a tree,
+    folds on accept and a direct request."""
+    old = spec.set_launch("verify", BV=16, KB=16, prep_mma=mma)
+    try:
+        case = Case(B=3, T=3 + 10 + 2, H=2, HV=4, K=40, V=24, gate="mild", beta="mixed", seed=14)
+        tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
+        _assert_all(P.check_verify_accept(
+            Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 0, 2],
+            parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
+            device=DEVICE))
+    finally:
+        spec.set_launch("verify", **old)
