@@ -75,11 +75,13 @@ MAX_DRAFTS = 64
 # BV=64) and 220-507 us for the one-launch 'fused' kernel.  Session 4: phase 1 capped at 128
 # registers (16 one-warp programs per SM instead of 9) with its per-value-head loads hoisted (8 bytes
 # of spill instead of 104): 147.5 -> 137.6 us at B=128, 81.0 -> 78.1 at B=64, 531.9 -> 503.6 at B=512
-# (bench/results/h200_probe/session4/).  accept: BV=32 (its sweep's best was within noise).
+# (bench/results/h200_probe/session4/); then phase 1's scores as 16-bit MMAs of the raw rows for bf16 /
+# fp16 inputs (prep_mma): 138.0 -> 132.3 us at B=128 in call 12's tune.  accept: BV=32 (its sweep's
+# best was within noise).
 _CONFIG = {
     "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
                    prep_precision="tf32x3", zp=True, pdl=True, prep_group=True, prep_maxnreg=128,
-                   prep_hoist=True, prep_mma=False),
+                   prep_hoist=True, prep_mma=True),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }

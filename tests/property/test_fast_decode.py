@@ -133,7 +133,7 @@ OPTIONS = {
     "tile-split": dict(variant="tile", fold="split", book="launch", fold_launch=dict(kernel="tile", BV=16)),
     "lean-tilefold": dict(variant="lean", fold="split", book="snapshot", fold_launch=dict(kernel="tile", BV=16)),
     "lean-ticket": dict(variant="lean", fold="split", book="ticket", loadn=False, keyn=False, NS=2),
-    "lean-launch": dict(variant="lean", fold="split", book="launch",  # the default (PDL on a GPU)
+    "lean-launch": dict(variant="lean", fold="split", book="launch",  # the default (serving fold; PDL on a GPU)
                         fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
     "lean-snapshot-kt": dict(variant="lean", fold="split", book="snapshot", kt=True),
     "lean-fused-launch": dict(variant="lean", fold="fused", book="launch"),
@@ -143,13 +143,14 @@ OPTIONS = {
     "lean-split-launch-pf-kt": dict(variant="lean", fold="split", book="launch", pf=True, kt=True),
     "lean-early-group": dict(variant="lean", fold="split", book="early",
                              fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
-    "lean-serve-group": dict(variant="lean", fold="split", book="launch",  # the fold launch serves full requests
-                             fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True)),
+    "lean-launch-noserve": dict(variant="lean", fold="split", book="launch",  # session 3's default: the decode
+                                fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=False)),  # serves all
     "lean-serve-group-tf32x3": dict(variant="lean", fold="split", book="launch",
                                     fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=1, serve=True,
                                                      prec="tf32x3", num_warps=4)),
     "lean-group-tf32x3": dict(variant="lean", fold="split", book="launch",
-                              fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, prec="tf32x3", num_warps=4)),
+                              fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, prec="tf32x3", num_warps=4,
+                                               serve=False)),
     "lean-serve-tile": dict(variant="lean", fold="split", book="launch",
                             fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",
@@ -214,7 +215,9 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(variant="lean", fold="fused", book="snapshot"), "book: 'snapshot' is only for"),
     (dict(variant="tile", book="snapshot"), "book: 'snapshot' is only for"),
     (dict(variant="tile", fold="split", book="early"), "book: 'early' is only for"),
-], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early"])
+    (dict(book="snapshot", fold_launch=dict(serve=True)), "serve=True needs"),
+    (dict(fold_launch=dict(kernel="group", prec="tf32")), "prec expected"),
+], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
