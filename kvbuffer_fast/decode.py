@@ -830,8 +830,11 @@ def buffered_decode(
     ``validate=False`` skips the checks that read device values (buffer lengths, has_state): no host
     synchronisation, e.g. inside a CUDA graph; shapes are still checked.  ``BV`` / ``num_warps`` /
     ``CB`` (cached rows per chunk) / ``book`` ("ticket": the last program of a request appends the
-    shared rows; "launch": a second tiny launch does) / ``maxnreg`` override the tuned launch
-    (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the ones bench/gpu_decode.py --tune sweeps).
+    shared rows; "launch": a second tiny launch does) / ``maxnreg`` / ``fold_launch`` (a dict for the
+    fold launch: ``kernel`` 'auto' / 'group' / 'tile', ``serve`` (it serves the tokens of the requests
+    it folds; the default with the grouped kernel), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
+    ``NS``, ``num_warps``) override the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
+    ones bench/gpu_decode.py --tune sweeps; docs/kernels.md the others).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
