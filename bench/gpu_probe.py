@@ -99,7 +99,8 @@ _LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
 _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # the default
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # the default: the fold launch serves
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve=False), pdl=True),  # session 3's default
     dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4), pdl=True),
 ]
 
@@ -216,12 +217,12 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
 
 
 _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3",
-               zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True)
+               zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 VERIFY_VARIANTS = [
-    dict(_STREAM),  # the default: phase 1 with its loads hoisted and a 128-register cap
-    dict(_STREAM, prep_maxnreg=0, prep_hoist=False),  # the session-3 default
-    dict(_STREAM, prep_maxnreg=128, prep_hoist=False),
-    dict(_STREAM, prep_maxnreg=128, prep_group=False),  # phase 1 per value head: twice the programs
+    dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap
+    dict(_STREAM, prep_mma=False),  # call 10's default
+    dict(_STREAM, prep_maxnreg=0, prep_hoist=False, prep_mma=False),  # the session-3 default
+    dict(_STREAM, prep_group=False),  # phase 1 per value head: twice the programs
 ]
 
 
