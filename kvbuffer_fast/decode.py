@@ -618,6 +618,24 @@ def _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
 
 
 @triton.jit
+def _serve_dot(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, acc, qk, SP: tl.constexpr,
+               H: tl.constexpr, K: tl.constexpr, CHANNEL: tl.constexpr):
+    """_serve_sums as one tensor-core product: rows 0 and 1 of acc [16, BV] accumulate [k; q]^T-weighted
+    sums of the folded block st [len(o_k), BV] (S^T k, S^T q) by tl.dot at precision SP, instead of two
+    reductions across the program's threads per block."""
+    kb = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    qb = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    qk += tl.sum(kb * qb, 0)
+    if CHANNEL:
+        en = tl.exp(tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32))
+        kb = kb * en
+        qb = qb * en
+    r = tl.arange(0, 16)[:, None]
+    x = tl.where(r == 0, kb[None, :], tl.where(r == 1, qb[None, :], 0.0))  # [16, len(o_k)]
+    return tl.dot(x, st, acc, input_precision=SP), qk
+
+
+@triton.jit
 def _fold_full_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr, snap_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -675,7 +693,7 @@ def _fold_group_kernel(
     CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True, PDL: tl.constexpr = False,
     SERVE: tl.constexpr = False, q_ptr=None, k_ptr=None, v_ptr=None, g_ptr=None, beta_ptr=None, o_ptr=None,
-    scale=1.0, FP: tl.constexpr = "ieee",
+    scale=1.0, FP: tl.constexpr = "ieee", SDOT: tl.constexpr = False, SP: tl.constexpr = "ieee",
 ):
     """fold="split" with the fold kernel "group": like _fold_full_kernel, but a program owns FH value
     heads of one request (grid (V / BV, B * HV / FH)) and walks their [K, BV] tiles in KB-row blocks,
@@ -684,7 +702,8 @@ def _fold_group_kernel(
     tile kernel's 8192 programs of 167 registers did not (10 us at B=128 under ncu).  SERVE: as in
     _fold_full_kernel, each folded block also feeds S^T k, S^T q of the token, which is served here.
     FP: the fold product's precision, "ieee" (fp32 FMA) or "tf32x3" (three TF32 tensor-core products,
-    about fp32 accuracy; CUDA only): the FMA product made the kernel issue-bound."""
+    about fp32 accuracy; CUDA only): the FMA product made the kernel issue-bound.  SDOT (serve_dot):
+    the serving sums as one product per block at precision SP (_serve_dot; not yet timed)."""
     NG: tl.constexpr = HV // FH
     _pdl_prologue(PDL)
     i_v = tl.program_id(0)
@@ -715,6 +734,7 @@ def _fold_group_kernel(
                 sk = tl.zeros([BV], dtype=tl.float32)
                 sq = tl.zeros([BV], dtype=tl.float32)
                 qk = tl.zeros([], dtype=tl.float32)
+                acc = tl.zeros([16, BV], dtype=tl.float32)  # SDOT: rows 0, 1 = S^T k, S^T q
                 for k0 in tl.range(0, K, KB, num_stages=NS):
                     o_k = k0 + o_kb
                     m_k = o_k < K
@@ -737,9 +757,17 @@ def _fold_group_kernel(
                     st = tl.dot(kf, uf, st, input_precision=FP)
                     tl.store(p_s, st.to(state_ptr.dtype.element_ty), mask=m_s)
                     if SERVE:
-                        sk, sq, qk = _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
+                        if SDOT:
+                            acc, qk = _serve_dot(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, acc, qk, SP,
                                                  H, K, CHANNEL)
+                        else:
+                            sk, sq, qk = _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
+                                                     H, K, CHANNEL)
                 if SERVE:
+                    if SDOT:
+                        r = tl.arange(0, 16)[:, None]
+                        sk = tl.sum(tl.where(r == 0, acc, 0.0), 0)
+                        sq = tl.sum(tl.where(r == 1, acc, 0.0), 0)
                     _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, sq, qk, scale,
                                   o_v, m_v, C, HV, V, CHANNEL)
             if not SNAP and not SERVE:
@@ -832,7 +860,8 @@ def buffered_decode(
     ``CB`` (cached rows per chunk) / ``book`` ("ticket": the last program of a request appends the
     shared rows; "launch": a second tiny launch does) / ``maxnreg`` / ``fold_launch`` (a dict for the
     fold launch: ``kernel`` 'auto' / 'group' / 'tile', ``serve`` (it serves the tokens of the requests
-    it folds; the default with the grouped kernel), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
+    it folds; the default with the grouped kernel), ``serve_dot`` (its sums as one tensor-core product
+    per block), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
     ``NS``, ``num_warps``) override the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
     ones bench/gpu_decode.py --tune sweeps; docs/kernels.md the others).
     """
@@ -931,7 +960,8 @@ def buffered_decode(
                     ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C),
                     KB=max(16, min(fcfg["KB"], block(d.K))), BV=fcfg["BV"], NV=NVF, FH=FH, NS=fcfg["NS"],
                     CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage, num_warps=fcfg["num_warps"], **pdl,
-                    **served, FP=_fold_precision(q, fcfg.get("prec", "ieee")))
+                    **served, FP=_fold_precision(q, fcfg.get("prec", "ieee")), SDOT=bool(fcfg.get("serve_dot")),
+                    SP=_fold_precision(q, "tf32x3"))
             else:
                 _fold_full_kernel[(NVF, d.B * d.HV)](
                     buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
@@ -987,6 +1017,9 @@ DECODE_TUNE_CONFIGS = (
          fold_launch=dict(kernel="auto", prec="tf32x3", num_warps=4, serve=True, NS=1)),
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
          fold_launch=dict(kernel="auto", serve=False)),
+    # serving sums as one tf32x3 product per block (_serve_dot; added after the last GPU call: not yet timed)
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
+         fold_launch=dict(kernel="auto", serve=True, serve_dot=True)),
 )
 
 

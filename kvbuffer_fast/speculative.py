@@ -92,8 +92,11 @@ _CONFIG = {
 #: (bench/gpu_probe.py, bench/results/h200_probe/) timed more (8 warps, NS=2, KB=64, ieee phase 1, the
 #: one-launch 'fused' kernel): all slower; docs/speculative.md has the numbers.
 LAUNCH_CANDIDATES = [
+    # phase 1's solve by products (added after the last GPU call: not yet timed)
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
-         prep_maxnreg=128, prep_hoist=True, prep_mma=True),
+         prep_maxnreg=128, prep_hoist=True, prep_mma=True, prep_solve="doubling"),
+    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
+         prep_maxnreg=128, prep_hoist=True, prep_mma=True, prep_solve="rows"),
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
          prep_maxnreg=128, prep_hoist=True, prep_mma=False),
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
@@ -254,6 +257,25 @@ def _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC: 
 
 
 @triton.jit
+def _solve_doubling(SB, SS, is_q, proper, is_self, b_row, b_col, PREC: tl.constexpr, LOG_BD: tl.constexpr):
+    """_solve_rows by products instead of row steps: the key block A of M = N - I is strictly lower
+    triangular (a draft's proper ancestors come before it), so A^BD = 0 and
+    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BD/2)): 2 (log2 BD - 1) products of [R, R] instead
+    of a chain of d dependent row steps; the query rows as in _solve_rows."""
+    W = tl.where(is_q[:, None], SB, -SB)
+    M = tl.where(is_q[:, None], -SS, tl.where(proper, b_row[:, None] * SS, 0.0))
+    eye = tl.where(is_self, 1.0, 0.0)
+    A = tl.where(is_q[:, None], 0.0, M)  # query rows of Ninv stay rows of I here
+    Ninv = eye - A
+    P = A
+    for _ in tl.static_range(LOG_BD - 1):
+        P = tl.dot(P, P, input_precision=PREC)  # A^(2^i)
+        Ninv = tl.dot(Ninv, eye + P, input_precision=PREC)
+    Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
+    return Ninv * b_col[None, :], W
+
+
+@triton.jit
 def _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R: tl.constexpr,
              BC: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr):
     """Phase 1's results for one value head: L and L W ([R, R + BC]) and, with ZP, L' = L diag(sgn
@@ -365,6 +387,7 @@ def _verify_prep_group_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False,
     HOIST: tl.constexpr = False, BG: tl.constexpr = 2, MMA16: tl.constexpr = False,
+    DOUBLING: tl.constexpr = False, LOG_BD: tl.constexpr = 3,
 ):
     """Phase 1 for scalar gates with ZP, one program per (request, q/k head): the scores of the drafts'
     keys / queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value
@@ -450,7 +473,10 @@ def _verify_prep_group_kernel(
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
         Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
         tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
-        L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
+        if DOUBLING:  # prep_solve="doubling" (added after the last GPU call: not yet timed)
+            L, W = _solve_doubling(SBj, SSj, is_q, proper, is_self, b_row, b_col, PREC, LOG_BD)
+        else:
+            L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
         _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
 
 
@@ -774,6 +800,7 @@ def verify(
     prep_maxnreg: Optional[int] = None,
     prep_hoist: Optional[bool] = None,
     prep_mma: Optional[bool] = None,
+    prep_solve: Optional[str] = None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
@@ -791,8 +818,10 @@ def verify(
     ``BV`` / ``num_warps`` / ``precision`` / ``variant`` ('stream': two launches, phase 2 streaming the
     state in KB-row blocks with NS pipeline stages; 'fused': one launch, scalar gates only, per-channel
     gates then take 'stream') / ``KB`` / ``NS`` /
-    ``prep_warps`` / ``prep_precision`` (phase 1's) override the launch (``launch_config``; benchmarks
-    tune them).
+    ``prep_warps`` / ``prep_precision`` / ``prep_maxnreg`` (a register cap) / ``prep_hoist`` (value
+    heads' loads before the chunk loop) / ``prep_mma`` (16-bit MMA scores for bf16/fp16 inputs) /
+    ``prep_solve`` ('rows' or 'doubling') (phase 1's) override the launch (``launch_config``; benchmarks
+    tune them; docs/speculative.md).
     """
     d = check_tokens(q, k, v, g, beta)
     if parents is None:  # the chain; cached, so that a default call launches nothing but the kernels
@@ -829,7 +858,8 @@ def verify(
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
                         prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist,
-                        prep_mma=prep_mma)
+                        prep_mma=prep_mma, prep_solve=prep_solve)
+    _prep_solve(cfg)  # checked here: it applies to phase 1 per q/k head only (scalar gates)
     if cfg["variant"] not in ("stream", "fused"):
         raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
@@ -866,6 +896,7 @@ def verify(
                 HOIST=bool(cfg.get("prep_hoist")), BG=triton.next_power_of_2(d.HV // d.H),
                 MMA16=bool(cfg.get("prep_mma")) and q.dtype == k.dtype == buffer.k.dtype
                 and q.dtype in (torch.bfloat16, torch.float16),
+                DOUBLING=_prep_solve(cfg) == "doubling", LOG_BD=BD.bit_length() - 1,
             )
         else:
             _verify_prep_kernel[(d.B * d.HV,)](
@@ -882,6 +913,14 @@ def verify(
             KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
             num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl)
     return o, drafts
+
+
+def _prep_solve(cfg: dict) -> str:
+    """Phase 1's triangular solve: 'rows' (forward substitution, the default) or 'doubling'."""
+    solve = cfg.get("prep_solve") or "rows"
+    if solve not in ("rows", "doubling"):
+        raise ValueError(f"prep_solve: expected 'rows' or 'doubling', got {solve!r}")
+    return solve
 
 
 _DEFAULTS: dict = {}

@@ -151,6 +151,8 @@ OPTIONS = {
     "lean-group-tf32x3": dict(variant="lean", fold="split", book="launch",
                               fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, prec="tf32x3", num_warps=4,
                                                serve=False)),
+    "lean-serve-dot": dict(variant="lean", fold="split", book="launch",  # serving sums as one product per block
+                           fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True, serve_dot=True)),
     "lean-serve-tile": dict(variant="lean", fold="split", book="launch",
                             fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",

@@ -115,6 +115,7 @@ def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
 
 VARIANTS = {"stream": dict(variant="stream"), "stream-p": dict(variant="stream", zp=False),
             "stream-group": dict(variant="stream", zp=True, prep_group=True, prep_hoist=False, prep_maxnreg=0),
+            "stream-doubling": dict(variant="stream", prep_solve="doubling"),
             "fused": dict(variant="fused")}
 
 
@@ -182,8 +183,9 @@ def test_accept_validation_errors():
 
 
 @pytest.mark.parametrize("opts,match", [(dict(precision="tf32"), "precision: expected"),
-                                        (dict(variant="two-phase"), "variant: expected")],
-                         ids=["tf32", "variant"])
+                                        (dict(variant="two-phase"), "variant: expected"),
+                                        (dict(prep_solve="inverse"), "prep_solve: expected")],
+                         ids=["tf32", "variant", "solve"])
 def test_bad_verify_launch_options_are_rejected(opts, match):
     case = Case(B=1, T=2, H=1, HV=1, K=4, V=4, seed=2)
     x = case.inputs(torch.float32, DEVICE)
@@ -235,6 +237,22 @@ def test_16bit_inputs_phase1_scores(dtype, mma):
         _assert_all(P.check_verify_accept(
             Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 0, 2],
             parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
+            device=DEVICE))
+    finally:
+        spec.set_launch("verify", **old)
+
+
+@pytest.mark.parametrize("solve", ["rows", "doubling"])
+def test_deep_chain_strong_coupling(solve):
+    """Phase 1's triangular solve on a chain of 10 drafts where every power of the coupling matters: K=4
+    (random unit keys overlap strongly), beta = 1 and no decay, so the terms up to A^9 of
+    (I + A)^-1 are far above the budget; 'doubling' must form all of them (four factors at BD = 16)."""
+    old = spec.set_launch("verify", BV=16, KB=16, prep_solve=solve)
+    try:
+        case = Case(B=2, T=3 + 10 + 2, H=1, HV=2, K=4, V=8, gate="zero", beta="one", seed=21)
+        _assert_all(P.check_verify_accept(
+            Poisoned, case, torch.float32, capacity=4, history=3, lengths=[3, 1],
+            parents=[list(range(-1, 9)), list(range(-1, 9))], num_drafts=[10, 9], nodes=[9, 4], after=2,
             device=DEVICE))
     finally:
         spec.set_launch("verify", **old)
