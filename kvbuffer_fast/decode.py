@@ -600,21 +600,27 @@ def _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, s
 
 
 @triton.jit
+def _serve_rows(k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+                CHANNEL: tl.constexpr):
+    """The token's k and q over the rows o_k of a state block, times exp(g) for per-channel gates (the
+    new token's G with an empty buffer), and their part of k.q."""
+    kb = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    qb = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    kq = tl.sum(kb * qb, 0)
+    if CHANNEL:
+        en = tl.exp(tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32))
+        kb = kb * en
+        qb = qb * en
+    return kb, qb, kq
+
+
+@triton.jit
 def _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
                 H: tl.constexpr, K: tl.constexpr, CHANNEL: tl.constexpr):
     """Accumulate S^T k, S^T q (exp(g) inside for per-channel gates) and k.q over the rows o_k of a
     folded state block st [len(o_k), BV]."""
-    kb = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    qb = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    qk += tl.sum(kb * qb, 0)
-    if CHANNEL:
-        en = tl.exp(tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32))
-        sk += tl.sum(st * (kb * en)[:, None], 0)
-        sq += tl.sum(st * (qb * en)[:, None], 0)
-    else:
-        sk += tl.sum(st * kb[:, None], 0)
-        sq += tl.sum(st * qb[:, None], 0)
-    return sk, sq, qk
+    kb, qb, kq = _serve_rows(k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, H, K, CHANNEL)
+    return sk + tl.sum(st * kb[:, None], 0), sq + tl.sum(st * qb[:, None], 0), qk + kq
 
 
 @triton.jit
@@ -623,16 +629,10 @@ def _serve_dot(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, acc, qk, SP: 
     """_serve_sums as one tensor-core product: rows 0 and 1 of acc [16, BV] accumulate [k; q]^T-weighted
     sums of the folded block st [len(o_k), BV] (S^T k, S^T q) by tl.dot at precision SP, instead of two
     reductions across the program's threads per block."""
-    kb = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    qb = tl.load(q_ptr + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    qk += tl.sum(kb * qb, 0)
-    if CHANNEL:
-        en = tl.exp(tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32))
-        kb = kb * en
-        qb = qb * en
+    kb, qb, kq = _serve_rows(k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, H, K, CHANNEL)
     r = tl.arange(0, 16)[:, None]
     x = tl.where(r == 0, kb[None, :], tl.where(r == 1, qb[None, :], 0.0))  # [16, len(o_k)]
-    return tl.dot(x, st, acc, input_precision=SP), qk
+    return tl.dot(x, st, acc, input_precision=SP), qk + kq
 
 
 @triton.jit

@@ -167,14 +167,22 @@ def _draft_rows(len_ptr, nd_ptr, i_b, D, BD: tl.constexpr):
 
 
 @triton.jit
+def _chunk_inputs(k_ptr, q_ptr, p_kq, m_in, is_q, o_k, m_k):
+    """Columns o_k of the draft rows as stored: the keys on the key rows, the queries on the query rows
+    (0 elsewhere; the inputs' dtype)."""
+    k_in = tl.load(k_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & ~is_q)[:, None] & m_k[None, :], other=0.0)
+    q_in = tl.load(q_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & is_q)[:, None] & m_k[None, :], other=0.0)
+    return k_in, q_in
+
+
+@triton.jit
 def _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale,
                 K: tl.constexpr, KC: tl.constexpr, CHANNEL: tl.constexpr):
     """Columns k0..k0+KC of the draft rows: the raw keys (for Drafts.k), the rows k_i / scale*q_i (padding
     rows selected to 0) and, per-channel, the drafts' gates on the key rows."""
     o_k = k0 + tl.arange(0, KC)
     m_k = o_k < K
-    k_in = tl.load(k_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & ~is_q)[:, None] & m_k[None, :], other=0.0)
-    q_in = tl.load(q_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & is_q)[:, None] & m_k[None, :], other=0.0)
+    k_in, q_in = _chunk_inputs(k_ptr, q_ptr, p_kq, m_in, is_q, o_k, m_k)
     kq = tl.where(m_t[:, None], k_in.to(tl.float32) + q_in.to(tl.float32) * scale, 0.0)
     if CHANNEL:
         g = tl.load(g_ptr + p_rt[:, None] * K + o_k[None, :], mask=(m_in & ~is_q)[:, None] & m_k[None, :], other=0.0)
@@ -242,35 +250,30 @@ def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n):
 
 
 @triton.jit
-def _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC: tl.constexpr):
-    """From the decayed scores: W (sign -1 on key rows), M = N - I (strictly lower), N^-1 by forward
-    substitution over the t key rows and one product for the query rows, and L = N^-1 diag(b)."""
-    W = tl.where(is_q[:, None], SB, -SB)
-    M = tl.where(is_q[:, None], -SS, tl.where(proper, b_row[:, None] * SS, 0.0))
-    Ninv = tl.where(is_self, 1.0, 0.0)
-    for i in range(0, t):
-        a_i = tl.sum(tl.where((o_r == i)[:, None], M, 0.0), 0)
-        row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ninv, 0)
-        Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
-    Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
-    return Ninv * b_col[None, :], W
-
-
-@triton.jit
-def _solve_doubling(SB, SS, is_q, proper, is_self, b_row, b_col, PREC: tl.constexpr, LOG_BD: tl.constexpr):
-    """_solve_rows by products instead of row steps: the key block A of M = N - I is strictly lower
-    triangular (a draft's proper ancestors come before it), so A^BD = 0 and
-    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BD/2)): 2 (log2 BD - 1) products of [R, R] instead
-    of a chain of d dependent row steps; the query rows as in _solve_rows."""
+def _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC: tl.constexpr,
+                DOUBLING: tl.constexpr = False, LOG_BD: tl.constexpr = 3):
+    """From the decayed scores: W (sign -1 on key rows), M = N - I (strictly lower), N^-1 of the key
+    rows, one product for the query rows, and L = N^-1 diag(b).  The key rows by forward substitution
+    over the t key rows, or with DOUBLING (prep_solve="doubling") by products: the key block A of M is
+    strictly lower triangular (a draft's proper ancestors come before it), so A^BD = 0 and
+    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BD/2)): 2 (log2 BD - 1) products of [R, R]
+    instead of a chain of t dependent row steps."""
     W = tl.where(is_q[:, None], SB, -SB)
     M = tl.where(is_q[:, None], -SS, tl.where(proper, b_row[:, None] * SS, 0.0))
     eye = tl.where(is_self, 1.0, 0.0)
-    A = tl.where(is_q[:, None], 0.0, M)  # query rows of Ninv stay rows of I here
-    Ninv = eye - A
-    P = A
-    for _ in tl.static_range(LOG_BD - 1):
-        P = tl.dot(P, P, input_precision=PREC)  # A^(2^i)
-        Ninv = tl.dot(Ninv, eye + P, input_precision=PREC)
+    if DOUBLING:
+        A = tl.where(is_q[:, None], 0.0, M)  # query rows of Ninv stay rows of I here
+        Ninv = eye - A
+        P = A
+        for _ in tl.static_range(LOG_BD - 1):
+            P = tl.dot(P, P, input_precision=PREC)  # A^(2^i)
+            Ninv = tl.dot(Ninv, eye + P, input_precision=PREC)
+    else:
+        Ninv = eye
+        for i in range(0, t):
+            a_i = tl.sum(tl.where((o_r == i)[:, None], M, 0.0), 0)
+            row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ninv, 0)
+            Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
     Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
     return Ninv * b_col[None, :], W
 
@@ -435,10 +438,7 @@ def _verify_prep_group_kernel(
         o_k = k0 + tl.arange(0, KC)
         if MMA16:
             m_k = o_k < K
-            k_in = tl.load(k_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & ~is_q)[:, None] & m_k[None, :],
-                           other=0.0)
-            q_in = tl.load(q_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & is_q)[:, None] & m_k[None, :],
-                           other=0.0)
+            k_in, q_in = _chunk_inputs(k_ptr, q_ptr, p_kq, m_in, is_q, o_k, m_k)
             x = tl.where(m_t[:, None], k_in + q_in, tl.zeros_like(k_in))  # one of the two is 0: exact
             kc = tl.load(ck_ptr + p_ck[:, None] + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
             SB += tl.dot(x, tl.trans(kc))
@@ -473,10 +473,8 @@ def _verify_prep_group_kernel(
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
         Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
         tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
-        if DOUBLING:  # prep_solve="doubling" (added after the last GPU call: not yet timed)
-            L, W = _solve_doubling(SBj, SSj, is_q, proper, is_self, b_row, b_col, PREC, LOG_BD)
-        else:
-            L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
+        L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC,
+                           DOUBLING, LOG_BD)  # DOUBLING: added after the last GPU call, not yet timed
         _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
 
 
@@ -859,7 +857,7 @@ def verify(
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
                         prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist,
                         prep_mma=prep_mma, prep_solve=prep_solve)
-    _prep_solve(cfg)  # checked here: it applies to phase 1 per q/k head only (scalar gates)
+    doubling = _prep_solve(cfg) == "doubling"  # checked here: it applies to phase 1 per q/k head only
     if cfg["variant"] not in ("stream", "fused"):
         raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
@@ -896,7 +894,7 @@ def verify(
                 HOIST=bool(cfg.get("prep_hoist")), BG=triton.next_power_of_2(d.HV // d.H),
                 MMA16=bool(cfg.get("prep_mma")) and q.dtype == k.dtype == buffer.k.dtype
                 and q.dtype in (torch.bfloat16, torch.float16),
-                DOUBLING=_prep_solve(cfg) == "doubling", LOG_BD=BD.bit_length() - 1,
+                DOUBLING=doubling, LOG_BD=BD.bit_length() - 1,
             )
         else:
             _verify_prep_kernel[(d.B * d.HV,)](

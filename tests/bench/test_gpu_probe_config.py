@@ -10,9 +10,35 @@ import torch
 import bench.gpu_probe as probe
 from kvbuffer_ref.testing import Case
 from kvbuffer_ref.testing import properties as P
-from tests.property.fast_adapter import Poisoned
+from tests.property.fast_adapter import Poisoned, verify_launch
+
+from kvbuffer_fast.decode import DECODE_TUNE_CONFIGS  # noqa: E402 (after the interpreter switch)
+from kvbuffer_fast.speculative import LAUNCH_CANDIDATES  # noqa: E402
 
 DEVICE = "cpu"
+
+
+def _check_decode(cfg: dict, seed: int) -> None:
+    """buffered_decode launched with ``cfg`` matches the float64 oracle on a tiny buffer (one fold)."""
+
+    class Cfg(Poisoned):
+        @staticmethod
+        def buffered_decode(*args, buffer, **kw):
+            return Poisoned.buffered_decode(*args, buffer=buffer, **cfg, **kw)
+
+    case = Case(B=2, T=4 + 5, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=seed)
+    res = P.check_decode(Cfg, case, torch.float32, capacity=4, history=4, lengths=[4, 1], device=DEVICE)
+    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]
+
+
+def _check_verify(cfg: dict, dtype: torch.dtype, seed: int) -> None:
+    """verify + accept with the default launch updated by ``cfg`` match the float64 oracle (trees, a fold)."""
+    with verify_launch(**cfg):
+        case = Case(B=2, T=3 + 3 + 1, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=seed)
+        res = P.check_verify_accept(Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 1],
+                                    parents=[[-1, 0, 0], [-1, 0, 1]], num_drafts=[3, 2], nodes=[2, 1], after=1,
+                                    device=DEVICE)
+    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]
 
 
 def test_kernel_lists_exist():
@@ -24,30 +50,12 @@ def test_decode_variant_runs_and_matches_the_oracle(i):
     cfg = {k: v for k, v in probe.DECODE_VARIANTS[i].items() if k not in ("fold_BV", "fold_warps")}  # probe-only
     if "fold_launch" in cfg:  # the probe's fold launch at this test's small V
         cfg["fold_launch"] = dict(cfg["fold_launch"], BV=16, KB=16)
-
-    class Cfg(Poisoned):
-        @staticmethod
-        def buffered_decode(*args, buffer, **kw):
-            return Poisoned.buffered_decode(*args, buffer=buffer, **{**cfg, "BV": 16, "KB": 16}, **kw)
-
-    case = Case(B=2, T=4 + 5, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=3)
-    res = P.check_decode(Cfg, case, torch.float32, capacity=4, history=4, lengths=[4, 1], device=DEVICE)
-    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]
+    _check_decode({**cfg, "BV": 16, "KB": 16}, seed=3)
 
 
 @pytest.mark.parametrize("i", range(len(probe.VERIFY_VARIANTS)))
 def test_verify_variant_runs_and_matches_the_oracle(i):
-    import kvbuffer_fast.speculative as spec
-
-    old = spec.set_launch("verify", **{**probe.VERIFY_VARIANTS[i], "BV": 16, "KB": 16})
-    try:
-        case = Case(B=2, T=3 + 3 + 1, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=4)
-        res = P.check_verify_accept(Poisoned, case, torch.float32, capacity=4, history=3, lengths=[3, 1],
-                                    parents=[[-1, 0, 0], [-1, 0, 1]], num_drafts=[3, 2], nodes=[2, 1], after=1,
-                                    device=DEVICE)
-    finally:
-        spec.set_launch("verify", **old)
-    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]
+    _check_verify({**probe.VERIFY_VARIANTS[i], "BV": 16, "KB": 16}, torch.float32, seed=4)
 
 
 def test_aot_register_report_runs():
@@ -74,35 +82,14 @@ def test_aot_register_report_runs():
     assert int(regs.strip("'\" ").split("'")[0]) > 0
 
 
-@pytest.mark.parametrize("i", range(len(__import__("kvbuffer_fast.decode", fromlist=["x"]).DECODE_TUNE_CONFIGS)))
+@pytest.mark.parametrize("i", range(len(DECODE_TUNE_CONFIGS)))
 def test_decode_tune_config_runs_and_matches_the_oracle(i):
     """bench/gpu_decode.py --tune times DECODE_TUNE_CONFIGS on the GPU: each must exist and be correct."""
-    from kvbuffer_fast.decode import DECODE_TUNE_CONFIGS
-
-    cfg = dict(DECODE_TUNE_CONFIGS[i])
-
-    class Cfg(Poisoned):
-        @staticmethod
-        def buffered_decode(*args, buffer, **kw):
-            return Poisoned.buffered_decode(*args, buffer=buffer, **cfg, **kw)
-
-    case = Case(B=2, T=4 + 5, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=5)
-    res = P.check_decode(Cfg, case, torch.float32, capacity=4, history=4, lengths=[4, 1], device=DEVICE)
-    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]
+    _check_decode(dict(DECODE_TUNE_CONFIGS[i]), seed=5)
 
 
-@pytest.mark.parametrize("i", range(len(__import__("kvbuffer_fast.speculative", fromlist=["x"]).LAUNCH_CANDIDATES)))
+@pytest.mark.parametrize("i", range(len(LAUNCH_CANDIDATES)))
 def test_verify_launch_candidate_runs_and_matches_the_oracle(i):
     """bench/gpu_verify.py's tune times LAUNCH_CANDIDATES: each must exist and be correct (fp16 inputs, so
     that prep_mma's 16-bit path runs under the interpreter too)."""
-    import kvbuffer_fast.speculative as spec
-
-    old = spec.set_launch("verify", **{**spec.LAUNCH_CANDIDATES[i], "BV": 16, "KB": 16})
-    try:
-        case = Case(B=2, T=3 + 3 + 1, H=1, HV=2, K=16, V=16, gate="mild", beta="uniform", seed=6)
-        res = P.check_verify_accept(Poisoned, case, torch.float16, capacity=4, history=3, lengths=[3, 1],
-                                    parents=[[-1, 0, 0], [-1, 0, 1]], num_drafts=[3, 2], nodes=[2, 1], after=1,
-                                    device=DEVICE)
-    finally:
-        spec.set_launch("verify", **old)
-    assert res and all(r.passed for r in res), [str(r) for r in res if not r.passed]
+    _check_verify({**LAUNCH_CANDIDATES[i], "BV": 16, "KB": 16}, torch.float16, seed=6)

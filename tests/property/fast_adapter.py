@@ -3,6 +3,7 @@ memory a kernel must not read (slots past each request's length, the state stora
 direct mode) is set to NaN, so a read of garbage turns into a failing output; and each operation is
 held to its in-place contract."""
 
+import contextlib
 import os
 
 import torch
@@ -11,7 +12,18 @@ if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels ar
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvbuffer_fast as fast  # noqa: E402
+import kvbuffer_fast.speculative as spec  # noqa: E402
 from kvbuffer_ref.testing.properties import poison_unused_  # noqa: E402
+
+
+@contextlib.contextmanager
+def verify_launch(**cfg):
+    """verify's default launch updated by ``cfg`` inside the block, restored after it."""
+    old = spec.set_launch("verify", **cfg)
+    try:
+        yield
+    finally:
+        spec.set_launch("verify", **old)
 
 
 class Poisoned:

@@ -31,7 +31,7 @@ from kvbuffer_ref.testing import Case, compare  # noqa: E402
 from kvbuffer_ref.testing import properties as P  # noqa: E402
 from kvbuffer_ref.testing import strategies as kst  # noqa: E402
 
-from .fast_adapter import Poisoned  # noqa: E402
+from .fast_adapter import Poisoned, verify_launch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(max_H=2, max_group=2, dims=(3, 8, 16))
@@ -126,10 +126,10 @@ def test_variants(channel, variant):
     scalar gates form X S0 from the raw rows, 'stream-p' the [R, K] P of phase 1 instead, as per-channel
     gates always do) and 'fused' (one launch: the state, the scores and the solve in one program;
     per-channel gates take the two phases), V over partial BV=16 tiles, a tree, folds on accept and a
-    direct request.  'stream' is the default (phase 1 per q/k head, its loads hoisted, a register cap);
-    'stream-group' without the hoisted loads."""
-    old = spec.set_launch("verify", BV=16, KB=16, **VARIANTS[variant])
-    try:
+    direct request.  'stream' is the default (phase 1 per q/k head, its loads hoisted, a register cap;
+    its 16-bit scores need 16-bit inputs: test_16bit_inputs_phase1_scores); 'stream-group' without the
+    hoisted loads and the cap; 'stream-doubling' with the solve by products."""
+    with verify_launch(BV=16, KB=16, **VARIANTS[variant]):
         case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mild", beta="mixed",
                     seed=12)
         tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
@@ -137,8 +137,6 @@ def test_variants(channel, variant):
             Poisoned, case, torch.float32, capacity=4, history=3, lengths=[3, 0, 2],
             parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
             device=DEVICE))
-    finally:
-        spec.set_launch("verify", **old)
 
 
 def test_verify_validate_false_matches_validated():
@@ -230,16 +228,13 @@ def test_16bit_inputs_phase1_scores(dtype, mma):
     raw rows (prep_mma=True: exact products, the query scale applied after) or with the fp32 path, both
     within the 16-bit row of the tolerance table; several q/k heads with two value heads each, a tree,
     folds on accept and a direct request."""
-    old = spec.set_launch("verify", BV=16, KB=16, prep_mma=mma)
-    try:
+    with verify_launch(BV=16, KB=16, prep_mma=mma):
         case = Case(B=3, T=3 + 10 + 2, H=2, HV=4, K=40, V=24, gate="mild", beta="mixed", seed=14)
         tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
         _assert_all(P.check_verify_accept(
             Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 0, 2],
             parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
             device=DEVICE))
-    finally:
-        spec.set_launch("verify", **old)
 
 
 @pytest.mark.parametrize("solve", ["rows", "doubling"])
@@ -247,12 +242,9 @@ def test_deep_chain_strong_coupling(solve):
     """Phase 1's triangular solve on a chain of 10 drafts where every power of the coupling matters: K=4
     (random unit keys overlap strongly), beta = 1 and no decay, so the terms up to A^9 of
     (I + A)^-1 are far above the budget; 'doubling' must form all of them (four factors at BD = 16)."""
-    old = spec.set_launch("verify", BV=16, KB=16, prep_solve=solve)
-    try:
+    with verify_launch(BV=16, KB=16, prep_solve=solve):
         case = Case(B=2, T=3 + 10 + 2, H=1, HV=2, K=4, V=8, gate="zero", beta="one", seed=21)
         _assert_all(P.check_verify_accept(
             Poisoned, case, torch.float32, capacity=4, history=3, lengths=[3, 1],
             parents=[list(range(-1, 9)), list(range(-1, 9))], num_drafts=[10, 9], nodes=[9, 4], after=2,
             device=DEVICE))
-    finally:
-        spec.set_launch("verify", **old)
