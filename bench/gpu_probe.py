@@ -100,8 +100,9 @@ _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
     dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # the default: the fold launch serves
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve=False), pdl=True),  # session 3's default
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4), pdl=True),
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the decode launch waits for it at its end
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve_dot=True), pdl=True),  # serving sums by products
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve_dot=True), pdl="late"),
 ]
 
 
@@ -220,9 +221,10 @@ _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 VERIFY_VARIANTS = [
     dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap
-    dict(_STREAM, prep_mma=False),  # call 10's default
-    dict(_STREAM, prep_maxnreg=0, prep_hoist=False, prep_mma=False),  # the session-3 default
-    dict(_STREAM, prep_group=False),  # phase 1 per value head: twice the programs
+    dict(_STREAM, prep_solve="doubling"),  # phase 1's solve by products
+    dict(_STREAM, NS=1),  # phase 2's state blocks loaded to registers, not pipelined through shared memory
+    dict(_STREAM, NS=2),
+    dict(_STREAM, NS=1, KB=64),
 ]
 
 

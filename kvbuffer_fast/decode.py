@@ -55,8 +55,8 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
-from ._common import (_pdl_prologue, _program_ids, as_input, block, device_guard, flag_view, int_scratch,
-                      launch_config, new_output, pdl_launch, require_inplace, ticket_counters)
+from ._common import (_gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard,
+                      flag_view, int_scratch, launch_config, new_output, pdl_launch, require_inplace, ticket_counters)
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -354,7 +354,7 @@ def _decode_lean_kernel(
     KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr, KEYN: tl.constexpr = False,
     KT: tl.constexpr = False, SNAP: tl.constexpr = False, FOLD: tl.constexpr = False,
     EARLY: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
-    SERVED: tl.constexpr = False,
+    SERVED: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     """ONE loop over the key dimension in KB-row blocks forms S0^T k, S0^T q and the scores k.k_j,
     q.k_j of the buffered keys together, so only [KB, *] blocks are live (few registers, many programs
@@ -372,9 +372,17 @@ def _decode_lean_kernel(
     in registers (two blocks in flight per program).  PDL: programmatic dependent launch (see
     _common._pdl_prologue).  FOLD, EARLY and PF measured slower on the H200 (docs/kernels.md).
     SERVED (fold launch with serve): a full request (n == C) was folded AND served by the fold launch;
-    every load and store of it here is masked off (its length stays C until the bookkeeping launch)."""
+    every load and store of it here is masked off (its length stays C until the bookkeeping launch).
+    LATE (pdl="late", only with SERVED): the previous kernel is the serving fold launch, which touches
+    nothing this kernel reads or writes (full requests are its own, the rest only read there), so with
+    PDL the programs run at once and wait for it only at their end, before exiting: the bookkeeping
+    launch after this one then still starts after both."""
     GROUP: tl.constexpr = HV // H
-    _pdl_prologue(PDL)
+    if LATE:
+        if PDL:
+            _gdc_launch_dependents()
+    else:
+        _pdl_prologue(PDL)
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -554,6 +562,9 @@ def _decode_lean_kernel(
                 _bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, n, C, H, HV, K, BK, BH, BHV,
                              CHANNEL)
                 tl.store(ticket_ptr + 2 * i_b + 1, 0)
+    if LATE:
+        if PDL:
+            _gdc_wait()  # the fold launch has completed (and its writes are visible) when this program ends
 
 
 @triton.jit
@@ -844,7 +855,7 @@ def buffered_decode(
     kt: Optional[bool] = None,
     pf: Optional[bool] = None,
     fold_launch: Optional[dict] = None,
-    pdl: Optional[bool] = None,
+    pdl=None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -862,7 +873,10 @@ def buffered_decode(
     fold launch: ``kernel`` 'auto' / 'group' / 'tile', ``serve`` (it serves the tokens of the requests
     it folds; the default with the grouped kernel), ``serve_dot`` (its sums as one tensor-core product
     per block), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
-    ``NS``, ``num_warps``) override the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
+    ``NS``, ``num_warps``), ``pdl`` (True: the launches chained by programmatic dependent launch on sm_90+;
+    "late": the decode launch, whose requests the serving fold launch does not touch, waits for that
+    launch only at its end; as True where the fold launch does not serve; False: plain launches) override
+    the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
     ones bench/gpu_decode.py --tune sweeps; docs/kernels.md the others).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
@@ -898,6 +912,8 @@ def buffered_decode(
         raise ValueError("book: 'early' is only for variant='lean'")
     if cfg["book"] == "snapshot" and (cfg["variant"] != "lean" or cfg["fold"] != "split"):
         raise ValueError("book: 'snapshot' is only for variant='lean' with fold='split'")
+    if cfg["pdl"] not in (True, False, "late"):
+        raise ValueError(f"pdl: expected True, False or 'late', got {cfg['pdl']!r}")
     o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
     if d.B == 0:
         return o, buffer
@@ -950,6 +966,9 @@ def buffered_decode(
                 served = dict(SERVE=True, q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v),
                               g_ptr=as_input(g), beta_ptr=as_input(beta), o_ptr=o, scale=s)
                 extra["SERVED"] = True
+                # pdl="late": the decode launch reads and writes nothing of the serving fold launch's
+                # requests, so it waits for that launch only at its end (the default pdl=True: at its start)
+                extra["LATE"] = cfg["pdl"] == "late"
             else:
                 served = {}
             NVF = triton.cdiv(d.V, fcfg["BV"])
@@ -1017,9 +1036,14 @@ DECODE_TUNE_CONFIGS = (
          fold_launch=dict(kernel="auto", prec="tf32x3", num_warps=4, serve=True, NS=1)),
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
          fold_launch=dict(kernel="auto", serve=False)),
-    # serving sums as one tf32x3 product per block (_serve_dot; added after the last GPU call: not yet timed)
+    # serving sums as one tf32x3 product per block (_serve_dot; added after session 4's last GPU call)
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
          fold_launch=dict(kernel="auto", serve=True, serve_dot=True)),
+    # the decode launch waits for the serving fold launch only at its end (session 5)
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
+         pdl="late"),
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
+         pdl="late", fold_launch=dict(kernel="auto", serve=True, serve_dot=True)),
 )
 
 

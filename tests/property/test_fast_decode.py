@@ -153,6 +153,8 @@ OPTIONS = {
                                                serve=False)),
     "lean-serve-dot": dict(variant="lean", fold="split", book="launch",  # serving sums as one product per block
                            fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True, serve_dot=True)),
+    "lean-serve-late": dict(variant="lean", fold="split", book="launch", pdl="late",  # waits at its end (GPU)
+                            fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True)),
     "lean-serve-tile": dict(variant="lean", fold="split", book="launch",
                             fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",
@@ -169,7 +171,8 @@ def test_variants(opts, C, hist, lengths, channel_gate):
     its fold fused or split, the tile fold launch, the lean kernel with each bookkeeping (ticket,
     early, snapshot) and its fold fused, all entries loaded or only the live ones, pipelined,
     prefetched and transposed blocks, the fold launch serving the tokens of the requests it folds
-    (grouped or tile kernel), the grouped fold in tf32x3 (compiled only: the interpreter multiplies in
+    (grouped or tile kernel; with pdl="late" the decode launch waits for it only at its end, a race
+    the compiled run checks), the grouped fold in tf32x3 (compiled only: the interpreter multiplies in
     fp32).  K=24 streams in two KB=16 blocks (the last partial), V in
     partial BV=16 tiles, C=20 spans two 16-row chunks of the tile kernel, a direct request folds
     into its first state."""
@@ -219,7 +222,9 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(variant="tile", fold="split", book="early"), "book: 'early' is only for"),
     (dict(book="snapshot", fold_launch=dict(serve=True)), "serve=True needs"),
     (dict(fold_launch=dict(kernel="group", prec="tf32")), "prec expected"),
-], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec"])
+    (dict(pdl="early"), "pdl: expected"),
+], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec",
+        "pdl"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
