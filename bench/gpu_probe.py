@@ -221,10 +221,9 @@ _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 VERIFY_VARIANTS = [
     dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap
-    dict(_STREAM, prep_solve="doubling"),  # phase 1's solve by products
-    dict(_STREAM, NS=1),  # phase 2's state blocks loaded to registers, not pipelined through shared memory
-    dict(_STREAM, NS=2),
-    dict(_STREAM, NS=1, KB=64),
+    dict(_STREAM, NS=4),  # phase 2: more of its K / KB = 4 state blocks in flight (NS = 1, 2 were slower)
+    dict(_STREAM, KB=16, NS=6),
+    dict(_STREAM, KB=16, NS=8),
 ]
 
 
