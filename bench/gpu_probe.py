@@ -147,7 +147,7 @@ def verify_kernels() -> list:
     import kvbuffer_fast.speculative as spec
 
     return [spec._verify_prep_kernel, spec._verify_prep_group_kernel, spec._verify_stream_kernel,
-            spec._verify_fused_kernel]
+            spec._verify_fused_kernel, spec._verify_persist_kernel]
 
 
 def decode_ok(cfg) -> tuple[bool, str]:
@@ -221,9 +221,10 @@ _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 VERIFY_VARIANTS = [
     dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap
-    dict(_STREAM, NS=4),  # phase 2: more of its K / KB = 4 state blocks in flight (NS = 1, 2 were slower)
-    dict(_STREAM, KB=16, NS=6),
-    dict(_STREAM, KB=16, NS=8),
+    dict(_STREAM, persist=2),  # phase 2 persistent: programs per SM (204 registers at BV = 128 under ptxas 3.6)
+    dict(_STREAM, persist=4, BV=64),  # (128 registers)
+    dict(_STREAM, persist=3, BV=64),
+    dict(_STREAM, persist=2, BV=64),
 ]
 
 

@@ -135,6 +135,14 @@ def _pdl_prologue(PDL: tl.constexpr):
         _gdc_launch_dependents()
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent grids size by it); 1 elsewhere (the
+    interpreter: a persistent grid of a few programs then walks many tiles each, which the tests want)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def pdl_launch(x: torch.Tensor, cfg: dict) -> dict:
     """(PDL flag, launch kwargs) for kernels launched on ``x``'s device: PDL only when ``cfg["pdl"]`` is set
     and the device is a CUDA GPU of compute capability 9.0 or newer."""
