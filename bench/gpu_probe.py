@@ -99,10 +99,9 @@ _LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
 _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # the default: the fold launch serves
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the decode launch waits for it at its end
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve_dot=True), pdl=True),  # serving sums by products
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve_dot=True), pdl="late"),
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the default: the decode launch waits for the
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # serving fold launch at its end / at its start
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve=False), pdl=True),  # session 3's default
 ]
 
 
@@ -147,7 +146,7 @@ def verify_kernels() -> list:
     import kvbuffer_fast.speculative as spec
 
     return [spec._verify_prep_kernel, spec._verify_prep_group_kernel, spec._verify_stream_kernel,
-            spec._verify_fused_kernel, spec._verify_persist_kernel]
+            spec._verify_fused_kernel]
 
 
 def decode_ok(cfg) -> tuple[bool, str]:
@@ -221,10 +220,8 @@ _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 VERIFY_VARIANTS = [
     dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap
-    dict(_STREAM, persist=2),  # phase 2 persistent: programs per SM (204 registers at BV = 128 under ptxas 3.6)
-    dict(_STREAM, persist=4, BV=64),  # (128 registers)
-    dict(_STREAM, persist=3, BV=64),
-    dict(_STREAM, persist=2, BV=64),
+    dict(_STREAM, prep_solve="doubling"),  # phase 1's solve by products (a tie in session 5)
+    dict(_STREAM, prep_mma=False),  # call 10's default
 ]
 
 

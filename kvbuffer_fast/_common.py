@@ -102,11 +102,13 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 # recurrent: best of a sweep on an H200 (bench/results/gpu_decode_h200_run1.json, 91% of copy at B=128).
 # decode: BV=64 / 2 warps like recurrent (no stack, sm_90, offline); the GPU tune (bench/gpu_decode.py --tune)
 # picks among kvbuffer_fast.decode.DECODE_TUNE_CONFIGS; book: see decode.py.
-# flush: no spills at BV=128 / 4 warps (same check).  Docs: docs/kernels.md.
+# flush: no spills at BV=128 / 4 warps (same check).  Docs: docs/kernels.md.  decode pdl="late" (session 5): the
+# decode launch waits for the serving fold launch only at its end (51.5 / 93.3 against 51.8 / 93.8 us per step at
+# B = 64 / 128, bench/results/h200_probe/session5/call1).
 _CONFIG = {
     "recurrent": dict(BV=64, num_warps=2),
     "decode": dict(BV=64, num_warps=2, CB=16, book="launch", variant="lean", fold="split", KB=32, NS=1,
-                   loadn=True, keyn=True, kt=False, pf=False, pdl=True),
+                   loadn=True, keyn=True, kt=False, pf=False, pdl="late"),
     "flush": dict(BV=128, num_warps=4),
     # fold_full: the fold launch; serve (session 4, bench/results/h200_gpu_check/call12_*): the grouped kernel
     # also serves the tokens of the requests it folds (92.9 against 93.6 us per step at B=128 in the tune)
@@ -133,14 +135,6 @@ def _pdl_prologue(PDL: tl.constexpr):
     if PDL:
         _gdc_wait()
         _gdc_launch_dependents()
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (persistent grids size by it); 1 elsewhere (the
-    interpreter: a persistent grid of a few programs then walks many tiles each, which the tests want)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pdl_launch(x: torch.Tensor, cfg: dict) -> dict:

@@ -8,7 +8,7 @@ the dots):
 A full buffer (n == C) is first folded, S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, and the
 token then sees S with an empty buffer (C -> 1).
 
-The default launch (variant="lean", fold="split", book="launch", pdl=True, the fold kernel "group";
+The default launch (variant="lean", fold="split", book="launch", pdl="late", the fold kernel "group";
 docs/kernels.md has the H200 measurements that chose it):
 1. ``_fold_group_kernel``, grid (V / BV, B * HV / FH): a program owns FH value heads of one request;
    if the request is full it walks their [K, BV] tiles in [KB, BV] blocks, folds each (one tl.dot of
@@ -24,7 +24,11 @@ docs/kernels.md has the H200 measurements that chose it):
    head) and advances the length, after every program of launch 2 has read them.
 With pdl=True (CUDA, sm_90+) the three are chained by programmatic dependent launch: each kernel's
 programs may be placed before the previous kernel ends and wait for it (griddepcontrol.wait) before
-they read anything, which hides part of the gaps between launches.
+they read anything, which hides part of the gaps between launches.  pdl="late" (the default) differs
+for launch 2 only, when launch 1 serves the tokens of the requests it folds (fold_launch serve, the
+default with the grouped kernel): launch 2 then reads and writes nothing launch 1 touches (the full
+requests are launch 1's, the others only read there), so its programs run at once and wait for
+launch 1 only before they exit, which is what lets launch 3 rely on both being complete.
 Options: book="ticket" (the request's last decode program does 3, after an atomic ticket), "early"
 (the ticket taken before the loop) or "snapshot" (1 copies the lengths to a scratch that 2 reads,
 so 2 can append the rows itself); fold="fused" (a full request folds inside launch 2; no launch 1);
@@ -55,8 +59,8 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
-from ._common import (_gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard,
-                      flag_view, int_scratch, launch_config, new_output, pdl_launch, require_inplace, ticket_counters)
+from ._common import (_CONFIG, _gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block,
+                      device_guard, flag_view, int_scratch, launch_config, new_output, pdl_launch, require_inplace, ticket_counters)
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -635,18 +639,6 @@ def _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
 
 
 @triton.jit
-def _serve_dot(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, acc, qk, SP: tl.constexpr,
-               H: tl.constexpr, K: tl.constexpr, CHANNEL: tl.constexpr):
-    """_serve_sums as one tensor-core product: rows 0 and 1 of acc [16, BV] accumulate [k; q]^T-weighted
-    sums of the folded block st [len(o_k), BV] (S^T k, S^T q) by tl.dot at precision SP, instead of two
-    reductions across the program's threads per block."""
-    kb, qb, kq = _serve_rows(k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, H, K, CHANNEL)
-    r = tl.arange(0, 16)[:, None]
-    x = tl.where(r == 0, kb[None, :], tl.where(r == 1, qb[None, :], 0.0))  # [16, len(o_k)]
-    return tl.dot(x, st, acc, input_precision=SP), qk + kq
-
-
-@triton.jit
 def _fold_full_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr, snap_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -704,7 +696,7 @@ def _fold_group_kernel(
     CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, SNAP: tl.constexpr = False, STORAGE: tl.constexpr = True, PDL: tl.constexpr = False,
     SERVE: tl.constexpr = False, q_ptr=None, k_ptr=None, v_ptr=None, g_ptr=None, beta_ptr=None, o_ptr=None,
-    scale=1.0, FP: tl.constexpr = "ieee", SDOT: tl.constexpr = False, SP: tl.constexpr = "ieee",
+    scale=1.0, FP: tl.constexpr = "ieee",
 ):
     """fold="split" with the fold kernel "group": like _fold_full_kernel, but a program owns FH value
     heads of one request (grid (V / BV, B * HV / FH)) and walks their [K, BV] tiles in KB-row blocks,
@@ -713,8 +705,7 @@ def _fold_group_kernel(
     tile kernel's 8192 programs of 167 registers did not (10 us at B=128 under ncu).  SERVE: as in
     _fold_full_kernel, each folded block also feeds S^T k, S^T q of the token, which is served here.
     FP: the fold product's precision, "ieee" (fp32 FMA) or "tf32x3" (three TF32 tensor-core products,
-    about fp32 accuracy; CUDA only): the FMA product made the kernel issue-bound.  SDOT (serve_dot):
-    the serving sums as one product per block at precision SP (_serve_dot; not yet timed)."""
+    about fp32 accuracy; CUDA only): the FMA product made the kernel issue-bound."""
     NG: tl.constexpr = HV // FH
     _pdl_prologue(PDL)
     i_v = tl.program_id(0)
@@ -745,7 +736,6 @@ def _fold_group_kernel(
                 sk = tl.zeros([BV], dtype=tl.float32)
                 sq = tl.zeros([BV], dtype=tl.float32)
                 qk = tl.zeros([], dtype=tl.float32)
-                acc = tl.zeros([16, BV], dtype=tl.float32)  # SDOT: rows 0, 1 = S^T k, S^T q
                 for k0 in tl.range(0, K, KB, num_stages=NS):
                     o_k = k0 + o_kb
                     m_k = o_k < K
@@ -768,17 +758,9 @@ def _fold_group_kernel(
                     st = tl.dot(kf, uf, st, input_precision=FP)
                     tl.store(p_s, st.to(state_ptr.dtype.element_ty), mask=m_s)
                     if SERVE:
-                        if SDOT:
-                            acc, qk = _serve_dot(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, acc, qk, SP,
+                        sk, sq, qk = _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
                                                  H, K, CHANNEL)
-                        else:
-                            sk, sq, qk = _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
-                                                     H, K, CHANNEL)
                 if SERVE:
-                    if SDOT:
-                        r = tl.arange(0, 16)[:, None]
-                        sk = tl.sum(tl.where(r == 0, acc, 0.0), 0)
-                        sq = tl.sum(tl.where(r == 1, acc, 0.0), 0)
                     _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, sq, qk, scale,
                                   o_v, m_v, C, HV, V, CHANNEL)
             if not SNAP and not SERVE:
@@ -871,9 +853,8 @@ def buffered_decode(
     ``CB`` (cached rows per chunk) / ``book`` ("ticket": the last program of a request appends the
     shared rows; "launch": a second tiny launch does) / ``maxnreg`` / ``fold_launch`` (a dict for the
     fold launch: ``kernel`` 'auto' / 'group' / 'tile', ``serve`` (it serves the tokens of the requests
-    it folds; the default with the grouped kernel), ``serve_dot`` (its sums as one tensor-core product
-    per block), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
-    ``NS``, ``num_warps``), ``pdl`` (True: the launches chained by programmatic dependent launch on sm_90+;
+    it folds; the default with the grouped kernel), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
+    ``NS``, ``num_warps``, ``tile_BV``, ``tile_warps``; another key is a ValueError), ``pdl`` (True: the launches chained by programmatic dependent launch on sm_90+;
     "late": the decode launch, whose requests the serving fold launch does not touch, waits for that
     launch only at its end; as True where the fold launch does not serve; False: plain launches) override
     the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
@@ -942,6 +923,10 @@ def buffered_decode(
         elif cfg["variant"] == "lean":
             extra.update(snap_ptr=buffer.lengths)  # never read
         if cfg["fold"] == "split" and (storage or snap):
+            unknown = sorted(set(fold_launch or {}) - set(_CONFIG["fold_full"]))
+            if unknown:
+                raise ValueError(f"fold_launch: unknown option(s) {unknown}; expected some of "
+                                 f"{sorted(_CONFIG['fold_full'])}")
             fcfg = launch_config("fold_full", d.V, **(fold_launch or {}))
             if fcfg.get("kernel", "tile") not in ("tile", "group", "auto"):
                 raise ValueError(f"fold_launch: kernel expected 'auto', 'tile' or 'group', got {fcfg['kernel']!r}")
@@ -979,8 +964,7 @@ def buffered_decode(
                     ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C),
                     KB=max(16, min(fcfg["KB"], block(d.K))), BV=fcfg["BV"], NV=NVF, FH=FH, NS=fcfg["NS"],
                     CHANNEL=d.channel_gate, SNAP=snap, STORAGE=storage, num_warps=fcfg["num_warps"], **pdl,
-                    **served, FP=_fold_precision(q, fcfg.get("prec", "ieee")), SDOT=bool(fcfg.get("serve_dot")),
-                    SP=_fold_precision(q, "tf32x3"))
+                    **served, FP=_fold_precision(q, fcfg.get("prec", "ieee")))
             else:
                 _fold_full_kernel[(NVF, d.B * d.HV)](
                     buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
@@ -1036,14 +1020,9 @@ DECODE_TUNE_CONFIGS = (
          fold_launch=dict(kernel="auto", prec="tf32x3", num_warps=4, serve=True, NS=1)),
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
          fold_launch=dict(kernel="auto", serve=False)),
-    # serving sums as one tf32x3 product per block (_serve_dot; added after session 4's last GPU call)
-    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True, pdl=True,
-         fold_launch=dict(kernel="auto", serve=True, serve_dot=True)),
     # the decode launch waits for the serving fold launch only at its end (session 5)
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
          pdl="late"),
-    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
-         pdl="late", fold_launch=dict(kernel="auto", serve=True, serve_dot=True)),
 )
 
 

@@ -58,7 +58,7 @@ from kvbuffer_ref.validation import (check_buffer, check_counts, check_nodes, ch
                                      check_scale, check_tokens)
 
 from ._common import (_gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard,
-                      flag_view, new_output, pdl_launch, sm_count, ticket_counters)
+                      flag_view, new_output, pdl_launch, ticket_counters)
 from .decode import _check_u_form, _fold_rows
 
 __all__ = ["verify", "accept", "MAX_DRAFTS", "launch_config", "set_launch", "LAUNCH_CANDIDATES"]
@@ -548,73 +548,6 @@ def _verify_stream_kernel(
 
 
 @triton.jit
-def _verify_persist_kernel(
-    v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, n_tiles,
-    C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr, NV: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr, H: tl.constexpr, q_ptr, k_ptr,
-):
-    """Phase 2 as _verify_stream_kernel with ZP and state storage, but persistent: a fixed grid of
-    programs walks the (V-tile, request, value head) tiles (tile = program + j * programs), all its
-    tiles' [KB, BV] state blocks in ONE flat pipelined loop, and combines a tile ([U; O] = L [v; 0] +
-    (L W) U_buf + L' (X S0)) in the iteration of its last block.  The pipeline then loads the next
-    tile's first blocks while the combine runs, where the one-program-per-tile kernel left the memory
-    idle (every program of an SM reached its combine at once)."""
-    R: tl.constexpr = 2 * BD
-    NKB: tl.constexpr = (K + KB - 1) // KB
-    GROUP: tl.constexpr = HV // H
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    if PDL:
-        _gdc_launch_dependents()
-    mine = (n_tiles - pid + nprog - 1) // nprog  # tiles of this program
-    o_kb = tl.arange(0, KB)
-    o_c = tl.arange(0, R)
-    o_m = tl.arange(0, BC)
-    X = tl.zeros([R, BV], dtype=tl.float32)
-    for it in tl.range(0, mine * NKB, num_stages=NS):
-        ki = it % NKB
-        tile = pid + (it // NKB) * nprog
-        i_v = tile % NV
-        i_bhv = (tile // NV).to(tl.int64)
-        i_b = i_bhv // HV
-        i_hv = i_bhv % HV
-        i_h = i_hv // GROUP
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
-        k0 = ki * KB
-        m_kb = (k0 + o_kb) < K
-        sb = tl.load(state_ptr + (i_bhv * K + k0 + o_kb[:, None]) * V + o_v[None, :],
-                     mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        p_x = ((i_b * D + dr) * H + i_h)[:, None] * K + k0 + o_kb[None, :]
-        xb = (tl.load(k_ptr + p_x, mask=(m_in & m_t & ~is_q)[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
-              + tl.load(q_ptr + p_x, mask=(m_in & m_t & is_q)[:, None] & m_kb[None, :], other=0.0).to(tl.float32))
-        X = tl.dot(xb, sb, X, input_precision=PREC)
-        if ki == NKB - 1:  # the tile's last block: combine, store, start the next tile from 0
-            if PDL:
-                _gdc_wait()  # phase 1's L, L W, L' (a no-op once it has completed)
-            p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
-            v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
-            p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
-            L = tl.load(p_l + o_c[None, :])
-            LW = tl.load(p_l + R + o_m[None, :])
-            uc = tl.load(cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :],
-                         mask=(o_m < n)[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-            out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
-            out += tl.dot(LW, uc, input_precision=PREC)
-            L2 = tl.load(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :])
-            XS = tl.dot(L2, X, input_precision=PREC)
-            owns = tl.load(own_ptr + i_b) != 0
-            out += tl.where(owns, XS, 0.0)
-            out = tl.where(m_t[:, None], out, 0.0)
-            m_out = m_in[:, None] & m_v[None, :]
-            tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
-            tl.store(du_ptr + p_rv, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
-            X = tl.zeros([R, BV], dtype=tl.float32)
-
-
-@triton.jit
 def _verify_fused_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, o_ptr, du_ptr, dg_ptr, dk_ptr,
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
@@ -866,7 +799,6 @@ def verify(
     prep_hoist: Optional[bool] = None,
     prep_mma: Optional[bool] = None,
     prep_solve: Optional[str] = None,
-    persist: Optional[int] = None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
@@ -886,9 +818,7 @@ def verify(
     gates then take 'stream') / ``KB`` / ``NS`` /
     ``prep_warps`` / ``prep_precision`` / ``prep_maxnreg`` (a register cap) / ``prep_hoist`` (value
     heads' loads before the chunk loop) / ``prep_mma`` (16-bit MMA scores for bf16/fp16 inputs) /
-    ``prep_solve`` ('rows' or 'doubling') (phase 1's) / ``persist`` (phase 2 as a persistent grid of that
-    many programs per SM, each walking several tiles in one pipelined loop; 0: one program per tile; it
-    applies with zp and state storage) override the launch (``launch_config``; benchmarks
+    ``prep_solve`` ('rows' or 'doubling') (phase 1's) override the launch (``launch_config``; benchmarks
     tune them; docs/speculative.md).
     """
     d = check_tokens(q, k, v, g, beta)
@@ -926,7 +856,7 @@ def verify(
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
                         prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist,
-                        prep_mma=prep_mma, prep_solve=prep_solve, persist=persist)
+                        prep_mma=prep_mma, prep_solve=prep_solve)
     doubling = _prep_solve(cfg) == "doubling"  # checked here: it applies to phase 1 per q/k head only
     if cfg["variant"] not in ("stream", "fused"):
         raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
@@ -976,21 +906,12 @@ def verify(
             )
         NV = triton.cdiv(d.V, cfg["BV"])
         KB = max(16, min(cfg["KB"], block(d.K)))
-        per_sm = int(cfg.get("persist") or 0)
-        if per_sm and zp and storage:  # a fixed grid walking the tiles, the next tile's blocks loading early
-            tiles = NV * d.B * d.HV
-            _verify_persist_kernel[(min(tiles, per_sm * sm_count(q.device)),)](
-                as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state), buffer.state,
-                pk, lw, d.T, tiles, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, KB=KB, BV=cfg["BV"],
-                NS=cfg["NS"], NV=NV, PREC=prec, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k),
-                num_warps=cfg["num_warps"], **pdl)
-        else:
-            _verify_stream_kernel[(NV, d.B * d.HV)](
-                as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
-                buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
-                pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
-                KB=KB, NS=cfg["NS"], STORAGE=storage, PREC=prec,
-                num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl)
+        _verify_stream_kernel[(NV, d.B * d.HV)](
+            as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
+            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+            pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
+            KB=KB, NS=cfg["NS"], STORAGE=storage, PREC=prec,
+            num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl)
     return o, drafts
 
 

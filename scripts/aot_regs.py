@@ -5,8 +5,7 @@ call; the probe's `compiled` rows on the GPU are the record.
 
     python scripts/aot_regs.py KERNEL [KEY=VALUE ...]     e.g.  decode FOLD=1 EARLY=1 maxnreg=96 num_warps=2
 
-KERNEL: decode (the lean decode kernel), fold_group, verify_prep, verify_prep_group, verify_stream, verify_persist
-(num_warps=4 for the last two).
+KERNEL: decode (the lean decode kernel), fold_group, verify_prep, verify_prep_group, verify_stream (num_warps=4).
 
 KEY=VALUE sets a constexpr of the kernel (the rest: Qwen3-Next shapes, C=16, the kernel's defaults) or
 a compile option (num_warps, maxnreg, num_stages).  PYTHONPATH=<a Triton 3.6 install> compiles as the
@@ -45,13 +44,7 @@ def _verify(kernel: str):
 
         ptr = "*fp32"
         fn = getattr(spec, kernel)
-        if kernel == "_verify_persist_kernel":
-            sig = dict(v_ptr="*bf16", nd_ptr="*i64", o_ptr="*bf16", du_ptr=ptr, cu_ptr=ptr, len_ptr="*i64",
-                       own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", n_tiles="i32", q_ptr="*bf16",
-                       k_ptr="*bf16")
-            const = dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, NV=1, PREC="tf32x3", PDL=True,
-                         H=16)
-        elif kernel == "_verify_stream_kernel":
+        if kernel == "_verify_stream_kernel":
             sig = dict(v_ptr="*bf16", nd_ptr="*i64", o_ptr="*bf16", du_ptr=ptr, cu_ptr=ptr, len_ptr="*i64",
                        own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", q_ptr="*bf16", k_ptr="*bf16")
             const = dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
@@ -81,8 +74,7 @@ def _fold_group(over):
 
 
 KERNELS = {"decode": _lean_decode, "fold_group": _fold_group, "verify_prep": _verify("_verify_prep_kernel"),
-           "verify_prep_group": _verify("_verify_prep_group_kernel"), "verify_stream": _verify("_verify_stream_kernel"),
-           "verify_persist": _verify("_verify_persist_kernel")}
+           "verify_prep_group": _verify("_verify_prep_group_kernel"), "verify_stream": _verify("_verify_stream_kernel")}
 
 
 def main(argv):

@@ -151,8 +151,6 @@ OPTIONS = {
     "lean-group-tf32x3": dict(variant="lean", fold="split", book="launch",
                               fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, prec="tf32x3", num_warps=4,
                                                serve=False)),
-    "lean-serve-dot": dict(variant="lean", fold="split", book="launch",  # serving sums as one product per block
-                           fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True, serve_dot=True)),
     "lean-serve-late": dict(variant="lean", fold="split", book="launch", pdl="late",  # waits at its end (GPU)
                             fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True)),
     "lean-serve-tile": dict(variant="lean", fold="split", book="launch",
@@ -223,8 +221,9 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(book="snapshot", fold_launch=dict(serve=True)), "serve=True needs"),
     (dict(fold_launch=dict(kernel="group", prec="tf32")), "prec expected"),
     (dict(pdl="early"), "pdl: expected"),
+    (dict(fold_launch=dict(serve_dot=True)), r"fold_launch: unknown option\(s\) \['serve_dot'\]"),
 ], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec",
-        "pdl"])
+        "pdl", "fold-key"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),

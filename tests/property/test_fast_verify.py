@@ -116,8 +116,6 @@ def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
 VARIANTS = {"stream": dict(variant="stream"), "stream-p": dict(variant="stream", zp=False),
             "stream-group": dict(variant="stream", zp=True, prep_group=True, prep_hoist=False, prep_maxnreg=0),
             "stream-doubling": dict(variant="stream", prep_solve="doubling"),
-            # phase 2 persistent: under the interpreter one "SM", so 1 program walks all 18 tiles, 4 walk 4-5 each
-            "stream-persist1": dict(variant="stream", persist=1), "stream-persist4": dict(variant="stream", persist=4),
             "fused": dict(variant="fused")}
 
 
@@ -130,8 +128,7 @@ def test_variants(channel, variant):
     per-channel gates take the two phases), V over partial BV=16 tiles, a tree, folds on accept and a
     direct request.  'stream' is the default (phase 1 per q/k head, its loads hoisted, a register cap;
     its 16-bit scores need 16-bit inputs: test_16bit_inputs_phase1_scores); 'stream-group' without the
-    hoisted loads and the cap; 'stream-doubling' with the solve by products; 'stream-persist*' with phase 2
-    as a persistent grid (scalar gates; per-channel gates take the one-program-per-tile kernel)."""
+    hoisted loads and the cap; 'stream-doubling' with the solve by products."""
     with verify_launch(BV=16, KB=16, **VARIANTS[variant]):
         case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mild", beta="mixed",
                     seed=12)
