@@ -44,7 +44,7 @@ export PYTHONPATH=$(pwd):/tmp/site:${PYTHONPATH:-}
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv;
   python3 -c "import torch, triton, hypothesis; import fla; print('torch', torch.__version__, 'triton', triton.__version__, 'hypothesis', hypothesis.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"; } | tee "$W/env.txt"
 
-stage tests 260 env HYPOTHESIS_PROFILE=gpu python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py -q -p no:cacheprovider
+stage tests 420 env HYPOTHESIS_PROFILE=gpu python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py -q -p no:cacheprovider
 stage validate 200 python3 -m kvbuffer_ref.cli validate --device cuda --impl reference --impl fast --impl fla --max-examples 5 --json "$W/validate.json"
 stage decode 200 python3 -m bench.gpu_decode --tune --out "$W/gpu_decode.json"
 stage verify 150 python3 -m bench.gpu_verify --quick --out "$W/gpu_verify.json"
