@@ -92,7 +92,7 @@ _CONFIG = {
 #: (bench/gpu_probe.py, bench/results/h200_probe/) timed more (8 warps, NS=2, KB=64, ieee phase 1, the
 #: one-launch 'fused' kernel): all slower; docs/speculative.md has the numbers.
 LAUNCH_CANDIDATES = [
-    # phase 1's solve by products (added after the last GPU call: not yet timed)
+    # phase 1's solve by products: a tie with the row solve in session 5 (132.5 against 132.3 us, call 14)
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
          prep_maxnreg=128, prep_hoist=True, prep_mma=True, prep_solve="doubling"),
     dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
@@ -474,7 +474,7 @@ def _verify_prep_group_kernel(
         Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
         tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
         L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC,
-                           DOUBLING, LOG_BD)  # DOUBLING: added after the last GPU call, not yet timed
+                           DOUBLING, LOG_BD)  # DOUBLING: timed a tie with the rows (session 5)
         _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
 
 
