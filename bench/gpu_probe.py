@@ -101,8 +101,8 @@ _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
     dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the default: the decode launch waits for the
     dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True),  # the scores after the state loop
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True, pf=True),  # (72-80 registers, not 121)
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True, NS=2),
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True, maxnreg=80),  # (96 registers uncapped
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True, maxnreg=64),  # on the device, not 121)
 ]
 
 
