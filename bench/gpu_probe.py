@@ -100,9 +100,8 @@ _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
     dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the default: the decode launch waits for the
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True),  # the scores after the state loop
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True, maxnreg=80),  # (96 registers uncapped
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late", split=True, maxnreg=64),  # on the device, not 121)
+    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # serving fold launch at its end / at its start
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve=False), pdl=True),  # session 3's default
 ]
 
 

@@ -348,28 +348,6 @@ def _fold_serve(state_ptr, k_ptr, q_ptr, g_ptr, ck_ptr, cu_ptr, cg_ptr, i_b, i_h
 
 
 @triton.jit
-def _key_block(ck_ptr, p_c, k0, m_kb, m_key, KT: tl.constexpr):
-    """Rows k0 + [0, KB) of the cached keys (those under m_key), as [CB, KB] or, KT, [KB, CB] (fp32)."""
-    if KT:
-        kc = tl.load(ck_ptr + p_c + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0).to(tl.float32)
-    else:
-        kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
-    return kc
-
-
-@triton.jit
-def _key_scores(kc, kb, qb, wk, wq, KT: tl.constexpr):
-    """wk += K_c kb and wq += K_c qb over one block of key channels (scalar gates: no decay inside)."""
-    if KT:
-        wk += tl.sum(kc * kb[:, None], 0)
-        wq += tl.sum(kc * qb[:, None], 0)
-    else:
-        wk += tl.sum(kc * kb[None, :], 1)
-        wq += tl.sum(kc * qb[None, :], 1)
-    return wk, wq
-
-
-@triton.jit
 def _decode_lean_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, ticket_ptr,
@@ -380,7 +358,7 @@ def _decode_lean_kernel(
     KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr, KEYN: tl.constexpr = False,
     KT: tl.constexpr = False, SNAP: tl.constexpr = False, FOLD: tl.constexpr = False,
     EARLY: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
-    SERVED: tl.constexpr = False, LATE: tl.constexpr = False, SPLIT: tl.constexpr = False,
+    SERVED: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     """ONE loop over the key dimension in KB-row blocks forms S0^T k, S0^T q and the scores k.k_j,
     q.k_j of the buffered keys together, so only [KB, *] blocks are live (few registers, many programs
@@ -402,8 +380,7 @@ def _decode_lean_kernel(
     LATE (pdl="late", only with SERVED): the previous kernel is the serving fold launch, which touches
     nothing this kernel reads or writes (full requests are its own, the rest only read there), so with
     PDL the programs run at once and wait for it only at their end, before exiting: the bookkeeping
-    launch after this one then still starts after both.  SPLIT (split=True, scalar gates): the buffered
-    keys' scores in a second loop after the state loop, so the state loop holds only its block and sums."""
+    launch after this one then still starts after both."""
     GROUP: tl.constexpr = HV // H
     if LATE:
         if PDL:
@@ -484,8 +461,10 @@ def _decode_lean_kernel(
                     st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
             kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
             qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-            if not SPLIT:
-                kc = _key_block(ck_ptr, p_c, k0, m_kb, m_key, KT)
+            if KT:
+                kc = tl.load(ck_ptr + p_c + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0).to(tl.float32)
+            else:
+                kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
             qk += kb * qb
             if CHANNEL:
                 gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
@@ -510,17 +489,15 @@ def _decode_lean_kernel(
                     sk += tl.sum(st * (kb * en)[:, None], 0)
                     sq += tl.sum(st * (qb * en)[:, None], 0)
             else:
-                if not SPLIT:
-                    wk, wq = _key_scores(kc, kb, qb, wk, wq, KT)
+                if KT:
+                    wk += tl.sum(kc * kb[:, None], 0)
+                    wq += tl.sum(kc * qb[:, None], 0)
+                else:
+                    wk += tl.sum(kc * kb[None, :], 1)
+                    wq += tl.sum(kc * qb[None, :], 1)
                 if STORAGE:
                     sk += tl.sum(st * kb[:, None], 0)
                     sq += tl.sum(st * qb[:, None], 0)
-        if SPLIT:  # the scores in a loop of their own: the state loop holds only its block and the sums
-            for k0 in tl.range(0, K, KB):
-                m_kb = (k0 + o_kb) < K
-                kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-                qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-                wk, wq = _key_scores(_key_block(ck_ptr, p_c, k0, m_kb, m_key, KT), kb, qb, wk, wq, KT)
     m_r = rows < n_buf
     if LOADN:
         uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
@@ -861,7 +838,6 @@ def buffered_decode(
     pf: Optional[bool] = None,
     fold_launch: Optional[dict] = None,
     pdl=None,
-    split: Optional[bool] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -880,8 +856,7 @@ def buffered_decode(
     it folds; the default with the grouped kernel), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
     ``NS``, ``num_warps``, ``tile_BV``, ``tile_warps``; another key is a ValueError), ``pdl`` (True: the launches chained by programmatic dependent launch on sm_90+;
     "late": the decode launch, whose requests the serving fold launch does not touch, waits for that
-    launch only at its end; as True where the fold launch does not serve; False: plain launches),
-    ``split`` (the lean kernel forms the buffered keys' scores in a loop after the state loop) override
+    launch only at its end; as True where the fold launch does not serve; False: plain launches) override
     the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
     ones bench/gpu_decode.py --tune sweeps; docs/kernels.md the others).
     """
@@ -907,7 +882,7 @@ def buffered_decode(
     s = check_scale(scale, d.K)
     cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg,
                         variant=variant, KB=KB, NS=NS, fold=fold, loadn=loadn,
-                        keyn=keyn, kt=kt, pf=pf, pdl=pdl, split=split)
+                        keyn=keyn, kt=kt, pf=pf, pdl=pdl)
     if cfg["variant"] not in ("tile", "lean"):
         raise ValueError(f"variant: expected 'tile' or 'lean', got {cfg['variant']!r}")
     if cfg["fold"] not in ("fused", "split"):
@@ -935,8 +910,7 @@ def buffered_decode(
                                                       CB=block(C),
                                                       LOADN=bool(cfg.get("loadn")), KEYN=bool(cfg.get("keyn")),
                                                       KT=bool(cfg.get("kt")), FOLD=cfg["fold"] == "fused",
-                                                      EARLY=cfg["book"] == "early", PF=bool(cfg.get("pf")),
-                                                      SPLIT=bool(cfg.get("split")) and not d.channel_gate)
+                                                      EARLY=cfg["book"] == "early", PF=bool(cfg.get("pf")))
         else:
             kernel, extra = _decode_kernel, dict(FB=16)
         if cfg["fold"] == "split" and cfg["variant"] == "tile":

@@ -153,9 +153,6 @@ OPTIONS = {
                                                serve=False)),
     "lean-serve-late": dict(variant="lean", fold="split", book="launch", pdl="late",  # waits at its end (GPU)
                             fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True)),
-    "lean-split": dict(variant="lean", fold="split", book="launch", split=True,  # the scores' own loop
-                       fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
-    "lean-split-pf-kt-ns2": dict(variant="lean", fold="split", book="snapshot", split=True, pf=True, kt=True, NS=2),
     "lean-serve-tile": dict(variant="lean", fold="split", book="launch",
                             fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",
@@ -171,7 +168,7 @@ def test_variants(opts, C, hist, lengths, channel_gate):
     when compiled on a GPU) and the options it was measured against: the register-tile kernel with
     its fold fused or split, the tile fold launch, the lean kernel with each bookkeeping (ticket,
     early, snapshot) and its fold fused, all entries loaded or only the live ones, pipelined,
-    prefetched and transposed blocks, the scores in a loop after the state loop (split), the fold launch serving the tokens of the requests it folds
+    prefetched and transposed blocks, the fold launch serving the tokens of the requests it folds
     (grouped or tile kernel; with pdl="late" the decode launch waits for it only at its end, a race
     the compiled run checks), the grouped fold in tf32x3 (compiled only: the interpreter multiplies in
     fp32).  K=24 streams in two KB=16 blocks (the last partial), V in
