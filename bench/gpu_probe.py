@@ -100,8 +100,9 @@ _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
     dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the default: the decode launch waits for the
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),  # serving fold launch at its end / at its start
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, serve=False), pdl=True),  # session 3's default
+    # the critical path, so more programs per fold (FH = 4, 2 value heads each instead of 8) may pay
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4), pdl="late"),  # serving fold launch at its end:
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=2), pdl="late"),  # a bigger idle fold launch is off
 ]
 
 
