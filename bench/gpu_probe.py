@@ -100,9 +100,10 @@ _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
     dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the default: the decode launch waits for the
-    # the critical path, so more programs per fold (FH = 4, 2 value heads each instead of 8) may pay
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4), pdl="late"),  # serving fold launch at its end:
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=2), pdl="late"),  # a bigger idle fold launch is off
+    # serving fold launch only at its end, so a bigger idle fold launch is off the critical path: more, smaller
+    # fold programs (FH = 4 / 2 value heads each instead of 8)
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=4), pdl="late"),
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH=2), pdl="late"),
 ]
 
 
