@@ -35,6 +35,8 @@ def _lean_decode(over):
     const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, BK=128, BV=64, NV=2, BH=16, BHV=32, CHANNEL=False,
                  STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True, KEYN=True)
     const.update(over)
+    if const.get("TMA"):  # the state blocks through a tensor descriptor (box [KB, BV])
+        sig["s_desc"] = f"tensordesc<fp32[{const['KB']}, {const['BV']}]>"
     return dec._decode_lean_kernel, sig, const
 
 
@@ -96,6 +98,8 @@ def main(argv):
             if prm.default is inspect.Parameter.empty:
                 raise SystemExit(f"aot_regs: give {prm.name}=... (a constexpr of {fn.__name__} without a default)")
             const[prm.name] = prm.default
+        elif not prm.is_constexpr and prm.name not in sig and prm.default is None:  # an optional pointer left out
+            const[prm.name] = None
     for k, v in const.items():
         sig[k] = "constexpr"
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
