@@ -358,7 +358,7 @@ def _decode_lean_kernel(
     KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr, KEYN: tl.constexpr = False,
     KT: tl.constexpr = False, SNAP: tl.constexpr = False, FOLD: tl.constexpr = False,
     EARLY: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
-    SERVED: tl.constexpr = False, LATE: tl.constexpr = False, TMA: tl.constexpr = False, s_desc=None,
+    SERVED: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     """ONE loop over the key dimension in KB-row blocks forms S0^T k, S0^T q and the scores k.k_j,
     q.k_j of the buffered keys together, so only [KB, *] blocks are live (few registers, many programs
@@ -380,9 +380,7 @@ def _decode_lean_kernel(
     LATE (pdl="late", only with SERVED): the previous kernel is the serving fold launch, which touches
     nothing this kernel reads or writes (full requests are its own, the rest only read there), so with
     PDL the programs run at once and wait for it only at their end, before exiting: the bookkeeping
-    launch after this one then still starts after both.  TMA (tma=True): the state blocks come through
-    the tensor descriptor s_desc over the state as [B*HV*K, V] (box [KB, BV]); with NS >= 2 the loop
-    keeps NS - 1 blocks in flight in shared memory without holding them in registers."""
+    launch after this one then still starts after both."""
     GROUP: tl.constexpr = HV // H
     if LATE:
         if PDL:
@@ -452,15 +450,10 @@ def _decode_lean_kernel(
                 st_next = tl.load(p_s, mask=(o_kb < K)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         if EARLY:  # (after the first block's load when PF) the increment depends on n: taken once n is read
             tk = tl.atomic_add(ticket_ptr + 2 * i_b, tl.where(n >= 0, 1, 0), sem="relaxed")
-        k_hi = K
-        if TMA and SERVED:  # a served request's blocks are not loaded (a descriptor load takes no mask)
-            k_hi = tl.where(n < C, K, 0)
-        for k0 in tl.range(0, k_hi, KB, num_stages=NS):
+        for k0 in tl.range(0, K, KB, num_stages=NS):
             m_kb = (k0 + o_kb) < K
             if STORAGE:
-                if TMA:  # the block through the tensor memory accelerator into shared memory (pipelined by NS)
-                    st = s_desc.load([(i_bhv * K + k0).to(tl.int32), i_v * BV]).to(tl.float32)
-                elif PF:
+                if PF:
                     st = st_next
                     m_nx = (k0 + KB + o_kb) < K
                     st_next = tl.load(p_s + (k0 + KB) * V, mask=m_nx[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -845,7 +838,6 @@ def buffered_decode(
     pf: Optional[bool] = None,
     fold_launch: Optional[dict] = None,
     pdl=None,
-    tma: Optional[bool] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -864,8 +856,7 @@ def buffered_decode(
     it folds; the default with the grouped kernel), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
     ``NS``, ``num_warps``, ``tile_BV``, ``tile_warps``; another key is a ValueError), ``pdl`` (True: the launches chained by programmatic dependent launch on sm_90+;
     "late": the decode launch, whose requests the serving fold launch does not touch, waits for that
-    launch only at its end; as True where the fold launch does not serve; False: plain launches),
-    ``tma`` (the lean kernel loads its state blocks through a tensor descriptor, pipelined by ``NS``) override
+    launch only at its end; as True where the fold launch does not serve; False: plain launches) override
     the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
     ones bench/gpu_decode.py --tune sweeps; docs/kernels.md the others).
     """
@@ -891,7 +882,7 @@ def buffered_decode(
     s = check_scale(scale, d.K)
     cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg,
                         variant=variant, KB=KB, NS=NS, fold=fold, loadn=loadn,
-                        keyn=keyn, kt=kt, pf=pf, pdl=pdl, tma=tma)
+                        keyn=keyn, kt=kt, pf=pf, pdl=pdl)
     if cfg["variant"] not in ("tile", "lean"):
         raise ValueError(f"variant: expected 'tile' or 'lean', got {cfg['variant']!r}")
     if cfg["fold"] not in ("fused", "split"):
@@ -920,16 +911,6 @@ def buffered_decode(
                                                       LOADN=bool(cfg.get("loadn")), KEYN=bool(cfg.get("keyn")),
                                                       KT=bool(cfg.get("kt")), FOLD=cfg["fold"] == "fused",
                                                       EARLY=cfg["book"] == "early", PF=bool(cfg.get("pf")))
-            if cfg.get("tma"):
-                if (not storage or cfg.get("pf") or (d.V * buffer.state.element_size()) % 16
-                        or d.K % extra["KB"]):
-                    raise ValueError(f"tma: needs state storage, pf=False, state rows of a multiple of 16 bytes "
-                                     f"(V={d.V}) and K={d.K} a multiple of KB={extra['KB']} (a block past K would "
-                                     f"read the next head's rows)")
-                from triton.tools.tensor_descriptor import TensorDescriptor
-
-                extra.update(TMA=True, s_desc=TensorDescriptor.from_tensor(
-                    buffer.state.view(-1, d.V), block_shape=[extra["KB"], cfg["BV"]]))
         else:
             kernel, extra = _decode_kernel, dict(FB=16)
         if cfg["fold"] == "split" and cfg["variant"] == "tile":
@@ -1042,11 +1023,6 @@ DECODE_TUNE_CONFIGS = (
     # the decode launch waits for the serving fold launch only at its end (session 5)
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
          pdl="late"),
-    # its state blocks through a tensor descriptor, NS - 1 of them in flight in shared memory (session 5)
-    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=3, loadn=True, keyn=True,
-         pdl="late", tma=True),
-    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=4, loadn=True, keyn=True,
-         pdl="late", tma=True),
 )
 
 

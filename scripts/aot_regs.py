@@ -35,8 +35,6 @@ def _lean_decode(over):
     const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, BK=128, BV=64, NV=2, BH=16, BHV=32, CHANNEL=False,
                  STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True, KEYN=True)
     const.update(over)
-    if const.get("TMA"):  # the state blocks through a tensor descriptor (box [KB, BV])
-        sig["s_desc"] = f"tensordesc<fp32[{const['KB']}, {const['BV']}]>"
     return dec._decode_lean_kernel, sig, const
 
 

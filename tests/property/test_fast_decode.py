@@ -189,25 +189,6 @@ def test_variants(opts, C, hist, lengths, channel_gate):
                                flushes={3: [1, 0, 2]}, device=DEVICE))
 
 
-@pytest.mark.parametrize("NS", [1, 3])
-@pytest.mark.parametrize("channel_gate", [False, True])
-def test_tma_state_blocks(NS, channel_gate):
-    """tma=True: the lean kernel's state blocks through a tensor descriptor (K = 32 in two KB = 16 blocks,
-    V = 32 in two BV = 16 tiles), with and without pipelining, behind the serving fold launch (its requests
-    skip the descriptor loads), and a direct request whose NaN state storage is never used."""
-    case = Case(B=3, T=6 + 2 * 4 + 1, H=1, HV=2, K=32, V=32, channel_gate=channel_gate,
-                gate="mild" if channel_gate else "mixed", beta="uniform", seed=35)
-
-    class Cfg(Poisoned):
-        @staticmethod
-        def buffered_decode(*args, buffer, **kw):
-            return Poisoned.buffered_decode(*args, buffer=buffer, KB=16, BV=16, NS=NS, tma=True, pdl="late",
-                                            fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2), **kw)
-
-    _assert_all(P.check_decode(Cfg, case, torch.float32, capacity=4, history=6, lengths=[4, 0, 2],
-                               flushes={3: [1, 0, 2]}, device=DEVICE))
-
-
 @pytest.mark.parametrize("C,kernel", [(4, "_fold_group_kernel"), (34, "_fold_full_kernel")])
 def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     """The default fold launch ("auto") takes the grouped kernel up to C = 32 and the tile kernel past it
@@ -240,10 +221,9 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(book="snapshot", fold_launch=dict(serve=True)), "serve=True needs"),
     (dict(fold_launch=dict(kernel="group", prec="tf32")), "prec expected"),
     (dict(pdl="early"), "pdl: expected"),
-    (dict(tma=True, KB=16), "tma: needs"),
     (dict(fold_launch=dict(serve_dot=True)), r"fold_launch: unknown option\(s\) \['serve_dot'\]"),
 ], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec",
-        "pdl", "fold-key", "tma-K"])
+        "pdl", "fold-key"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
