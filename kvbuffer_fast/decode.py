@@ -60,7 +60,8 @@ from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
 from ._common import (_CONFIG, _gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block,
-                      device_guard, flag_view, int_scratch, launch_config, new_output, pdl_launch, require_inplace, ticket_counters)
+                      device_guard, flag_view, int_scratch, launch_config, new_output, pdl_launch, require_inplace,
+                      ticket_counters)
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -854,11 +855,12 @@ def buffered_decode(
     shared rows; "launch": a second tiny launch does) / ``maxnreg`` / ``fold_launch`` (a dict for the
     fold launch: ``kernel`` 'auto' / 'group' / 'tile', ``serve`` (it serves the tokens of the requests
     it folds; the default with the grouped kernel), ``prec`` 'ieee' / 'tf32x3', ``FH``, ``BV``, ``KB``,
-    ``NS``, ``num_warps``, ``tile_BV``, ``tile_warps``; another key is a ValueError), ``pdl`` (True: the launches chained by programmatic dependent launch on sm_90+;
-    "late": the decode launch, whose requests the serving fold launch does not touch, waits for that
-    launch only at its end; as True where the fold launch does not serve; False: plain launches) override
-    the tuned launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the
-    ones bench/gpu_decode.py --tune sweeps; docs/kernels.md the others).
+    ``NS``, ``num_warps``, ``tile_BV``, ``tile_warps``; another key is a ValueError), ``pdl`` (True:
+    the launches chained by programmatic dependent launch on sm_90+; "late", the default: the decode
+    launch, whose requests the serving fold launch does not touch, waits for that launch only at its
+    end, and as True where the fold launch does not serve; False: plain launches) override the tuned
+    launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the ones bench/gpu_decode.py --tune sweeps;
+    docs/kernels.md the others).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__

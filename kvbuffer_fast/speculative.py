@@ -904,13 +904,11 @@ def verify(
                 C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC,
                 CHANNEL=d.channel_gate, PREC=prep_prec, num_warps=cfg["prep_warps"], ZP=zp, **prep_cap, **pdl,
             )
-        NV = triton.cdiv(d.V, cfg["BV"])
-        KB = max(16, min(cfg["KB"], block(d.K)))
-        _verify_stream_kernel[(NV, d.B * d.HV)](
+        _verify_stream_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
             as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
             buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
             pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
-            KB=KB, NS=cfg["NS"], STORAGE=storage, PREC=prec,
+            KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
             num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl)
     return o, drafts
 

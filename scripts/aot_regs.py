@@ -96,8 +96,6 @@ def main(argv):
             if prm.default is inspect.Parameter.empty:
                 raise SystemExit(f"aot_regs: give {prm.name}=... (a constexpr of {fn.__name__} without a default)")
             const[prm.name] = prm.default
-        elif not prm.is_constexpr and prm.name not in sig and prm.default is None:  # an optional pointer left out
-            const[prm.name] = None
     for k, v in const.items():
         sig[k] = "constexpr"
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
