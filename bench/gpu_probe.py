@@ -99,9 +99,8 @@ _LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
 _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 DECODE_VARIANTS = [
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl="late"),  # the default: the decode launch waits for the
-    # serving fold launch only at its end, against waiting at its start
-    dict(_BEST, book="launch", fold_launch=_GROUP, pdl=True),
+    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH="auto"), pdl="late"),  # the default (session 6:
+    # served requests skip the lean kernel's block loop; FH = 4 below 1024 eight-head programs)
 ]
 
 
@@ -220,8 +219,10 @@ _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 VERIFY_VARIANTS = [
     dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap
-    dict(_STREAM, prep_solve="doubling"),  # phase 1's solve by products (a tie in session 5)
-    dict(_STREAM, prep_mma=False),  # call 10's default
+    dict(_STREAM, early=1),  # phase 2's draft values and u rows loaded before its loop (the n live rows)
+    dict(_STREAM, zwait="start"),  # phase 2 waits for phase 1 before its loop (no overlap)
+    dict(_STREAM, early=1, zwait="start"),
+    dict(_STREAM, pdl=False),
 ]
 
 

@@ -112,7 +112,7 @@ _CONFIG = {
     "flush": dict(BV=128, num_warps=4),
     # fold_full: the fold launch; serve (session 4, bench/results/h200_gpu_check/call12_*): the grouped kernel
     # also serves the tokens of the requests it folds (92.9 against 93.6 us per step at B=128 in the tune)
-    "fold_full": dict(BV=64, num_warps=2, kernel="auto", FH=8, KB=32, NS=2, tile_BV=64, tile_warps=4, serve=True,
+    "fold_full": dict(BV=64, num_warps=2, kernel="auto", FH="auto", KB=32, NS=2, tile_BV=64, tile_warps=4, serve=True,
                       prec="ieee"),
 }
 

@@ -377,7 +377,8 @@ def _decode_lean_kernel(
     in registers (two blocks in flight per program).  PDL: programmatic dependent launch (see
     _common._pdl_prologue).  FOLD, EARLY and PF measured slower on the H200 (docs/kernels.md).
     SERVED (fold launch with serve): a full request (n == C) was folded AND served by the fold launch;
-    every load and store of it here is masked off (its length stays C until the bookkeeping launch).
+    here it skips the block loop and its stores are masked off (its length stays C until the bookkeeping
+    launch).
     LATE (pdl="late", only with SERVED): the previous kernel is the serving fold launch, which touches
     nothing this kernel reads or writes (full requests are its own, the rest only read there), so with
     PDL the programs run at once and wait for it only at their end, before exiting: the bookkeeping
@@ -429,8 +430,6 @@ def _decode_lean_kernel(
     qk = tl.zeros([KB], dtype=tl.float32)
     last = tl.maximum(n_buf - 1, 0)
     m_key = (rows < n) if KEYN else m_c  # KEYN: only the n stored rows (waits for n), else all C
-    if SERVED:
-        m_key = rows < tl.where(n < C, n if KEYN else C, 0)
     if CHANNEL:  # the fold loads its per-channel gates block by block
         g_fold = 0.0
     else:
@@ -439,12 +438,16 @@ def _decode_lean_kernel(
     folding = False
     if FOLD and STORAGE:
         folding = full
+    if SERVED:  # a served request skips the block loop: masked loads still issue (29 us of the loop's
+        unserved = n < C  # instructions at B = 64 under ncu, beside the fold launch)
+    else:
+        unserved = True
     if folding:  # fold the C entries into each block, write it back, serve the token from it (buffer empty)
         sk, sq, qk = _fold_serve(state_ptr, k_ptr, q_ptr, g_ptr, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, i_bhv, n,
                                  g_fold, owns, o_kb, o_v, m_v, C, H, HV, K, V, KB, BV, CHANNEL)
         if EARLY:
             tk = tl.atomic_add(ticket_ptr + 2 * i_b, 1, sem="relaxed")
-    else:
+    elif unserved:
         st_next = tl.zeros([KB, BV], dtype=tl.float32)  # (defined on every path: the loop carries it when PF)
         if PF:  # the first block issued here; each iteration then issues the next before using its own
             if STORAGE:
@@ -960,7 +963,13 @@ def buffered_decode(
                 served = {}
             NVF = triton.cdiv(d.V, fcfg["BV"])
             if fcfg.get("kernel", "tile") == "group":
-                FH = math.gcd(d.HV, fcfg["FH"])
+                FH = fcfg["FH"]
+                if FH == "auto":  # measured (session 6): FH = 4 at B = 64, 8 at B = 128 (Qwen3-Next heads): the
+                    # 8-head programs until they number fewer than 1024 (about 8 per SM on an H200), then 4
+                    FH = 8 if NVF * d.B * d.HV >= 8 * 1024 else 4
+                if not isinstance(FH, int) or isinstance(FH, bool) or FH < 1:
+                    raise ValueError(f"fold_launch: FH expected 'auto' or a positive int, got {FH!r}")
+                FH = math.gcd(d.HV, FH)
                 _fold_group_kernel[(NVF, d.B * d.HV // FH)](
                     buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,
                     ticket_counters(d.B, q.device), snapshot, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C),
