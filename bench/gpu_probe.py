@@ -98,9 +98,12 @@ def floor(B, copy_TBps) -> list:
 _LEAN = dict(variant="lean", fold="split", KB=32, NS=1)
 _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
+_DEF = dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH="auto"), pdl="late")
 DECODE_VARIANTS = [
-    dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH="auto"), pdl="late"),  # the default (session 6:
-    # served requests skip the lean kernel's block loop; FH = 4 below 1024 eight-head programs)
+    dict(_DEF),  # the default (session 6: served requests skip the lean kernel's block loop; FH = 4 where 8
+    # would leave fewer than 1024 fold programs), against the fold launch's two shapes
+    dict(_DEF, fold_launch=dict(_GROUP, FH=8)),
+    dict(_DEF, fold_launch=dict(_GROUP, FH=4)),
 ]
 
 
@@ -218,11 +221,10 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
 _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3",
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 VERIFY_VARIANTS = [
-    dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap
-    dict(_STREAM, early=1),  # phase 2's draft values and u rows loaded before its loop (the n live rows)
-    dict(_STREAM, zwait="start"),  # phase 2 waits for phase 1 before its loop (no overlap)
-    dict(_STREAM, early=1, zwait="start"),
-    dict(_STREAM, pdl=False),
+    dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap; phase 2
+    # loading its draft values and u rows before its loop at <= 2048 programs (early="auto", session 6)
+    dict(_STREAM, early=False),
+    dict(_STREAM, early=True),
 ]
 
 

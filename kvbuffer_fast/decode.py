@@ -13,13 +13,15 @@ docs/kernels.md has the H200 measurements that chose it):
 1. ``_fold_group_kernel``, grid (V / BV, B * HV / FH): a program owns FH value heads of one request;
    if the request is full it walks their [K, BV] tiles in [KB, BV] blocks, folds each (one tl.dot of
    the C entries, fp32 FMA) and writes it back, and the request's last program (atomic ticket)
-   empties the buffer; otherwise it returns at once.  Few programs (1024 at B=128, FH=8): the launch
-   costs ~1.5 us when no buffer is full.  It holds the u rows of all C entries per program, so for
+   empties the buffer (or, serving, the default, it serves the request's token from the folded blocks);
+   otherwise it returns at once.  Few programs (1024 at B=128 and at B=64: FH="auto" takes 8, or 4 where
+   8 would give fewer than 1024 programs): the launch costs ~1.5-2 us when no buffer is full.  It holds the u rows of all C entries per program, so for
    C > 32 the default ("auto") takes the tile kernel below, measured 2x faster at C=64.  (The previous fold kernel, ``_fold_full_kernel`` with one
    program of 167 registers per [K, BV] tile, took 9.3 us doing nothing: fold_launch=dict(kernel="tile").)
 2. ``_decode_lean_kernel``: one loop over the key dimension in [KB, BV] state blocks that also forms
    the scores of the buffered keys block by block, so only blocks are live (few registers, many
-   programs per SM); then the decays, the u rows of the n live entries, u and o.
+   programs per SM); then the decays, the u rows of the n live entries, u and o.  A request launch 1
+   served skips the loop (SERVED).
 3. ``_book_kernel`` (one program per request): appends the new key (per q/k head) and G (per value
    head) and advances the length, after every program of launch 2 has read them.
 With pdl=True (CUDA, sm_90+) the three are chained by programmatic dependent launch: each kernel's
@@ -400,7 +402,7 @@ def _decode_lean_kernel(
     else:
         n = tl.load(len_ptr + i_b).to(tl.int32)
         owns = tl.load(own_ptr + i_b) != 0
-    if SERVED:  # served by the fold launch: nothing of this request is read or written here
+    if SERVED:  # served by the fold launch: nothing of this request is written here (nor its rows read)
         m_v = o_v < tl.where(n < C, V, 0)
     n_buf = n  # n: the entries loaded; n_buf: those live for the new token (0 once folded)
     if FOLD and STORAGE:

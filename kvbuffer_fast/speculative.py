@@ -81,7 +81,7 @@ MAX_DRAFTS = 64
 _CONFIG = {
     "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
                    prep_precision="tf32x3", zp=True, pdl=True, prep_group=True, prep_maxnreg=128,
-                   prep_hoist=True, prep_mma=True, early=0, zwait="late"),
+                   prep_hoist=True, prep_mma=True, early="auto"),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
@@ -484,20 +484,19 @@ def _verify_stream_kernel(
     C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr = False, PDL: tl.constexpr = False,
-    H: tl.constexpr = 1, q_ptr=None, k_ptr=None, EARLY: tl.constexpr = 0, WAIT_FIRST: tl.constexpr = False,
+    H: tl.constexpr = 1, q_ptr=None, k_ptr=None, EARLY: tl.constexpr = False,
 ):
     """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
     the state streamed in [KB, BV] blocks through a pipelined loop (P S0 accumulated block by block;
     direct requests select 0).  ZP: the loop forms X S0 from the raw key / query rows instead (read
     from the inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop
     reads nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap).
-    EARLY (probe): the draft values and the buffer's u rows are loaded before the loop, 1: the n live rows,
-    2: all C rows (n-free addresses and masks, rows >= n dropped by a select after the loop).  WAIT_FIRST
-    (probe, with ZP and PDL): wait for phase 1 before the loop, as without ZP (no overlap)."""
+    EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after it
+    (more registers, so fewer programs per SM: faster at B = 64, slower from B = 128 on the H200)."""
     R: tl.constexpr = 2 * BD
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     if PDL:
-        if not ZP or WAIT_FIRST:  # L, L W and P are read first
+        if not ZP:  # L, L W and P are read first
             _gdc_wait()
         _gdc_launch_dependents()
     o_v = i_v * BV + tl.arange(0, BV)
@@ -510,12 +509,9 @@ def _verify_stream_kernel(
     p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
     o_m = tl.arange(0, BC)
     p_u = cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :]
-    if EARLY != 0:
+    if EARLY:
         v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
-        if EARLY == 1:
-            uc = tl.load(p_u, mask=(o_m < n)[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-        else:
-            uc = tl.load(p_u, mask=(o_m < C)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        uc = tl.load(p_u, mask=(o_m < n)[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
     if ZP:
         if STORAGE:
             p_x = ((i_b * D + dr) * H + i_h)[:, None] * K + o_kb[None, :]
@@ -527,19 +523,17 @@ def _verify_stream_kernel(
                 xb = (tl.load(k_ptr + p_x + k0, mask=m_kx & m_kb[None, :], other=0.0).to(tl.float32)
                       + tl.load(q_ptr + p_x + k0, mask=m_qx & m_kb[None, :], other=0.0).to(tl.float32))
                 X = tl.dot(xb, sb, X, input_precision=PREC)
-        if PDL and not WAIT_FIRST:
+        if PDL:
             _gdc_wait()  # phase 1's L, L W, L' from here on
-    if EARLY == 0:
+    if not EARLY:
         v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
     o_c = tl.arange(0, R)
     p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
     L = tl.load(p_l + o_c[None, :])
     LW = tl.load(p_l + R + o_m[None, :])
     m_n = o_m < n
-    if EARLY == 0:
+    if not EARLY:
         uc = tl.load(p_u, mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-    elif EARLY == 2:
-        uc = tl.where(m_n[:, None], uc, 0.0)  # a select: rows past n may hold anything
     out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
     out += tl.dot(LW, uc, input_precision=PREC)
     if STORAGE:
@@ -812,6 +806,7 @@ def verify(
     prep_hoist: Optional[bool] = None,
     prep_mma: Optional[bool] = None,
     prep_solve: Optional[str] = None,
+    early=None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
@@ -831,8 +826,9 @@ def verify(
     gates then take 'stream') / ``KB`` / ``NS`` /
     ``prep_warps`` / ``prep_precision`` / ``prep_maxnreg`` (a register cap) / ``prep_hoist`` (value
     heads' loads before the chunk loop) / ``prep_mma`` (16-bit MMA scores for bf16/fp16 inputs) /
-    ``prep_solve`` ('rows' or 'doubling') (phase 1's) override the launch (``launch_config``; benchmarks
-    tune them; docs/speculative.md).
+    ``prep_solve`` ('rows' or 'doubling') (phase 1's) / ``early`` (phase 2 loads the draft values and
+    u rows before its state loop: True, False or 'auto', the default: when it has at most 2048 programs)
+    override the launch (``launch_config``; benchmarks tune them; docs/speculative.md).
     """
     d = check_tokens(q, k, v, g, beta)
     if parents is None:  # the chain; cached, so that a default call launches nothing but the kernels
@@ -869,8 +865,9 @@ def verify(
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
                         prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist,
-                        prep_mma=prep_mma, prep_solve=prep_solve)
+                        prep_mma=prep_mma, prep_solve=prep_solve, early=early)
     doubling = _prep_solve(cfg) == "doubling"  # checked here: it applies to phase 1 per q/k head only
+    early = _early(cfg, triton.cdiv(d.V, cfg["BV"]) * d.B * d.HV)  # (checked here too: phase 2 only)
     if cfg["variant"] not in ("stream", "fused"):
         raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
@@ -923,25 +920,20 @@ def verify(
             pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
             KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
             num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl,
-            EARLY=_early(cfg), WAIT_FIRST=_zwait(cfg))
+            EARLY=early)
     return o, drafts
 
 
-def _early(cfg: dict) -> int:
-    """Phase 2's draft values and u rows loaded before its loop: 0 (after it, the default), 1 (the n live
-    rows) or 2 (all C rows, n-free)."""
-    early = cfg.get("early") or 0
-    if early not in (0, 1, 2):
-        raise ValueError(f"early: expected 0, 1 or 2, got {early!r}")
-    return int(early)
-
-
-def _zwait(cfg: dict) -> bool:
-    """Phase 2 with zp and PDL waits for phase 1 after its loop ('late', the default) or before it ('start')."""
-    zwait = cfg.get("zwait") or "late"
-    if zwait not in ("late", "start"):
-        raise ValueError(f"zwait: expected 'late' or 'start', got {zwait!r}")
-    return zwait == "start"
+def _early(cfg: dict, programs: int) -> bool:
+    """Phase 2 loads its draft values and u rows before its loop (True) or after it (False); 'auto' (the
+    default): before it when phase 2 has at most 2048 programs (B = 64 at Qwen3-Next heads), where it was
+    faster on the H200 (74.5-74.8 against 77.0-77.2 us; slower at B = 128 and 256: session 6's probes)."""
+    early = cfg.get("early", "auto")
+    if early == "auto":
+        return programs <= 2048
+    if not isinstance(early, bool):
+        raise ValueError(f"early: expected True, False or 'auto', got {early!r}")
+    return early
 
 
 def _prep_solve(cfg: dict) -> str:

@@ -157,6 +157,8 @@ OPTIONS = {
                             fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-snapshot-group": dict(variant="lean", fold="split", book="snapshot",
                                 fold_launch=dict(kernel="group", FH=1, KB=16, BV=16, NS=1)),
+    "lean-serve-late-fh8": dict(variant="lean", fold="split", book="launch", pdl="late",  # FH="auto" takes 4 here
+                                fold_launch=dict(kernel="group", FH=8, KB=16, BV=16, NS=2, serve=True)),
 }
 
 
@@ -222,8 +224,9 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(fold_launch=dict(kernel="group", prec="tf32")), "prec expected"),
     (dict(pdl="early"), "pdl: expected"),
     (dict(fold_launch=dict(serve_dot=True)), r"fold_launch: unknown option\(s\) \['serve_dot'\]"),
+    (dict(fold_launch=dict(kernel="group", FH=0)), "FH expected"),
 ], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec",
-        "pdl", "fold-key"])
+        "pdl", "fold-key", "fh"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),

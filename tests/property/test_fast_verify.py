@@ -116,6 +116,7 @@ def test_several_v_tiles_long_drafts_and_trees(_launch, channel):
 VARIANTS = {"stream": dict(variant="stream"), "stream-p": dict(variant="stream", zp=False),
             "stream-group": dict(variant="stream", zp=True, prep_group=True, prep_hoist=False, prep_maxnreg=0),
             "stream-doubling": dict(variant="stream", prep_solve="doubling"),
+            "stream-early": dict(variant="stream", early=True), "stream-late": dict(variant="stream", early=False),
             "fused": dict(variant="fused")}
 
 
@@ -128,7 +129,9 @@ def test_variants(channel, variant):
     per-channel gates take the two phases), V over partial BV=16 tiles, a tree, folds on accept and a
     direct request.  'stream' is the default (phase 1 per q/k head, its loads hoisted, a register cap;
     its 16-bit scores need 16-bit inputs: test_16bit_inputs_phase1_scores); 'stream-group' without the
-    hoisted loads and the cap; 'stream-doubling' with the solve by products."""
+    hoisted loads and the cap; 'stream-doubling' with the solve by products; 'stream-early' / 'stream-late'
+    with phase 2's draft values and u rows loaded before / after its state loop (the default 'auto' takes
+    'early' at these sizes)."""
     with verify_launch(BV=16, KB=16, **VARIANTS[variant]):
         case = Case(B=3, T=3 + 10 + 2, H=1, HV=2, K=40, V=40, channel_gate=channel, gate="mild", beta="mixed",
                     seed=12)
@@ -182,8 +185,9 @@ def test_accept_validation_errors():
 
 @pytest.mark.parametrize("opts,match", [(dict(precision="tf32"), "precision: expected"),
                                         (dict(variant="two-phase"), "variant: expected"),
-                                        (dict(prep_solve="inverse"), "prep_solve: expected")],
-                         ids=["tf32", "variant", "solve"])
+                                        (dict(prep_solve="inverse"), "prep_solve: expected"),
+                                        (dict(early=1), "early: expected")],
+                         ids=["tf32", "variant", "solve", "early"])
 def test_bad_verify_launch_options_are_rejected(opts, match):
     case = Case(B=1, T=2, H=1, HV=1, K=4, V=4, seed=2)
     x = case.inputs(torch.float32, DEVICE)
