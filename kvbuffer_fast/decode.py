@@ -12,12 +12,14 @@ The default launch (variant="lean", fold="split", book="launch", pdl="late", the
 docs/kernels.md has the H200 measurements that chose it):
 1. ``_fold_group_kernel``, grid (V / BV, B * HV / FH): a program owns FH value heads of one request;
    if the request is full it walks their [K, BV] tiles in [KB, BV] blocks, folds each (one tl.dot of
-   the C entries, fp32 FMA) and writes it back, and the request's last program (atomic ticket)
-   empties the buffer (or, serving, the default, it serves the request's token from the folded blocks);
-   otherwise it returns at once.  Few programs (1024 at B=128 and at B=64: FH="auto" takes 8, or 4 where
-   8 would give fewer than 1024 programs): the launch costs ~1.5-2 us when no buffer is full.  It holds the u rows of all C entries per program, so for
-   C > 32 the default ("auto") takes the tile kernel below, measured 2x faster at C=64.  (The previous fold kernel, ``_fold_full_kernel`` with one
-   program of 167 registers per [K, BV] tile, took 9.3 us doing nothing: fold_launch=dict(kernel="tile").)
+   the C entries, fp32 FMA) and writes it back; serving (the default) it also serves the request's
+   token from the folded blocks, else the request's last program (atomic ticket) empties the buffer.
+   Otherwise it returns at once.  Few programs (FH="auto" takes 8 value heads, or 4 where 8 would give
+   fewer than 1024 programs: 1024 at B=64 and at B=128): the launch costs ~1.5-2 us when no buffer is
+   full.  It holds the u rows of all C entries per program, so for C > 32 the default ("auto") takes
+   the tile kernel below, measured 2x faster at C=64.  (The previous fold kernel,
+   ``_fold_full_kernel`` with one program of 167 registers per [K, BV] tile, took 9.3 us doing
+   nothing: fold_launch=dict(kernel="tile").)
 2. ``_decode_lean_kernel``: one loop over the key dimension in [KB, BV] state blocks that also forms
    the scores of the buffered keys block by block, so only blocks are live (few registers, many
    programs per SM); then the decays, the u rows of the n live entries, u and o.  A request launch 1
