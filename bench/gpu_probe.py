@@ -104,6 +104,7 @@ DECODE_VARIANTS = [
     # would leave fewer than 1024 fold programs), against the fold launch's two shapes
     dict(_DEF, fold_launch=dict(_GROUP, FH=8)),
     dict(_DEF, fold_launch=dict(_GROUP, FH=4)),
+    dict(_DEF, evict=True),  # L2 eviction hints: the state blocks first, the buffer's rows last (not measured yet)
 ]
 
 

@@ -363,7 +363,8 @@ def _decode_lean_kernel(
     KB: tl.constexpr, NS: tl.constexpr, LOADN: tl.constexpr, KEYN: tl.constexpr = False,
     KT: tl.constexpr = False, SNAP: tl.constexpr = False, FOLD: tl.constexpr = False,
     EARLY: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
-    SERVED: tl.constexpr = False, LATE: tl.constexpr = False,
+    SERVED: tl.constexpr = False, LATE: tl.constexpr = False, EV_STATE: tl.constexpr = "",
+    EV_ROWS: tl.constexpr = "",
 ):
     """ONE loop over the key dimension in KB-row blocks forms S0^T k, S0^T q and the scores k.k_j,
     q.k_j of the buffered keys together, so only [KB, *] blocks are live (few registers, many programs
@@ -386,7 +387,9 @@ def _decode_lean_kernel(
     LATE (pdl="late", only with SERVED): the previous kernel is the serving fold launch, which touches
     nothing this kernel reads or writes (full requests are its own, the rest only read there), so with
     PDL the programs run at once and wait for it only at their end, before exiting: the bookkeeping
-    launch after this one then still starts after both."""
+    launch after this one then still starts after both.  EV_STATE / EV_ROWS: the L2 eviction policy of the
+    state blocks (read once per step) and of the buffer's rows (keys, u, G: read again every step), e.g.
+    "evict_first" / "evict_last" (decode option evict=True; "" is the default policy)."""
     GROUP: tl.constexpr = HV // H
     if LATE:
         if PDL:
@@ -419,7 +422,7 @@ def _decode_lean_kernel(
         gc = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
     if not LOADN:  # all C rows, issued before anything waits (rows >= n are dropped by selects)
         uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
-                     mask=m_c[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                     mask=m_c[:, None] & m_v[None, :], other=0.0, eviction_policy=EV_ROWS).to(tl.float32)
     o_kb = tl.arange(0, KB)
     p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
     p_x = (i_b * H + i_h) * K + o_kb
@@ -455,7 +458,8 @@ def _decode_lean_kernel(
         st_next = tl.zeros([KB, BV], dtype=tl.float32)  # (defined on every path: the loop carries it when PF)
         if PF:  # the first block issued here; each iteration then issues the next before using its own
             if STORAGE:
-                st_next = tl.load(p_s, mask=(o_kb < K)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                st_next = tl.load(p_s, mask=(o_kb < K)[:, None] & m_v[None, :], other=0.0,
+                                  eviction_policy=EV_STATE).to(tl.float32)
         if EARLY:  # (after the first block's load when PF) the increment depends on n: taken once n is read
             tk = tl.atomic_add(ticket_ptr + 2 * i_b, tl.where(n >= 0, 1, 0), sem="relaxed")
         for k0 in tl.range(0, K, KB, num_stages=NS):
@@ -464,15 +468,19 @@ def _decode_lean_kernel(
                 if PF:
                     st = st_next
                     m_nx = (k0 + KB + o_kb) < K
-                    st_next = tl.load(p_s + (k0 + KB) * V, mask=m_nx[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                    st_next = tl.load(p_s + (k0 + KB) * V, mask=m_nx[:, None] & m_v[None, :], other=0.0,
+                                      eviction_policy=EV_STATE).to(tl.float32)
                 else:
-                    st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                    st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0,
+                                 eviction_policy=EV_STATE).to(tl.float32)
             kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
             qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
             if KT:
-                kc = tl.load(ck_ptr + p_c + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0).to(tl.float32)
+                kc = tl.load(ck_ptr + p_c + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0,
+                             eviction_policy=EV_ROWS).to(tl.float32)
             else:
-                kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
+                kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0,
+                             eviction_policy=EV_ROWS).to(tl.float32)
             qk += kb * qb
             if CHANNEL:
                 gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
@@ -509,7 +517,7 @@ def _decode_lean_kernel(
     m_r = rows < n_buf
     if LOADN:
         uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
-                     mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                     mask=m_r[:, None] & m_v[None, :], other=0.0, eviction_policy=EV_ROWS).to(tl.float32)
     uc = tl.where(m_r[:, None], uc, 0.0)
     if not CHANNEL:
         g_last = tl.where(n_buf > 0, tl.sum(tl.where(rows == n_buf - 1, gc, 0.0), 0), 0.0)
@@ -533,7 +541,7 @@ def _decode_lean_kernel(
     # n_buf < C here (full buffers were folded, by this loop or by the split launch; a full one without
     # storage is refused); the new u row is the program's own slice, read by no other program
     tl.store(cu_ptr + ((i_b * C + n_buf) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
-             mask=o_v < tl.where(n_buf < C, V, 0))
+             mask=o_v < tl.where(n_buf < C, V, 0), eviction_policy=EV_ROWS)
     if SNAP:
         # no other program reads row n (their reads of rows >= n are dropped by selects) nor lengths
         # (they read the snapshot): the new key / G rows and the length are written here directly
@@ -846,6 +854,7 @@ def buffered_decode(
     pf: Optional[bool] = None,
     fold_launch: Optional[dict] = None,
     pdl=None,
+    evict: Optional[bool] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -865,7 +874,9 @@ def buffered_decode(
     ``NS``, ``num_warps``, ``tile_BV``, ``tile_warps``; another key is a ValueError), ``pdl`` (True:
     the launches chained by programmatic dependent launch on sm_90+; "late", the default: the decode
     launch, whose requests the serving fold launch does not touch, waits for that launch only at its
-    end, and as True where the fold launch does not serve; False: plain launches) override the tuned
+    end, and as True where the fold launch does not serve; False: plain launches), ``evict`` (True: the
+    lean kernel's state loads evict_first, its buffer-row loads and stores evict_last; not measured
+    yet) override the tuned
     launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the ones bench/gpu_decode.py --tune sweeps;
     docs/kernels.md the others).
     """
@@ -891,9 +902,11 @@ def buffered_decode(
     s = check_scale(scale, d.K)
     cfg = launch_config("decode", d.V, BV=BV, num_warps=num_warps, CB=CB, book=book, maxnreg=maxnreg,
                         variant=variant, KB=KB, NS=NS, fold=fold, loadn=loadn,
-                        keyn=keyn, kt=kt, pf=pf, pdl=pdl)
+                        keyn=keyn, kt=kt, pf=pf, pdl=pdl, evict=evict)
     if cfg["variant"] not in ("tile", "lean"):
         raise ValueError(f"variant: expected 'tile' or 'lean', got {cfg['variant']!r}")
+    if _evict(cfg) and cfg["variant"] != "lean":
+        raise ValueError(f"evict: the eviction hints are the lean kernel's, got variant={cfg['variant']!r}")
     if cfg["fold"] not in ("fused", "split"):
         raise ValueError(f"fold: expected 'fused' or 'split', got {cfg['fold']!r}")
     if cfg["book"] not in ("ticket", "launch", "snapshot", "early"):
@@ -919,7 +932,8 @@ def buffered_decode(
                                                       CB=block(C),
                                                       LOADN=bool(cfg.get("loadn")), KEYN=bool(cfg.get("keyn")),
                                                       KT=bool(cfg.get("kt")), FOLD=cfg["fold"] == "fused",
-                                                      EARLY=cfg["book"] == "early", PF=bool(cfg.get("pf")))
+                                                      EARLY=cfg["book"] == "early", PF=bool(cfg.get("pf")),
+                                                      **_evict(cfg))
         else:
             kernel, extra = _decode_kernel, dict(FB=16)
         if cfg["fold"] == "split" and cfg["variant"] == "tile":
@@ -1008,6 +1022,15 @@ def _fold_precision(x: torch.Tensor, prec: str) -> str:
     return prec if x.is_cuda else "ieee"
 
 
+def _evict(cfg: dict) -> dict:
+    """The lean kernel's L2 eviction policies: with evict=True the state blocks (streamed once per step)
+    are evicted first and the buffer's rows (read again every step) last.  Not measured yet."""
+    evict = cfg.get("evict", False)
+    if not isinstance(evict, bool):
+        raise ValueError(f"evict: expected True or False, got {evict!r}")
+    return dict(EV_STATE="evict_first", EV_ROWS="evict_last") if evict else {}
+
+
 def _maxnreg(cfg: dict) -> dict:
     """The launch's register cap, passed only when set (Triton >= 3.0 takes ``maxnreg``)."""
     return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
@@ -1038,6 +1061,9 @@ DECODE_TUNE_CONFIGS = (
     # the decode launch waits for the serving fold launch only at its end (session 5)
     dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
          pdl="late"),
+    # with L2 eviction hints: the state blocks evicted first, the buffer's rows (read every step) last
+    dict(variant="lean", fold="split", book="launch", BV=64, num_warps=2, KB=32, NS=1, loadn=True, keyn=True,
+         pdl="late", evict=True),
 )
 
 

@@ -159,6 +159,8 @@ OPTIONS = {
                                 fold_launch=dict(kernel="group", FH=1, KB=16, BV=16, NS=1)),
     "lean-serve-late-fh8": dict(variant="lean", fold="split", book="launch", pdl="late",  # FH="auto" takes 4 here
                                 fold_launch=dict(kernel="group", FH=8, KB=16, BV=16, NS=2, serve=True)),
+    "lean-evict": dict(variant="lean", fold="split", book="launch", evict=True,  # L2 eviction hints (GPU only)
+                       fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
 }
 
 
@@ -225,8 +227,10 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(pdl="early"), "pdl: expected"),
     (dict(fold_launch=dict(serve_dot=True)), r"fold_launch: unknown option\(s\) \['serve_dot'\]"),
     (dict(fold_launch=dict(kernel="group", FH=0)), "FH expected"),
+    (dict(evict="first"), "evict: expected"),
+    (dict(variant="tile", fold="fused", book="ticket", evict=True), "evict: the eviction hints"),
 ], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec",
-        "pdl", "fold-key", "fh"])
+        "pdl", "fold-key", "fh", "evict", "tile-evict"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
