@@ -105,6 +105,8 @@ DECODE_VARIANTS = [
     dict(_DEF, fold_launch=dict(_GROUP, FH=8)),
     dict(_DEF, fold_launch=dict(_GROUP, FH=4)),
     dict(_DEF, evict=True),  # L2 eviction hints: the state blocks first, the buffer's rows last (not measured yet)
+    dict(_DEF, book="snapshot"),  # two launches per step: the serving fold launch copies the lengths, the decode
+    # launch (waiting for it at its start) appends the rows and advances the lengths (not measured yet)
 ]
 
 

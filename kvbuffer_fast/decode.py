@@ -544,26 +544,31 @@ def _decode_lean_kernel(
              mask=o_v < tl.where(n_buf < C, V, 0), eviction_policy=EV_ROWS)
     if SNAP:
         # no other program reads row n (their reads of rows >= n are dropped by selects) nor lengths
-        # (they read the snapshot): the new key / G rows and the length are written here directly
+        # (they read the snapshot): the new key / G rows and the length are written here directly.
+        # n == C only with SERVED (the fold launch folded and served the request; the snapshot keeps C):
+        # the buffer restarts at row 0 with this token's key and G, as the bookkeeping launch would
+        restart = n >= C
+        row = tl.where(restart, 0, n)
         if i_v == 0:
             if CHANNEL:
                 o_k = tl.arange(0, BK)
                 m_k = o_k < K
                 gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
                 gt = tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                tl.store(cg_ptr + ((i_b * C + n) * HV + i_hv) * K + o_k,
-                         (tl.where(n > 0, gl, 0.0) + gt).to(cg_ptr.dtype.element_ty), mask=o_k < tl.where(n < C, K, 0))
+                tl.store(cg_ptr + ((i_b * C + row) * HV + i_hv) * K + o_k,
+                         (tl.where((n > 0) & ~restart, gl, 0.0) + gt).to(cg_ptr.dtype.element_ty), mask=m_k)
             else:
-                if n < C:
-                    tl.store(cg_ptr + (i_b * C + n) * HV + i_hv, g_new.to(cg_ptr.dtype.element_ty))
+                g_row = tl.where(restart, g_tok, g_new)
+                tl.store(cg_ptr + (i_b * C + row) * HV + i_hv, g_row.to(cg_ptr.dtype.element_ty))
             if i_hv % GROUP == 0:
                 o_k = tl.arange(0, BK)
                 kk = tl.load(k_ptr + (i_b * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
-                tl.store(ck_ptr + ((i_b * C + n) * H + i_h) * K + o_k, kk.to(ck_ptr.dtype.element_ty),
-                         mask=o_k < tl.where(n < C, K, 0))
+                tl.store(ck_ptr + ((i_b * C + row) * H + i_h) * K + o_k, kk.to(ck_ptr.dtype.element_ty),
+                         mask=o_k < K)
             if i_hv == 0:
-                tl.store(len_ptr + i_b, tl.minimum(n + 1, C).to(len_ptr.dtype.element_ty))
-                tl.store(own_ptr + i_b, owns.to(tl.uint8))  # the value every program computed (benign race)
+                tl.store(len_ptr + i_b, (row + 1).to(len_ptr.dtype.element_ty))
+                # the value every program computed (benign race); a served request now owns its state
+                tl.store(own_ptr + i_b, (owns | restart).to(tl.uint8))
     if TICKET:
         _ticket_bookkeeping(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, i_b, n, C, H, HV, K, NV,
                             BK, BH, BHV, CHANNEL)
@@ -588,11 +593,12 @@ def _decode_lean_kernel(
 
 
 @triton.jit
-def _fold_snapshot(snap_ptr, i_b, n, first, C: tl.constexpr, STORAGE: tl.constexpr):
+def _fold_snapshot(snap_ptr, i_b, n, first, C: tl.constexpr, STORAGE: tl.constexpr, SERVE: tl.constexpr = False):
     """book="snapshot": the request's first fold program copies its length for the decode launch
-    (-1: folded here; without state storage nothing is folded)."""
+    (-1: folded here; without state storage nothing is folded; SERVE: folded and served here, the length
+    C is copied as it is and the decode launch restarts the buffer)."""
     if first:
-        if STORAGE:
+        if STORAGE and not SERVE:
             tl.store(snap_ptr + i_b, tl.where(n >= C, -1, n))
         else:
             tl.store(snap_ptr + i_b, n)
@@ -672,7 +678,7 @@ def _fold_full_kernel(
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     n = tl.load(len_ptr + i_b).to(tl.int32)
     if SNAP:  # snapshot for the decode launch, which then writes lengths / has_state itself
-        _fold_snapshot(snap_ptr, i_b, n, (i_v == 0) & (i_hv == 0), C, STORAGE)
+        _fold_snapshot(snap_ptr, i_b, n, (i_v == 0) & (i_hv == 0), C, STORAGE, SERVE)
     if STORAGE:
         if n >= C:
             owns = tl.load(own_ptr + i_b) != 0
@@ -730,7 +736,7 @@ def _fold_group_kernel(
     hv0 = (i_g % NG) * FH
     n = tl.load(len_ptr + i_b).to(tl.int32)
     if SNAP:
-        _fold_snapshot(snap_ptr, i_b, n, (i_v == 0) & (hv0 == 0), C, STORAGE)
+        _fold_snapshot(snap_ptr, i_b, n, (i_v == 0) & (hv0 == 0), C, STORAGE, SERVE)
     if STORAGE:
         if n >= C:
             owns = tl.load(own_ptr + i_b) != 0
@@ -963,12 +969,12 @@ def buffered_decode(
             # state once).  The default (serve=True) applies where it was measured faster: the grouped kernel
             # with the lean decode kernel and the bookkeeping launch; asked for explicitly it must apply.
             serve = bool(fcfg.get("serve"))
-            fits = cfg["variant"] == "lean" and cfg["book"] == "launch"
+            fits = cfg["variant"] == "lean" and cfg["book"] in ("launch", "snapshot")
             if serve and not (fits and fcfg["kernel"] == "group") and not (fold_launch or {}).get("serve"):
                 serve = False  # the default, where it does not apply (the tile fold was slower serving: C = 64)
             if serve and not fits:
-                raise ValueError(f"fold_launch: serve=True needs variant='lean' and book='launch' (the decode "
-                                 f"launch skips served requests, the bookkeeping launch restarts their buffer), "
+                raise ValueError(f"fold_launch: serve=True needs variant='lean' and book='launch' or 'snapshot' "
+                                 f"(the decode launch skips served requests, the bookkeeping restarts their buffer), "
                                  f"got variant={cfg['variant']!r}, book={cfg['book']!r}")
             if serve:
                 served = dict(SERVE=True, q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v),
@@ -976,7 +982,7 @@ def buffered_decode(
                 extra["SERVED"] = True
                 # pdl="late": the decode launch reads and writes nothing of the serving fold launch's
                 # requests, so it waits for that launch only at its end (the default pdl=True: at its start)
-                extra["LATE"] = cfg["pdl"] == "late"
+                extra["LATE"] = cfg["pdl"] == "late" and not snap  # (snapshot: read at the decode launch's start)
             else:
                 served = {}
             NVF = triton.cdiv(d.V, fcfg["BV"])

@@ -159,6 +159,12 @@ OPTIONS = {
                                 fold_launch=dict(kernel="group", FH=1, KB=16, BV=16, NS=1)),
     "lean-serve-late-fh8": dict(variant="lean", fold="split", book="launch", pdl="late",  # FH="auto" takes 4 here
                                 fold_launch=dict(kernel="group", FH=8, KB=16, BV=16, NS=2, serve=True)),
+    "lean-snapshot-serve": dict(variant="lean", fold="split", book="snapshot",  # two launches, the fold serving
+                                fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=True)),
+    "lean-snapshot-noserve": dict(variant="lean", fold="split", book="snapshot",
+                                  fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=False)),
+    "lean-snapshot-tile-serve": dict(variant="lean", fold="split", book="snapshot",
+                                     fold_launch=dict(kernel="tile", BV=16, serve=True)),
     "lean-evict": dict(variant="lean", fold="split", book="launch", evict=True,  # L2 eviction hints (GPU only)
                        fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
 }
@@ -171,7 +177,7 @@ def test_variants(opts, C, hist, lengths, channel_gate):
     """Every launch variant: the default (lean kernel, grouped fold launch, bookkeeping launch; PDL
     when compiled on a GPU) and the options it was measured against: the register-tile kernel with
     its fold fused or split, the tile fold launch, the lean kernel with each bookkeeping (ticket,
-    early, snapshot) and its fold fused, all entries loaded or only the live ones, pipelined,
+    early, snapshot: with the fold launch serving or not) and its fold fused, all entries loaded or only the live ones, pipelined,
     prefetched and transposed blocks, the fold launch serving the tokens of the requests it folds
     (grouped or tile kernel; with pdl="late" the decode launch waits for it only at its end, a race
     the compiled run checks), the grouped fold in tf32x3 (compiled only: the interpreter multiplies in
@@ -222,14 +228,14 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(variant="lean", fold="fused", book="snapshot"), "book: 'snapshot' is only for"),
     (dict(variant="tile", book="snapshot"), "book: 'snapshot' is only for"),
     (dict(variant="tile", fold="split", book="early"), "book: 'early' is only for"),
-    (dict(book="snapshot", fold_launch=dict(serve=True)), "serve=True needs"),
+    (dict(book="early", fold_launch=dict(serve=True)), "serve=True needs"),
     (dict(fold_launch=dict(kernel="group", prec="tf32")), "prec expected"),
     (dict(pdl="early"), "pdl: expected"),
     (dict(fold_launch=dict(serve_dot=True)), r"fold_launch: unknown option\(s\) \['serve_dot'\]"),
     (dict(fold_launch=dict(kernel="group", FH=0)), "FH expected"),
     (dict(evict="first"), "evict: expected"),
     (dict(variant="tile", fold="fused", book="ticket", evict=True), "evict: the eviction hints"),
-], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-snapshot", "prec",
+], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-early", "prec",
         "pdl", "fold-key", "fh", "evict", "tile-evict"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
