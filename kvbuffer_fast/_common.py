@@ -128,12 +128,15 @@ def launch_config(name: str, V: int, **override) -> dict:
 
 
 @triton.jit
-def _pdl_prologue(PDL: tl.constexpr):
+def _pdl_prologue(PDL: tl.constexpr, WAIT: tl.constexpr = True):
     """With programmatic dependent launch (PDL, sm_90+): wait until the previous kernel of the stream has
     completed and its writes are visible (this kernel's programs may have been placed before that), then
-    let the next kernel be launched early.  Nothing when PDL is off (the interpreter has no inline asm)."""
+    let the next kernel be launched early.  WAIT=False: only the latter, for a kernel whose first part
+    reads nothing the previous kernel writes; it must call _gdc_wait itself before it does.  Nothing
+    when PDL is off (the interpreter has no inline asm)."""
     if PDL:
-        _gdc_wait()
+        if WAIT:
+            _gdc_wait()
         _gdc_launch_dependents()
 
 

@@ -63,9 +63,8 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validation import check_buffer, check_flush_count, check_scale, check_tokens
 
-from ._common import (_CONFIG, _gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block,
-                      device_guard, flag_view, int_scratch, launch_config, new_output, pdl_launch, require_inplace,
-                      ticket_counters)
+from ._common import (_CONFIG, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard, flag_view,
+                      int_scratch, launch_config, new_output, pdl_launch, require_inplace, ticket_counters)
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -391,11 +390,7 @@ def _decode_lean_kernel(
     state blocks (read once per step) and of the buffer's rows (keys, u, G: read again every step), e.g.
     "evict_first" / "evict_last" (decode option evict=True; "" is the default policy)."""
     GROUP: tl.constexpr = HV // H
-    if LATE:
-        if PDL:
-            _gdc_launch_dependents()
-    else:
-        _pdl_prologue(PDL)
+    _pdl_prologue(PDL, WAIT=not LATE)  # LATE: the wait is at the end
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V

@@ -57,8 +57,8 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.validation import (check_buffer, check_counts, check_nodes, check_num_drafts, check_parents,
                                      check_scale, check_tokens)
 
-from ._common import (_gdc_launch_dependents, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard,
-                      flag_view, new_output, pdl_launch, ticket_counters)
+from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard, flag_view, new_output,
+                      pdl_launch, ticket_counters)
 from .decode import _check_u_form, _fold_rows
 
 __all__ = ["verify", "accept", "MAX_DRAFTS", "launch_config", "set_launch", "LAUNCH_CANDIDATES"]
@@ -495,10 +495,7 @@ def _verify_stream_kernel(
     (more registers, so fewer programs per SM: faster at B = 64, slower from B = 128 on the H200)."""
     R: tl.constexpr = 2 * BD
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    if PDL:
-        if not ZP:  # L, L W and P are read first
-            _gdc_wait()
-        _gdc_launch_dependents()
+    _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)

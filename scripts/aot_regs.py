@@ -9,7 +9,7 @@ KERNEL: decode (the lean decode kernel), fold_group, verify_prep, verify_prep_gr
 
 KEY=VALUE sets a constexpr of the kernel (the rest: Qwen3-Next shapes, C=16, the kernel's defaults) or
 a compile option (num_warps, maxnreg, num_stages).  PYTHONPATH=<a Triton 3.6 install> compiles as the
-H200 image does; AOT_DEBUG=1 prints ptxas's whole report.  tests/bench/test_gpu_probe_config.py runs it.
+H200 image does; AOT_DEBUG=1 prints ptxas's whole report; AOT_PTX=FILE writes the PTX there.  tests/bench/test_gpu_probe_config.py runs it.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ def main(argv):
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         open(p, "w").write(ck.asm["ptx"])
+        if os.environ.get("AOT_PTX"):  # keep the PTX (e.g. to diff two versions of a kernel)
+            open(os.environ["AOT_PTX"], "w").write(ck.asm["ptx"])
         for exe in ("ptxas", "ptxas-blackwell"):  # Triton's sm_90 assembler; the newer one for newer PTX
             out = subprocess.run([os.path.join(bindir, exe), "-v", "--gpu-name=sm_90a", p, "-o",
                                   os.path.join(d, "k.cubin")], capture_output=True, text=True)
