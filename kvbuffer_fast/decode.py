@@ -954,6 +954,9 @@ def buffered_decode(
             fcfg = launch_config("fold_full", d.V, **(fold_launch or {}))
             if fcfg.get("kernel", "tile") not in ("tile", "group", "auto"):
                 raise ValueError(f"fold_launch: kernel expected 'auto', 'tile' or 'group', got {fcfg['kernel']!r}")
+            FH = fcfg["FH"]  # checked whichever kernel runs (only the grouped one uses it)
+            if FH != "auto" and (not isinstance(FH, int) or isinstance(FH, bool) or FH < 1):
+                raise ValueError(f"fold_launch: FH expected 'auto' or a positive int, got {FH!r}")
             if fcfg["kernel"] == "auto":  # measured on the H200: the grouped kernel holds all C rows of u
                 if C <= 32:  # per program; at C=64 the tile one (BV=64, 4 warps) was 2x faster
                     fcfg["kernel"] = "group"
@@ -982,12 +985,9 @@ def buffered_decode(
                 served = {}
             NVF = triton.cdiv(d.V, fcfg["BV"])
             if fcfg.get("kernel", "tile") == "group":
-                FH = fcfg["FH"]
                 if FH == "auto":  # measured (session 6): FH = 4 at B = 64, 8 at B = 128 (Qwen3-Next heads): the
                     # 8-head programs until they number fewer than 1024 (about 8 per SM on an H200), then 4
                     FH = 8 if NVF * d.B * d.HV >= 8 * 1024 else 4
-                if not isinstance(FH, int) or isinstance(FH, bool) or FH < 1:
-                    raise ValueError(f"fold_launch: FH expected 'auto' or a positive int, got {FH!r}")
                 FH = math.gcd(d.HV, FH)
                 _fold_group_kernel[(NVF, d.B * d.HV // FH)](
                     buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), state,

@@ -233,10 +233,11 @@ def test_auto_fold_kernel_by_capacity(monkeypatch, C, kernel):
     (dict(pdl="early"), "pdl: expected"),
     (dict(fold_launch=dict(serve_dot=True)), r"fold_launch: unknown option\(s\) \['serve_dot'\]"),
     (dict(fold_launch=dict(kernel="group", FH=0)), "FH expected"),
+    (dict(fold_launch=dict(kernel="tile", FH=2.5)), "FH expected"),
     (dict(evict="first"), "evict: expected"),
     (dict(variant="tile", fold="fused", book="ticket", evict=True), "evict: the eviction hints"),
 ], ids=["book", "variant", "fold", "lean-fused-snapshot", "tile-snapshot", "tile-early", "serve-early", "prec",
-        "pdl", "fold-key", "fh", "evict", "tile-evict"])
+        "pdl", "fold-key", "fh", "fh-tile", "evict", "tile-evict"])
 def test_bad_launch_options_are_rejected(opts, match):
     buf = ref.KVBuffer.empty(1, 1, 1, 8, 8, 2, dtype=torch.float32, device=DEVICE)
     x = {n: t.to(DEVICE) for n, t in dict(q=torch.randn(1, 1, 1, 8), k=torch.randn(1, 1, 1, 8),
