@@ -81,7 +81,7 @@ MAX_DRAFTS = 64
 _CONFIG = {
     "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
                    prep_precision="tf32x3", zp=True, pdl=True, prep_group=True, prep_maxnreg=128,
-                   prep_hoist=True, prep_mma=True, early="auto"),
+                   prep_hoist=True, prep_mma=True, early="auto", xprec="auto"),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
@@ -479,12 +479,54 @@ def _verify_prep_group_kernel(
 
 
 @triton.jit
+def _tf32_round(x):
+    """x rounded to the nearest TF32 value (10 mantissa bits, ties away from zero), kept as fp32: the low
+    13 bits cleared after adding half of their range.  x minus it is exact in fp32."""
+    b = x.to(tl.uint32, bitcast=True)
+    return ((b + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_pieces(s):
+    """s = s1 + s2 + s3 + r in bfloat16 pieces, each the rounding of what the ones before it left:
+    |r| <= 2^-27 |s| (each rounding keeps 9 bits), so three bf16 products carry s to about fp32 accuracy."""
+    s1 = s.to(tl.bfloat16)
+    r = s - s1.to(tl.float32)
+    s2 = r.to(tl.bfloat16)
+    s3 = (r - s2.to(tl.float32)).to(tl.bfloat16)
+    return s1, s2, s3
+
+
+@triton.jit
+def _split_dot(x, s, acc, XPREC: tl.constexpr, XP: tl.constexpr):
+    """acc + x s for x exactly representable in 16 bits (the raw bf16 / fp16 key and query rows), s fp32:
+    only s needs splitting (the x part of tf32x3's split is zero), smallest piece first.
+    "tf32x2": s = hi + lo, hi its TF32 rounding (|lo| <= 2^-11 |s|), two TF32 products: the terms of
+    tf32x3 that are not zero, so its error (the product of lo truncated to TF32: <= 2^-21 |s|).
+    "bf16x3" (x bf16 only): s in three bfloat16 pieces (_bf16_pieces), three bf16 products, each exact in
+    the fp32 accumulator.
+    XP: the pieces' product precision ("tf32" on CUDA; "ieee" in the interpreter, which has no TF32)."""
+    if XPREC == "tf32x2":
+        hi = _tf32_round(s)
+        acc = tl.dot(x, s - hi, acc, input_precision=XP)
+        acc = tl.dot(x, hi, acc, input_precision=XP)
+    else:
+        xh = x.to(tl.bfloat16)
+        s1, s2, s3 = _bf16_pieces(s)
+        acc = tl.dot(xh, s3, acc)
+        acc = tl.dot(xh, s2, acc)
+        acc = tl.dot(xh, s1, acc)
+    return acc
+
+
+@triton.jit
 def _verify_stream_kernel(
     v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
     C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr = False, PDL: tl.constexpr = False,
-    H: tl.constexpr = 1, q_ptr=None, k_ptr=None, EARLY: tl.constexpr = False,
+    H: tl.constexpr = 1, q_ptr=None, k_ptr=None, EARLY: tl.constexpr = False, XPREC: tl.constexpr = "",
+    XP: tl.constexpr = "ieee",
 ):
     """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
     the state streamed in [KB, BV] blocks through a pipelined loop (P S0 accumulated block by block;
@@ -492,7 +534,9 @@ def _verify_stream_kernel(
     from the inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop
     reads nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap).
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after it
-    (more registers, so fewer programs per SM: faster at B = 64, slower from B = 128 on the H200)."""
+    (more registers, so fewer programs per SM: faster at B = 64, slower from B = 128 on the H200).
+    XPREC (ZP, 16-bit q and k only): X S0 with the state block split by _split_dot ("tf32x2" or "bf16x3",
+    the pieces' products in precision XP); "" takes PREC."""
     R: tl.constexpr = 2 * BD
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
@@ -519,7 +563,10 @@ def _verify_stream_kernel(
                 sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                 xb = (tl.load(k_ptr + p_x + k0, mask=m_kx & m_kb[None, :], other=0.0).to(tl.float32)
                       + tl.load(q_ptr + p_x + k0, mask=m_qx & m_kb[None, :], other=0.0).to(tl.float32))
-                X = tl.dot(xb, sb, X, input_precision=PREC)
+                if XPREC == "":
+                    X = tl.dot(xb, sb, X, input_precision=PREC)
+                else:
+                    X = _split_dot(xb, sb, X, XPREC, XP)
         if PDL:
             _gdc_wait()  # phase 1's L, L W, L' from here on
     if not EARLY:
@@ -804,6 +851,7 @@ def verify(
     prep_mma: Optional[bool] = None,
     prep_solve: Optional[str] = None,
     early=None,
+    xprec: Optional[str] = None,
 ) -> tuple[torch.Tensor, Drafts]:
     """Outputs of D draft tokens per request from the stale state plus the buffer, in ONE launch.
 
@@ -824,7 +872,10 @@ def verify(
     ``prep_warps`` / ``prep_precision`` / ``prep_maxnreg`` (a register cap) / ``prep_hoist`` (value
     heads' loads before the chunk loop) / ``prep_mma`` (16-bit MMA scores for bf16/fp16 inputs) /
     ``prep_solve`` ('rows' or 'doubling') (phase 1's) / ``early`` (phase 2 loads the draft values and
-    u rows before its state loop: True, False or 'auto', the default: when it has at most 2048 programs)
+    u rows before its state loop: True, False or 'auto', the default: when it has at most 2048 programs) /
+    ``xprec`` (phase 2's X S0 product: 'tf32x3' as ``precision``, or, for bf16 / fp16 q and k, which are
+    exact in TF32, 'tf32x2' (the state split in two TF32 pieces) or, for bf16, 'bf16x3' (in three bf16
+    pieces); 'auto' takes the fastest that applies)
     override the launch (``launch_config``; benchmarks tune them; docs/speculative.md).
     """
     d = check_tokens(q, k, v, g, beta)
@@ -862,7 +913,7 @@ def verify(
     cfg = launch_config("verify", d.V, BV=BV, num_warps=num_warps, precision=precision, variant=variant, KB=KB,
                         NS=NS, prep_warps=prep_warps, prep_precision=prep_precision, zp=zp, pdl=pdl,
                         prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist,
-                        prep_mma=prep_mma, prep_solve=prep_solve, early=early)
+                        prep_mma=prep_mma, prep_solve=prep_solve, early=early, xprec=xprec)
     doubling = _prep_solve(cfg) == "doubling"  # checked here: it applies to phase 1 per q/k head only
     early = _early(cfg, triton.cdiv(d.V, cfg["BV"]) * d.B * d.HV)  # (checked here too: phase 2 only)
     if cfg["variant"] not in ("stream", "fused"):
@@ -872,7 +923,10 @@ def verify(
     R, BC = 2 * BD, block(buffer.capacity)
     prec = _precision(q, cfg["precision"])
     prep_prec = _precision(q, cfg.get("prep_precision") or cfg["precision"])
-    if cfg["variant"] == "fused" and not d.channel_gate:
+    fused = cfg["variant"] == "fused" and not d.channel_gate
+    zp = bool(cfg.get("zp")) and not d.channel_gate
+    xsplit = _xprec(cfg, q, k, zp and not fused)  # (checked here: the fused kernel forms Y S0 itself)
+    if fused:
         with device_guard(q):
             _verify_fused_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
                 as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), parents, num_drafts, o, du, dG, dk,
@@ -883,7 +937,6 @@ def verify(
                 num_warps=cfg["num_warps"])
         return o, drafts
     # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC], P [B*HV, R, K] (ZP: L' [B*HV, R, R])
-    zp = bool(cfg.get("zp")) and not d.channel_gate
     pdl = pdl_launch(q, cfg)
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
     pk = torch.empty(d.B * d.HV, R, R if zp else d.K, dtype=torch.float32, device=q.device)
@@ -917,7 +970,7 @@ def verify(
             pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
             KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
             num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl,
-            EARLY=early)
+            EARLY=early, XPREC=xsplit, XP="tf32" if q.is_cuda else "ieee")
     return o, drafts
 
 
@@ -931,6 +984,33 @@ def _early(cfg: dict, programs: int) -> bool:
     if not isinstance(early, bool):
         raise ValueError(f"early: expected True, False or 'auto', got {early!r}")
     return early
+
+
+#: xprec="auto": phase 2's split X S0 product per input dtype (q and k; others take ``precision``)
+XPREC_AUTO = {torch.bfloat16: "", torch.float16: ""}
+
+
+def _xprec(cfg: dict, q: torch.Tensor, k: torch.Tensor, zp: bool) -> str:
+    """Phase 2's X S0 product: "" (``precision``), "tf32x2" or "bf16x3" (_split_dot).  The splits need the
+    raw rows X exact in the pieces' format: q and k both bf16 ("bf16x3", "tf32x2") or both fp16
+    ("tf32x2"), and phase 2 forming X S0 (zp, scalar gates).  'auto' takes XPREC_AUTO where that holds;
+    an explicit split where it does not is a ValueError."""
+    x = cfg.get("xprec") or "auto"
+    if x not in ("auto", "tf32x3", "tf32x2", "bf16x3"):
+        raise ValueError(f"xprec: expected 'auto', 'tf32x3', 'tf32x2' or 'bf16x3', got {x!r}")
+    same = q.dtype == k.dtype
+    if x == "auto":
+        return XPREC_AUTO.get(q.dtype, "") if (same and zp) else ""
+    if x == "tf32x3":
+        return ""
+    ok = {"tf32x2": (torch.bfloat16, torch.float16), "bf16x3": (torch.bfloat16,)}[x]
+    if not (same and q.dtype in ok):
+        raise ValueError(f"xprec={x!r} needs q and k both in {[str(t).replace('torch.', '') for t in ok]} (exact "
+                         f"in its pieces), got q {q.dtype} and k {k.dtype}; use 'auto' or 'tf32x3'")
+    if not zp:
+        raise ValueError(f"xprec={x!r} applies to phase 2's X S0 product (zp=True, scalar gates); this call "
+                         f"forms P S0 (zp=False or per-channel gates); use 'auto' or 'tf32x3'")
+    return x
 
 
 def _prep_solve(cfg: dict) -> str:

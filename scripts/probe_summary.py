@@ -21,13 +21,13 @@ def main(paths) -> int:
         for row in r.get("decode", []):
             fl = row.get("fold_launch", {})
             ks = {k[:28]: round(v, 1) for k, v in (row.get("kernels_plain_us") or {}).items()}
-            print("decode", _opts(row, ("book", "pdl")), "fold", fl, "check", row.get("check"),
+            print("decode", _opts(row, ("book", "pdl", "evict")), "fold", fl, "check", row.get("check"),
                   "n0/8/15/C", [round(row.get(f"n{n}_us", -1), 1) for n in (0, 8, 15, 16)],
                   "cycle", round(row.get("cycle_step_us", -1), 1), "vs_fla", round(row.get("vs_fla", -1), 4),
                   "plain", ks, "regs", [(c.get("kernel"), c.get("n_regs")) for c in row.get("compiled", [])])
         for row in r.get("verify", []):
             ks = {k[:28]: round(v, 1) for k, v in (row.get("kernels_us") or {}).items()}
-            print("verify", _opts(row, ("variant", "side", "pdl", "BV", "NS", "prep_group")), "check",
+            print("verify", _opts(row, ("variant", "side", "pdl", "BV", "NS", "prep_group", "xprec", "early")), "check",
                   row.get("check"), row.get("check_bf16"), "us", round(row.get("us", -1), 1), "vs_fla5",
                   round(row.get("vs_fla5", -1), 4), ks, row.get("error", ""),
                   "regs", [(c.get("kernel"), c.get("n_regs")) for c in row.get("compiled", [])])

@@ -55,7 +55,14 @@ def test_decode_variant_runs_and_matches_the_oracle(i):
 
 @pytest.mark.parametrize("i", range(len(probe.VERIFY_VARIANTS)))
 def test_verify_variant_runs_and_matches_the_oracle(i):
-    _check_verify({**probe.VERIFY_VARIANTS[i], "BV": 16, "KB": 16}, torch.float32, seed=4)
+    cfg = probe.VERIFY_VARIANTS[i]
+    # phase 2's split X S0 (xprec) needs 16-bit rows: tf32x2 runs on fp16 here; bf16x3 only on bf16, whose
+    # dots the interpreter gets wrong (tests/property/test_fast_verify.py checks its pieces here instead)
+    xprec = cfg.get("xprec", "auto")
+    if xprec == "bf16x3":
+        pytest.skip("xprec='bf16x3' needs bfloat16 rows; the Triton interpreter's bf16 dots are wrong (CUDA only)")
+    dtype = torch.float16 if xprec == "tf32x2" else torch.float32
+    _check_verify({**cfg, "BV": 16, "KB": 16}, dtype, seed=4)
 
 
 def test_aot_register_report_runs():

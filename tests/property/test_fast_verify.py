@@ -20,6 +20,8 @@ if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels ar
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -186,14 +188,79 @@ def test_accept_validation_errors():
 @pytest.mark.parametrize("opts,match", [(dict(precision="tf32"), "precision: expected"),
                                         (dict(variant="two-phase"), "variant: expected"),
                                         (dict(prep_solve="inverse"), "prep_solve: expected"),
-                                        (dict(early=1), "early: expected")],
-                         ids=["tf32", "variant", "solve", "early"])
+                                        (dict(early=1), "early: expected"),
+                                        (dict(xprec="tf32"), "xprec: expected"),
+                                        (dict(xprec="bf16x3"), "needs q and k both in"),
+                                        (dict(xprec="tf32x2"), "needs q and k both in"),
+                                        (dict(xprec="bf16x3", dtype=torch.float16), "needs q and k both in"),
+                                        (dict(xprec="tf32x2", zp=False, dtype=torch.float16), "applies to phase 2"),
+                                        (dict(xprec="tf32x2", variant="fused", dtype=torch.float16),
+                                         "applies to phase 2")],
+                         ids=["tf32", "variant", "solve", "early", "xprec", "xprec-bf16x3-fp32", "xprec-tf32x2-fp32",
+                              "xprec-bf16x3-fp16", "xprec-zp", "xprec-fused"])
 def test_bad_verify_launch_options_are_rejected(opts, match):
+    opts = dict(opts)
     case = Case(B=1, T=2, H=1, HV=1, K=4, V=4, seed=2)
-    x = case.inputs(torch.float32, DEVICE)
+    x = case.inputs(opts.pop("dtype", torch.float32), DEVICE)
     buf = ref.KVBuffer.empty(1, 1, 1, 4, 4, 2, dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match=match):
         fast.verify(**x, buffer=buf, **opts)
+
+
+@triton.jit
+def _pieces_kernel(s_ptr, out_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    s = tl.load(s_ptr + o)
+    hi = spec._tf32_round(s)
+    s1, s2, s3 = spec._bf16_pieces(s)
+    tl.store(out_ptr + o, hi)
+    tl.store(out_ptr + N + o, s1.to(tl.float32))
+    tl.store(out_ptr + 2 * N + o, s2.to(tl.float32))
+    tl.store(out_ptr + 3 * N + o, s3.to(tl.float32))
+
+
+def test_phase2_split_pieces():
+    """The pieces of phase 2's split X S0 (xprec), exact identities over random fp32 values of every scale
+    (and 0, signs, values at a rounding tie): tf32x2's hi has its 13 low bits clear, hi + lo == s exactly
+    in fp32, |lo| <= 2^-11 |s| (round to nearest); bf16x3's pieces are bf16 values whose sum leaves at most
+    2^-27 |s| (each rounding keeps 9 bits).  The bf16 products themselves need the GPU (the interpreter's
+    bf16 dots are wrong): the compiled run of test_16bit_inputs_phase2_split covers them."""
+    gen = torch.Generator().manual_seed(5)
+    s = torch.randn(1024, generator=gen) * torch.exp2(torch.randint(-60, 60, (1024,), generator=gen).float())
+    s[:4] = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -11, -(1.0 + 3 * 2.0 ** -11)])  # ties of the TF32 rounding
+    out = torch.full((4 * 1024,), float("nan"))
+    s, out = s.to(DEVICE), out.to(DEVICE)
+    _pieces_kernel[(1,)](s, out, N=1024)
+    s, hi, s1, s2, s3 = s.cpu(), *out.cpu().view(4, 1024)
+    assert ((hi.view(torch.int32) & 0x1FFF) == 0).all(), "tf32x2: hi must be a TF32 value"
+    assert torch.equal(hi + (s - hi), s) and torch.equal((s - hi) + hi, s)
+    assert ((s - hi).abs() <= 2.0 ** -11 * s.abs()).all(), "tf32x2: hi must be the nearest TF32 value"
+    assert torch.equal(hi[2:4], torch.tensor([1.0 + 2.0 ** -10, -(1.0 + 2.0 ** -9)])), "ties round away from 0"
+    for p in (s1, s2, s3):
+        assert torch.equal(p.bfloat16().float(), p), "bf16x3: every piece must be a bf16 value"
+    rest = s.double() - s1.double() - s2.double() - s3.double()
+    assert (rest.abs() <= 2.0 ** -27 * s.double().abs()).all(), "bf16x3: the pieces must carry s to 2^-27"
+
+
+@pytest.mark.parametrize("xprec,dtype", [
+    ("tf32x2", torch.float16),
+    pytest.param("tf32x2", torch.bfloat16, marks=pytest.mark.skipif(
+        DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only")),
+    pytest.param("bf16x3", torch.bfloat16, marks=pytest.mark.skipif(
+        DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only"))],
+    ids=["tf32x2-fp16", "tf32x2-bf16", "bf16x3-bf16"])
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_16bit_inputs_phase2_split(xprec, dtype, early):
+    """Phase 2's X S0 with the state split (xprec: 'tf32x2', two TF32 pieces; 'bf16x3', three bf16 ones)
+    on 16-bit q / k, within the 16-bit row of the tolerance table: several q/k heads, a tree, folds on
+    accept, a direct request (its NaN-poisoned state must stay out of every piece), K = 40 over KB = 16."""
+    with verify_launch(BV=16, KB=16, xprec=xprec, early=early):
+        case = Case(B=3, T=3 + 10 + 2, H=2, HV=4, K=40, V=24, gate="mild", beta="mixed", seed=15)
+        tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
+        _assert_all(P.check_verify_accept(
+            Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 0, 2],
+            parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
+            device=DEVICE))
 
 
 # ------------------------------------------------------------------ the per-draft-state baseline
