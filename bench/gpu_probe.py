@@ -100,12 +100,10 @@ _BEST = dict(_LEAN, BV=64, num_warps=2, loadn=True, keyn=True)
 _GROUP = dict(kernel="group", BV=64, num_warps=2, FH=8, KB=32, NS=2)
 _DEF = dict(_BEST, book="launch", fold_launch=dict(_GROUP, FH="auto"), pdl="late")
 DECODE_VARIANTS = [
-    dict(_DEF),  # the default (session 6: served requests skip the lean kernel's block loop; FH = 4 where 8
-    # would leave fewer than 1024 fold programs)
-    dict(_DEF, evict=True),  # L2 eviction hints: the state blocks first, the buffer's rows last (session 6, unmeasured)
+    dict(_DEF),  # the default (session 7: with the L2 eviction hints, evict="auto")
     dict(_DEF, book="snapshot"),  # two launches per step: the serving fold launch copies the lengths, the decode
-    # launch (waiting for it at its start) appends the rows and advances the lengths (session 6, unmeasured)
-    dict(_DEF, book="snapshot", evict=True),  # both
+    # launch (waiting for it at its start) appends the rows and advances the lengths
+    dict(_DEF, evict=False),  # session 6's default: no eviction hints
 ]
 
 
@@ -222,12 +220,12 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
 
 _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3",
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
+_X2 = dict(_STREAM, xprec="tf32x2", early=True)  # the default for bf16 / fp16 rows at B >= 128 since session 7
 VERIFY_VARIANTS = [
-    dict(_STREAM),  # the default: phase 1 with 16-bit scores, its loads hoisted and a 128-register cap; phase 2
-    # loading its draft values and u rows before its loop at <= 2048 programs (early="auto", session 6)
-    dict(_STREAM, xprec="tf32x2"),  # phase 2's X S0 with the state in two TF32 pieces (the raw rows are exact)
-    dict(_STREAM, xprec="bf16x3", early=True),  # ... in three bf16 pieces (bf16 products: half a TF32 one's cost)
-    dict(_STREAM, xprec="bf16x3", early=False),
+    dict(_STREAM, KB="auto", NS="auto", xprec="auto", early="auto"),  # the default (session 7)
+    dict(_X2),  # KB = 32, NS = 3 whatever the batch
+    dict(_X2, KB=16, NS=4),  # the default's blocks at <= 2048 phase-2 programs (B = 64 at Qwen3-Next heads)
+    dict(_STREAM, xprec="tf32x3"),  # session 6's default
 ]
 
 

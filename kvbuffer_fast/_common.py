@@ -108,7 +108,7 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 _CONFIG = {
     "recurrent": dict(BV=64, num_warps=2),
     "decode": dict(BV=64, num_warps=2, CB=16, book="launch", variant="lean", fold="split", KB=32, NS=1,
-                   loadn=True, keyn=True, kt=False, pf=False, pdl="late", evict=False),
+                   loadn=True, keyn=True, kt=False, pf=False, pdl="late", evict="auto"),
     "flush": dict(BV=128, num_warps=4),
     # fold_full: the fold launch; serve (session 4, bench/results/h200_gpu_check/call12_*): the grouped kernel
     # also serves the tokens of the requests it folds (92.9 against 93.6 us per step at B=128 in the tune)

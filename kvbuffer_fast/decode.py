@@ -855,7 +855,7 @@ def buffered_decode(
     pf: Optional[bool] = None,
     fold_launch: Optional[dict] = None,
     pdl=None,
-    evict: Optional[bool] = None,
+    evict=None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """One new token per request from the stale state plus the buffer; returns (o, buffer).
 
@@ -876,8 +876,8 @@ def buffered_decode(
     the launches chained by programmatic dependent launch on sm_90+; "late", the default: the decode
     launch, whose requests the serving fold launch does not touch, waits for that launch only at its
     end, and as True where the fold launch does not serve; False: plain launches), ``evict`` (True: the
-    lean kernel's state loads evict_first, its buffer-row loads and stores evict_last; not measured
-    yet) override the tuned
+    lean kernel's state loads evict_first, its buffer-row loads and stores evict_last; 'auto', the
+    default: True for the lean kernel; False: no hints) override the tuned
     launch (benchmarks only; ``DECODE_TUNE_CONFIGS`` lists the ones bench/gpu_decode.py --tune sweeps;
     docs/kernels.md the others).
     """
@@ -906,8 +906,7 @@ def buffered_decode(
                         keyn=keyn, kt=kt, pf=pf, pdl=pdl, evict=evict)
     if cfg["variant"] not in ("tile", "lean"):
         raise ValueError(f"variant: expected 'tile' or 'lean', got {cfg['variant']!r}")
-    if _evict(cfg) and cfg["variant"] != "lean":
-        raise ValueError(f"evict: the eviction hints are the lean kernel's, got variant={cfg['variant']!r}")
+    ev = _evict(cfg)  # (checked here: before any launch)
     if cfg["fold"] not in ("fused", "split"):
         raise ValueError(f"fold: expected 'fused' or 'split', got {cfg['fold']!r}")
     if cfg["book"] not in ("ticket", "launch", "snapshot", "early"):
@@ -934,7 +933,7 @@ def buffered_decode(
                                                       LOADN=bool(cfg.get("loadn")), KEYN=bool(cfg.get("keyn")),
                                                       KT=bool(cfg.get("kt")), FOLD=cfg["fold"] == "fused",
                                                       EARLY=cfg["book"] == "early", PF=bool(cfg.get("pf")),
-                                                      **_evict(cfg))
+                                                      **ev)
         else:
             kernel, extra = _decode_kernel, dict(FB=16)
         if cfg["fold"] == "split" and cfg["variant"] == "tile":
@@ -1025,10 +1024,17 @@ def _fold_precision(x: torch.Tensor, prec: str) -> str:
 
 def _evict(cfg: dict) -> dict:
     """The lean kernel's L2 eviction policies: with evict=True the state blocks (streamed once per step)
-    are evicted first and the buffer's rows (read again every step) last.  Not measured yet."""
-    evict = cfg.get("evict", False)
-    if not isinstance(evict, bool):
-        raise ValueError(f"evict: expected True or False, got {evict!r}")
+    are evicted first and the buffer's rows (keys and u, read again every step, stored evict_last too)
+    last, so that the u-cache stays in L2 while the state streams past it.  'auto' (the default): True
+    for the lean kernel (session 7 on the H200: B = 64 cycle 49.8 -> 46.7 us per step, B = 128 90.9 ->
+    88.5), False for the tile kernel, which has no hints; True with the tile kernel is a ValueError."""
+    evict = cfg.get("evict", "auto")
+    if evict == "auto":
+        evict = cfg["variant"] == "lean"
+    elif not isinstance(evict, bool):
+        raise ValueError(f"evict: expected True, False or 'auto', got {evict!r}")
+    elif evict and cfg["variant"] != "lean":
+        raise ValueError(f"evict: the eviction hints are the lean kernel's, got variant={cfg['variant']!r}")
     return dict(EV_STATE="evict_first", EV_ROWS="evict_last") if evict else {}
 
 

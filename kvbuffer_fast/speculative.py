@@ -79,32 +79,30 @@ MAX_DRAFTS = 64
 # fp16 inputs (prep_mma): 138.0 -> 132.3 us at B=128 in call 12's tune.  accept: BV=32 (its sweep's
 # best was within noise).
 _CONFIG = {
-    "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB=32, NS=3,
+    "verify": dict(BV=128, num_warps=4, precision="tf32x3", prep_warps=1, variant="stream", KB="auto", NS="auto",
                    prep_precision="tf32x3", zp=True, pdl=True, prep_group=True, prep_maxnreg=128,
                    prep_hoist=True, prep_mma=True, early="auto", xprec="auto"),
     "accept": dict(BV=32, num_warps=4, precision="tf32x3"),
     "accept_fold": dict(BV=128, num_warps=4, precision="ieee"),  # rank-1 updates: no spill at 128 / 4 warps
 }
 
-#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune): the two-phase 'stream' variant
-#: with phase 2 reading the raw draft rows (zp), programmatic dependent launch (pdl), phase 1 per q/k
-#: head (prep_group), BV 128 or 64; and the previous default (P from phase 1, BV=64).  The probe
-#: (bench/gpu_probe.py, bench/results/h200_probe/) timed more (8 warps, NS=2, KB=64, ieee phase 1, the
-#: one-launch 'fused' kernel): all slower; docs/speculative.md has the numbers.
+#: verify launches worth timing on a GPU (bench/gpu_verify.py --tune, at B = 128): changes to the default
+#: launch (the tune merges each with it), the default first.  The default: the two-phase 'stream' variant
+#: with phase 2 reading the raw draft rows (zp), programmatic dependent launch (pdl), phase 1 per q/k head
+#: (prep_group), BV 128, phase 2's X S0 split in two TF32 pieces for 16-bit rows (xprec 'auto', session 7)
+#: and its blocks by batch (KB / NS 'auto').  The probe (bench/gpu_probe.py, bench/results/h200_probe/)
+#: timed more (8 warps, NS=2, KB=64, ieee phase 1, the one-launch 'fused' kernel, xprec 'bf16x3'): all
+#: slower; docs/speculative.md has the numbers.
 LAUNCH_CANDIDATES = [
-    # phase 1's solve by products: a tie with the row solve in session 5 (132.5 against 132.3 us, call 14)
-    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
-         prep_maxnreg=128, prep_hoist=True, prep_mma=True, prep_solve="doubling"),
-    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
-         prep_maxnreg=128, prep_hoist=True, prep_mma=True, prep_solve="rows"),
-    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
-         prep_maxnreg=128, prep_hoist=True, prep_mma=False),
-    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True,
-         prep_maxnreg=0, prep_hoist=False, prep_mma=False),
-    dict(variant="stream", BV=128, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=False),
-    dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=True, pdl=True, prep_group=True),
-    dict(variant="stream", BV=64, num_warps=4, precision="tf32x3", KB=32, NS=3, zp=False, pdl=False,
-         prep_group=False),
+    dict(),
+    dict(xprec="tf32x3"),  # session 6's default: X S0 in tf32x3 whatever the rows
+    # phase 1's solve by products: a tie with the row solve in sessions 5 and 7 (132.5 against 132.3 us, call 14)
+    dict(prep_solve="doubling"),
+    dict(prep_mma=False),
+    dict(prep_maxnreg=0, prep_hoist=False, prep_mma=False),
+    dict(prep_group=False),
+    dict(BV=64, KB=32, NS=3),
+    dict(BV=64, KB=32, NS=3, zp=False, pdl=False, prep_group=False),
 ]
 
 
@@ -868,7 +866,8 @@ def verify(
     ``precision``: fp32 dot products on CUDA, 'tf32x3' (default) or 'ieee'; the interpreter uses 'ieee'.
     ``BV`` / ``num_warps`` / ``precision`` / ``variant`` ('stream': two launches, phase 2 streaming the
     state in KB-row blocks with NS pipeline stages; 'fused': one launch, scalar gates only, per-channel
-    gates then take 'stream') / ``KB`` / ``NS`` /
+    gates then take 'stream') / ``KB`` / ``NS`` (phase 2's state blocks: ints, or 'auto', the default, by
+    batch: _blocks) /
     ``prep_warps`` / ``prep_precision`` / ``prep_maxnreg`` (a register cap) / ``prep_hoist`` (value
     heads' loads before the chunk loop) / ``prep_mma`` (16-bit MMA scores for bf16/fp16 inputs) /
     ``prep_solve`` ('rows' or 'doubling') (phase 1's) / ``early`` (phase 2 loads the draft values and
@@ -915,7 +914,6 @@ def verify(
                         prep_group=prep_group, prep_maxnreg=prep_maxnreg, prep_hoist=prep_hoist,
                         prep_mma=prep_mma, prep_solve=prep_solve, early=early, xprec=xprec)
     doubling = _prep_solve(cfg) == "doubling"  # checked here: it applies to phase 1 per q/k head only
-    early = _early(cfg, triton.cdiv(d.V, cfg["BV"]) * d.B * d.HV)  # (checked here too: phase 2 only)
     if cfg["variant"] not in ("stream", "fused"):
         raise ValueError(f"variant: expected 'stream' or 'fused', got {cfg['variant']!r}")
     storage = buffer.state is not None
@@ -926,6 +924,9 @@ def verify(
     fused = cfg["variant"] == "fused" and not d.channel_gate
     zp = bool(cfg.get("zp")) and not d.channel_gate
     xsplit = _xprec(cfg, q, k, zp and not fused)  # (checked here: the fused kernel forms Y S0 itself)
+    programs = triton.cdiv(d.V, cfg["BV"]) * d.B * d.HV  # phase 2's (and the fused kernel's)
+    early = _early(cfg, programs, xsplit)  # (checked here too: phase 2 only)
+    KB, NS = _blocks(cfg, programs, xsplit, d.K)
     if fused:
         with device_guard(q):
             _verify_fused_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
@@ -933,7 +934,7 @@ def verify(
                 buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
                 buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
                 s, d.T, C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC,
-                KB=max(16, min(cfg["KB"], block(d.K))), BV=cfg["BV"], NS=cfg["NS"], STORAGE=storage, PREC=prec,
+                KB=KB, BV=cfg["BV"], NS=NS, STORAGE=storage, PREC=prec,
                 num_warps=cfg["num_warps"])
         return o, drafts
     # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC], P [B*HV, R, K] (ZP: L' [B*HV, R, R])
@@ -968,39 +969,60 @@ def verify(
             as_input(v), num_drafts, o, du, buffer.u, buffer.lengths, flag_view(buffer.has_state),
             buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
             pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, BV=cfg["BV"],
-            KB=max(16, min(cfg["KB"], block(d.K))), NS=cfg["NS"], STORAGE=storage, PREC=prec,
+            KB=KB, NS=NS, STORAGE=storage, PREC=prec,
             num_warps=cfg["num_warps"], ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), **pdl,
             EARLY=early, XPREC=xsplit, XP="tf32" if q.is_cuda else "ieee")
     return o, drafts
 
 
-def _early(cfg: dict, programs: int) -> bool:
-    """Phase 2 loads its draft values and u rows before its loop (True) or after it (False); 'auto' (the
-    default): before it when phase 2 has at most 2048 programs (B = 64 at Qwen3-Next heads), where it was
-    faster on the H200 (74.5-74.8 against 77.0-77.2 us; slower at B = 128 and 256: session 6's probes)."""
+def _blocks(cfg: dict, programs: int, split: str, K: int) -> tuple[int, int]:
+    """Phase 2's state blocks: (KB rows, NS pipeline stages).  'auto' (the default for each): KB = 16 with
+    NS = 4 for a split X S0 (xprec) when phase 2 has at most 2048 programs (B = 64 at Qwen3-Next heads: the
+    whole verify 70.4 against 72.2-72.8 us in two runs of session 7; at B = 128 / 256 slower, 125.2 / 237.6
+    against 122.2 / 224.7), else KB = 32 with NS = 3.  KB is clipped to 16 .. block(K)."""
+    small = bool(split) and programs <= 2048
+    KB, NS = cfg.get("KB", "auto"), cfg.get("NS", "auto")
+    KB = (16 if small else 32) if KB == "auto" else KB
+    NS = (4 if small else 3) if NS == "auto" else NS
+    for name, x in (("KB", KB), ("NS", NS)):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+            raise ValueError(f"{name}: expected 'auto' or a positive int, got {x!r}")
+    return max(16, min(KB, block(K))), NS
+
+
+def _early(cfg: dict, programs: int, split: str) -> bool:
+    """Phase 2 loads its draft values and u rows before its loop (True) or after it (False).  'auto' (the
+    default): before it with a split X S0 (``split``, xprec: 128 registers either way on the H200, and
+    faster at every batch: 72.7 / 121.6 / 225.3 / 425.7 against 74.7 / 128.3 / 237.5 / 453.3 us at
+    B = 64 / 128 / 256 / 512 with tf32x2, session 7); with tf32x3 when phase 2 has at most 2048 programs
+    (B = 64 at Qwen3-Next heads), where it was faster (74.5-74.8 against 77.0-77.2 us; slower at B = 128
+    and 256, where it takes 182 registers: session 6's probes)."""
     early = cfg.get("early", "auto")
     if early == "auto":
-        return programs <= 2048
+        return bool(split) or programs <= 2048
     if not isinstance(early, bool):
         raise ValueError(f"early: expected True, False or 'auto', got {early!r}")
     return early
 
 
-#: xprec="auto": phase 2's split X S0 product per input dtype (q and k; others take ``precision``)
-XPREC_AUTO = {torch.bfloat16: "", torch.float16: ""}
+#: xprec="auto": phase 2's split X S0 product per input dtype of q and k (others take ``precision``).
+#: tf32x2 was the fastest on the H200 at every batch (session 7, bf16 inputs, D = 5, with the early loads):
+#: 72.2-72.7 / 121.6 / 225.3 / 425.7 us at B = 64 / 128 / 256 / 512 against 73.7-74.2 / 131.7-132.0 / 245.8
+#: / 467.0 for tf32x3 and 72.8-73.8 / 125.9-126.2 / 235.6 / 446.9 for bf16x3 (bench/results/h200_probe/session7/)
+XPREC_AUTO = {torch.bfloat16: "tf32x2", torch.float16: "tf32x2"}
 
 
 def _xprec(cfg: dict, q: torch.Tensor, k: torch.Tensor, zp: bool) -> str:
     """Phase 2's X S0 product: "" (``precision``), "tf32x2" or "bf16x3" (_split_dot).  The splits need the
     raw rows X exact in the pieces' format: q and k both bf16 ("bf16x3", "tf32x2") or both fp16
-    ("tf32x2"), and phase 2 forming X S0 (zp, scalar gates).  'auto' takes XPREC_AUTO where that holds;
-    an explicit split where it does not is a ValueError."""
+    ("tf32x2"), and phase 2 forming X S0 (zp, scalar gates).  'auto' takes XPREC_AUTO where that holds
+    and ``precision`` is not 'ieee'; an explicit split where it does not hold is a ValueError."""
     x = cfg.get("xprec") or "auto"
     if x not in ("auto", "tf32x3", "tf32x2", "bf16x3"):
         raise ValueError(f"xprec: expected 'auto', 'tf32x3', 'tf32x2' or 'bf16x3', got {x!r}")
     same = q.dtype == k.dtype
-    if x == "auto":
-        return XPREC_AUTO.get(q.dtype, "") if (same and zp) else ""
+    if x == "auto":  # (precision='ieee' asks for FMA products: no TF32 pieces then)
+        return XPREC_AUTO.get(q.dtype, "") if (same and zp and cfg.get("precision") != "ieee") else ""
     if x == "tf32x3":
         return ""
     ok = {"tf32x2": (torch.bfloat16, torch.float16), "bf16x3": (torch.bfloat16,)}[x]

@@ -27,7 +27,7 @@ def main(paths) -> int:
                   "plain", ks, "regs", [(c.get("kernel"), c.get("n_regs")) for c in row.get("compiled", [])])
         for row in r.get("verify", []):
             ks = {k[:28]: round(v, 1) for k, v in (row.get("kernels_us") or {}).items()}
-            print("verify", _opts(row, ("variant", "side", "pdl", "BV", "NS", "prep_group", "xprec", "early")), "check",
+            print("verify", _opts(row, ("variant", "side", "pdl", "BV", "num_warps", "KB", "NS", "prep_group", "prep_warps", "prep_maxnreg", "prep_solve", "xprec", "early")), "check",
                   row.get("check"), row.get("check_bf16"), "us", round(row.get("us", -1), 1), "vs_fla5",
                   round(row.get("vs_fla5", -1), 4), ks, row.get("error", ""),
                   "regs", [(c.get("kernel"), c.get("n_regs")) for c in row.get("compiled", [])])

@@ -165,8 +165,9 @@ OPTIONS = {
                                   fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2, serve=False)),
     "lean-snapshot-tile-serve": dict(variant="lean", fold="split", book="snapshot",
                                      fold_launch=dict(kernel="tile", BV=16, serve=True)),
-    "lean-evict": dict(variant="lean", fold="split", book="launch", evict=True,  # L2 eviction hints (GPU only)
-                       fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
+    # the L2 eviction hints are the default (evict='auto'; they act on the GPU only): without them
+    "lean-no-evict": dict(variant="lean", fold="split", book="launch", evict=False,
+                          fold_launch=dict(kernel="group", FH=2, KB=16, BV=16, NS=2)),
 }
 
 

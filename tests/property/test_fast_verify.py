@@ -189,6 +189,8 @@ def test_accept_validation_errors():
                                         (dict(variant="two-phase"), "variant: expected"),
                                         (dict(prep_solve="inverse"), "prep_solve: expected"),
                                         (dict(early=1), "early: expected"),
+                                        (dict(KB="16"), "KB: expected"),
+                                        (dict(NS=0), "NS: expected"),
                                         (dict(xprec="tf32"), "xprec: expected"),
                                         (dict(xprec="bf16x3"), "needs q and k both in"),
                                         (dict(xprec="tf32x2"), "needs q and k both in"),
@@ -196,7 +198,7 @@ def test_accept_validation_errors():
                                         (dict(xprec="tf32x2", zp=False, dtype=torch.float16), "applies to phase 2"),
                                         (dict(xprec="tf32x2", variant="fused", dtype=torch.float16),
                                          "applies to phase 2")],
-                         ids=["tf32", "variant", "solve", "early", "xprec", "xprec-bf16x3-fp32", "xprec-tf32x2-fp32",
+                         ids=["tf32", "variant", "solve", "early", "kb", "ns", "xprec", "xprec-bf16x3-fp32", "xprec-tf32x2-fp32",
                               "xprec-bf16x3-fp16", "xprec-zp", "xprec-fused"])
 def test_bad_verify_launch_options_are_rejected(opts, match):
     opts = dict(opts)
