@@ -221,10 +221,12 @@ def decode_rows(B, copy_TBps, fla_us, Cs=(16,)) -> list:
 _STREAM = dict(variant="stream", BV=128, KB=32, NS=3, num_warps=4, precision="tf32x3", prep_precision="tf32x3",
                zp=True, pdl=True, prep_group=True, prep_maxnreg=128, prep_hoist=True, prep_mma=True)
 _X2 = dict(_STREAM, xprec="tf32x2", early=True)  # the default for bf16 / fp16 rows at B >= 128 since session 7
+_AUTO = dict(_STREAM, KB="auto", NS="auto", xprec="auto", early="auto")  # the default (session 7)
 VERIFY_VARIANTS = [
-    dict(_STREAM, KB="auto", NS="auto", xprec="auto", early="auto"),  # the default (session 7)
-    dict(_X2),  # KB = 32, NS = 3 whatever the batch
-    dict(_X2, KB=16, NS=4),  # the default's blocks at <= 2048 phase-2 programs (B = 64 at Qwen3-Next heads)
+    dict(_AUTO),
+    dict(_AUTO, early=False),
+    dict(_AUTO, KB=32, NS=3),
+    dict(_AUTO, KB=32, NS=3, early=False),
     dict(_STREAM, xprec="tf32x3"),  # session 6's default
 ]
 
@@ -276,7 +278,7 @@ def verify_rows(B, copy_TBps, fla5_us) -> list:
     rows = []
     D = 5
     x = gv.tokens(B, D)
-    buf = gv.buffer_with(B)
+    buf = gv.buffer_with(B, n=gv.N_BUF)
     kernels = verify_kernels()
     for cfg in VERIFY_VARIANTS:
         row = dict(cfg)
@@ -308,7 +310,13 @@ def main(argv=None) -> int:
     ap.add_argument("--B", type=int, default=128)
     ap.add_argument("--skip", default="")
     ap.add_argument("--cpu-smoke", action="store_true", help="interpreter, B=1: only that the script runs")
+    ap.add_argument("--verify-buffer", default="", metavar="C,N",
+                    help="verify over buffers of capacity C holding N entries (bench.gpu_verify's 16,8 otherwise)")
     a = ap.parse_args(argv)
+    if a.verify_buffer:
+        import bench.gpu_verify as gv
+
+        gv.C, gv.N_BUF = (int(x) for x in a.verify_buffer.split(","))
     if a.cpu_smoke:
         import os
 
@@ -319,6 +327,9 @@ def main(argv=None) -> int:
         a.B = 1
         del DECODE_VARIANTS[2:], VERIFY_VARIANTS[2:]
     res = run_metadata(gd.DEVICE, B=a.B, shapes=dict(H=H, HV=HV, K=K, V=V))
+    import bench.gpu_verify as gv
+
+    res["verify_buffer"] = dict(C=gv.C, n=gv.N_BUF)
     res["copy"] = copy_bandwidth()
     bw = res["copy"]["queued_TBps"]
     print("copy", res["copy"], flush=True)

@@ -926,7 +926,7 @@ def verify(
     xsplit = _xprec(cfg, q, k, zp and not fused)  # (checked here: the fused kernel forms Y S0 itself)
     programs = triton.cdiv(d.V, cfg["BV"]) * d.B * d.HV  # phase 2's (and the fused kernel's)
     early = _early(cfg, programs, xsplit)  # (checked here too: phase 2 only)
-    KB, NS = _blocks(cfg, programs, xsplit, d.K)
+    KB, NS = _blocks(cfg, programs, xsplit, d.K, block(buffer.capacity))
     if fused:
         with device_guard(q):
             _verify_fused_kernel[(triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)](
@@ -975,12 +975,13 @@ def verify(
     return o, drafts
 
 
-def _blocks(cfg: dict, programs: int, split: str, K: int) -> tuple[int, int]:
+def _blocks(cfg: dict, programs: int, split: str, K: int, BC: int) -> tuple[int, int]:
     """Phase 2's state blocks: (KB rows, NS pipeline stages).  'auto' (the default for each): KB = 16 with
-    NS = 4 for a split X S0 (xprec) when phase 2 has at most 2048 programs (B = 64 at Qwen3-Next heads: the
-    whole verify 70.4 against 72.2-72.8 us in two runs of session 7; at B = 128 / 256 slower, 125.2 / 237.6
-    against 122.2 / 224.7), else KB = 32 with NS = 3.  KB is clipped to 16 .. block(K)."""
-    small = bool(split) and programs <= 2048
+    NS = 4 for a split X S0 (xprec) when phase 2 has at most 2048 programs and the buffer at most 16 rows
+    (BC; B = 64, C = 16 at Qwen3-Next heads: the whole verify 70.4 against 72.2-72.8 us in two runs of
+    session 7; slower at B = 128 / 256, 125.2 / 237.6 against 122.2 / 224.7, and at B = 64 with C = 32,
+    82.3 against 77.9), else KB = 32 with NS = 3.  KB is clipped to 16 .. block(K)."""
+    small = bool(split) and programs <= 2048 and BC <= 16
     KB, NS = cfg.get("KB", "auto"), cfg.get("NS", "auto")
     KB = (16 if small else 32) if KB == "auto" else KB
     NS = (4 if small else 3) if NS == "auto" else NS
