@@ -96,7 +96,8 @@ _CONFIG = {
 LAUNCH_CANDIDATES = [
     dict(),
     dict(xprec="tf32x3"),  # session 6's default: X S0 in tf32x3 whatever the rows
-    # phase 1's solve by products: a tie with the row solve in sessions 5 and 7 (132.5 against 132.3 us, call 14)
+    # phase 1's solve by products: a tie with the row solve (B = 128: 132.5 against 132.3 us in session 5's
+    # call 14, 122.2 against 122.1 in session 7's probe)
     dict(prep_solve="doubling"),
     dict(prep_mma=False),
     dict(prep_maxnreg=0, prep_hoist=False, prep_mma=False),
@@ -532,7 +533,8 @@ def _verify_stream_kernel(
     from the inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop
     reads nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap).
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after it
-    (more registers, so fewer programs per SM: faster at B = 64, slower from B = 128 on the H200).
+    (with PREC's X S0 it costs registers, so fewer programs per SM: faster at B = 64 only on the H200;
+    with a split one it costs none and is faster at every batch: _early).
     XPREC (ZP, 16-bit q and k only): X S0 with the state block split by _split_dot ("tf32x2" or "bf16x3",
     the pieces' products in precision XP); "" takes PREC."""
     R: tl.constexpr = 2 * BD

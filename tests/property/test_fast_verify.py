@@ -244,25 +244,35 @@ def test_phase2_split_pieces():
     assert (rest.abs() <= 2.0 ** -27 * s.double().abs()).all(), "bf16x3: the pieces must carry s to 2^-27"
 
 
+_BF16_CUDA = pytest.mark.skipif(
+    DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only")
+
+
+def _check_16bit(dtype, seed):
+    """verify + accept + decode on 16-bit q / k (keys cached in the same dtype) under the launch now set:
+    several q/k heads with two value heads each, K = 40 over 16-row blocks, a tree, folds on accept and a
+    direct request; the outputs within the 16-bit row of the tolerance table, the final state within the
+    fp32 one."""
+    case = Case(B=3, T=3 + 10 + 2, H=2, HV=4, K=40, V=24, gate="mild", beta="mixed", seed=seed)
+    tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
+    _assert_all(P.check_verify_accept(
+        Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 0, 2],
+        parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
+        device=DEVICE))
+
+
 @pytest.mark.parametrize("xprec,dtype", [
     ("tf32x2", torch.float16),
-    pytest.param("tf32x2", torch.bfloat16, marks=pytest.mark.skipif(
-        DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only")),
-    pytest.param("bf16x3", torch.bfloat16, marks=pytest.mark.skipif(
-        DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only"))],
+    pytest.param("tf32x2", torch.bfloat16, marks=_BF16_CUDA),
+    pytest.param("bf16x3", torch.bfloat16, marks=_BF16_CUDA)],
     ids=["tf32x2-fp16", "tf32x2-bf16", "bf16x3-bf16"])
 @pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
 def test_16bit_inputs_phase2_split(xprec, dtype, early):
-    """Phase 2's X S0 with the state split (xprec: 'tf32x2', two TF32 pieces; 'bf16x3', three bf16 ones)
-    on 16-bit q / k, within the 16-bit row of the tolerance table: several q/k heads, a tree, folds on
-    accept, a direct request (its NaN-poisoned state must stay out of every piece), K = 40 over KB = 16."""
+    """Phase 2's X S0 with the state split (xprec: 'tf32x2', two TF32 pieces; 'bf16x3', three bf16 ones),
+    with its draft values and u rows loaded before or after the state loop; the direct request's
+    NaN-poisoned state must stay out of every piece."""
     with verify_launch(BV=16, KB=16, xprec=xprec, early=early):
-        case = Case(B=3, T=3 + 10 + 2, H=2, HV=4, K=40, V=24, gate="mild", beta="mixed", seed=15)
-        tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
-        _assert_all(P.check_verify_accept(
-            Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 0, 2],
-            parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
-            device=DEVICE))
+        _check_16bit(dtype, seed=15)
 
 
 # ------------------------------------------------------------------ the per-draft-state baseline
@@ -293,21 +303,13 @@ def test_per_draft_state_baseline_matches_recurrence(case, data):
 
 
 @pytest.mark.parametrize("mma", [True, False], ids=["mma16", "tf32"])
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only"))],
-    ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=_BF16_CUDA)],
+                         ids=["fp16", "bf16"])
 def test_16bit_inputs_phase1_scores(dtype, mma):
-    """16-bit q / k (and keys cached in the same dtype): phase 1 forms its scores with 16-bit MMAs of the
-    raw rows (prep_mma=True: exact products, the query scale applied after) or with the fp32 path, both
-    within the 16-bit row of the tolerance table; several q/k heads with two value heads each, a tree,
-    folds on accept and a direct request."""
+    """Phase 1 forms its scores with 16-bit MMAs of the raw rows (prep_mma=True: exact products, the query
+    scale applied after) or with the fp32 path."""
     with verify_launch(BV=16, KB=16, prep_mma=mma):
-        case = Case(B=3, T=3 + 10 + 2, H=2, HV=4, K=40, V=24, gate="mild", beta="mixed", seed=14)
-        tree = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
-        _assert_all(P.check_verify_accept(
-            Poisoned, case, dtype, capacity=4, history=3, lengths=[3, 0, 2],
-            parents=[list(range(-1, 9)), tree, tree], num_drafts=[10, 7, 10], nodes=[9, 5, 9], after=2,
-            device=DEVICE))
+        _check_16bit(dtype, seed=14)
 
 
 @pytest.mark.parametrize("solve", ["rows", "doubling"])
