@@ -27,6 +27,8 @@ def _run(args, tmp_path, timeout):
     env = dict(os.environ, KVBUFFER_BENCH="smoke", TRITON_INTERPRET="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    for name in [n for n in env if n.startswith("PYTEST_")]:  # a clean session, also under pytest-xdist (its
+        env.pop(name)  # worker's PYTEST_XDIST_WORKER made the inner run write an empty --benchmark-json)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
