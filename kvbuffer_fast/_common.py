@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbuffer_ref.buffer import KVBuffer
+
 try:  # grid dependency control (Triton >= 3.3): used only when a launch asks for PDL
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
     from triton.language.extra.cuda import gdc_wait as _gdc_wait
@@ -96,6 +98,16 @@ def ticket_counters(n: int, device) -> torch.Tensor:
 def flag_view(x: torch.Tensor) -> torch.Tensor:
     """A bool tensor seen as uint8 (same storage), so kernels can read and set it portably."""
     return x.view(torch.uint8) if x.dtype == torch.bool else x
+
+
+def check_u_form(buffer: KVBuffer, op: str) -> None:
+    if buffer.form != "u":
+        raise NotImplementedError(
+            f"buffer: kvbuffer_fast.{op} implements the u-cache form (k, u, G) only; this buffer is in the raw "
+            f"(k, v, g, beta) form.  Use kvbuffer_ref.{op} for it, or build the buffer with form='u'"
+        )
+    for name in ("k", "u", "G", "lengths", "has_state", "state"):
+        require_inplace(f"buffer.{name}", getattr(buffer, name))
 
 
 # Launch parameters per kernel: (BV, num_warps); the interpreter ignores num_warps.

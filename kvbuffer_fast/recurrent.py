@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbuffer_ref.validation import check_scale, check_state, check_tokens
+from kvbuffer_ref.checks import check_scale, check_state, check_tokens
 
 from ._common import as_input, block, device_guard, launch_config, new_output, require_inplace
 

@@ -54,12 +54,13 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.validation import (check_buffer, check_counts, check_nodes, check_num_drafts, check_parents,
+from kvbuffer_ref.checks import (check_buffer, check_counts, check_nodes, check_num_drafts, check_parents,
                                      check_scale, check_tokens)
 
 from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, device_guard, flag_view, new_output,
                       pdl_launch, ticket_counters)
-from .decode import _check_u_form, _fold_rows
+from ._common import check_u_form as _check_u_form
+from ._fold import fold_rows as _fold_rows
 
 __all__ = ["verify", "accept", "MAX_DRAFTS", "launch_config", "set_launch", "LAUNCH_CANDIDATES"]
 

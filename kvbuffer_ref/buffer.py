@@ -134,7 +134,7 @@ class KVBuffer:
         (default ``dtype``); ``state_dtype`` of the state storage (default ``dtype``).
         ``with_state=False`` allocates no state storage at all (a direct-only buffer).
         """
-        from .validation import check_capacity
+        from .checks import check_capacity
 
         check_capacity(capacity)
         if form not in ("u", "raw"):

@@ -8,7 +8,7 @@ import torch
 
 from .core import decay_rows, decayed_dot, fold_state, read_state
 from .inputs import prepare_tokens
-from .validation import check_chunk_size, check_state
+from .checks import check_chunk_size, check_state
 
 __all__ = ["chunk_gated_delta_rule"]
 

@@ -9,7 +9,7 @@ import torch
 from .buffer import KVBuffer
 from .entries import entries_of, stale_state, store
 from .speculative import accept, verify
-from .validation import check_buffer, check_flush_count
+from .checks import check_buffer, check_flush_count
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .core import compute_dtype, expand_heads
-from .validation import Dims, check_scale, check_tokens
+from .checks import Dims, check_scale, check_tokens
 
 __all__ = ["Tokens", "prepare_tokens"]
 

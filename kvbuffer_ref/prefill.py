@@ -9,7 +9,7 @@ import torch
 from .buffer import KVBuffer
 from .chunk import chunk_gated_delta_rule
 from .speculative import accept, verify
-from .validation import check_capacity, check_state, check_tokens
+from .checks import check_capacity, check_state, check_tokens
 
 __all__ = ["prefill", "default_tail"]
 

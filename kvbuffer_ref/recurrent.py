@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .inputs import prepare_tokens
-from .validation import check_state
+from .checks import check_state
 
 __all__ = ["recurrent_gated_delta_rule"]
 

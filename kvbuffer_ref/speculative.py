@@ -15,7 +15,7 @@ from .buffer import Drafts, KVBuffer
 from .core import ancestors, cumulative_gates, innovations, outputs
 from .entries import Entries, concat_entries, entries_of, fold_count, memory_of, stale_state, store, tail_gate
 from .inputs import prepare_tokens
-from .validation import check_buffer, check_counts, check_nodes, check_num_drafts, check_parents
+from .checks import check_buffer, check_counts, check_nodes, check_num_drafts, check_parents
 
 __all__ = ["verify", "accept", "path_to"]
 

@@ -44,7 +44,7 @@ PACKAGES = {
                                 "def impl():\n    return reference_from('mut_ref', as_truth=False)\n"),
 }
 #: Modules of the reference copy that stay the real ones (shared classes, one validation module).
-_SHARED = {"buffer.py": "kvbuffer_ref.buffer", "validation.py": "kvbuffer_ref.validation"}
+_SHARED = {"buffer.py": "kvbuffer_ref.buffer", "validation.py": "kvbuffer_ref.checks"}
 #: Modules of the reference that are tools, not the math under test: not copied.
 _TOOLS = {"adapters.py", "cli.py", "validate.py", "pytest_plugin.py", "golden.py"}
 

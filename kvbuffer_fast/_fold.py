@@ -1,0 +1,52 @@
+"""The fold: S + sum_j (exp(G_end - G_j) k_j) u_j^T, the one update every kernel that folds buffered
+entries into a state uses (decode's fold launches, flush, accept's fold)."""
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
+               C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               CHANNEL: tl.constexpr):
+    """s + sum_{j < n_fold} (exp(g_end - G_j) * k_j) u_j^T over this tile's columns: rank-1 updates, four
+    rows per step with their loads issued together.  Rows past n_fold re-read row n_fold - 1 (a valid
+    entry, so finite) and are weighted 0."""
+    for j0 in range(0, n_fold, 4):
+        for i in tl.static_range(4):
+            j = tl.minimum(j0 + i, n_fold - 1)
+            k_j = tl.load(ck_ptr + ((i_b * C + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            u_j = tl.load(cu_ptr + ((i_b * C + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            if CHANNEL:
+                G_j = tl.load(cg_ptr + ((i_b * C + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            else:
+                G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
+            w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)
+            s += (k_j * w)[:, None] * u_j[None, :]
+    return s
+
+
+@triton.jit
+def fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
+              C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              FB: tl.constexpr, CHANNEL: tl.constexpr):
+    """s + sum_{j < n_fold} (exp(g_end - G_j) * k_j) u_j^T over this [BK, BV] tile, FB rows per tl.dot
+    (fp32 FMA: input_precision="ieee").  n_fold must be a runtime value: with a constant trip count
+    ptxas unrolled the loop into 32 registers and kilobytes of spills (sm_90)."""
+    o_f = tl.arange(0, FB)
+    for c0 in range(0, n_fold, FB):
+        rows_f = c0 + o_f
+        m_f = rows_f < n_fold
+        m_kf = m_k[:, None] & m_f[None, :]
+        kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
+                     other=0.0).to(tl.float32)  # [BK, FB]
+        if CHANNEL:
+            gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
+                         other=0.0).to(tl.float32)
+            kt = tl.where(m_kf, kt * tl.exp(g_end[:, None] - gt), 0.0)
+        else:
+            gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
+            kt = tl.where(m_kf, kt * tl.exp(g_end - gt)[None, :], 0.0)
+        uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
+                     mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
+        s = tl.dot(kt, uf, s, input_precision="ieee")
+    return s

@@ -1,0 +1,213 @@
+"""Launch tables: how each kvbuffer_fast operation launches its kernels, as data.
+
+Every operation has one frozen config class (its tile sizes, warps and launch choices) and one table.
+``config_for(op, key)`` starts from the class's defaults and applies, in order, every table row whose
+conditions hold for ``key`` (what the choice depends on: buffer capacity, how many state columns the
+launch covers, the input dtype, scalar or per-channel gates, the device's compute capability).  The
+operations call it when no ``config`` is passed; a benchmark that wants another launch passes
+``config=dataclasses.replace(config_for(op, key), ...)`` and never edits module state.
+
+The rows record measurements on an NVIDIA H200 at Qwen3-Next heads (H = 16, HV = 32, K = V = 128);
+docs/kernels.md and docs/speculative.md give the numbers, and the options that were measured and
+rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+__all__ = [
+    "Key", "Row", "RecurrentConfig", "DecodeConfig", "FlushConfig", "VerifyConfig", "AcceptConfig",
+    "PerDraftStateConfig", "CONFIGS", "TABLES", "config_for", "key_of",
+]
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Key:
+    """What a launch choice may depend on.
+
+    C: buffer capacity (0 where the operation has no buffer); columns: B * HV * V, the state columns
+    the launch covers (proportional to its programs for any column tile that divides V); dtype: the
+    dtype of q and k; channel: per-channel (KDA) gates; capability: (major, minor) of the CUDA device,
+    None under the Triton interpreter.
+    """
+
+    C: int = 0
+    columns: int = 0
+    dtype: torch.dtype = torch.float32
+    channel: bool = False
+    capability: Optional[tuple[int, int]] = None
+
+
+def key_of(x: torch.Tensor, *, C: int = 0, B: int, HV: int, V: int, channel: bool = False,
+           dtype: Optional[torch.dtype] = None) -> Key:
+    """The :class:`Key` of a launch on ``x``'s device."""
+    cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+    return Key(C=int(C), columns=int(B) * int(HV) * int(V), dtype=dtype or x.dtype, channel=bool(channel),
+               capability=cap)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row: ``set`` (field -> value) applies where every condition holds.
+
+    Ranges are inclusive (lo, hi), None meaning unbounded; ``dtypes`` None means any; ``channel`` None
+    means either gate kind; ``capability`` is a range of (major, minor), never matching the interpreter
+    unless it is None.
+    """
+
+    set: dict
+    why: str = ""
+    C: tuple = (None, None)
+    columns: tuple = (None, None)
+    dtypes: Optional[tuple] = None
+    channel: Optional[bool] = None
+    capability: Optional[tuple] = None
+
+    def matches(self, key: Key) -> bool:
+        def inside(x, rng):
+            lo, hi = rng
+            return (lo is None or x >= lo) and (hi is None or x <= hi)
+
+        if not inside(key.C, self.C) or not inside(key.columns, self.columns):
+            return False
+        if self.dtypes is not None and key.dtype not in self.dtypes:
+            return False
+        if self.channel is not None and key.channel != self.channel:
+            return False
+        if self.capability is not None:
+            if key.capability is None or not inside(key.capability, self.capability):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """recurrent_gated_delta_rule / the recurrent decode step: BV state columns per program."""
+
+    BV: int = 64
+    num_warps: int = 2
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """buffered_decode: the decode launch (the lean kernel: [KB, BV] state blocks, NS stages) and the
+    fold launch before it (``fold`` 'group': FH value heads per program, serving the tokens of the
+    requests it folds; 'tile': one program per [K, fold_BV] tile, not serving)."""
+
+    BV: int = 64
+    num_warps: int = 2
+    KB: int = 32
+    NS: int = 1
+    pdl: bool = True
+    fold: str = "group"
+    fold_FH: int = 8
+    fold_BV: int = 64
+    fold_KB: int = 32
+    fold_NS: int = 2
+    fold_warps: int = 2
+
+
+@dataclass(frozen=True)
+class FlushConfig:
+    """flush: BV state columns per program."""
+
+    BV: int = 128
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """verify: phase 1 (one program per request and q/k head, ``prep_warps`` warps, a register cap of
+    ``prep_maxnreg``, 0 for none) and phase 2 ([KB, BV] state blocks, NS stages; ``early``: the draft
+    values and u rows loaded before the state loop)."""
+
+    BV: int = 128
+    num_warps: int = 4
+    KB: int = 32
+    NS: int = 3
+    early: bool = False
+    pdl: bool = True
+    prep_warps: int = 1
+    prep_maxnreg: int = 128
+
+
+@dataclass(frozen=True)
+class AcceptConfig:
+    """accept: the copy launch (BV columns) and the fold launch of requests past the capacity."""
+
+    BV: int = 32
+    num_warps: int = 4
+    fold_BV: int = 128
+    fold_warps: int = 4
+
+
+@dataclass(frozen=True)
+class PerDraftStateConfig:
+    """The per-draft-state baseline (verify writes one state per draft, accept copies one back)."""
+
+    BV: int = 64
+    num_warps: int = 2
+
+
+CONFIGS = {
+    "recurrent": RecurrentConfig,
+    "decode": DecodeConfig,
+    "flush": FlushConfig,
+    "verify": VerifyConfig,
+    "accept": AcceptConfig,
+    "per_draft_state": PerDraftStateConfig,
+}
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+TABLES: dict[str, tuple[Row, ...]] = {
+    "recurrent": (),
+    "decode": (
+        Row(dict(fold="tile", fold_BV=64, fold_warps=4), C=(33, None),
+            why="the grouped fold holds the u rows of all C entries per program: at C = 64 the tile fold "
+                "kernel was 2x faster"),
+        Row(dict(fold_FH=4), columns=(None, 8 * 1024 * 64 - 1),
+            why="fewer than 1024 eight-head fold programs (B < 128 at Qwen3-Next heads): 4 value heads "
+                "per program, 50.2 -> 49.5 us per step at B = 64"),
+    ),
+    "flush": (),
+    "verify": (
+        Row(dict(early=True), columns=(None, 2048 * 128),
+            why="at most 2048 phase-2 programs (B = 64): the early loads were faster, 74.5 against 77.0 us"),
+        Row(dict(early=True), dtypes=_SIXTEEN_BIT, channel=False,
+            why="16-bit q and k take the two-piece TF32 X S0 product, with which the early loads were "
+                "faster at every batch"),
+        Row(dict(KB=16, NS=4), C=(None, 16), columns=(None, 2048 * 128), dtypes=_SIXTEEN_BIT, channel=False,
+            why="the two-piece product, at most 2048 programs and <= 16 buffer rows: 70.4 against 72.5 us "
+                "at B = 64; slower at B = 128 and with C = 32"),
+    ),
+    "accept": (),
+    "per_draft_state": (),
+}
+
+
+def config_for(op: str, key: Key):
+    """The launch of ``op`` for ``key``: the config class's defaults with every matching row applied."""
+    if op not in CONFIGS:
+        raise ValueError(f"op: expected one of {sorted(CONFIGS)}, got {op!r}")
+    changes: dict = {}
+    for row in TABLES[op]:
+        if row.matches(key):
+            changes.update(row.set)
+    return CONFIGS[op](**changes)
+
+
+def check_config(op: str, config):
+    """``config`` if it is ``op``'s config class, else a TypeError naming the expected class."""
+    cls = CONFIGS[op]
+    if not isinstance(config, cls):
+        raise TypeError(f"config: expected a kvbuffer_fast.launch.{cls.__name__} (or None for the launch "
+                        f"table's choice), got {type(config).__name__}")
+    return config
