@@ -1,11 +1,13 @@
-"""Helpers shared by the kvbuffer_fast kernels: launch sizes, dtype handling, in-place checks.
+"""Helpers shared by the kvbuffer_fast operations: program ids and tile masks inside kernels, output
+allocation, input and in-place checks, the PDL prologue and launch flags, scratch counters.
 
-Kept free of any particular kernel so that every module (decode, flush, speculative, ...) can use it.
+Free of any particular kernel, so that every operation's module can use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -13,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
+from kvbuffer_ref.checks import check_buffer
 
 try:  # grid dependency control (Triton >= 3.3): used only when a launch asks for PDL
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -21,21 +24,19 @@ except ImportError:  # pragma: no cover
     _gdc_wait = _gdc_launch_dependents = None
 
 __all__ = [
-    "POISON",
     "block",
     "new_output",
+    "values_checked",
     "as_input",
     "require_inplace",
     "device_guard",
     "ticket_counters",
     "int_scratch",
     "flag_view",
-    "launch_config",
+    "check_u_form",
+    "checked_buffer",
+    "pdl_launch",
 ]
-
-#: Set to True (tests do) to allocate every library-owned output filled with NaN instead of
-#: uninitialised memory, so an element a kernel forgets to write fails loudly.
-POISON = False
 
 
 def block(n: int, minimum: int = 16) -> int:
@@ -44,10 +45,21 @@ def block(n: int, minimum: int = 16) -> int:
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """An output tensor the kernel fully overwrites (NaN-filled when ``POISON`` is set)."""
-    if POISON:
+    """An output tensor the kernel fully overwrites: uninitialised, or NaN-filled when the environment
+    variable ``KVBUFFER_POISON`` is ``1`` (tests set it, so an element a kernel forgets to write fails)."""
+    if os.environ.get("KVBUFFER_POISON") == "1":
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def values_checked(x: torch.Tensor) -> bool:
+    """Whether the checks that read device values (lengths, has_state, counts) may run for tensors on
+    ``x``'s device: False while a CUDA graph is being captured there (a host read would break the
+    capture), True otherwise (and always on the CPU / interpreter)."""
+    if not x.is_cuda:
+        return True
+    with torch.cuda.device(x.device):
+        return not torch.cuda.is_current_stream_capturing()
 
 
 def as_input(x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +86,7 @@ _SCRATCH: dict = {}
 
 def int_scratch(name: str, n: int, device) -> torch.Tensor:
     """A reusable int32 scratch of >= n entries on ``device``, zeroed when (re)allocated, one per name
-    and device (the tickets; decode's length snapshot, which one launch writes and the next reads):
-    launches that use one must be stream-ordered."""
+    and device: launches that use one must be stream-ordered."""
     key = (name, str(torch.device(device)))
     t = _SCRATCH.get(key)
     if t is None or t.numel() < n:
@@ -101,42 +112,28 @@ def flag_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_u_form(buffer: KVBuffer, op: str) -> None:
+    """kvbuffer_fast's buffer operations take the u-cache form and update its tensors in place: a raw-form
+    buffer is a NotImplementedError, a non-contiguous tensor a ValueError."""
     if buffer.form != "u":
         raise NotImplementedError(
             f"buffer: kvbuffer_fast.{op} implements the u-cache form (k, u, G) only; this buffer is in the raw "
             f"(k, v, g, beta) form.  Use kvbuffer_ref.{op} for it, or build the buffer with form='u'"
         )
-    for name in ("k", "u", "G", "lengths", "has_state", "state"):
-        require_inplace(f"buffer.{name}", getattr(buffer, name))
+    for name, x in buffer.tensors().items():
+        require_inplace(f"buffer.{name}", x)
 
 
-# Launch parameters per kernel: (BV, num_warps); the interpreter ignores num_warps.
-# recurrent: best of a sweep on an H200 (bench/results/gpu_decode_h200_run1.json, 91% of copy at B=128).
-# decode: BV=64 / 2 warps like recurrent (no stack, sm_90, offline); the GPU tune (bench/gpu_decode.py --tune)
-# picks among kvbuffer_fast.decode.DECODE_TUNE_CONFIGS; book: see decode.py.
-# flush: no spills at BV=128 / 4 warps (same check).  Docs: docs/kernels.md.  decode pdl="late" (session 5): the
-# decode launch waits for the serving fold launch only at its end (51.5 / 93.3 against 51.8 / 93.8 us per step at
-# B = 64 / 128, bench/results/h200_probe/session5/call1).
-_CONFIG = {
-    "recurrent": dict(BV=64, num_warps=2),
-    "decode": dict(BV=64, num_warps=2, CB=16, book="launch", variant="lean", fold="split", KB=32, NS=1,
-                   loadn=True, keyn=True, kt=False, pf=False, pdl="late", evict="auto"),
-    "flush": dict(BV=128, num_warps=4),
-    # fold_full: the fold launch; serve (session 4, bench/results/h200_gpu_check/call12_*): the grouped kernel
-    # also serves the tokens of the requests it folds (92.9 against 93.6 us per step at B=128 in the tune)
-    "fold_full": dict(BV=64, num_warps=2, kernel="auto", FH="auto", KB=32, NS=2, tile_BV=64, tile_warps=4, serve=True,
-                      prec="ieee"),
-}
-
-
-def launch_config(name: str, V: int, **override) -> dict:
-    """(BV, num_warps, ...) for kernel ``name`` at value dim V; ``override`` replaces entries (benchmarks tune
-    with it)."""
-    cfg = dict(_CONFIG[name])
-    cfg.update({k: v for k, v in override.items() if v is not None})
-    cfg["BV"] = min(cfg["BV"], block(V))
-    cfg["BV"] = max(cfg["BV"], 16)
-    return cfg
+def checked_buffer(buffer: KVBuffer, op: str, dims=None, device=None) -> bool:
+    """The buffer checks of kvbuffer_fast's buffer operation ``op``: a KVBuffer (TypeError), consistent
+    and fitting ``dims`` / ``device`` (``kvbuffer_ref.checks.check_buffer``; its check that reads device
+    values is skipped while a CUDA graph is captured), in the u-cache form and contiguous (``check_u_form``).
+    Returns whether the device values were checked (``values_checked``), for the op's own such checks."""
+    if not isinstance(buffer, KVBuffer):
+        raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
+    checked = values_checked(buffer.k)
+    check_buffer(buffer, dims, device, values=checked)
+    check_u_form(buffer, op)
+    return checked
 
 
 @triton.jit
@@ -152,10 +149,10 @@ def _pdl_prologue(PDL: tl.constexpr, WAIT: tl.constexpr = True):
         _gdc_launch_dependents()
 
 
-def pdl_launch(x: torch.Tensor, cfg: dict) -> dict:
-    """(PDL flag, launch kwargs) for kernels launched on ``x``'s device: PDL only when ``cfg["pdl"]`` is set
-    and the device is a CUDA GPU of compute capability 9.0 or newer."""
-    on = bool(cfg.get("pdl")) and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+def pdl_launch(x: torch.Tensor, on: bool) -> dict:
+    """The launch kwargs of a kernel taking a ``PDL`` constexpr, launched on ``x``'s device: PDL (and
+    ``launch_pdl``) only when ``on`` and the device is a CUDA GPU of compute capability 9.0 or newer."""
+    on = bool(on) and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
@@ -170,3 +167,11 @@ def _program_ids(H: tl.constexpr, HV: tl.constexpr):
     i_hv = i_bhv % HV
     i_h = i_hv // (HV // H)
     return i_v, i_bhv, i_b, i_hv, i_h
+
+
+@triton.jit
+def _tile_offsets(i_v, BK: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """(o_k, o_v, m_k, m_v): the rows and columns of V-tile i_v's [BK, BV] state tile and their masks."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    return o_k, o_v, o_k < K, o_v < V

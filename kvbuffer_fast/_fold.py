@@ -1,8 +1,37 @@
-"""The fold: S + sum_j (exp(G_end - G_j) k_j) u_j^T, the one update every kernel that folds buffered
-entries into a state uses (decode's fold launches, flush, accept's fold)."""
+"""The fold: S = diag(exp(G_end)) S0 + sum_j (exp(G_end - G_j) k_j) u_j^T, the one update every kernel
+that folds buffered entries into a state uses (decode's fold launches, flush, accept's fold).
+
+The helpers work on one program's [BK, BV] tile of a request's state (o_k, o_v: its rows and columns,
+m_k, m_v: their masks; i_b, i_h, i_hv, i_bhv as ``_common._program_ids`` gives them).
+"""
 
 import triton
 import triton.language as tl
+
+__all__ = ["state_tile", "decay", "fold_rows", "fold_dot", "fold_empty"]
+
+
+@triton.jit
+def state_tile(state_ptr, owns, i_bhv, o_k, o_v, m_k, m_v, K: tl.constexpr, V: tl.constexpr):
+    """(pointers, S0) of this program's state tile in float32; S0 = 0 where the request does not
+    ``owns`` a state (direct mode: a select, so its storage row may hold anything, NaN included)."""
+    p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+    s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    return p_s, tl.where(owns, s, 0.0)
+
+
+@triton.jit
+def decay(s, cg_ptr, row, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, CHANNEL: tl.constexpr):
+    """(diag(exp(G_end)) s, G_end) with G_end the G of value head i_hv at flat buffer row ``row``
+    (i_b * C + j for entry j, the last folded one): [BK] per-channel gates, a scalar otherwise."""
+    if CHANNEL:
+        g_end = tl.load(cg_ptr + (row * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        s = s * tl.exp(g_end)[:, None]
+    else:
+        g_end = tl.load(cg_ptr + row * HV + i_hv).to(tl.float32)
+        s = s * tl.exp(g_end)
+    return s, g_end
+
 
 @triton.jit
 def fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
@@ -50,3 +79,16 @@ def fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v,
                      mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
         s = tl.dot(kt, uf, s, input_precision="ieee")
     return s
+
+
+@triton.jit
+def fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, programs):
+    """After a full request's fold: its last program (an atomic ticket after a barrier, once all
+    ``programs`` of the request have read its length) empties the buffer, marks the request as owning
+    a state and resets the counter (``_common.ticket_counters``: zero between launches)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+    if ticket == programs - 1:  # the request's last program: every one has read its length
+        tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))  # emptied
+        tl.store(own_ptr + i_b, 1)  # (a direct request now owns its folded state)
+        tl.store(ticket_ptr + i_b, 0)

@@ -14,9 +14,8 @@ rejected.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -97,9 +96,11 @@ class RecurrentConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """buffered_decode: the decode launch (the lean kernel: [KB, BV] state blocks, NS stages) and the
-    fold launch before it (``fold`` 'group': FH value heads per program, serving the tokens of the
-    requests it folds; 'tile': one program per [K, fold_BV] tile, not serving)."""
+    """buffered_decode: the decode launch ([KB, BV] state blocks, NS stages), the fold launch before it
+    (``fold`` 'group': fold_FH value heads per program, [fold_KB, fold_BV] blocks, fold_NS stages,
+    serving the tokens of the requests it folds; 'tile': one program per [K, fold_BV] tile, not
+    serving) and the bookkeeping launch after it.  ``pdl``: the launches chained by programmatic
+    dependent launch (sm_90+; behind the serving fold launch the decode launch waits at its end)."""
 
     BV: int = 64
     num_warps: int = 2
@@ -124,9 +125,10 @@ class FlushConfig:
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    """verify: phase 1 (one program per request and q/k head, ``prep_warps`` warps, a register cap of
-    ``prep_maxnreg``, 0 for none) and phase 2 ([KB, BV] state blocks, NS stages; ``early``: the draft
-    values and u rows loaded before the state loop)."""
+    """verify: phase 1 (``prep_warps`` warps, a register cap of ``prep_maxnreg``, 0 for none) and phase 2
+    ([KB, BV] state blocks, NS stages; ``early``: the draft values and u rows loaded before the state
+    loop; ``pdl``: phase 2 a programmatic dependent launch of phase 1 on sm_90+).  Its key's ``columns``
+    count phase 2's programs, 128 columns each, and its dtype is float32 unless q and k share a dtype."""
 
     BV: int = 128
     num_warps: int = 4
@@ -150,10 +152,13 @@ class AcceptConfig:
 
 @dataclass(frozen=True)
 class PerDraftStateConfig:
-    """The per-draft-state baseline (verify writes one state per draft, accept copies one back)."""
+    """The per-draft-state baseline: verify (BV state columns per program, writing one state per draft)
+    and accept (copying one back in blocks of accept_block elements)."""
 
     BV: int = 64
     num_warps: int = 2
+    accept_block: int = 2048
+    accept_warps: int = 4
 
 
 CONFIGS = {

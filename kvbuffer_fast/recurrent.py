@@ -1,9 +1,9 @@
-"""Recurrent decode: the baseline serving systems run today (read AND write the whole state per token).
+"""The recurrent gated delta rule: the state read and written once per launch, T tokens in registers.
 
-Grid: (V / BV, B * HV).  Each program owns a [K, BV] tile of one request's state for one value head;
-it loads the tile once, runs the gated delta rule over the T tokens (normally T = 1) and stores the
-tile back in place.  Value columns are independent (u_t = beta (v_t - S~^T k_t) is computed per
-column), so tiles never talk to each other.  State traffic per token: 2 |S| (read + write).
+``_recurrent_kernel``, grid (V / BV, B * HV): each program owns a [K, BV] tile of one request's state
+for one value head; it loads the tile once, runs the gated delta rule over the T tokens and stores
+the tile back.  Value columns are independent (u_t = beta (v_t - S~^T k_t) is computed per column),
+so tiles never talk to each other.  State traffic per launch: 2 |S| (read + write).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import triton.language as tl
 
 from kvbuffer_ref.checks import check_scale, check_state, check_tokens
 
-from ._common import as_input, block, device_guard, launch_config, new_output, require_inplace
+from ._common import _program_ids, _tile_offsets, as_input, block, device_guard, new_output, require_inplace
+from .launch import RecurrentConfig, check_config, config_for, key_of
 
-__all__ = ["recurrent_decode", "recurrent_gated_delta_rule"]
+__all__ = ["recurrent_gated_delta_rule"]
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, i_bt, i_h,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHANNEL: tl.constexpr):
     """One token (flat index i_bt = b * T + t) of the gated delta rule on a [K, BV] state tile held in
     registers: S *= exp(g), u = beta (v - S^T k), S += k u^T, o = S^T q (q scaled), o stored.  Returns S.
-    Shared by the recurrent kernel and the per-draft-state baseline (inlined by Triton)."""
+    Shared by the recurrent kernel and the per-draft-state baseline (kvbuffer_fast.baselines)."""
     b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v_ptr + (i_bt * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -50,15 +51,9 @@ def _recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
+    """T tokens of one (request, value head) on its [K, BV] state tile, updated in place."""
+    i_v, i_bh, i_b, i_hv, i_h = _program_ids(H, HV)
+    o_k, o_v, m_k, m_v = _tile_offsets(i_v, BK, BV, K, V)
     m_s = m_k[:, None] & m_v[None, :]
     p_s = state_ptr + (i_bh * K + o_k[:, None]) * V + o_v[None, :]
     s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
@@ -68,45 +63,29 @@ def _recurrent_kernel(
     tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
 
 
-def recurrent_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    scale: Optional[float] = None,
-    BV: Optional[int] = None,
-    num_warps: Optional[int] = None,
-) -> torch.Tensor:
-    """Gated delta rule over T tokens (normally 1), updating ``state`` IN PLACE; returns o.
-
-    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] or [B, T, HV, K]; beta: [B, T, HV];
-    state: [B, HV, K, V] (float32, contiguous), read and overwritten.  Returns o [B, T, HV, V]
-    in v's dtype.  Per value head, q scaled (``scale`` default K ** -0.5)::
-
-        S~ = exp(g) S (per-channel: diag(exp(g)) S);  u = beta (v - S~^T k);  S = S~ + k u^T;  o = S^T q
-
-    ``BV`` / ``num_warps`` override the tuned launch (benchmarks only).
-    """
+def recurrent_step(q, k, v, g, beta, state: torch.Tensor, scale: Optional[float],
+                   config: Optional[RecurrentConfig]) -> torch.Tensor:
+    """The recurrent kernel over the tokens, ``state`` [B, HV, K, V] (contiguous) updated IN PLACE;
+    returns o [B, T, HV, V] in v's dtype (kvbuffer_fast.baselines.recurrent_decode is this)."""
     d = check_tokens(q, k, v, g, beta)
     if state is None:
-        raise ValueError("state: recurrent_decode needs a state [B, HV, K, V] to update in place, got None")
+        raise ValueError("state: the recurrent step needs a state [B, HV, K, V] to update in place, got None")
     check_state("state", state, d, q.device)
     require_inplace("state", state)
     s = check_scale(scale, d.K)
-    cfg = launch_config("recurrent", d.V, BV=BV, num_warps=num_warps)
+    if config is None:
+        config = config_for("recurrent", key_of(q, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
+    cfg = check_config("recurrent", config)
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
     if d.B == 0 or d.T == 0:
         return o
-    grid = (triton.cdiv(d.V, cfg["BV"]), d.B * d.HV)
+    BV = max(16, min(cfg.BV, block(d.V)))
     with device_guard(q):
-        _recurrent_kernel[grid](
+        _recurrent_kernel[(triton.cdiv(d.V, BV), d.B * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o, state,
             s, d.T,
-            H=d.H, HV=d.HV, K=d.K, V=d.V, BK=block(d.K), BV=cfg["BV"], CHANNEL=d.channel_gate,
-            num_warps=cfg["num_warps"],
+            H=d.H, HV=d.HV, K=d.K, V=d.V, BK=block(d.K), BV=BV, CHANNEL=d.channel_gate,
+            num_warps=cfg.num_warps,
         )
     return o
 
@@ -121,10 +100,17 @@ def recurrent_gated_delta_rule(
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
+    config: Optional[RecurrentConfig] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``kvbuffer_ref.recurrent_gated_delta_rule`` on the recurrent kernel (inputs are not modified).
 
-    Returns o [B, T, HV, V] and, if ``output_final_state``, the final float32 state [B, HV, K, V].
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] or [B, T, HV, K]; beta: [B, T, HV];
+    initial_state: [B, HV, K, V] or None (zeros).  Per value head, q scaled (``scale`` default K ** -0.5)::
+
+        S~ = exp(g) S (per-channel: diag(exp(g)) S);  u = beta (v - S~^T k);  S = S~ + k u^T;  o = S^T q
+
+    Returns o [B, T, HV, V] in v's dtype and, if ``output_final_state``, the final float32 state
+    [B, HV, K, V].  ``config``: a :class:`kvbuffer_fast.launch.RecurrentConfig`, None for the table's.
     """
     d = check_tokens(q, k, v, g, beta)
     check_state("initial_state", initial_state, d, q.device)
@@ -132,5 +118,5 @@ def recurrent_gated_delta_rule(
         state = torch.zeros(d.B, d.HV, d.K, d.V, dtype=torch.float32, device=q.device)
     else:
         state = initial_state.to(torch.float32, copy=True).contiguous()
-    o = recurrent_decode(q, k, v, g=g, beta=beta, state=state, scale=scale)
+    o = recurrent_step(q, k, v, g, beta, state, scale, config)
     return o, (state if output_final_state else None)

@@ -1,6 +1,8 @@
 """kvbuffer_ref: the float64-capable pure-PyTorch oracle of the gated delta rule in every serving form.
 
-See docs/math.md for the derivations and docs/conventions.md for shapes and argument order.
+See docs/math.md for the derivations and docs/conventions.md for shapes and argument order.  What is
+built on the oracle (``kvbuffer validate``, its adapters, the golden vectors, the hypothesis strategies
+and properties) is the sub-package ``kvbuffer_ref.validate``.
 """
 
 from .buffer import Drafts, KVBuffer

@@ -20,16 +20,71 @@ garbage and never read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
 
+from .checks import (Dims, check_capacity, require_device, require_float, require_int_tensor, require_rank,
+                     require_tensor, shape_str)
+
 __all__ = ["KVBuffer", "Drafts"]
 
+#: Form of a buffer or drafts field: "u" (u-cache), "raw" (the paper's k, v, g, beta) or None (both forms).
+FORMS = ("u", "raw")
 
-@dataclass(frozen=True)
-class KVBuffer:
+
+def _slot(form: Optional[str] = None):
+    """A per-slot field ([B, C, ...]: one row per entry): of one form (default None: unused by the
+    other form) or of both (form None: required)."""
+    if form is None:
+        return field(metadata={"slot": True, "form": None})
+    return field(default=None, metadata={"slot": True, "form": form})
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Slots:
+    """The per-slot fields buffered entries and drafts share, declared once: k, then the u-cache form's
+    (u, G) and the raw form's (v, g, beta); and the field lists every copy, export and check uses."""
+
+    k: torch.Tensor = _slot()
+    u: Optional[torch.Tensor] = _slot("u")
+    G: Optional[torch.Tensor] = _slot("u")
+    v: Optional[torch.Tensor] = _slot("raw")
+    g: Optional[torch.Tensor] = _slot("raw")
+    beta: Optional[torch.Tensor] = _slot("raw")
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """Every field name: the per-slot ones (k, u, G, v, g, beta), then the class's own (a buffer's
+        lengths, state, has_state; drafts' parents, num_drafts)."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def slot_fields(cls, form: Optional[str] = None) -> tuple[str, ...]:
+        """The per-slot fields ([B, C, ...]): k, u, G, v, g, beta; with ``form``, those that form holds
+        (``"u"``: k, u, G; ``"raw"``: k, v, g, beta)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("slot")
+                     and (form is None or f.metadata["form"] in (None, form)))
+
+    @classmethod
+    def form_fields(cls, form: str) -> tuple[str, ...]:
+        """The fields only ``form`` holds: ("u", "G") for the u-cache, ("v", "g", "beta") for raw."""
+        if form not in FORMS:
+            raise ValueError(f"form: expected 'u' (u-cache) or 'raw' (k, v, g, beta), got {form!r}")
+        return tuple(f.name for f in fields(cls) if f.metadata.get("form") == form)
+
+    def tensors(self) -> dict:
+        """{field name: tensor or None} for every field."""
+        return {name: getattr(self, name) for name in self.fields()}
+
+    def cloned(self) -> dict:
+        """{field name: a clone of the tensor, or None}: working copies a new buffer is built from."""
+        return {name: None if x is None else x.clone() for name, x in self.tensors().items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVBuffer(_Slots):
     """Stale state + buffered entries for a batch of B requests, capacity C.
 
     Fields (``*`` = per-channel gate adds a trailing K axis):
@@ -51,15 +106,9 @@ class KVBuffer:
     Exactly one form is populated: ``(u, G)`` or ``(v, g, beta)``.
     """
 
-    k: torch.Tensor
     lengths: torch.Tensor
     state: Optional[torch.Tensor]
     has_state: torch.Tensor
-    u: Optional[torch.Tensor] = None
-    G: Optional[torch.Tensor] = None
-    v: Optional[torch.Tensor] = None
-    g: Optional[torch.Tensor] = None
-    beta: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -134,11 +183,8 @@ class KVBuffer:
         (default ``dtype``); ``state_dtype`` of the state storage (default ``dtype``).
         ``with_state=False`` allocates no state storage at all (a direct-only buffer).
         """
-        from .checks import check_capacity
-
         check_capacity(capacity)
-        if form not in ("u", "raw"):
-            raise ValueError(f"form: expected 'u' (u-cache) or 'raw' (k, v, g, beta), got {form!r}")
+        form_names = cls.form_fields(form)
         if num_heads < 1 or num_value_heads % num_heads != 0:
             raise ValueError(
                 f"num_value_heads: expected a positive multiple of num_heads={num_heads}, got {num_value_heads}"
@@ -148,25 +194,98 @@ class KVBuffer:
         state_dtype = state_dtype or dtype
         gshape = (B, C, HV, K) if channel_gate else (B, C, HV)
         kw = dict(device=device)
-        fields = dict(
+        shapes = dict(u=(B, C, HV, V), G=gshape, v=(B, C, HV, V), g=gshape, beta=(B, C, HV))
+        return cls(
             k=torch.zeros(B, C, H, K, dtype=key_dtype, **kw),
             lengths=torch.zeros(B, dtype=torch.long, **kw),
             state=torch.zeros(B, HV, K, V, dtype=state_dtype, **kw) if with_state else None,
             has_state=torch.zeros(B, dtype=torch.bool, **kw),
+            **{name: torch.zeros(shapes[name], dtype=dtype, **kw) for name in form_names},
         )
-        if form == "u":
-            fields.update(u=torch.zeros(B, C, HV, V, dtype=dtype, **kw), G=torch.zeros(gshape, dtype=dtype, **kw))
-        else:
-            fields.update(
-                v=torch.zeros(B, C, HV, V, dtype=dtype, **kw),
-                g=torch.zeros(gshape, dtype=dtype, **kw),
-                beta=torch.zeros(B, C, HV, dtype=dtype, **kw),
-            )
-        return cls(**fields)
+
+    # ------------------------------------------------------------ invariants
+    def check(self, dims: Optional[Dims] = None, device: Optional[torch.device] = None, *,
+              values: bool = True) -> None:
+        """Check the buffer's own consistency and, when ``dims`` is given, that it fits the tokens.
+
+        Raises ValueError / TypeError naming the field, what was expected and what was given.
+        ``values=False`` skips the one check that reads device memory (lengths in 0..C), e.g. while a
+        CUDA graph is captured; shapes, dtypes and devices are checked either way.
+        ``kvbuffer_ref.checks.check_buffer`` calls this.
+        """
+        k, lengths = self.k, self.lengths
+        require_rank("buffer.k", k, 4, "[B, C, H, K]")
+        B, C, H, K = k.shape
+        form = self._populated_form()
+        vname, gname = ("buffer.u", "buffer.G") if form == "u" else ("buffer.v", "buffer.g")
+        vals = self.values
+        require_rank(vname, vals, 4, "[B, C, HV, V]")
+        HV, V = vals.shape[2], vals.shape[3]
+        if tuple(vals.shape[:2]) != (B, C):
+            raise ValueError(f"{vname}: expected leading dims [B, C] = [{B}, {C}], got {shape_str(vals)}")
+        if HV % H != 0:
+            raise ValueError(f"buffer: value heads HV={HV} must be a multiple of key heads H={H}")
+        if tuple(self.gates.shape) not in ((B, C, HV), (B, C, HV, K)):
+            raise ValueError(f"{gname}: expected [B, C, HV] = [{B}, {C}, {HV}] or [B, C, HV, K] = "
+                             f"[{B}, {C}, {HV}, {K}], got {shape_str(self.gates)}")
+        if form == "raw" and tuple(self.beta.shape) != (B, C, HV):
+            raise ValueError(f"buffer.beta: expected [B, C, HV] = [{B}, {C}, {HV}], got {shape_str(self.beta)}")
+        require_int_tensor("buffer.lengths", lengths, (B,), "[B]", k.device)
+        bad = (lengths < 0) | (lengths > C) if values else None
+        if values and bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"buffer.lengths: entry [{b}] is {int(lengths[b])}, expected a value in 0..{C} "
+                             f"(the capacity)")
+        self._check_state(B, HV, K, V, values)
+        for name, x in self.tensors().items():
+            if x is not None:
+                require_device(f"buffer.{name}", x, k.device)
+                if name not in ("has_state", "lengths"):
+                    require_float(f"buffer.{name}", x)
+        if dims is not None:
+            self._check_fits(dims, dict(B=B, H=H, HV=HV, K=K, V=V))
+        if device is not None:
+            require_device("buffer", k, device)
+
+    def _populated_form(self) -> str:
+        """The one form whose fields are all set; ValueError for none, both or a partial form."""
+        present = {form: [getattr(self, n) is not None for n in self.form_fields(form)] for form in FORMS}
+        if any(present["u"]) == any(present["raw"]):
+            raise ValueError("buffer: expected exactly one form populated: (u, G) for the u-cache or (v, g, beta) "
+                             "for raw")
+        if any(present["u"]) and not all(present["u"]):
+            raise ValueError("buffer: the u-cache form needs both u and G")
+        if any(present["raw"]) and not all(present["raw"]):
+            raise ValueError("buffer: the raw form needs v, g and beta")
+        return "u" if any(present["u"]) else "raw"
+
+    def _check_state(self, B: int, HV: int, K: int, V: int, values: bool = True) -> None:
+        hs = self.has_state
+        require_tensor("buffer.has_state", hs)
+        if hs.dtype != torch.bool or tuple(hs.shape) != (B,):
+            raise ValueError(f"buffer.has_state: expected a bool tensor [B] = [{B}], got {hs.dtype} {shape_str(hs)}")
+        if self.state is None:
+            if values and bool(hs.any()):
+                raise ValueError("buffer.has_state: a request is marked as owning a state but buffer.state is None")
+            return
+        require_float("buffer.state", self.state)
+        if tuple(self.state.shape) != (B, HV, K, V):
+            raise ValueError(f"buffer.state: expected [B, HV, K, V] = [{B}, {HV}, {K}, {V}], "
+                             f"got {shape_str(self.state)}")
+
+    def _check_fits(self, dims: Dims, got: dict) -> None:
+        want = dict(B=dims.B, H=dims.H, HV=dims.HV, K=dims.K, V=dims.V)
+        for key in got:
+            if got[key] != want[key]:
+                raise ValueError(f"buffer: its {key}={got[key]} does not match the tokens' {key}={want[key]}")
+        if self.channel_gate != dims.channel_gate:
+            kinds = {False: "scalar [B, T, HV]", True: "per-channel [B, T, HV, K]"}
+            raise ValueError(f"g: the buffer holds {kinds[self.channel_gate]} gates but g is "
+                             f"{kinds[dims.channel_gate]}")
 
 
-@dataclass(frozen=True)
-class Drafts:
+@dataclass(frozen=True, kw_only=True)
+class Drafts(_Slots):
     """What ``verify`` computed for each draft node, kept so that ``accept`` recomputes nothing.
 
     ``D`` is the largest draft count in the batch; rows past ``num_drafts[b]`` are padding.
@@ -186,12 +305,11 @@ class Drafts:
 
     parents: torch.Tensor
     num_drafts: torch.Tensor
-    k: torch.Tensor
-    u: Optional[torch.Tensor] = None
-    G: Optional[torch.Tensor] = None
-    v: Optional[torch.Tensor] = None
-    g: Optional[torch.Tensor] = None
-    beta: Optional[torch.Tensor] = None
+
+    def slot(self, b: int, idx: torch.Tensor) -> dict:
+        """{per-slot field: rows ``idx`` of request b, or None}: the entries ``accept`` appends."""
+        return {name: None if getattr(self, name) is None else getattr(self, name)[b, idx]
+                for name in self.slot_fields()}
 
     @property
     def form(self) -> str:

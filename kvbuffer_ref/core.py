@@ -6,7 +6,7 @@ Shapes (``n`` / ``m`` token axes, ``*`` = the per-channel gate's trailing K axis
     keys / queries x : [..., n, HV, K]     values / innovations u : [..., n, HV, V]
     cumulative gates G : [..., n, HV]*     state S : [..., HV, K, V]
 
-Numerics rule (DESIGN.md §3): a decay is only ever ``exp(G_i - G_j)`` with ``j`` at or before
+Numerics rule (docs/math.md, section 4): a decay is only ever ``exp(G_i - G_j)`` with ``j`` at or before
 ``i`` on the same path, so it is ``<= 1``; disallowed pairs are masked *before* the exp.
 """
 

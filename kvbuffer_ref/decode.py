@@ -7,9 +7,10 @@ from typing import Optional
 import torch
 
 from .buffer import KVBuffer
-from .entries import entries_of, stale_state, store
-from .speculative import accept, verify
 from .checks import check_buffer, check_flush_count
+from .core import innovations, outputs
+from .entries import Entries, append, entries_of, memory_of, stale_state, store, tail_gate
+from .inputs import prepare_tokens
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
 
@@ -29,13 +30,30 @@ def buffered_decode(
     q, k: [B, 1, H, K]; v: [B, 1, HV, V]; g: [B, 1, HV]*; beta: [B, 1, HV]; o: [B, 1, HV, V].
     The token's entry is appended.  A request whose buffer is already full (length C) first has
     its C entries folded into its state (which needs ``buffer.state`` storage), so the new buffer
-    holds one entry.  Mathematically this is ``verify`` of one draft followed by ``accept`` of it.
+    holds one entry.  This is ``verify`` of one draft followed by ``accept`` of it, written out:
+    per request, u from (2) and o from (3) of docs/math.md on top of S0 and the buffered entries.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q: buffered_decode takes one token per request, expected [B, 1, H, K], got {shape}")
-    o, drafts = verify(q, k, v, g=g, beta=beta, buffer=buffer, scale=scale)
-    return o, accept(buffer, drafts, counts=1)
+    x = prepare_tokens(q, k, v, g, beta, scale)
+    d = x.dims
+    check_buffer(buffer, d, q.device)
+    dt, kept = x.v.dtype, buffer.values.dtype  # computed in dt; stored and folded in the buffer's dtype, as accept
+    alone = torch.zeros(1, 1, dtype=torch.bool, device=q.device)  # the token has no ancestor among new tokens
+    o = torch.zeros(d.B, 1, d.HV, d.V, dtype=dt, device=q.device)
+    fields = buffer.cloned()
+    for b in range(d.B):
+        S0 = stale_state(buffer, b, dt)
+        old = entries_of(buffer, b, dt)
+        mem = memory_of(old, S0, d.HV)
+        G = tail_gate(old, x.g[b, 0]) + x.g[b]  # [1, HV]*: the token's cumulative gate since the last flush
+        u = innovations(x.k[b], x.v[b], x.beta[b], G, alone, S0, mem)
+        o[b] = outputs(x.q[b], x.k[b], u, G, alone, S0, mem)
+        own = dict(u=u, G=G) if buffer.form == "u" else dict(v=x.v[b], g=x.g[b], beta=x.beta[b])
+        append(fields, buffer, b, entries_of(buffer, b, kept), Entries(k=x.k_heads[b], **own),
+               stale_state(buffer, b, kept))
+    return o.to(x.out_dtype), KVBuffer(**fields)
 
 
 def flush(buffer: KVBuffer, *, count=None) -> KVBuffer:
@@ -50,8 +68,7 @@ def flush(buffer: KVBuffer, *, count=None) -> KVBuffer:
     B = buffer.batch
     count = check_flush_count(count, buffer.lengths)
     dt = buffer.values.dtype
-    fields = {f: (None if getattr(buffer, f) is None else getattr(buffer, f).clone())
-              for f in ("k", "u", "G", "v", "g", "beta", "state", "has_state", "lengths")}
+    fields = buffer.cloned()
     if fields["state"] is None:
         K, V = buffer.head_k_dim, buffer.head_v_dim
         fields["state"] = torch.zeros(B, buffer.num_value_heads, K, V, dtype=torch.promote_types(dt, torch.float32),

@@ -11,26 +11,25 @@ The reference works request by request (lengths are ragged), on plain per-reques
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from collections import namedtuple
+from typing import Optional
 
 import torch
 
 from .buffer import KVBuffer
 from .core import Memory, expand_heads, fold_state, innovations
 
-__all__ = ["Entries", "entries_of", "concat_entries", "memory_of", "stale_state", "tail_gate", "fold_count", "store"]
+__all__ = ["Entries", "entries_of", "concat_entries", "memory_of", "stale_state", "tail_gate", "fold_count", "store",
+           "append"]
+
+_SLOTS = KVBuffer.slot_fields()
 
 
-class Entries(NamedTuple):
-    """n entries of one request.  k: [n, H, K]; u-form: u [n, HV, V], G [n, HV]*;
-    raw form: v [n, HV, V], g [n, HV]*, beta [n, HV].  Unused fields are None."""
+class Entries(namedtuple("_Entries", _SLOTS, defaults=(None,) * (len(_SLOTS) - 1))):
+    """n entries of one request, one field per slot field of the buffer.  k: [n, H, K]; u-form:
+    u [n, HV, V], G [n, HV]*; raw form: v [n, HV, V], g [n, HV]*, beta [n, HV].  Unused fields are None."""
 
-    k: torch.Tensor
-    u: Optional[torch.Tensor] = None
-    G: Optional[torch.Tensor] = None
-    v: Optional[torch.Tensor] = None
-    g: Optional[torch.Tensor] = None
-    beta: Optional[torch.Tensor] = None
+    __slots__ = ()
 
     def take(self, idx) -> "Entries":
         """The entries at ``idx`` (a slice or an index tensor)."""
@@ -42,13 +41,10 @@ class Entries(NamedTuple):
         return self.k.shape[0]
 
 
-_FIELDS = ("k", "u", "G", "v", "g", "beta")
-
-
 def entries_of(buffer: KVBuffer, b: int, dtype: torch.dtype) -> Entries:
     """Request b's buffered entries (the first ``lengths[b]`` slots) in ``dtype``."""
     n = int(buffer.lengths[b])
-    return Entries(*(None if getattr(buffer, f) is None else getattr(buffer, f)[b, :n].to(dtype) for f in _FIELDS))
+    return Entries(**{f: None if getattr(buffer, f) is None else getattr(buffer, f)[b, :n].to(dtype) for f in _SLOTS})
 
 
 def concat_entries(a: Entries, b: Entries) -> Entries:
@@ -113,8 +109,23 @@ def store(fields: dict, b: int, e: Entries, S0: Optional[torch.Tensor], fold: in
             rest = rest._replace(G=rest.G - G_end)
         e = rest
     n = e.n
-    for f in _FIELDS:
-        x = getattr(e, f)
+    for f, x in e._asdict().items():
         if x is not None:
             fields[f][b, :n] = x.to(fields[f].dtype)
     fields["lengths"][b] = n
+
+
+def append(fields: dict, buffer: KVBuffer, b: int, old: Entries, new: Entries, S0: Optional[torch.Tensor]) -> None:
+    """Append entries ``new`` after request b's entries ``old`` (its stale state S0) in ``fields``, the
+    working copies of ``buffer``'s tensors; when they pass the capacity C, fold by ``fold_count`` first.
+
+    Raises ValueError when a fold is needed and the buffer has no state storage (``state is None``).
+    """
+    fold = fold_count(old.n, new.n, buffer.capacity)
+    if fold and buffer.state is None:
+        raise ValueError(
+            f"buffer: request {b} has {old.n} entries and gets {new.n} more, past the capacity "
+            f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
+            f"call flush() first (it allocates the state) or use a larger capacity"
+        )
+    store(fields, b, concat_entries(old, new), S0, fold, buffer.num_value_heads)

@@ -42,7 +42,7 @@ def itemsize(dtype: DType) -> int:
 class LayerShape:
     """One linear-attention layer: heads, head dims and the storage dtypes.
 
-    Defaults follow serving practice: fp32 state and u-cache (DESIGN.md §3), bf16 keys.
+    Defaults follow serving practice: fp32 state and u-cache (kernels accumulate in fp32), bf16 keys.
     """
 
     H: int

@@ -13,9 +13,9 @@ import torch
 
 from .buffer import Drafts, KVBuffer
 from .core import ancestors, cumulative_gates, innovations, outputs
-from .entries import Entries, concat_entries, entries_of, fold_count, memory_of, stale_state, store, tail_gate
-from .inputs import prepare_tokens
 from .checks import check_buffer, check_counts, check_nodes, check_num_drafts, check_parents
+from .entries import Entries, append, entries_of, memory_of, stale_state, tail_gate
+from .inputs import prepare_tokens
 
 __all__ = ["verify", "accept", "path_to"]
 
@@ -113,22 +113,11 @@ def accept(
     else:
         nodes = check_nodes(nodes, drafts.num_drafts)
     dt = buffer.values.dtype
-    fields = {f: (None if getattr(buffer, f) is None else getattr(buffer, f).clone())
-              for f in ("k", "u", "G", "v", "g", "beta", "state", "has_state", "lengths")}
+    fields = buffer.cloned()
     for b in range(buffer.batch):
         path = path_to(drafts.parents[b], int(nodes[b]))
         if not path:
             continue
-        idx = torch.tensor(path, dtype=torch.long, device=drafts.k.device)
-        new = Entries(*(None if getattr(drafts, f) is None else getattr(drafts, f)[b, idx]
-                        for f in ("k", "u", "G", "v", "g", "beta")))
-        old = entries_of(buffer, b, dt)
-        fold = fold_count(old.n, new.n, buffer.capacity)
-        if fold and buffer.state is None:
-            raise ValueError(
-                f"buffer: request {b} has {old.n} entries and gets {new.n} more, past the capacity "
-                f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
-                f"call flush() first (it allocates the state) or use a larger capacity"
-            )
-        store(fields, b, concat_entries(old, new), stale_state(buffer, b, dt), fold, buffer.num_value_heads)
+        new = Entries(**drafts.slot(b, torch.tensor(path, dtype=torch.long, device=drafts.k.device)))
+        append(fields, buffer, b, entries_of(buffer, b, dt), new, stale_state(buffer, b, dt))
     return KVBuffer(**fields)

@@ -1,123 +1,215 @@
-"""Registers and spills of a kvbuffer_fast kernel for sm_90 without a GPU: Triton compiles it ahead of
-time to PTX, and the ptxas bundled with Triton reports (-v) what it allocated.  The local Triton may
-differ from the device's (3.6), so this only flags a change (e.g. a register blow-up) before a device
-call; the probe's `compiled` rows on the GPU are the record.
+"""Registers, spills and PTX size of a kvbuffer_fast kernel for sm_90, without a GPU.
 
-    python scripts/aot_regs.py KERNEL [KEY=VALUE ...]     e.g.  decode FOLD=1 EARLY=1 maxnreg=96 num_warps=2
+Triton compiles the kernel ahead of time to PTX for sm_90 and the ptxas bundled with Triton reports
+(-v) the registers and spill stores it allocated; the PTX instructions are counted without debug
+locations, labels and directives.  The local Triton may differ from the device's, so compare two
+package roots with the same Triton (e.g. before and after a refactor) rather than with the device.
 
-KERNEL: decode (the lean decode kernel), fold_group, verify_prep, verify_prep_group, verify_stream (num_warps=4).
+    python scripts/aot_regs.py KERNEL [KEY=VALUE ...] [--root DIR]
+    python scripts/aot_regs.py all [--root DIR]
 
-KEY=VALUE sets a constexpr of the kernel (the rest: Qwen3-Next shapes, C=16, the kernel's defaults) or
-a compile option (num_warps, maxnreg, num_stages).  PYTHONPATH=<a Triton 3.6 install> compiles as the
-H200 image does; AOT_DEBUG=1 prints ptxas's whole report; AOT_PTX=FILE writes the PTX there.  tests/bench/test_gpu_probe_config.py runs it.
+KERNEL: decode, fold_group, fold_full (the tile fold), book (kvbuffer_fast/decode.py), verify_prep_group,
+verify_prep, verify_stream (kvbuffer_fast/verify.py; speculative.py in older trees), or ``all``.
+Constexprs take, in order: KEY=VALUE from the command line, the value of the default H200 launch
+below (Qwen3-Next heads, B = 128, C = 16, bf16), the kernel's own default; a constexpr with none of
+these is an error that names it, and names the table gives that the kernel lacks are ignored (a
+renamed switch must then be given on the command line).  num_warps, maxnreg and num_stages are compile options.
+``--root DIR`` imports kvbuffer_fast from DIR.  ``ptx_sha256`` digests the PTX's code without debug
+locations, comments and parameter names: equal digests of two roots mean the same kernel code (a
+kernel that lost an unused argument differs only in its ``params`` count: diff the AOT_PTX files).  AOT_PTX=FILE writes the PTX there; AOT_DEBUG=1 prints
+ptxas's whole report.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+#: kernel name -> (modules to look in, the jit function's names, newest last, constexprs, compile options).  The constexprs
+#: are those of the default launch on an H200 at Qwen3-Next heads, B = 128, C = 16, bf16 tokens, scalar
+#: gates, d = 5 verified tokens (the fold kernels: the grouped one serves the requests it folds).
+KERNELS = {
+    "decode": (("decode",), ("_decode_lean_kernel", "_decode_kernel"),
+               dict(C=16, H=16, HV=32, K=128, V=128, CB=16, BK=128, BV=64, NV=2, BH=16, BHV=32, CHANNEL=False,
+                    STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True, KEYN=True, KT=False, SNAP=False, FOLD=False,
+                    EARLY=False, PF=False, PDL=True, SERVED=True, LATE=True, EV_STATE="evict_first",
+                    EV_ROWS="evict_last"), dict(num_warps=2)),
+    "fold_group": (("decode", "_fold"), "_fold_group_kernel",
+                   dict(C=16, H=16, HV=32, K=128, V=128, CB=16, KB=32, BV=64, NV=2, FH=8, NS=2, CHANNEL=False,
+                        SNAP=False, STORAGE=True, PDL=True, SERVE=True, FP="ieee"), dict(num_warps=2)),
+    "fold_full": (("decode", "_fold", "flush"), ("_fold_full_kernel", "_fold_tile_kernel"),
+                  dict(C=16, H=16, HV=32, K=128, V=128, FB=16, BK=128, BV=64, NV=2, CHANNEL=False, SNAP=False,
+                       STORAGE=True, SERVE=False), dict(num_warps=4)),
+    "book": (("decode",), "_book_kernel", dict(C=16, H=16, HV=32, K=128, BK=128, BH=16, BHV=32, CHANNEL=False,
+                                               PDL=True), dict(num_warps=4)),
+    "verify_prep_group": (("verify", "speculative"), "_verify_prep_group_kernel",
+                          dict(C=16, H=16, HV=32, K=128, BD=8, BC=16, KC=32, PREC="tf32x3", PDL=True, HOIST=True, BG=2,
+                               MMA16=True, DOUBLING=False, LOG_BD=3), dict(num_warps=1, maxnreg=128)),
+    "verify_prep": (("verify", "speculative"), "_verify_prep_kernel",
+                    dict(C=16, H=16, HV=32, K=128, BD=8, BC=16, KC=32, PREC="tf32x3", PDL=True, CHANNEL=False, ZP=True),
+                    dict(num_warps=1)),
+    "verify_stream": (("verify", "speculative"), "_verify_stream_kernel",
+                      dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
+                           ZP=True, PDL=True, H=16, EARLY=True, XPREC="tf32x2", XP="tf32"), dict(num_warps=4)),
+}
+OPTIONS = ("num_warps", "maxnreg", "num_stages")
+_BF16 = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "ck_ptr", "dk_ptr", "beta_ptr"}
+_I64 = {"len_ptr", "nd_ptr", "par_ptr", "snap_ptr"}
 
 
-def _lean_decode(over):
-    import kvbuffer_fast.decode as dec
-
-    ptr = "*fp32"
-    sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr=ptr, beta_ptr="*bf16", o_ptr="*bf16",
-               ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
-               ticket_ptr="*i32", scale="fp32", snap_ptr="*i64")
-    const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, BK=128, BV=64, NV=2, BH=16, BHV=32, CHANNEL=False,
-                 STORAGE=True, TICKET=False, KB=32, NS=1, LOADN=True, KEYN=True)
-    const.update(over)
-    return dec._decode_lean_kernel, sig, const
+def _arg_type(name: str) -> str:
+    """The signature type of a runtime argument, from its name (bf16 tokens and keys, fp32 the rest)."""
+    if not name.endswith("_ptr"):
+        return "fp32" if name == "scale" else "i32"
+    if name in _BF16:
+        return "*bf16"
+    if name in _I64:
+        return "*i64"
+    return {"own_ptr": "*u8", "ticket_ptr": "*i32"}.get(name, "*fp32")
 
 
-def _verify(kernel: str):
-    def make(over):
-        import kvbuffer_fast.speculative as spec
+def find_kernel(name: str):
+    modules, attrs, const, opts = KERNELS[name]
+    attrs = (attrs,) if isinstance(attrs, str) else attrs
+    tried = []
+    for mod in modules:
+        try:
+            m = importlib.import_module(f"kvbuffer_fast.{mod}")
+        except ImportError as e:
+            tried.append(f"kvbuffer_fast.{mod} ({e})")
+            continue
+        for attr in attrs:  # the older name first: an older tree may hold another kernel under the newer one
+            if hasattr(m, attr):
+                return getattr(m, attr), dict(const), dict(opts)
+        tried.append(f"kvbuffer_fast.{mod}")
+    raise SystemExit(f"aot_regs: kernel {' / '.join(attrs)} ({name}) is missing; looked in {', '.join(tried)}")
 
-        ptr = "*fp32"
-        fn = getattr(spec, kernel)
-        if kernel == "_verify_stream_kernel":
-            sig = dict(v_ptr="*bf16", nd_ptr="*i64", o_ptr="*bf16", du_ptr=ptr, cu_ptr=ptr, len_ptr="*i64",
-                       own_ptr="*u8", state_ptr=ptr, p_ptr=ptr, l_ptr=ptr, D="i32", q_ptr="*bf16", k_ptr="*bf16")
-            const = dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
-                         ZP=True, PDL=True, H=16)
+
+def signature(fn, const: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``fn``: every constexpr from ``const`` or the kernel's default."""
+    sig, values = {}, {}
+    missing = []
+    for p in fn.params:
+        if p.is_constexpr:
+            if p.name in const:
+                values[p.name] = const[p.name]
+            elif p.default is not inspect.Parameter.empty:
+                values[p.name] = p.default
+            else:
+                missing.append(p.name)
+            sig[p.name] = "constexpr"
         else:
-            sig = dict(q_ptr="*bf16", k_ptr="*bf16", g_ptr=ptr, beta_ptr="*bf16", par_ptr="*i64", nd_ptr="*i64",
-                       dg_ptr=ptr, dk_ptr="*bf16", ck_ptr="*bf16", cg_ptr=ptr, len_ptr="*i64", p_ptr=ptr, l_ptr=ptr,
-                       scale="fp32", D="i32")
-            const = dict(C=16, H=16, HV=32, K=128, BD=8, BC=16, KC=32, PREC="tf32x3", PDL=True)
-            if kernel == "_verify_prep_kernel":
-                const.update(CHANNEL=False, ZP=True)
-        const.update(over)
-        return fn, sig, const
-    return make
+            sig[p.name] = _arg_type(p.name)
+    if missing:
+        raise SystemExit(f"aot_regs: give {', '.join(m + '=...' for m in missing)} (constexprs of {fn.__name__} "
+                         f"without a default)")
+    return sig, values
 
 
-def _fold_group(over):
-    import kvbuffer_fast.decode as dec
+def ptx_code(ptx: str) -> list[str]:
+    """The PTX's code lines: the text before its DWARF sections, without debug locations, file
+    directives, comments and the labels the debug information points at."""
+    code = ptx.split(".section\t.debug", 1)[0].split(".section .debug", 1)[0]
+    lines = []
+    for line in code.splitlines():
+        s = line.split("//", 1)[0].strip()
+        if s and not s.startswith((".loc", ".file")) and not re.fullmatch(r"\$L__tmp\d+:", s):
+            lines.append(s)
+    return lines
 
-    ptr = "*fp32"
-    sig = dict(ck_ptr="*bf16", cu_ptr=ptr, cg_ptr=ptr, len_ptr="*i64", own_ptr="*u8", state_ptr=ptr,
-               ticket_ptr="*i32", snap_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr=ptr,
-               beta_ptr="*bf16", o_ptr="*bf16", scale="fp32")
-    const = dict(C=16, H=16, HV=32, K=128, V=128, CB=16, KB=32, BV=64, NV=2, FH=8, NS=2, CHANNEL=False)
+
+def ptx_digest(ptx: str) -> str:
+    """sha256 of ``ptx_code`` with the parameter names (``kernel_param_<i>``: their order) made equal: two
+    builds of the same kernel code give the same digest."""
+    import hashlib
+
+    lines = [re.sub(r"_param_\d+", "_param_#", s) for s in ptx_code(ptx)]  # parameter names (their order)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def ptx_instructions(ptx: str) -> int:
+    """Instructions among ``ptx_code``: the statements that are no directive or declaration."""
+    return sum(1 for s in ptx_code(ptx) if s.endswith(";") and not s.startswith("."))
+
+
+def compile_report(name: str, over: dict, opts: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, const, kopts = find_kernel(name)
     const.update(over)
-    return dec._fold_group_kernel, sig, const
-
-
-KERNELS = {"decode": _lean_decode, "fold_group": _fold_group, "verify_prep": _verify("_verify_prep_kernel"),
-           "verify_prep_group": _verify("_verify_prep_group_kernel"), "verify_stream": _verify("_verify_stream_kernel")}
-
-
-def main(argv):
-    name, over = argv[0], {}
-    opts = dict(num_warps=2)
-    for kv in argv[1:]:
-        k, v = kv.split("=")
-        v = int(v) if v.lstrip("-").isdigit() else v
-        v = {"True": True, "False": False}.get(v, v) if isinstance(v, str) else v
-        if k in ("num_warps", "maxnreg", "num_stages"):
-            opts[k] = v
-        else:
-            over[k] = v
-    fn, sig, const = KERNELS[name](over)
-    import inspect
-
-    for prm in fn.params:  # constexprs added to the kernel since this list was written take their defaults
-        if prm.is_constexpr and prm.name not in const:
-            if prm.default is inspect.Parameter.empty:
-                raise SystemExit(f"aot_regs: give {prm.name}=... (a constexpr of {fn.__name__} without a default)")
-            const[prm.name] = prm.default
-    for k, v in const.items():
-        sig[k] = "constexpr"
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    kopts.update(opts)
+    sig, values = signature(fn, const)
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in values.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=kopts)
+    ptx = ck.asm["ptx"]
+    if os.environ.get("AOT_PTX"):
+        with open(os.environ["AOT_PTX"], "w") as fh:
+            fh.write(ptx)
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    info = ""
     with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "k.ptx")
-        open(p, "w").write(ck.asm["ptx"])
-        if os.environ.get("AOT_PTX"):  # keep the PTX (e.g. to diff two versions of a kernel)
-            open(os.environ["AOT_PTX"], "w").write(ck.asm["ptx"])
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
         for exe in ("ptxas", "ptxas-blackwell"):  # Triton's sm_90 assembler; the newer one for newer PTX
-            out = subprocess.run([os.path.join(bindir, exe), "-v", "--gpu-name=sm_90a", p, "-o",
+            if not os.path.exists(os.path.join(bindir, exe)):
+                continue
+            out = subprocess.run([os.path.join(bindir, exe), "-v", "--gpu-name=sm_90a", path, "-o",
                                   os.path.join(d, "k.cubin")], capture_output=True, text=True)
+            info = out.stderr + out.stdout
             if out.returncode == 0:
                 break
-    info = out.stderr + out.stdout
     if os.environ.get("AOT_DEBUG"):
         print(info)
     regs = re.findall(r"Used (\d+) registers", info)
-    spill = re.findall(r"(\d+) bytes spill stores", info)
-    print(name, over, opts, "regs", regs, "spill_stores", spill, "shared", getattr(ck.metadata, "shared", None))
-    return 0
+    if not regs:
+        raise SystemExit(f"aot_regs: no usable ptxas for sm_90 in {bindir}:\n{info[-1000:]}")
+    spills = re.findall(r"(\d+) bytes spill stores", info)
+    return dict(kernel=fn.__name__, regs=int(regs[0]), spill_stores=int(spills[0]) if spills else 0,
+                shared=getattr(ck.metadata, "shared", None), ptx_instructions=ptx_instructions(ptx),
+                ptx_sha256=ptx_digest(ptx), params=sum(1 for s in ptx_code(ptx) if s.startswith(".param")),
+                options=kopts)
+
+
+def _value(v: str):
+    if v in ("True", "False"):
+        return v == "True"
+    return int(v) if v.lstrip("-").isdigit() else v
+
+
+def main(argv) -> int:
+    if "--root" in argv:
+        i = argv.index("--root")
+        sys.path.insert(0, os.path.abspath(argv[i + 1]))
+        argv = argv[:i] + argv[i + 2:]
+    if not argv or argv[0] not in (*KERNELS, "all"):
+        raise SystemExit(f"aot_regs: give a kernel: {', '.join(KERNELS)} or all")
+    over, opts = {}, {}
+    for kv in argv[1:]:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"aot_regs: expected KEY=VALUE, got {kv!r}")
+        (opts if k in OPTIONS else over)[k] = _value(v)
+    failed = 0
+    for name in (KERNELS if argv[0] == "all" else [argv[0]]):
+        try:
+            r = compile_report(name, over, opts)
+        except SystemExit as e:  # a missing kernel or constexpr: said, and the others still compile
+            if argv[0] != "all":
+                raise
+            print(e, file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{name} {r['kernel']} regs {r['regs']} spill_stores {r['spill_stores']} shared {r['shared']} "
+              f"ptx_instructions {r['ptx_instructions']} params {r['params']} ptx_sha256 {r['ptx_sha256']} {r['options']}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 Inputs come from numpy's PCG64 generator seeded per case, using only exactly rounded operations
 (+, *, /, sqrt), so they do not depend on the platform's libm.  Expected outputs are computed on the
-CPU in float64 by the recurrent reference (``kvbuffer_ref.golden.truth``), with one torch thread.
+CPU in float64 by the recurrent oracle (``kvbuffer_ref.validate.golden.truth``), with one torch thread.
 Before a case is written, the buffered reference (both buffer forms) is checked against it under the
 float64 budget of the tolerance table (~9e-13 relative): a case the reference disagrees with is
 never frozen.  ``--check`` writes nothing and exits non-zero if any stored file differs.
@@ -33,7 +33,8 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 import kvbuffer_ref  # noqa: E402
-from kvbuffer_ref import golden  # noqa: E402
+from kvbuffer_ref.buffer import KVBuffer  # noqa: E402
+from kvbuffer_ref.validate import golden  # noqa: E402
 from kvbuffer_ref.prefill import default_tail  # noqa: E402
 
 NAN = float("nan")
@@ -272,9 +273,9 @@ def build(spec: dict) -> tuple[dict, dict]:
         _pad_rows(buf, lengths, C)
         state = 0.5 * rng.standard_normal((B, HV, K, V))
         state[~np.array(has_state)] = 0.0
-        arrays.update({"buffer_k": buf["k"], "buffer_v": buf["v"], "buffer_g": buf["g"],
-                       "buffer_beta": buf["beta"], "buffer_lengths": np.array(lengths, dtype=np.int64),
-                       "buffer_has_state": np.array(has_state, dtype=np.bool_)})
+        arrays.update({f"buffer_{f}": buf[f] for f in KVBuffer.slot_fields("raw")})
+        arrays.update(buffer_lengths=np.array(lengths, dtype=np.int64),
+                      buffer_has_state=np.array(has_state, dtype=np.bool_))
         if storage:
             arrays["buffer_state"] = state
         params.update(capacity=C, lengths=lengths, has_state=has_state, state_storage=storage)
@@ -361,7 +362,7 @@ def index_header() -> dict:
         "format": golden.FORMAT,
         "version": golden.VERSION,
         "generator": "scripts/make_golden.py",
-        "truth": "float64 recurrent reference over each case's token history (kvbuffer_ref.golden.truth)",
+        "truth": "float64 recurrent reference over each case's token history (kvbuffer_ref.validate.golden.truth)",
         "conventions": {
             "q, k": "[B, T, H, K]", "v": "[B, T, HV, V]", "g": "[B, T, HV] (scalar) or [B, T, HV, K] (per-channel)",
             "beta": "[B, T, HV]", "state": "[B, HV, K, V] (key-major: o = S^T q)",

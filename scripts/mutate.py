@@ -38,15 +38,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The copies' package names and the adapter factory each is validated through.
 PACKAGES = {
-    "kvbuffer_fast": ("mut_fast", "from kvbuffer_ref.adapters import fast_from\n\n\n"
+    "kvbuffer_fast": ("mut_fast", "from kvbuffer_ref.validate.adapters import fast_from\n\n\n"
                                   "def impl():\n    return fast_from('mut_fast')\n"),
-    "kvbuffer_ref": ("mut_ref", "from kvbuffer_ref.adapters import reference_from\n\n\n"
+    "kvbuffer_ref": ("mut_ref", "from kvbuffer_ref.validate.adapters import reference_from\n\n\n"
                                 "def impl():\n    return reference_from('mut_ref', as_truth=False)\n"),
 }
-#: Modules of the reference copy that stay the real ones (shared classes, one validation module).
-_SHARED = {"buffer.py": "kvbuffer_ref.buffer", "validation.py": "kvbuffer_ref.checks"}
-#: Modules of the reference that are tools, not the math under test: not copied.
-_TOOLS = {"adapters.py", "cli.py", "validate.py", "pytest_plugin.py", "golden.py"}
+#: Modules of the reference copy that stay the real ones (the shared classes and argument checks).
+_SHARED = {"buffer.py": "kvbuffer_ref.buffer", "checks.py": "kvbuffer_ref.checks"}
+#: The reference's tooling, not the math under test: not copied.
+_TOOLS = ("validate",)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ MUTANTS = [
        REC, "recurrent: the decay applied after the write (scalar gate)", True),
     _m("F02", F, "recurrent.py", "b_u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))",
        "b_u = (b_v - tl.sum(s * b_k[:, None], 0))", REC, "recurrent: beta dropped from the write", True),
-    _m("F03", F, "recurrent.py", "i_h = i_hv // (HV // H)", "i_h = i_hv % H", REC,
+    _m("F03", F, "_common.py", "i_h = i_hv // (HV // H)", "i_h = i_hv % H", REC,
        "recurrent: wrong q/k head for grouped value heads (i % H instead of i // (HV/H))", True),
     _m("F04", F, "recurrent.py",
        "    s = s + b_k[:, None] * b_u[None, :]\n    b_o = tl.sum(s * b_q[:, None], 0)\n",
@@ -95,9 +95,9 @@ MUTANTS = [
        "b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale",
        "b_q = tl.load(q_ptr + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)", REC,
        "recurrent: q not scaled"),
-    # ------------------------------------------------------------------ kvbuffer_fast: buffered decode (the default
-    # launch: the grouped fold launch of full buffers, the lean kernel, the bookkeeping launch)
-    _m("F07", F, "decode.py", "    m_r = rows < n_buf\n    if LOADN:", "    m_r = rows < n_buf - 1\n    if LOADN:", DEC,
+    # ------------------------------------------------------------------ kvbuffer_fast: buffered decode (the fold
+    # launch of full buffers, the decode kernel, the bookkeeping launch)
+    _m("F07", F, "decode.py", "    m_r = rows < n\n    uc = tl.load(", "    m_r = rows < n - 1\n    uc = tl.load(", DEC,
        "decode: off-by-one in the buffer length (the newest entry is not attended to)", True),
     _m("F08", F, "decode.py",
        '        dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))\n        wk = tl.where(m_r, wk * dec, 0.0)',
@@ -107,11 +107,11 @@ MUTANTS = [
     _m("F09", F, "decode.py", "        e_new = tl.exp(g_new)\n        sk = sk * e_new",
        "        e_new = 1.0 + 0.0 * g_new\n        sk = sk * e_new", DEC,
        "decode: the stale-state read is not decayed", True),
-    _m("F10", F, "decode.py", "                        st = st * tl.exp(g_end)\n                    st = tl.dot(kf, uf, st",
-       "                        st = st\n                    st = tl.dot(kf, uf, st", DEC,
+    _m("F10", F, "decode.py", "                    st = st * tl.exp(g_end)\n                st = tl.dot(kf, uf, st",
+       "                    st = st\n                st = tl.dot(kf, uf, st", DEC,
        "decode: folding a full buffer forgets the state's decay (scalar gate)", True),
-    _m("F11", F, "decode.py", "            m_c = rows < C\n            for hh in range(FH):",
-       "            m_c = rows < C - 1\n            for hh in range(FH):", DEC,
+    _m("F11", F, "decode.py", "        m_c = rows < C\n        for hh in range(FH):",
+       "        m_c = rows < C - 1\n        for hh in range(FH):", DEC,
        "decode: folding a full buffer drops its newest entry (a masked lane too many)", True),
     _m("F12", F, "decode.py",
        "        sk = tl.where(owns, sk, 0.0)  # a select: a direct request's storage (maybe NaN) never propagates\n",
@@ -140,34 +140,30 @@ MUTANTS = [
        "tl.store(cu_ptr + (i_b * C * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)",
        "tl.store(cu_ptr + ((i_b * C + 1) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)", DEC,
        "decode: the fold launch serving a folded request writes the token's u to row 1 instead of row 0", True),
-    _m("F27", F, "decode.py", "m_key = (rows < n) if KEYN else m_c  # KEYN",
-       "m_key = (rows < n - 1) if KEYN else m_c  # KEYN",
+    _m("F27", F, "decode.py", "    m_key = rows < n\n", "    m_key = rows < n - 1\n",
        DEC, "decode: the newest buffered key is masked out of the scores (a lane masked too early)", True),
-    _m("F31", F, "decode.py", "unserved = n < C  # instructions at B = 64",
-       "unserved = n < C - 1  # instructions at B = 64",
+    _m("F31", F, "decode.py", "        unserved = n < C\n", "        unserved = n < C - 1\n",
        DEC, "decode: a request one entry short of full skips the block loop as if the fold launch had served it"),
     _m("F29", F, "decode.py", "w = tl.where(m_c, tl.exp(g_end - gj), 0.0)",
        "w = tl.where(m_c, tl.exp(gj - g_end), 0.0)", DEC,
        "decode: wrong sign of the decay when folding a full buffer (scalar gate)"),
-    _m("F30", F, "decode.py", "                    st = tl.where(owns, st, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)\n",
+    _m("F30", F, "decode.py", "                st = tl.where(owns, st, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)\n",
        "", DEC, "decode: a direct request's full buffer folded onto its storage's garbage", True),
-    _m("F28", F, "decode.py", "w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)", "w = tl.exp(g_end - G_j)", FL,
+    _m("F28", F, "_fold.py", "w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)", "w = tl.exp(g_end - G_j)", FL,
        "fold: the padding rows of the last group of four are folded too (a masked lane not masked)", True),
-    # ------------------------------------------------------------------ kvbuffer_fast: flush
-    _m("F19", F, "decode.py", "G.copy_(G.gather(1, g_rows) - g_end.unsqueeze(1).to(G.dtype))",
+    # ------------------------------------------------------------------ kvbuffer_fast: flush and the fold
+    _m("F19", F, "flush.py", "G.copy_(G.gather(1, g_rows) - g_end.unsqueeze(1).to(G.dtype))",
        "G.copy_(G.gather(1, g_rows))", FL, "flush: the remaining entries' G not rebased (G not reset)", True),
-    _m("F20", F, "decode.py", "m_rest = (o_c >= m) & (o_c < n)", "m_rest = (o_c > m) & (o_c < n)", FL,
+    _m("F20", F, "flush.py", "m_rest = (o_c >= m) & (o_c < n)", "m_rest = (o_c > m) & (o_c < n)", FL,
        "flush: the first remaining entry's u not moved (a skipped lane)", True),
-    _m("F21", F, "decode.py", "w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)",
+    _m("F21", F, "_fold.py", "w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)",
        "w = tl.where(j0 + i < n_fold, tl.exp(G_j - g_end), 0.0)", FL, "fold: wrong sign of the decay", True),
-    _m("F22", F, "decode.py", "    buffer.lengths.sub_(count)\n", "", FL, "flush: lengths not reduced (a stale tail)"),
-    _m("F23", F, "decode.py", "    buffer.has_state.logical_or_(count > 0)\n", "", FL,
+    _m("F22", F, "flush.py", "    buffer.lengths.sub_(count)\n", "", FL, "flush: lengths not reduced (a stale tail)"),
+    _m("F23", F, "flush.py", "    buffer.has_state.logical_or_(count > 0)\n", "", FL,
        "flush: folded direct requests not marked as owning a state"),
-    _m("F24", F, "decode.py",
-       "            s = s * tl.exp(g_end)\n        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, m, g_end",
-       "            s = s\n        s = _fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, m, g_end", FL,
+    _m("F24", F, "_fold.py", "        s = s * tl.exp(g_end)\n    return s, g_end", "        s = s\n    return s, g_end", FL,
        "flush: the state's decay over the folded prefix dropped (scalar gate)"),
-    _m("F26", F, "decode.py", "tail = (count - 1).clamp(min=0)", "tail = torch.zeros_like(count)", FL,
+    _m("F26", F, "flush.py", "tail = (count - 1).clamp(min=0)", "tail = torch.zeros_like(count)", FL,
        "flush: G rebased on the first folded entry instead of the last"),
     # ------------------------------------------------------------------ kvbuffer_ref: the reference's forms
     _m("R01", R, "chunk.py", "causal = torch.ones(L, L, dtype=torch.bool, device=k.device).tril()",
@@ -187,12 +183,12 @@ MUTANTS = [
     _m("R08", R, "speculative.py", "G = cumulative_gates(x.g[b, :t], par, tail_gate(old, x.g[b, 0]))",
        "G = cumulative_gates(x.g[b, :t], par, torch.zeros_like(x.g[b, 0]))", "verify_chain,verify_tree",
        "verify: the drafts' G starts at 0 instead of the buffer tail's G", True),
-    _m("R09", R, "speculative.py", "idx = torch.tensor(path, dtype=torch.long, device=drafts.k.device)",
-       "idx = torch.tensor(path[-1:], dtype=torch.long, device=drafts.k.device)", "verify_tree",
+    _m("R09", R, "speculative.py", "drafts.slot(b, torch.tensor(path, dtype=torch.long",
+       "drafts.slot(b, torch.tensor(path[-1:], dtype=torch.long", "verify_tree",
        "accept (tree): only the accepted node appended, not its root-to-node path", True),
-    _m("R10", R, "speculative.py",
-       "store(fields, b, concat_entries(old, new), stale_state(buffer, b, dt), fold, buffer.num_value_heads)",
-       "store(fields, b, new, stale_state(buffer, b, dt), min(fold, new.n), buffer.num_value_heads)",
+    _m("R10", R, "entries.py",
+       "store(fields, b, concat_entries(old, new), S0, fold, buffer.num_value_heads)",
+       "store(fields, b, new, S0, min(fold, new.n), buffer.num_value_heads)",
        "verify_chain", "accept: the accepted drafts overwrite the buffer from slot 0 (old entries lost)"),
     _m("R11", R, "entries.py", "return Memory(k, innovations(k, e.v, e.beta, G, chain, S0), G)",
        "return Memory(k, innovations(k, e.v, e.beta, G, chain), G)", "decode[raw]",
@@ -232,11 +228,11 @@ def _export(rev: str, dest: Path) -> Path:
 
 
 def _copy_package(package: str, dest: Path) -> Path:
-    """Copy ``package`` to ``dest/<copy name>``; for the reference, share buffer/validation with the real one."""
+    """Copy ``package`` to ``dest/<copy name>``; for the reference, share buffer/checks with the real one."""
     name = PACKAGES[package][0]
     src = SOURCE / package
     out = dest / name
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "testing", *sorted(_TOOLS)))
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", *_TOOLS))
     if package == "kvbuffer_ref":
         for fname, real in _SHARED.items():
             (out / fname).write_text(f'"""Shim: the real {real} (shared classes and checks)."""\nimport sys\n'
@@ -263,7 +259,7 @@ def _validate(dest: Path, package: str, ops: str, dtype: str, seed: int, timeout
     env["PYTHONPATH"] = os.pathsep.join([str(dest), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TRITON_INTERPRET"] = "1"
     env.pop("HYPOTHESIS_PROFILE", None)
-    cmd = [sys.executable, "-m", "kvbuffer_ref.cli", "validate", "--impl", f"{name}_adapter:impl", "--ops", ops,
+    cmd = [sys.executable, "-m", "kvbuffer_ref.validate.cli", "validate", "--impl", f"{name}_adapter:impl", "--ops", ops,
            "--dtype", dtype, "--profile", "ci", "--seed", str(seed), "--no-shrink", "--fail-fast", "--device", "cpu"]
     if not verbose:
         cmd.append("-q")

@@ -5,15 +5,25 @@
   including per-channel (KDA, ``gk``) gates and grouped heads, and replaying the golden buffered
   histories (decode, chain verify) as plain recurrences.
 
-fla's chunk kernels do not run under the Triton interpreter (DESIGN.md §8), so they are not here.
+fla's chunk kernels do not run under the Triton interpreter (its autotuner, int64 casts), so they are
+not here.
 Conventions mapped in tests/crosscheck/adapters.py and docs/crosscheck.md.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("fla", reason="flash-linear-attention not installed (pip install -e '.[crosscheck]')")
+if importlib.util.find_spec("fla") is None:
+    pytest.skip("flash-linear-attention not installed (pip install -e '.[crosscheck]')", allow_module_level=True)
+
+from .common import expected_import_warnings  # noqa: E402
+
+with expected_import_warnings():  # fla is installed: an import that fails is a failure, not a skip
+    import fla.ops.gated_delta_rule  # noqa: F401
+    import fla.ops.gated_delta_rule.naive  # noqa: F401
 
 from . import adapters  # noqa: E402
 from .common import (BUFFERED_CASES, RANDOM_CASES, SCALAR_CASES, SEQUENCE_CASES, check_golden,  # noqa: E402

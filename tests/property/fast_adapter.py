@@ -3,7 +3,7 @@ memory a kernel must not read (slots past each request's length, the state stora
 direct mode) is set to NaN, so a read of garbage turns into a failing output; and each operation is
 held to its in-place contract."""
 
-import contextlib
+import dataclasses
 import os
 
 import torch
@@ -12,18 +12,7 @@ if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels ar
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvbuffer_fast as fast  # noqa: E402
-import kvbuffer_fast.speculative as spec  # noqa: E402
-from kvbuffer_ref.testing.properties import poison_unused_  # noqa: E402
-
-
-@contextlib.contextmanager
-def verify_launch(**cfg):
-    """verify's default launch updated by ``cfg`` inside the block, restored after it."""
-    old = spec.set_launch("verify", **cfg)
-    try:
-        yield
-    finally:
-        spec.set_launch("verify", **old)
+from kvbuffer_ref.validate.properties import poison_unused_  # noqa: E402
 
 
 class Poisoned:
@@ -46,7 +35,8 @@ class Poisoned:
     @staticmethod
     def verify(*args, buffer, **kw):
         poison_unused_(buffer)
-        before = {n: getattr(buffer, n).clone() for n in ("k", "u", "G", "lengths", "has_state")}
+        before = {f.name: getattr(buffer, f.name).clone() for f in dataclasses.fields(buffer)
+                  if getattr(buffer, f.name) is not None}
         o, drafts = fast.verify(*args, buffer=buffer, **kw)
         for n, x in before.items():
             assert torch.equal(x.nan_to_num(0.0), getattr(buffer, n).nan_to_num(0.0)), f"verify modified buffer.{n}"
@@ -58,3 +48,10 @@ class Poisoned:
         out = fast.accept(buffer, drafts, **kw)
         assert out is buffer, "accept must return the buffer it updated in place"
         return out
+
+
+def assert_all(results) -> None:
+    """Every comparison passed, and there was at least one."""
+    assert results, "no comparison was made"
+    for r in results:
+        assert r.passed, str(r)

@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from kvbuffer_ref.testing import strategies as kst
+from kvbuffer_ref.validate import strategies as kst
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""DESIGN.md §4 properties 1-5, 7 and 9 for every reference form, in float64 (tight: the float64
+"""Properties 1-5, 7 and 9 of docs/testing.md for every reference form, in float64 (tight: the float64
 floor of the tolerance table) and in float32 against float64 (the calibrated budget)."""
 
 import pytest
@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.testing import properties as P
-from kvbuffer_ref.testing import strategies as kst
+from kvbuffer_ref.validate import properties as P
+from kvbuffer_ref.validate import strategies as kst
 
 from .strategies_local import buffered
 

@@ -1,4 +1,4 @@
-"""DESIGN.md §4 properties 6, 8 and 9: trees, grouped vs expanded heads, batch vs alone, scalar vs
+"""Properties 6, 8 and 9 of docs/testing.md: trees, grouped vs expanded heads, batch vs alone, scalar vs
 per-channel gates; plus: no reference function modifies its inputs."""
 
 import copy
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.testing import assert_matches
-from kvbuffer_ref.testing import properties as P
-from kvbuffer_ref.testing import strategies as kst
+from kvbuffer_ref.validate import assert_matches
+from kvbuffer_ref.validate import properties as P
+from kvbuffer_ref.validate import strategies as kst
 
 from .strategies_local import buffered
 

@@ -1,43 +1,44 @@
 """The adapter protocol: discovery, declared capabilities, the ready adapters."""
 
+import os
 import types
 
 import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref import adapters, validate
-from kvbuffer_ref.testing import Case
+from kvbuffer_ref.validate import adapters, lanes
+from kvbuffer_ref.validate import Case
 
 
 def test_discovery_lists_every_operation_as_run_or_not_provided():
     impl = adapters.describe(types.SimpleNamespace(direct_gated_delta_rule=ref.direct_gated_delta_rule, dtypes=("float64",),
                                                    not_provided={"verify": "no speculative decoding yet"}))
-    lanes = validate.plan([impl])
-    keys = {l.op.key for l in lanes}
-    assert keys == set(validate.OP_KEYS)
-    run = [l for l in lanes if l.status == "RUN"]
+    planned = lanes.plan([impl])
+    keys = {l.op.key for l in planned}
+    assert keys == set(lanes.OP_KEYS)
+    run = [l for l in planned if l.status == "RUN"]
     assert [(l.op.key, l.dtype) for l in run] == [("direct", torch.float64)]
-    reasons = {l.op.key: l.reason for l in lanes if l.status == "NOT PROVIDED"}
+    reasons = {l.op.key: l.reason for l in planned if l.status == "NOT PROVIDED"}
     assert reasons["verify_chain"] == "no speculative decoding yet"
     assert "has no chunk_gated_delta_rule" in reasons["chunk"]
 
 
 def test_forms_and_dtypes_the_adapter_does_not_declare_are_reported():
     impl = adapters.describe(types.SimpleNamespace(buffered_decode=ref.buffered_decode, flush=ref.flush, forms=("u",)))
-    lanes = validate.plan([impl], validate.select_ops("decode"), [torch.float64, torch.float32])
-    got = {(l.op.name, l.dtype, l.status) for l in lanes}
+    planned = lanes.plan([impl], lanes.select_ops("decode"), [torch.float64, torch.float32])
+    got = {(l.op.name, l.dtype, l.status) for l in planned}
     assert ("decode[u]", torch.float32, "RUN") in got
     assert ("decode[u]", torch.float64, "NOT PROVIDED") in got
     assert ("decode[raw]", None, "NOT PROVIDED") in got
 
 
 def test_the_reference_is_not_validated_against_itself():
-    lanes = validate.plan([adapters.reference()], validate.select_ops("recurrent,chunk"))
-    st = {l.op.key: l.status for l in lanes}
+    planned = lanes.plan([adapters.reference()], lanes.select_ops("recurrent,chunk"))
+    st = {l.op.key: l.status for l in planned}
     assert st == {"recurrent": "NOT PROVIDED", "chunk": "RUN"}
     mutant_like = adapters.reference_from("kvbuffer_ref", as_truth=False)
-    assert {l.op.key: l.status for l in validate.plan([mutant_like], validate.select_ops("recurrent"))} == \
+    assert {l.op.key: l.status for l in lanes.plan([mutant_like], lanes.select_ops("recurrent"))} == \
         {"recurrent": "RUN"}
 
 
@@ -80,3 +81,16 @@ def test_resolve_errors_are_adapter_errors():
         adapters.resolve("no_such_module_xyz:thing")
     with pytest.raises(adapters.AdapterError, match="forms must be"):
         adapters.describe(types.SimpleNamespace(flush=ref.flush, forms=("v",)))
+
+
+def test_fast_adapter_calls_the_public_api_and_turns_on_nan_outputs(monkeypatch):
+    pytest.importorskip("triton", reason="kvbuffer_fast needs triton")
+    import kvbuffer_fast
+
+    monkeypatch.delenv(adapters.POISON_ENV, raising=False)
+    impl = adapters.fast()
+    for name in ("recurrent_gated_delta_rule", "buffered_decode", "flush", "materialize_state", "verify", "accept"):
+        assert getattr(impl.obj, name) is getattr(kvbuffer_fast, name), name
+    assert impl.has("recurrent_decode")  # the in-place step of kvbuffer_fast.baselines, validated stepwise
+    impl.prepare()
+    assert os.environ[adapters.POISON_ENV] == "1"

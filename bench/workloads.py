@@ -1,0 +1,579 @@
+"""What the benchmarks measure: each operation at one batch, over L layers, checked against the oracle.
+
+Both harnesses build their rows here: the GPU runner (``bench/gpu.py``: CUDA graphs, device time) and
+the pytest-benchmark suites (``bench/test_bench_*.py``, on the CPU).  A *case* is one operation at one
+batch: its inputs for ``layers`` layers of distinct states and buffers (layer 0 from an oracle history,
+the others copies of it with their own tokens), a ``run()`` that performs the operation on every layer
+in the order a model does (a decode cycle is step-major: step t on layer 0, 1, ..., then step t + 1),
+and the comparisons of layer 0's eager result with the float64 recurrence, made when the case is built,
+before anything is timed.
+
+Operations (``OPS``), grouped with the peers they are compared with:
+
+========  ===============================  ============================================================
+group     op                               what one operation is
+========  ===============================  ============================================================
+decode    ``recurrent_decode``             the recurrent baseline: one token, the state updated in place
+decode    ``fla_fused_recurrent``          fla's ``fused_recurrent_gated_delta_rule``, one token
+decode    ``buffered_decode``              one step, averaged over a whole cycle of C steps from full
+                                           buffers (the fold of the C entries included)
+verify    ``verify``                       buffered verify of d tokens (a chain) over n entries
+verify    ``per_draft_state_verify``       the per-draft-state baseline: one state written per token
+verify    ``fla_fused_recurrent_tokens``   fla's fused_recurrent over the same d tokens (final state only)
+verify    ``fla_chunk_tokens``             fla's ``chunk_gated_delta_rule`` over the same d tokens
+accept    ``accept``                       buffered accept of m drafts (lengths reset to n first)
+accept    ``per_draft_state_accept``       the baseline's accept: intermediate m - 1 copied over the state
+round     ``round``                        a speculative round: verify of every layer, then accept
+round     ``per_draft_state_round``        the baseline's round
+========  ===============================  ============================================================
+
+Each package root is driven through its own API (``Api``): the config API (``config=`` objects from
+``kvbuffer_fast.launch``, baselines in ``kvbuffer_fast.baselines``), or the older keyword API
+(``validate=False``, baselines at the package's top level), so one run can time two versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from bench import io_model as io
+
+__all__ = ["Plan", "GPU", "SMOKE", "Api", "Workload", "Case", "Skip", "OPS", "GROUPS", "PEERS", "build",
+           "parse_overrides"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Shapes and sizes of one benchmark run."""
+
+    shapes: io.Shapes
+    dtype: str            # token dtype (q, k, v; cached keys)
+    batches: tuple
+    C: int                # buffer capacity
+    fill: int             # entries buffered when verify runs (n)
+    drafts: int           # tokens verified per round (d)
+    accepted: int         # drafts accepted per round (m)
+    layers: int           # layers of distinct states, run in turn
+    folded: int = 4       # history tokens folded into the state before the buffered ones
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shapes"] = self.shapes.as_dict()
+        return d
+
+
+#: Qwen3-Next's linear-attention layer, bf16 tokens, fp32 state and u-cache, bf16 cached keys.
+GPU = Plan(shapes=io.Shapes(H=16, HV=32, K=128, V=128), dtype="bfloat16", batches=(64, 128, 256, 512), C=16,
+           fill=8, drafts=5, accepted=3, layers=4)
+#: Tiny shapes for the Triton interpreter (which mishandles bf16): proves the code, measures nothing.
+SMOKE = Plan(shapes=io.Shapes(H=1, HV=2, K=16, V=16, key_bytes=4), dtype="float32", batches=(2,), C=4, fill=2,
+             drafts=3, accepted=2, layers=2, folded=2)
+
+
+class Skip(Exception):
+    """A case that cannot be built here (fla not importable, an operation this package lacks)."""
+
+
+# ----------------------------------------------------------------------------- the API of one package root
+def parse_overrides(items: Sequence[str]) -> dict:
+    """``["decode.fold_FH=4", "verify.early=True"]`` -> ``{"decode": {"fold_FH": 4}, "verify": {"early": True}}``."""
+    out: dict = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        op, dot, fld = name.partition(".")
+        if not sep or not dot or not op or not fld:
+            raise ValueError(f"--set: expected OP.FIELD=VALUE (e.g. decode.fold_FH=4), got {item!r}")
+        value: object = {"True": True, "False": False}.get(raw, raw)
+        if isinstance(value, str):
+            for conv in (int, float):
+                try:
+                    value = conv(raw)
+                    break
+                except ValueError:
+                    pass
+        out.setdefault(op, {})[fld] = value
+    return out
+
+
+class Api:
+    """The operations the benchmarks time, over the ``kvbuffer_fast`` found on ``sys.path``.
+
+    ``overrides`` (op -> {field: value}, config API only) change launch-table choices for one run:
+    each call gets ``config=dataclasses.replace(config_for(op, key), **fields)``; module state is
+    never written.
+    """
+
+    def __init__(self, overrides: Optional[dict] = None):
+        import kvbuffer_fast as fast
+
+        self.fast = fast
+        here = os.path.dirname(fast.__file__)  # not find_spec: an editable install maps names to its own tree
+        self.config_api = os.path.exists(os.path.join(here, "baselines.py"))
+        self.overrides = overrides or {}
+        if self.config_api:
+            self.baselines = importlib.import_module("kvbuffer_fast.baselines")
+            self.launch = importlib.import_module("kvbuffer_fast.launch")
+            for op, fields in self.overrides.items():
+                if op not in self.launch.CONFIGS:
+                    raise ValueError(f"--set: no launch table {op!r}; expected one of {sorted(self.launch.CONFIGS)}")
+                known = {f.name for f in dataclasses.fields(self.launch.CONFIGS[op])}
+                unknown = sorted(set(fields) - known)
+                if unknown:
+                    raise ValueError(f"--set: {self.launch.CONFIGS[op].__name__} has no field {unknown}; "
+                                     f"it has {sorted(known)}")
+        else:
+            if self.overrides:
+                raise ValueError("--set: this kvbuffer_fast has no launch configs (kvbuffer_fast.launch)")
+            self.baselines, self.launch = fast, None
+
+    @property
+    def name(self) -> str:
+        return "config" if self.config_api else "keyword"
+
+    def kwargs(self, op: str, fn: Callable, x: dict, C: int = 0) -> dict:
+        """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x``:
+        ``validate=False`` where ``fn`` still takes it (the config API skips its value checks under
+        graph capture by itself), and the ``config`` override of ``op``, if any."""
+        params = inspect.signature(fn).parameters
+        kw = {"validate": False} if "validate" in params else {}
+        fields = self.overrides.get(op)
+        if fields:
+            if "config" not in params:
+                raise ValueError(f"--set {op}.*: {fn.__module__}.{fn.__name__} takes no config")
+            B, HV, V = x["q"].shape[0], x["v"].shape[2], x["v"].shape[3]
+            key = self.launch.key_of(x["q"], C=C, B=B, HV=HV, V=V, channel=x["g"].dim() == 4)
+            kw["config"] = dataclasses.replace(self.launch.config_for(op, key), **fields)
+        return kw
+
+    @staticmethod
+    def takes(fn: Callable, name: str) -> bool:
+        return name in inspect.signature(fn).parameters
+
+
+# ----------------------------------------------------------------------------- inputs and the oracle
+def _compare():
+    """The tolerance table's ``compare`` (kvbuffer_ref's testing helpers)."""
+    for mod in ("kvbuffer_ref.testing", "kvbuffer_ref.validate", "kvbuffer_ref.validate.tolerances"):
+        try:
+            return importlib.import_module(mod).compare
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("compare (the tolerance table) is in none of kvbuffer_ref.testing, kvbuffer_ref.validate")
+
+
+def _map_buffer(buf, fn):
+    """A KVBuffer whose every tensor field is ``fn(name, tensor)`` (None stays None)."""
+    return type(buf)(**{f.name: (None if getattr(buf, f.name) is None else fn(f.name, getattr(buf, f.name)))
+                        for f in dataclasses.fields(buf)})
+
+
+def clone_buffer(buf):
+    return _map_buffer(buf, lambda _, t: t.clone())
+
+
+@dataclass
+class History:
+    """Two base histories (tokens on the CPU, token dtype; ``P`` tokens each) and the batch's device
+    buffer after them (request b has base b % 2's: its last ``buffered`` tokens buffered, the rest
+    folded into its state)."""
+
+    x: dict
+    buffer: object
+    P: int
+
+
+@dataclass
+class Truth:
+    """Float64 outputs over the new tokens and final state of the check rows, the fp32 baseline of
+    both (the plain recurrence in the compute dtype) and the gates behind them."""
+
+    o: torch.Tensor
+    base_o: Optional[torch.Tensor]
+    S: torch.Tensor
+    base_S: Optional[torch.Tensor]
+    g: torch.Tensor
+
+
+class Workload:
+    """The inputs of one batch on one device, and the float64 truth of its check rows (0 and B - 1)."""
+
+    def __init__(self, plan: Plan, B: int, device: str):
+        self.plan, self.B, self.device = plan, B, device
+        self.s, self.dtype = plan.shapes, plan.torch_dtype
+        self.rows = sorted({0, B - 1})
+
+    def _draw(self, B: int, T: int, gen: torch.Generator, device) -> dict:
+        s = self.s
+        q = F.normalize(torch.randn(B, T, s.H, s.K, device=device, generator=gen), dim=-1).to(self.dtype)
+        k = F.normalize(torch.randn(B, T, s.H, s.K, device=device, generator=gen), dim=-1).to(self.dtype)
+        v = torch.randn(B, T, s.HV, s.V, device=device, generator=gen).to(self.dtype)
+        g = -0.5 * torch.rand(B, T, s.HV, device=device, generator=gen)  # mild decays
+        beta = torch.rand(B, T, s.HV, device=device, generator=gen)
+        return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+    def tokens(self, T: int, seed: int) -> dict:
+        """q, k (unit norm), v in the token dtype; g in [-0.5, 0], beta in [0, 1] in fp32: [B, T, ...]."""
+        return self._draw(self.B, T, torch.Generator(device=self.device).manual_seed(seed), self.device)
+
+    @staticmethod
+    def steps(x: dict) -> list[dict]:
+        """[B, T, ...] tokens as T contiguous one-token dicts (sliced before timing, not inside it)."""
+        return [{n: t[:, j:j + 1].contiguous() for n, t in x.items()} for j in range(x["q"].shape[1])]
+
+    def history(self, buffered: int, folded: Optional[int] = None, seed: int = 100) -> History:
+        """The batch's buffer after ``folded + buffered`` history tokens (default ``folded``: the
+        plan's), the last ``buffered`` of them buffered: a float64 oracle prefill of two base requests,
+        stored as the kernels store it (keys in the token dtype, the rest fp32)."""
+        import kvbuffer_ref as ref
+
+        P = (self.plan.folded if folded is None else folded) + buffered
+        x = self._draw(2, P, torch.Generator().manual_seed(seed), "cpu")
+        x64 = {n: t.double() for n, t in x.items()}
+        two = [ref.prefill(**{n: t[b:b + 1] for n, t in x64.items()}, capacity=self.plan.C, tail=buffered)[1]
+               for b in range(2)]
+        idx = torch.arange(self.B, device=self.device) % 2
+        dtypes = {"k": self.dtype, "lengths": None, "has_state": None}
+
+        def to_device(name, _):
+            t = torch.cat([getattr(b, name) for b in two])
+            dt = dtypes.get(name, torch.float32)
+            t = t.to(self.device) if dt is None else t.to(self.device, dt)
+            return t.index_select(0, idx).contiguous()
+
+        return History(x=x, buffer=_map_buffer(two[0], to_device), P=P)
+
+    def truth(self, new: dict, hist: History, upto: Optional[int] = None) -> Truth:
+        """The recurrence over each check row's history followed by its new tokens (the first
+        ``upto`` of them, or all)."""
+        import kvbuffer_ref as ref
+
+        rows = torch.tensor(self.rows)
+        x = {n: torch.cat([hist.x[n].index_select(0, rows % 2),
+                           t[:, :upto].detach().cpu().index_select(0, rows)], dim=1) for n, t in new.items()}
+        o64, S64 = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True)
+        o32, S32 = ref.recurrent_gated_delta_rule(**{n: t.float() for n, t in x.items()}, output_final_state=True)
+        P = hist.P
+        return Truth(o64[:, P:], o32[:, P:].to(self.dtype), S64, S32, x["g"])
+
+    def compare(self, name: str, actual: torch.Tensor, truth: Truth, *, state: bool = False,
+                dtype: Optional[torch.dtype] = None) -> dict:
+        """One comparison of the check rows of ``actual`` (an output [B, T, HV, V] or, with ``state``,
+        a state [B, HV, K, V]) with the truth, under the tolerance table's row for ``dtype`` (default:
+        the token dtype for outputs, at least fp32 for states)."""
+        a = actual.detach().index_select(0, torch.tensor(self.rows, device=actual.device)).cpu()
+        if state:
+            dt = dtype or torch.promote_types(self.dtype, torch.float32)
+            c = _compare()(a, truth.S, truth.base_S, name=name, dtype=dt, head_axis=1, g=truth.g)
+        else:
+            c = _compare()(a, truth.o, truth.base_o, name=name, dtype=self.dtype, head_axis=2, g=truth.g)
+        return dict(name=c.name, dtype=str(c.dtype).replace("torch.", ""), passed=bool(c.passed),
+                    worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget, max_abs=c.max_abs,
+                    text=str(c))
+
+
+# ----------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    """One operation at one batch, ready to time: ``run()`` performs ``count`` operations (every layer,
+    in model order); ``checks`` are layer 0's comparisons with the oracle, made before any timing."""
+
+    op: str
+    group: str
+    B: int
+    run: Callable[[], object]
+    count: int
+    io_bytes: float
+    checks: list
+    info: dict = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c["passed"] for c in self.checks)
+
+
+def _fla(name: str):
+    try:
+        with warnings.catch_warnings():  # fla's import warns where it finds no GPU backend and no flash-attn
+            warnings.simplefilter("ignore", (UserWarning, ImportWarning, DeprecationWarning))
+            mod = importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception as e:  # noqa: BLE001 - fla is optional: its rows say why they are missing
+        raise Skip(f"fla is not importable: {type(e).__name__}: {e}") from None
+    return getattr(mod, name)
+
+
+def _fla_call(fn, x, state, scale):
+    # keywords only (fla's positional order differs between its functions); state [B, HV, K, V]
+    return fn(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], scale=scale, initial_state=state,
+              output_final_state=True, use_qk_l2norm_in_kernel=False)
+
+
+class _Builder:
+    """Builds the cases of one batch (one method per operation)."""
+
+    def __init__(self, api: Api, wl: Workload):
+        self.api, self.wl, self.p, self.s = api, wl, wl.plan, wl.plan.shapes
+        self.L, self.B = wl.plan.layers, wl.B
+        self.scale = self.s.K ** -0.5
+
+    def _layers(self, make: Callable[[int], object]) -> list:
+        return [make(layer) for layer in range(self.L)]
+
+    def _states(self, hist: History) -> list:
+        return [hist.buffer.state] + [hist.buffer.state.clone() for _ in range(self.L - 1)]
+
+    def _buffers(self, hist: History) -> list:
+        return [hist.buffer] + [clone_buffer(hist.buffer) for _ in range(self.L - 1)]
+
+    def _tokens(self, T: int, seed: int) -> list:
+        return self._layers(lambda layer: self.wl.tokens(T, seed + 1000 * layer))
+
+    def case(self, op, group, run, count, io_bytes, checks, **info) -> Case:
+        return Case(op=op, group=group, B=self.B, run=run, count=count, io_bytes=io_bytes, checks=checks, info=info)
+
+    # ------------------------------------------------------------------ decode
+    def recurrent_decode(self) -> Case:
+        step = self.api.baselines.recurrent_decode
+        hist = self.wl.history(buffered=0)
+        states, xs = self._states(hist), self._tokens(1, seed=1)
+        kw = self.api.kwargs("recurrent", step, xs[0])
+        truth = self.wl.truth(xs[0], hist)
+        o = step(**xs[0], state=states[0], **kw)
+        checks = [self.wl.compare("recurrent_decode.o", o, truth),
+                  self.wl.compare("recurrent_decode.state", states[0], truth, state=True)]
+
+        def run():
+            for x, st in zip(xs, states):
+                step(**x, state=st, **kw)
+        return self.case("recurrent_decode", "decode", run, self.L, io.recurrent_step(self.s, self.B), checks)
+
+    def fla_fused_recurrent(self) -> Case:
+        return self._fla_case("fused_recurrent_gated_delta_rule", "fla_fused_recurrent", "decode", T=1)
+
+    def _fla_case(self, fn_name: str, op: str, group: str, T: int) -> Case:
+        """fla's ``fn_name`` over T tokens from each layer's state (a new final state, nothing in place)."""
+        fn = _fla(fn_name)
+        hist = self.wl.history(buffered=0) if T == 1 else self._state_history()
+        states, xs = self._states(hist), self._tokens(T, seed=1 if T == 1 else 3)
+        truth = self.wl.truth(xs[0], hist)
+        try:
+            o, S = _fla_call(fn, xs[0], states[0], self.scale)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run here (e.g. autotuning under the interpreter)
+            raise Skip(f"fla {fn_name} does not run here: {type(e).__name__}: {str(e)[:200]}") from None
+        # fla's chunk kernel forms its state with tensor-core products of the 16-bit tokens: its state is
+        # held to the token dtype's row of the tolerance table (its fused_recurrent state to fp32's)
+        state_dtype = self.wl.dtype if fn_name.startswith("chunk") else None
+        checks = [self.wl.compare(f"{op}.o", o, truth),
+                  self.wl.compare(f"{op}.state", S, truth, state=True, dtype=state_dtype)]
+
+        def run():
+            for x, st in zip(xs, states):
+                _fla_call(fn, x, st, self.scale)
+        return self.case(op, group, run, self.L, io.recurrent_step(self.s, self.B), checks, d=T)
+
+    def buffered_decode(self) -> Case:
+        decode, C = self.api.fast.buffered_decode, self.p.C
+        hist = self.wl.history(buffered=C)
+        bufs = self._buffers(hist)
+        xs = self._tokens(C, seed=2)
+        steps = [self.wl.steps(x) for x in xs]
+        kw = self.api.kwargs("decode", decode, xs[0], C=C)
+        truth = self.wl.truth(xs[0], hist)
+        outs = [decode(**st, buffer=bufs[0], **kw)[0] for st in steps[0]]
+        checks = [self.wl.compare(f"buffered_decode[C={C}] cycle.o", torch.cat(outs, dim=1), truth)]
+        if not bool((bufs[0].lengths == C).all()):
+            checks.append(dict(name="buffered_decode: every buffer full again after a cycle", passed=False,
+                               text=f"lengths {bufs[0].lengths.tolist()} after a cycle, expected all {C}"))
+
+        def run():
+            for t in range(C):
+                for layer in range(self.L):
+                    decode(**steps[layer][t], buffer=bufs[layer], **kw)
+        return self.case("buffered_decode", "decode", run, self.L * C, io.buffered_cycle_step(self.s, self.B, C),
+                         checks, C=C)
+
+    # ------------------------------------------------------------------ verify
+    def _state_history(self) -> History:
+        """The per-draft-state side's history: the buffered side's tokens, all of them folded."""
+        return self.wl.history(buffered=0, folded=self.p.folded + self.p.fill)
+
+    def _verify_layers(self, seed: int):
+        hist = self.wl.history(buffered=self.p.fill)
+        bufs, xs = self._buffers(hist), self._tokens(self.p.drafts, seed=seed)
+        kw = self.api.kwargs("verify", self.api.fast.verify, xs[0], C=self.p.C)
+        # one draft tree per step, passed to every layer, as an engine does (the chain of d drafts)
+        d, dev = self.p.drafts, self.wl.device
+        kw["parents"] = torch.arange(-1, d - 1, device=dev, dtype=torch.long).expand(self.B, d).contiguous()
+        kw["num_drafts"] = torch.full((self.B,), d, device=dev, dtype=torch.long)
+        return hist, bufs, xs, kw
+
+    def verify(self) -> Case:
+        verify, n, d = self.api.fast.verify, self.p.fill, self.p.drafts
+        hist, bufs, xs, kw = self._verify_layers(seed=3)
+        truth = self.wl.truth(xs[0], hist)
+        o, _ = verify(**xs[0], buffer=bufs[0], **kw)
+        checks = [self.wl.compare(f"verify[d={d}].o", o, truth)]
+
+        def run():
+            for x, buf in zip(xs, bufs):
+                verify(**x, buffer=buf, **kw)
+        return self.case("verify", "verify", run, self.L, io.buffered_verify(self.s, self.B, n, d), checks,
+                         C=self.p.C, n=n, d=d)
+
+    def _per_draft_layers(self, seed: int):
+        pd_verify = self.api.baselines.per_draft_state_verify
+        hist = self._state_history()
+        states, xs = self._states(hist), self._tokens(self.p.drafts, seed=seed)
+        kw = self.api.kwargs("per_draft_state", pd_verify, xs[0])
+        if self.api.takes(pd_verify, "intermediate"):  # preallocated: not an allocation inside the timing
+            s = self.s
+            inter = self._layers(lambda _: torch.empty(self.B, self.p.drafts, s.HV, s.K, s.V, device=self.wl.device))
+            kws = [dict(kw, intermediate=i) for i in inter]
+        else:
+            kws = [kw] * self.L
+        return hist, states, xs, kws
+
+    def per_draft_state_verify(self) -> Case:
+        pd_verify, d = self.api.baselines.per_draft_state_verify, self.p.drafts
+        hist, states, xs, kws = self._per_draft_layers(seed=3)
+        truth = self.wl.truth(xs[0], hist)
+        o, inter = pd_verify(**xs[0], state=states[0], **kws[0])
+        checks = [self.wl.compare(f"per_draft_state_verify[d={d}].o", o, truth),
+                  self.wl.compare(f"per_draft_state_verify[d={d}].last_state", inter[:, d - 1], truth, state=True)]
+
+        def run():
+            for x, st, kw in zip(xs, states, kws):
+                pd_verify(**x, state=st, **kw)
+        return self.case("per_draft_state_verify", "verify", run, self.L, io.per_draft_verify(self.s, self.B, d),
+                         checks, d=d)
+
+    def fla_fused_recurrent_tokens(self) -> Case:
+        return self._fla_case("fused_recurrent_gated_delta_rule", "fla_fused_recurrent_tokens", "verify",
+                              T=self.p.drafts)
+
+    def fla_chunk_tokens(self) -> Case:
+        return self._fla_case("chunk_gated_delta_rule", "fla_chunk_tokens", "verify", T=self.p.drafts)
+
+    # ------------------------------------------------------------------ accept
+    def _counts(self) -> torch.Tensor:
+        return torch.full((self.B,), self.p.accepted, dtype=torch.long, device=self.wl.device)
+
+    def _accept_check(self, name, o, buf, xs0, hist) -> list:
+        checks = [] if o is None else [self.wl.compare(f"{name}.o", o, self.wl.truth(xs0, hist))]
+        truth_m = self.wl.truth(xs0, hist, upto=self.p.accepted)
+        return checks + [self.wl.compare(f"{name}.state_after_accept", self.api.fast.materialize_state(buf), truth_m,
+                                         state=True)]
+
+    def accept(self) -> Case:
+        verify, accept, n, m = self.api.fast.verify, self.api.fast.accept, self.p.fill, self.p.accepted
+        hist, bufs, xs, kw = self._verify_layers(seed=7)
+        akw = self.api.kwargs("accept", accept, xs[0], C=self.p.C)
+        counts = self._counts()
+        drafts = [verify(**x, buffer=buf, **kw)[1] for x, buf in zip(xs, bufs)]
+        accept(bufs[0], drafts[0], counts=counts, **akw)
+        checks = self._accept_check(f"accept[m={m}]", None, bufs[0], xs[0], hist)
+
+        def run():
+            for buf, dr in zip(bufs, drafts):
+                buf.lengths.fill_(n)
+                accept(buf, dr, counts=counts, **akw)
+        c = self.case("accept", "accept", run, self.L, io.buffered_accept(self.s, self.B, m), checks, n=n, m=m,
+                      d=self.p.drafts)
+        c.note = "each operation includes a fill of the lengths back to n (one tiny kernel)"
+        return c
+
+    def per_draft_state_accept(self) -> Case:
+        pd_verify, pd_accept, m = self.api.baselines.per_draft_state_verify, self.api.baselines.per_draft_state_accept, \
+            self.p.accepted
+        hist, states, xs, kws = self._per_draft_layers(seed=7)
+        inter = [pd_verify(**x, state=st, **kw)[1] for x, st, kw in zip(xs, states, kws)]
+        counts = self._counts()
+        pd_accept(states[0], inter[0], counts)
+        checks = [self.wl.compare(f"per_draft_state_accept[m={m}].state", states[0],
+                                  self.wl.truth(xs[0], hist, upto=m), state=True)]
+
+        def run():
+            for st, i in zip(states, inter):
+                pd_accept(st, i, counts)
+        return self.case("per_draft_state_accept", "accept", run, self.L, io.per_draft_accept(self.s, self.B), checks,
+                         m=m, d=self.p.drafts)
+
+    # ------------------------------------------------------------------ round
+    def round(self) -> Case:
+        verify, accept, n, d, m = self.api.fast.verify, self.api.fast.accept, self.p.fill, self.p.drafts, \
+            self.p.accepted
+        hist, bufs, xs, kw = self._verify_layers(seed=9)
+        akw = self.api.kwargs("accept", accept, xs[0], C=self.p.C)
+        counts = self._counts()
+        o, dr = verify(**xs[0], buffer=bufs[0], **kw)
+        accept(bufs[0], dr, counts=counts, **akw)
+        checks = self._accept_check(f"round[d={d}, m={m}]", o, bufs[0], xs[0], hist)
+
+        def run():
+            drafts = []
+            for x, buf in zip(xs, bufs):
+                buf.lengths.fill_(n)
+                drafts.append(verify(**x, buffer=buf, **kw)[1])
+            for buf, dr in zip(bufs, drafts):
+                accept(buf, dr, counts=counts, **akw)
+        c = self.case("round", "round", run, self.L,
+                      io.buffered_verify(self.s, self.B, n, d) + io.buffered_accept(self.s, self.B, m), checks,
+                      C=self.p.C, n=n, d=d, m=m)
+        c.note = "each layer's verify is preceded by a fill of its lengths back to n (one tiny kernel)"
+        return c
+
+    def per_draft_state_round(self) -> Case:
+        pd_verify, pd_accept, d, m = self.api.baselines.per_draft_state_verify, \
+            self.api.baselines.per_draft_state_accept, self.p.drafts, self.p.accepted
+        hist, states, xs, kws = self._per_draft_layers(seed=9)
+        counts = self._counts()
+        o, inter = pd_verify(**xs[0], state=states[0], **kws[0])
+        pd_accept(states[0], inter, counts)
+        checks = [self.wl.compare(f"per_draft_state_round[d={d}].o", o, self.wl.truth(xs[0], hist)),
+                  self.wl.compare(f"per_draft_state_round[d={d}, m={m}].state", states[0],
+                                  self.wl.truth(xs[0], hist, upto=m), state=True)]
+
+        def run():
+            inters = [pd_verify(**x, state=st, **kw)[1] for x, st, kw in zip(xs, states, kws)]
+            for st, i in zip(states, inters):
+                pd_accept(st, i, counts)
+        return self.case("per_draft_state_round", "round", run, self.L,
+                         io.per_draft_verify(self.s, self.B, d) + io.per_draft_accept(self.s, self.B), checks, d=d, m=m)
+
+
+#: op -> group, in the order the runner measures them.
+OPS = {
+    "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
+    "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
+    "fla_chunk_tokens": "verify",
+    "accept": "accept", "per_draft_state_accept": "accept",
+    "round": "round", "per_draft_state_round": "round",
+}
+GROUPS = ("decode", "verify", "accept", "round")
+#: The op each group is about, and the peers its ratios are taken against (same run, same batch).
+PEERS = {
+    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent"),
+    "verify": ("per_draft_state_verify", "fla_fused_recurrent_tokens", "fla_chunk_tokens"),
+    "accept": ("per_draft_state_accept",),
+    "round": ("per_draft_state_round", "fla_fused_recurrent_tokens"),
+}
+
+
+def build(op: str, api: Api, wl: Workload) -> Case:
+    """The case of ``op`` at ``wl``'s batch: inputs built, layer 0 run eagerly and compared with the oracle."""
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
+    return getattr(_Builder(api, wl), op)()

@@ -1,0 +1,588 @@
+"""verify: the outputs of D draft tokens per request (chains and trees, ragged) from the stale state plus
+the buffer, on the u-cache, without forming any per-draft state.
+
+Rows.  With BD >= D drafts (a power of two >= 8), the kernels work on R = 2 BD rows: row i < BD is
+draft i's key (its innovation u_i is computed there) and row BD + i is draft i's scaled query (its
+output o_i).  Per value head, with G_i = G_parent(i) + g_i (the root's parent: the buffer's tail, 0 if
+empty), D_ij = exp(G_i - G_j), m over the request's n buffered entries and j over the tree:
+
+    u_i = beta_i (v_i - exp(G_i) S0^T k_i - sum_m D_im (k_i.k_m) u_m - sum_{j proper anc i} D_ij (k_i.k_j) u_j)
+    o_i = exp(G_i) S0^T q_i + sum_m D_im (q_i.k_m) u_m + sum_{j anc i or j = i} D_ij (q_i.k_j) u_j
+
+In matrix form over the R rows: N [U; O] = diag(b) Z with b = [beta; 1],
+Z = [v; 0] + W U_buf + diag(sgn) Y S0 (sgn = -1 on key rows, +1 on query rows; W the decayed
+draft x buffer scores with that sign; Y the rows k_i, s q_i scaled by exp(G_i), s the query scale), and
+N unit lower triangular: [[I + A, 0], [-QQ, I]] with A_ij = beta_i D_ij (k_i.k_j) over proper
+ancestors and QQ_ij = D_ij (q_i.k_j) over ancestors-or-self.  With L = N^-1 diag(b):
+
+    [U; O] = L [v; 0] + (L W) U_buf + P S0,     P = L diag(sgn) Y   ([R, K])
+
+For scalar gates Y = diag(exp(G)) X with X the raw rows k_i, s q_i, so P S0 = L' (X S0) with the
+[R, R] matrix L' = L diag(sgn exp(G) s) (zero on padding rows).
+
+Two launches:
+
+1. Phase 1, everything that does not touch the state: the ancestor mask (a walk up ``parents``, at
+   most d steps, on [R, R] registers), the scores vs the buffer and vs the tree, G along each path, the
+   decays, N^-1 by forward substitution over the d key rows plus one product for the query rows, L and
+   L W (fp32 scratch), Drafts.G and Drafts.k.  Scalar gates: ``_verify_prep_group_kernel``, one
+   program per (request, q/k head), since the HV / H value heads of a q/k head share the scores; it
+   writes L' per value head.  Per-channel (KDA) gates: ``_verify_prep_kernel``, one program per
+   (request, value head), the decays inside the scores; it writes P.
+2. Phase 2, ``_verify_stream_kernel``, grid (V / BV, B * HV): the state in [KB, BV] blocks through a
+   pipelined loop, then L [v; 0] + (L W) U_buf + L' (X S0) (scalar gates; X read from the inputs) or
+   + P S0 (per-channel gates); direct-mode requests select zeros; stores o and Drafts.u.
+
+With PDL (CUDA, sm_90+) phase 2 is a programmatic dependent launch of phase 1: for scalar gates its
+state loop, which reads nothing phase 1 writes, runs before it waits for phase 1's results.  Nothing
+is written to the buffer.  The launch (tile sizes, warps, the early loads, PDL) is a
+``kvbuffer_fast.launch.VerifyConfig``; docs/speculative.md gives the measurements behind the table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbuffer_ref.buffer import Drafts, KVBuffer
+from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens
+
+from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, checked_buffer, device_guard,
+                      flag_view, new_output, pdl_launch, values_checked)
+from .launch import VerifyConfig, check_config, config_for, key_of
+
+__all__ = ["verify", "MAX_DRAFTS"]
+
+#: The largest draft count per request one launch handles (the [2D, 2D] algebra lives in registers).
+MAX_DRAFTS = 64
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _ancestors(par, dr, m_t, o_r, o_c, t):
+    """Over the [R, R] rows x draft columns: anc (draft c is on the root-to-dr(r) path, itself included),
+    proper (the same without c = dr(r)) and is_self (r == c: row c of the key half is draft c).  A walk
+    up ``par`` (the parents over the columns, -1 = the buffer's tail) of at most t steps."""
+    cur = tl.where(m_t, dr, -1)
+    anc = (o_r[:, None] < 0) & (o_c[None, :] < 0)
+    for _ in range(0, t):
+        hit = cur[:, None] == o_c[None, :]
+        anc = anc | hit
+        up = tl.sum(tl.where(hit, par[None, :], 0), 1)
+        cur = tl.where(cur >= 0, up, -1)
+    proper = anc & (o_c[None, :] != dr[:, None])
+    is_self = o_r[:, None] == o_c[None, :]
+    return anc, proper, is_self
+
+
+@triton.jit
+def _draft_rows(len_ptr, nd_ptr, i_b, D, BD: tl.constexpr):
+    """The request's buffer length n and draft count t, and the R = 2 BD rows every verify kernel works
+    on: o_r (row index), dr (the draft a row belongs to), is_q (query rows BD..2BD-1), m_in (rows that
+    exist in the [B, D, ...] inputs) and m_t (rows of real drafts; padding rows are zeroed by selects,
+    never by multiplying)."""
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    t = tl.load(nd_ptr + i_b).to(tl.int32)
+    o_r = tl.arange(0, 2 * BD)
+    dr = o_r % BD
+    is_q = o_r >= BD
+    return n, t, o_r, dr, is_q, dr < D, dr < t
+
+
+@triton.jit
+def _chunk_inputs(k_ptr, q_ptr, p_kq, m_in, is_q, o_k, m_k):
+    """Columns o_k of the draft rows as stored: the keys on the key rows, the queries on the query rows
+    (0 elsewhere; the inputs' dtype)."""
+    k_in = tl.load(k_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & ~is_q)[:, None] & m_k[None, :], other=0.0)
+    q_in = tl.load(q_ptr + p_kq[:, None] + o_k[None, :], mask=(m_in & is_q)[:, None] & m_k[None, :], other=0.0)
+    return k_in, q_in
+
+
+@triton.jit
+def _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale,
+                K: tl.constexpr, KC: tl.constexpr, CHANNEL: tl.constexpr):
+    """Columns k0..k0+KC of the draft rows: the raw keys (for Drafts.k), the rows k_i / scale*q_i (padding
+    rows selected to 0) and, per-channel, the drafts' gates on the key rows."""
+    o_k = k0 + tl.arange(0, KC)
+    m_k = o_k < K
+    k_in, q_in = _chunk_inputs(k_ptr, q_ptr, p_kq, m_in, is_q, o_k, m_k)
+    kq = tl.where(m_t[:, None], k_in.to(tl.float32) + q_in.to(tl.float32) * scale, 0.0)
+    if CHANNEL:
+        g = tl.load(g_ptr + p_rt[:, None] * K + o_k[None, :], mask=(m_in & ~is_q)[:, None] & m_k[None, :], other=0.0)
+        g = tl.where(m_t[:, None], g.to(tl.float32), 0.0)
+    else:
+        g = kq  # unused
+    return k_in, kq, g
+
+
+@triton.jit
+def _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K: tl.constexpr, KC: tl.constexpr, CHANNEL: tl.constexpr):
+    """Columns k0..k0+KC of the buffered keys [BC, KC] (and per-channel G) of the first n entries."""
+    o_k = k0 + tl.arange(0, KC)
+    m = m_n[:, None] & (o_k < K)[None, :]
+    kc = tl.load(ck_ptr + p_ck[:, None] + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    if CHANNEL:
+        gc = tl.load(cg_ptr + p_cg[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        gc = kc  # unused
+    return kc, gc
+
+
+@triton.jit
+def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexpr, R: tl.constexpr,
+                   BC: tl.constexpr, SCORES: tl.constexpr):
+    """Per-channel gates, one column chunk: G of every row (base + the gates along its path) and this
+    chunk's share of the decayed scores vs the buffer [R, BC] and vs the tree [R, R], row by row."""
+    base = tl.sum(tl.where((o_m == n - 1)[:, None], gc, 0.0), 0)  # the buffer tail's G (0 if empty)
+    Gr = tl.zeros(kq.shape, dtype=tl.float32)
+    o_c = tl.arange(0, R)
+    for j in range(0, t):
+        a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
+        g_j = tl.sum(tl.where((o_r == j)[:, None], g, 0.0), 0)
+        Gr += tl.where(a_j[:, None], g_j[None, :], 0.0)
+    Gr = tl.where(m_t[:, None], Gr + base[None, :], 0.0)
+    SB = tl.zeros([R, BC], dtype=tl.float32)
+    SS = tl.zeros([R, R], dtype=tl.float32)
+    n_rows = t * 0
+    if SCORES:  # else only G
+        n_rows = 2 * t
+    for rr in range(0, n_rows):
+        r = tl.where(rr < t, rr, BD + rr - t)
+        sel = o_r == r
+        x_r = tl.sum(tl.where(sel[:, None], kq, 0.0), 0)
+        G_r = tl.sum(tl.where(sel[:, None], Gr, 0.0), 0)
+        dec = tl.exp(tl.where(m_n[:, None], G_r[None, :] - gc, float("-inf")))
+        SB = tl.where(sel[:, None], tl.sum(kc * dec * x_r[None, :], 1)[None, :], SB)
+        a_r = tl.sum(tl.where(sel[:, None] & anc, 1, 0), 0) > 0  # [R] ancestors-or-self (as key rows)
+        decd = tl.exp(tl.where(a_r[:, None], G_r[None, :] - Gr, float("-inf")))
+        SS = tl.where(sel[:, None], tl.sum(kq * decd * x_r[None, :], 1)[None, :], SS)
+    return Gr, SB, SS
+
+
+@triton.jit
+def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n):
+    """Scalar gates: G of each row's draft (the buffer tail's G plus the gates along its path) and the
+    scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by their decays exp(G_i - G_j)."""
+    base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
+    gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)  # [R] over columns
+    Gr = tl.where(m_t, base + tl.sum(tl.where(anc, gd[None, :], 0.0), 1), 0.0)  # [R] G of each row's draft
+    Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] the same, over columns
+    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
+    SS = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
+    return Gr, SB, SS
+
+
+@triton.jit
+def _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC: tl.constexpr):
+    """From the decayed scores: W (sign -1 on key rows), M = N - I (strictly lower), N^-1 of the key
+    rows by forward substitution over the t key rows, one product for the query rows, and
+    L = N^-1 diag(b)."""
+    W = tl.where(is_q[:, None], SB, -SB)
+    M = tl.where(is_q[:, None], -SS, tl.where(proper, b_row[:, None] * SS, 0.0))
+    eye = tl.where(is_self, 1.0, 0.0)
+    Ninv = eye
+    for i in range(0, t):
+        a_i = tl.sum(tl.where((o_r == i)[:, None], M, 0.0), 0)
+        row = tl.where(o_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ninv, 0)
+        Ninv = tl.where((o_r == i)[:, None], row[None, :], Ninv)
+    Ninv -= tl.dot(tl.where(is_q[:, None], M, 0.0), Ninv, input_precision=PREC)
+    return Ninv * b_col[None, :], W
+
+
+@triton.jit
+def _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R: tl.constexpr,
+             BC: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr):
+    """Phase 1's results for one value head: L and L W ([R, R + BC]) and, with ZP, L' = L diag(sgn
+    exp(G) s) ([R, R]; s = the query scale, zero on padding rows), which phase 2 applies to X S0."""
+    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
+    tl.store(p_l + o_c[None, :], L)
+    tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
+    if ZP:
+        col = tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0)  # over rows of X = columns of L
+        col_c = tl.sum(tl.where(is_self, col[:, None], 0.0), 0)
+        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :], L * col_c[None, :])
+
+
+@triton.jit
+def _verify_prep_group_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr,
+    ck_ptr, cg_ptr, len_ptr, p_ptr, l_ptr,
+    scale, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    BG: tl.constexpr, MMA16: tl.constexpr,
+):
+    """Phase 1 for scalar gates, one program per (request, q/k head).  The scores of the drafts' keys /
+    queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value heads that
+    share the q/k head (only their decays, betas and gates differ), so they are formed once, in chunks
+    of KC key columns; then each value head's G, decays, N^-1, L, L W and L' = L diag(sgn exp(G) s) are
+    written (``_store_l``), and Drafts.G and Drafts.k.
+    The betas and gates of all the value heads ([BG, *], BG = the group size rounded up to a power of
+    two) are loaded before the chunk loop, so that no value head waits for a load issued after a store
+    (such a load cannot be moved above the store: the pointers might alias).
+    MMA16 (q, k and the buffered keys all bf16 or all fp16): the scores are 16-bit MMAs of the raw rows
+    (exact products, fp32 sums: nothing to split), and the query scale multiplies the finished scores'
+    query rows; otherwise fp32 dots of the rows k_i, s q_i in PREC."""
+    R: tl.constexpr = 2 * BD
+    GROUP: tl.constexpr = HV // H
+    _pdl_prologue(PDL)
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
+    o_c = tl.arange(0, R)
+    p_kq = ((i_b * D + dr) * H + i_h) * K
+    m_cin = (o_c < BD) & (o_c < D)
+    m_ct = (o_c < BD) & (o_c < t)
+    par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
+    par = tl.where(m_ct, par_in.to(tl.int32), -1)
+    anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
+    o_m = tl.arange(0, BC)
+    m_n = o_m < n
+    p_ck = ((i_b * C + o_m) * H + i_h) * K
+    tl.static_assert(BG >= GROUP)
+    o_g = tl.arange(0, BG)
+    hv_g = (i_h * GROUP + o_g)[:, None]
+    m_g = (o_g < GROUP)[:, None]
+    beta_in2 = tl.load(beta_ptr + (i_b * D + dr[None, :]) * HV + hv_g, mask=m_g & m_in[None, :],
+                       other=0.0).to(tl.float32)
+    beta_cin2 = tl.load(beta_ptr + (i_b * D + o_c[None, :]) * HV + hv_g, mask=m_g & m_cin[None, :],
+                        other=0.0).to(tl.float32)
+    g_in2 = tl.load(g_ptr + (i_b * D + o_c[None, :]) * HV + hv_g, mask=m_g & m_cin[None, :],
+                    other=0.0).to(tl.float32)
+    gc2 = tl.load(cg_ptr + (i_b * C + o_m[None, :]) * HV + hv_g, mask=m_g & m_n[None, :],
+                  other=0.0).to(tl.float32)
+    SB = tl.zeros([R, BC], dtype=tl.float32)
+    SS = tl.zeros([R, R], dtype=tl.float32)
+    for k0 in range(0, K, KC):
+        o_k = k0 + tl.arange(0, KC)
+        if MMA16:
+            m_k = o_k < K
+            k_in, q_in = _chunk_inputs(k_ptr, q_ptr, p_kq, m_in, is_q, o_k, m_k)
+            x = tl.where(m_t[:, None], k_in + q_in, tl.zeros_like(k_in))  # one of the two is 0: exact
+            kc = tl.load(ck_ptr + p_ck[:, None] + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+            SB += tl.dot(x, tl.trans(kc))
+            SS += tl.dot(x, tl.trans(x))
+        else:
+            k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_kq, m_in, is_q, m_t, k0, scale, K, KC, False)
+            kc, gcc = _chunk_entries(ck_ptr, ck_ptr, p_ck, p_ck, m_n, k0, K, KC, False)
+            SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
+            SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)
+        tl.store(dk_ptr + p_kq[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
+                 mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
+    if MMA16:  # the query rows carry the scale (kq = [k; s q] in the fp32 path); SS's query columns go unused
+        s_r = tl.where(is_q, scale, 1.0)
+        SB = SB * s_r[:, None]
+        SS = SS * s_r[:, None]
+    for j in tl.static_range(GROUP):
+        i_hv = i_h * GROUP + j
+        i_bhv = i_b * HV + i_hv
+        p_rt = (i_b * D + dr) * HV + i_hv
+        sel = (o_g == j)[:, None]  # this value head's row of the loads issued before the chunk loop
+        beta_in = tl.sum(tl.where(sel, beta_in2, 0.0), 0)
+        beta_cin = tl.sum(tl.where(sel, beta_cin2, 0.0), 0)
+        g_in = tl.sum(tl.where(sel, g_in2, 0.0), 0)
+        gc = tl.sum(tl.where(sel, gc2, 0.0), 0)
+        b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
+        b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
+        Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
+        tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
+        L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
+        _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
+
+
+@triton.jit
+def _verify_prep_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr,
+    ck_ptr, cg_ptr, len_ptr, p_ptr, l_ptr,
+    scale, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+):
+    """Phase 1 for per-channel (KDA) gates, one program per (request, value head): the decays depend on
+    the key column, so they go inside the scores (``_chunk_channel``, row by row).  Writes L and L W
+    ([R, R + BC]), P = L diag(sgn) Y ([R, K]; Y = the rows k_i, s q_i scaled by exp(G_i) per column),
+    Drafts.G and (one program per q/k head) Drafts.k.  The key dimension is walked in chunks of KC
+    columns, twice (the scores, then P and G), so that few registers are live."""
+    R: tl.constexpr = 2 * BD  # rows: draft keys 0..BD-1, draft queries BD..2BD-1
+    GROUP: tl.constexpr = HV // H
+    _pdl_prologue(PDL)
+    i_bhv = tl.program_id(0).to(tl.int64)
+    i_b = i_bhv // HV
+    i_hv = i_bhv % HV
+    i_h = i_hv // GROUP
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
+    o_c = tl.arange(0, R)  # column index of the [R, R] matrices (columns < BD: draft keys)
+    m_own = dr < tl.where(i_hv % GROUP == 0, D, 0)  # one program per (request, q/k head) keeps the keys
+    p_kq = ((i_b * D + dr) * H + i_h) * K
+    p_rt = (i_b * D + dr) * HV + i_hv  # [R] offsets of per-(draft, value head) rows
+    beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
+    m_cin = (o_c < BD) & (o_c < D)
+    par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
+    beta_cin = tl.load(beta_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
+    o_m = tl.arange(0, BC)
+    m_n = o_m < n
+    p_ck = ((i_b * C + o_m) * H + i_h) * K
+    p_cg = (i_b * C + o_m) * HV + i_hv
+    m_ct = (o_c < BD) & (o_c < t)
+    b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
+    b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)  # b = [beta; 1]
+    par = tl.where(m_ct, par_in.to(tl.int32), -1)
+    anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
+    # pass 1 over the key dimension: scores vs the buffer [R, BC] and vs the drafts [R, R]; Drafts.k
+    SB = tl.zeros([R, BC], dtype=tl.float32)
+    SS = tl.zeros([R, R], dtype=tl.float32)
+    for k0 in range(0, K, KC):
+        k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, True)
+        kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, True)
+        o_k = k0 + tl.arange(0, KC)
+        tl.store(dk_ptr + p_kq[:, None] + o_k[None, :],
+                 tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
+                 mask=(m_own & ~is_q)[:, None] & (o_k < K)[None, :])
+        Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, True)
+        SB += SB_c
+        SS += SS_c
+    Gr = b_row  # unused (per-channel G is formed chunk by chunk in pass 2)
+    L, W = _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
+    _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, False, PREC)
+    # pass 2: P = L diag(sgn) Y, Y = the rows k_i, q_i scaled by exp(G_i); Drafts.G
+    for k0 in range(0, K, KC):
+        k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, True)
+        o_k = k0 + tl.arange(0, KC)
+        kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, True)
+        Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, False)
+        tl.store(dg_ptr + p_rt[:, None] * K + o_k[None, :], Gr_c.to(dg_ptr.dtype.element_ty),
+                 mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
+        Y = kq * tl.exp(Gr_c)
+        P = tl.dot(L, tl.where(is_q[:, None], Y, -Y), input_precision=PREC)
+        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * K + o_k[None, :], P, mask=(o_k < K)[None, :])
+
+
+@triton.jit
+def _tf32_round(x):
+    """x rounded to the nearest TF32 value (10 mantissa bits, ties away from zero), kept as fp32: the low
+    13 bits cleared after adding half of their range.  x minus it is exact in fp32."""
+    b = x.to(tl.uint32, bitcast=True)
+    return ((b + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_dot(x, s, acc, XP: tl.constexpr):
+    """acc + x s for x exactly representable in TF32 (the raw bf16 / fp16 key and query rows), s fp32:
+    s = hi + lo, hi its TF32 rounding (|lo| <= 2^-11 |s|), two TF32 products, smallest first.  These
+    are the terms of tf32x3 that are not zero (x's own low part is), so its error: the product of lo
+    truncated to TF32, <= 2^-21 |s|.  XP: the pieces' product precision ("tf32" on CUDA; "ieee" in
+    the interpreter, which has no TF32)."""
+    hi = _tf32_round(s)
+    acc = tl.dot(x, s - hi, acc, input_precision=XP)
+    acc = tl.dot(x, hi, acc, input_precision=XP)
+    return acc
+
+
+@triton.jit
+def _verify_stream_kernel(
+    v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
+    C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+    STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
+    H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr,
+):
+    """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
+    the state streamed in [KB, BV] blocks through a pipelined loop of NS stages (direct-mode requests
+    select 0).  ZP (scalar gates): the loop forms X S0 from the raw key / query rows (read from the
+    inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop reads
+    nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap).  Without
+    ZP (per-channel gates) the loop multiplies phase 1's P by the state blocks, after the wait.
+    EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
+    it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
+    products in precision XP); otherwise in PREC."""
+    R: tl.constexpr = 2 * BD
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
+    owns = tl.load(own_ptr + i_b) != 0
+    o_kb = tl.arange(0, KB)
+    p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
+    X = tl.zeros([R, BV], dtype=tl.float32)
+    p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
+    o_m = tl.arange(0, BC)
+    p_u = cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :]
+    if EARLY:
+        v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
+        uc = tl.load(p_u, mask=(o_m < n)[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    if ZP:
+        if STORAGE:
+            p_x = ((i_b * D + dr) * H + i_h)[:, None] * K + o_kb[None, :]
+            m_kx = (m_in & m_t & ~is_q)[:, None]
+            m_qx = (m_in & m_t & is_q)[:, None]
+            for k0 in tl.range(0, K, KB, num_stages=NS):
+                m_kb = (k0 + o_kb) < K
+                sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                xb = (tl.load(k_ptr + p_x + k0, mask=m_kx & m_kb[None, :], other=0.0).to(tl.float32)
+                      + tl.load(q_ptr + p_x + k0, mask=m_qx & m_kb[None, :], other=0.0).to(tl.float32))
+                if XSPLIT:
+                    X = _split_dot(xb, sb, X, XP)
+                else:
+                    X = tl.dot(xb, sb, X, input_precision=PREC)
+        if PDL:
+            _gdc_wait()  # phase 1's L, L W, L' from here on
+    if not EARLY:
+        v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
+    o_c = tl.arange(0, R)
+    p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
+    L = tl.load(p_l + o_c[None, :])
+    LW = tl.load(p_l + R + o_m[None, :])
+    m_n = o_m < n
+    if not EARLY:
+        uc = tl.load(p_u, mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
+    out += tl.dot(LW, uc, input_precision=PREC)
+    if STORAGE:
+        if ZP:
+            L2 = tl.load(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :])
+            X = tl.dot(L2, X, input_precision=PREC)
+        else:
+            p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kb[None, :]
+            for k0 in tl.range(0, K, KB, num_stages=NS):
+                m_kb = (k0 + o_kb) < K
+                sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                pb = tl.load(p_p + k0, mask=m_kb[None, :], other=0.0)
+                X = tl.dot(pb, sb, X, input_precision=PREC)
+        out += tl.where(owns, X, 0.0)
+    out = tl.where(m_t[:, None], out, 0.0)
+    m_out = m_in[:, None] & m_v[None, :]
+    tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
+    tl.store(du_ptr + p_rv, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
+
+
+def verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    buffer: KVBuffer,
+    parents: Optional[torch.Tensor] = None,
+    num_drafts: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    config: Optional[VerifyConfig] = None,
+) -> tuple[torch.Tensor, Drafts]:
+    """Outputs of D draft tokens per request from the stale state plus the buffer; nothing is committed.
+
+    q, k: [B, D, H, K]; v: [B, D, HV, V]; g: [B, D, HV]*; beta: [B, D, HV].  parents: [B, D] int
+    (-1 = the buffer's tail; each parent before its child; default the chain -1, 0, ..., D-2);
+    num_drafts: [B] int in 0..D (default D): ragged draft counts, padding rows get o = 0.
+    Returns o [B, D, HV, V] (v's dtype) and ``Drafts`` in the u-cache form: u [B, D, HV, V] and
+    G [B, D, HV]* (relative to the buffer's last flush) in the buffer's cache dtype, a copy of the keys,
+    and parents / num_drafts (the defaults are tensors of the call's own: the caller may edit them).
+    Same results as ``kvbuffer_ref.verify``; the buffer is not modified and no per-draft state is formed.
+    ``config``: the launch (a ``kvbuffer_fast.launch.VerifyConfig``; default: the launch table's row
+    for these shapes).  The checks that read device values are skipped while a CUDA graph is captured.
+    """
+    d = check_tokens(q, k, v, g, beta)
+    checked = checked_buffer(buffer, "verify", d, q.device)
+    parents, num_drafts = _default_drafts(parents, num_drafts, d.B, d.T, q)
+    if checked:
+        parents = check_parents(parents, d.B, d.T, q.device)
+        num_drafts = check_num_drafts(num_drafts, d.B, d.T, q.device)
+    if d.T > MAX_DRAFTS:
+        raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
+                         f"{MAX_DRAFTS} in one launch; verify them in parts or use kvbuffer_ref.verify")
+    s = check_scale(scale, d.K)
+    cfg = check_config("verify", config) if config is not None else config_for("verify", _key(q, k, d, buffer))
+    parents = parents.to(torch.long).contiguous()
+    num_drafts = num_drafts.to(torch.long).contiguous()
+    shape_o = (d.B, d.T, d.HV, d.V)
+    o = new_output(shape_o, v.dtype, q.device)
+    du = new_output(shape_o, buffer.u.dtype, q.device)
+    dG = new_output(tuple(g.shape), buffer.G.dtype, q.device)
+    dk = new_output(tuple(k.shape), k.dtype, q.device)
+    drafts = Drafts(parents=parents, num_drafts=num_drafts, k=dk, u=du, G=dG)
+    if d.B == 0 or d.T == 0:
+        return o, drafts
+    _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg)
+    return o, drafts
+
+
+def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
+    """The launch table's key.  Its rows count phase 2's programs (B * HV * V-tiles; measured at V = 128),
+    so ``columns`` is 128 per program of the default tile; the dtype is q's where q and k share it, else
+    float32 (mixed inputs take the fp32 products)."""
+    BV = max(16, min(VerifyConfig.BV, block(d.V)))
+    dtype = q.dtype if q.dtype == k.dtype else torch.float32
+    return key_of(q, C=buffer.capacity, B=d.B, HV=d.HV, V=triton.cdiv(d.V, BV) * 128, channel=d.channel_gate,
+                  dtype=dtype)
+
+
+def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o, drafts: Drafts, d,
+            cfg: VerifyConfig) -> None:
+    """Phase 1 then phase 2 (module docstring).  fp32 products: tf32x3 on CUDA, FMA ("ieee") in the
+    interpreter; phase 2's X S0 splits only the state for 16-bit q and k (exact in TF32)."""
+    storage = buffer.state is not None
+    BD = block(d.T, 8)
+    R, BC = 2 * BD, block(buffer.capacity)
+    BV = max(16, min(cfg.BV, block(d.V)))
+    KB = max(16, min(cfg.KB, block(d.K)))
+    prec = "tf32x3" if q.is_cuda else "ieee"
+    zp = not d.channel_gate  # phase 2 forms X S0 from the raw rows (scalar gates) or multiplies P by S0
+    xsplit = zp and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT
+    pdl = pdl_launch(q, cfg.pdl)
+    # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC]; L' [B*HV, R, R] or P [B*HV, R, K]
+    lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
+    pk = torch.empty(d.B * d.HV, R, R if zp else d.K, dtype=torch.float32, device=q.device)
+    KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
+    prep = dict(C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC, PREC=prec,
+                num_warps=cfg.prep_warps, **({"maxnreg": cfg.prep_maxnreg} if cfg.prep_maxnreg else {}), **pdl)
+    args = (as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, drafts.G, drafts.k,
+            buffer.k, buffer.G, buffer.lengths, pk, lw, s, d.T)
+    with device_guard(q):
+        if zp:
+            mma16 = q.dtype == k.dtype == buffer.k.dtype and q.dtype in _SIXTEEN_BIT
+            _verify_prep_group_kernel[(d.B * d.H,)](*args, BG=triton.next_power_of_2(d.HV // d.H), MMA16=mma16,
+                                                    **prep)
+        else:
+            _verify_prep_kernel[(d.B * d.HV,)](*args, **prep)
+        _verify_stream_kernel[(triton.cdiv(d.V, BV), d.B * d.HV)](
+            as_input(v), num_drafts, o, drafts.u, buffer.u, buffer.lengths, flag_view(buffer.has_state),
+            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+            pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, KB=KB, BV=BV, NS=cfg.NS,
+            STORAGE=storage, PREC=prec, ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), EARLY=cfg.early,
+            XSPLIT=xsplit, XP="tf32" if q.is_cuda else "ieee", num_warps=cfg.num_warps, **pdl)
+
+
+#: Rows of default (parents, num_drafts) per (B, D, device): [block, next row].  Each default call takes a
+#: row of its own, so no two calls' Drafts share memory and a caller may edit them; a block of _ROWS rows
+#: is made by a few small torch ops every _ROWS / 2 calls, so a default call launches only the kernels.
+_DEFAULT_ROWS: dict = {}
+_ROWS = 64
+
+
+def _default_drafts(parents, num_drafts, B: int, D: int, q: torch.Tensor):
+    """``parents`` / ``num_drafts`` with the defaults (the chain -1, 0, ..., D-2; D per request) filled in
+    from a fresh row of [B * D + B] int64.  A new block is made when fewer than half its rows are left,
+    except while a CUDA graph is captured (its contents would exist only in the graph): then only when
+    it is used up, and the rows made in the capture serve that call alone."""
+    if parents is not None and num_drafts is not None:
+        return parents, num_drafts
+    device = q.device
+    key = (B, D, str(device))
+    capturing = not values_checked(q)
+    pool = _DEFAULT_ROWS.get(key)
+    if pool is None or pool[1] >= (_ROWS if capturing else _ROWS // 2):
+        chain = torch.arange(-1, D - 1, device=device, dtype=torch.long).repeat(B)
+        row = torch.cat([chain, torch.full((B,), D, dtype=torch.long, device=device)])
+        pool = [row.repeat(1 if capturing else _ROWS, 1), 0]
+        if not capturing:
+            _DEFAULT_ROWS[key] = pool
+    row = pool[0][pool[1]]
+    pool[1] += 1
+    parents = row[: B * D].view(B, D) if parents is None else parents
+    num_drafts = row[B * D:] if num_drafts is None else num_drafts
+    return parents, num_drafts
