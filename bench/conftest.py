@@ -1,6 +1,6 @@
 """The CPU harness: pytest-benchmark over the cases of bench/workloads.py (the GPU runner's cases).
 
-    python3 -m pytest bench/ --benchmark-json out.json && python3 -m bench.report out.json
+    python3 -m pytest bench/ --benchmark-enable --benchmark-json out.json && python3 -m bench.report out.json
 
 Each test builds one case (bench.workloads.SMOKE: tiny shapes, under the Triton interpreter), fails it
 without timing if layer 0 does not match the float64 oracle, then times ``case.run()`` (every layer,

@@ -56,7 +56,7 @@ def test_gpu_runner_smoke_with_a_second_package_root(tmp_path):
 def test_pytest_benchmark_suites_and_report(tmp_path):
     pytest.importorskip("pytest_benchmark", reason="pytest-benchmark not installed")
     js = tmp_path / "cpu.json"
-    _run(["-m", "pytest", "bench/", "-p", "no:cacheprovider", "-q", "--benchmark-json", str(js),
+    _run(["-m", "pytest", "bench/", "-p", "no:cacheprovider", "-q", "--benchmark-enable", "--benchmark-json", str(js),
           "-k", "recurrent_decode or per_draft_state_verify or test_speculative[accept]"])
     data = json.loads(js.read_text())
     ops = {b["extra_info"]["op"] for b in data["benchmarks"]}
