@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.checks import check_buffer
+from kvbuffer_ref.checks import RESET_GATE, check_buffer, check_gate_values, check_tokens, require_tensor
 
 try:  # grid dependency control (Triton >= 3.3): used only when a launch asks for PDL
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -35,6 +35,8 @@ __all__ = [
     "flag_view",
     "check_u_form",
     "checked_buffer",
+    "checked_tokens",
+    "require_fp32_state",
     "pdl_launch",
 ]
 
@@ -123,6 +125,31 @@ def check_u_form(buffer: KVBuffer, op: str) -> None:
         require_inplace(f"buffer.{name}", x)
 
 
+def require_fp32_state(name: str, x: Optional[torch.Tensor]) -> None:
+    """State storage the kernels read and write (a buffer's state, recurrent_decode's state, the per-draft
+    intermediate states) must be float32: the kernels accumulate in float32 and a 16-bit state would
+    silently round every update (a float64 one would silently lose its precision)."""
+    if x is not None:
+        require_tensor(name, x)
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name}: kvbuffer_fast keeps states in float32, got {x.dtype} (shape {list(x.shape)}); "
+                            f"convert it with .float() (kvbuffer_ref takes any floating dtype)")
+
+
+def checked_tokens(q, k, v, g, beta, valid=None):
+    """``kvbuffer_ref.checks.check_tokens`` and, unless a CUDA graph is being captured, the value domain
+    of ``g`` and ``beta`` (``check_gate_values``: no NaN / +inf gate, finite betas; ``valid`` [B, T]: the
+    rows to check).  Returns (dims, g) with gates below ``-RESET_GATE[float32]`` (-inf included: an exact
+    reset) taken as that value, as the reference does (a copy, only when there are such gates): the
+    kernels' cumulative gates stay finite, so they never form -inf - (-inf) = NaN."""
+    d = check_tokens(q, k, v, g, beta)
+    if values_checked(q):
+        low = -RESET_GATE[torch.float32]
+        if check_gate_values(g, beta, valid, below=low):
+            g = g.clamp(min=low)
+    return d, g
+
+
 def checked_buffer(buffer: KVBuffer, op: str, dims=None, device=None) -> bool:
     """The buffer checks of kvbuffer_fast's buffer operation ``op``: a KVBuffer (TypeError), consistent
     and fitting ``dims`` / ``device`` (``kvbuffer_ref.checks.check_buffer``; its check that reads device
@@ -130,9 +157,12 @@ def checked_buffer(buffer: KVBuffer, op: str, dims=None, device=None) -> bool:
     Returns whether the device values were checked (``values_checked``), for the op's own such checks."""
     if not isinstance(buffer, KVBuffer):
         raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
+    check_buffer(buffer, dims, device, values=False)
     checked = values_checked(buffer.k)
-    check_buffer(buffer, dims, device, values=checked)
+    if checked:
+        check_buffer(buffer, dims, device)
     check_u_form(buffer, op)
+    require_fp32_state("buffer.state", buffer.state)
     return checked
 
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.checks import check_counts, check_nodes
+from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, check_num_drafts, check_parents,
+                                 require_device, require_float, require_int_tensor, require_rank, require_tensor)
 
 from ._common import (_program_ids, as_input, block, checked_buffer, device_guard, flag_view, ticket_counters)
 from ._fold import fold_rows
@@ -181,7 +182,7 @@ def accept(
     values (the counts or nodes, the no-storage fold) are skipped while a CUDA graph is captured.
     """
     checked = checked_buffer(buffer, "accept")
-    _check_drafts(buffer, drafts)
+    _check_drafts(buffer, drafts, checked)
     if (counts is None) == (nodes is None):
         raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
     B, D = drafts.k.shape[:2]
@@ -209,13 +210,26 @@ def accept(
     return buffer
 
 
-def _check_drafts(buffer: KVBuffer, drafts: Drafts) -> None:
-    """``drafts`` are u-cache Drafts whose shapes fit ``buffer``."""
+def _check_drafts(buffer: KVBuffer, drafts: Drafts, checked: bool = True) -> None:
+    """``drafts`` are u-cache Drafts whose shapes, dtypes and device fit ``buffer``, with parents in
+    -1..i-1 and num_drafts in 0..D (the kernels walk them; those values are checked when ``checked``)."""
     if not isinstance(drafts, Drafts):
         raise TypeError(f"drafts: expected the Drafts returned by verify, got {type(drafts).__name__}")
     if drafts.form != "u":
         raise NotImplementedError("drafts: kvbuffer_fast.accept takes u-cache drafts (from kvbuffer_fast.verify or "
                                   "kvbuffer_ref.verify on a u-form buffer); got raw-form drafts")
+    for name in ("k", "u", "G"):
+        x = require_tensor(f"drafts.{name}", getattr(drafts, name))
+        require_float(f"drafts.{name}", x)
+        require_device(f"drafts.{name}", x, buffer.k.device)
+    require_rank("drafts.k", drafts.k, 4, "[B, D, H, K]")
+    B, D = drafts.k.shape[:2]
+    if checked:
+        check_parents(drafts.parents, B, D, buffer.k.device, name="drafts.parents")
+        check_num_drafts(drafts.num_drafts, B, D, buffer.k.device, name="drafts.num_drafts")
+    else:
+        require_int_tensor("drafts.parents", drafts.parents, (B, D), "[B, D]", buffer.k.device)
+        require_int_tensor("drafts.num_drafts", drafts.num_drafts, (B,), "[B]", buffer.k.device)
     if drafts.k.shape[0] != buffer.batch or drafts.k.shape[2:] != buffer.k.shape[2:]:
         raise ValueError(f"drafts: keys of shape {list(drafts.k.shape)} do not fit the buffer's "
                          f"[B, C, H, K] = {list(buffer.k.shape)}")
@@ -233,10 +247,10 @@ def _accepted_nodes(counts, nodes, drafts: Drafts, checked: bool, device) -> tor
         if counts is not None:
             return (check_counts(counts, drafts.num_drafts, drafts.is_chain) - 1).contiguous()
         return check_nodes(nodes, drafts.num_drafts).contiguous()
-    x = counts if counts is not None else nodes
-    if isinstance(x, int) and not isinstance(x, bool):
-        x = torch.full((drafts.k.shape[0],), x, dtype=torch.long, device=device)
-    return (x.to(device=device, dtype=torch.long) - (1 if counts is not None else 0)).contiguous()
+    name, x = ("counts", counts) if counts is not None else ("nodes", nodes)
+    x = check_count_arg(name, x, drafts.k.shape[0], device, "0..num_drafts[b]" if counts is not None else
+                        "-1..num_drafts[b]-1")
+    return (x.to(dtype=torch.long) - (1 if counts is not None else 0)).contiguous()
 
 
 def _require_room(buffer: KVBuffer, drafts: Drafts, nodes: torch.Tensor) -> None:

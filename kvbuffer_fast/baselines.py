@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbuffer_ref.checks import check_scale, check_state, check_tokens
+from kvbuffer_ref.checks import check_count_arg, check_scale, check_state, require_rank, require_tensor, shape_str
 
-from ._common import _program_ids, _tile_offsets, as_input, block, device_guard, new_output, require_inplace
+from ._common import (_program_ids, _tile_offsets, as_input, block, checked_tokens, device_guard, new_output,
+                      require_fp32_state, require_inplace, values_checked)
 from .launch import PerDraftStateConfig, RecurrentConfig, check_config, config_for, key_of
 from .recurrent import _gated_delta_step, recurrent_step
 
@@ -107,10 +108,11 @@ def per_draft_state_verify(
     state's dtype: the state after each draft token.  Pass ``intermediate`` (preallocated, as engines
     keep it) to avoid an allocation per call.
     """
-    dims = check_tokens(q, k, v, g, beta)
+    dims, g = checked_tokens(q, k, v, g, beta)
     if state is None:
         raise ValueError("state: per_draft_state_verify needs the state [B, HV, K, V], got None")
     check_state("state", state, dims, q.device)
+    require_fp32_state("state", state)
     require_inplace("state", state)
     s = check_scale(scale, dims.K)
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
@@ -120,9 +122,13 @@ def per_draft_state_verify(
     shape_i = (B, T, HV, K, V)
     if intermediate is None:
         intermediate = new_output(shape_i, state.dtype, q.device)
-    elif tuple(intermediate.shape) != shape_i or intermediate.device != q.device or not intermediate.is_contiguous():
-        raise ValueError(f"intermediate: expected a contiguous tensor [B, d, HV, K, V] = {list(shape_i)} on "
-                         f"{q.device}, got {list(intermediate.shape)} on {intermediate.device}")
+    else:
+        require_tensor("intermediate", intermediate)
+        if tuple(intermediate.shape) != shape_i or intermediate.device != q.device or not intermediate.is_contiguous():
+            raise ValueError(f"intermediate: expected a contiguous tensor [B, d, HV, K, V] = {list(shape_i)} on "
+                             f"{q.device}, got {list(intermediate.shape)} on {intermediate.device}"
+                             f"{'' if intermediate.is_contiguous() else ' (not contiguous)'}")
+        require_fp32_state("intermediate", intermediate)
     o = new_output((B, T, HV, V), v.dtype, q.device)
     if B == 0 or T == 0:
         return o, intermediate
@@ -143,19 +149,30 @@ def per_draft_state_accept(state: torch.Tensor, intermediate: torch.Tensor, coun
 
     state: [B, HV, K, V]; intermediate: [B, d, HV, K, V]; counts: int or [B] int tensor in 0..d.
     """
+    require_tensor("state", state)
+    require_rank("state", state, 4, "[B, HV, K, V]")
+    require_fp32_state("state", state)
     require_inplace("state", state)
+    require_tensor("intermediate", intermediate)
     if intermediate.dim() != 5 or intermediate.shape[0] != state.shape[0] or intermediate.shape[2:] != state.shape[1:]:
         raise ValueError(f"intermediate: expected [B, d, HV, K, V] matching state {list(state.shape)}, "
-                         f"got {list(intermediate.shape)}")
+                         f"got {shape_str(intermediate)}")
+    if intermediate.device != state.device:
+        raise ValueError(f"intermediate: expected a tensor on device {state.device} (the device of state), got one "
+                         f"on {intermediate.device}")
+    require_fp32_state("intermediate", intermediate)
     B, T, HV, K, V = intermediate.shape
     if config is None:
         config = config_for("per_draft_state", key_of(state, B=B, HV=HV, V=V))
     cfg = check_config("per_draft_state", config)
-    if isinstance(counts, int) and not isinstance(counts, bool):
-        counts = torch.full((B,), counts, dtype=torch.long, device=state.device)
-    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (B,) or counts.dtype.is_floating_point:
-        raise ValueError(f"counts: expected an int or an integer tensor [B] = [{B}]")
-    counts = counts.to(device=state.device).contiguous()
+    counts = check_count_arg("counts", counts, B, state.device, f"0..d = 0..{T}")
+    if values_checked(state):
+        bad = (counts < 0) | (counts > T)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"counts: entry [{b}] is {int(counts[b])}, expected a value in 0..d = 0..{T} "
+                             f"(the draft tokens per request in intermediate)")
+    counts = counts.contiguous()
     if B == 0 or T == 0:
         return state
     BLOCK = min(cfg.accept_block, triton.next_power_of_2(K * V))

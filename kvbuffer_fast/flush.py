@@ -110,6 +110,8 @@ def materialize_state(buffer: KVBuffer) -> torch.Tensor:
 
     A copy of the buffer is flushed (every entry folded) and its state returned.
     """
+    if not isinstance(buffer, KVBuffer):
+        raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
     copy = KVBuffer(**buffer.cloned())
     folded = flush(copy)
     # a request that owns no state and had nothing to fold: its storage row is not its state

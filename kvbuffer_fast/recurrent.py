@@ -16,7 +16,8 @@ import triton.language as tl
 
 from kvbuffer_ref.checks import check_scale, check_state, check_tokens
 
-from ._common import _program_ids, _tile_offsets, as_input, block, device_guard, new_output, require_inplace
+from ._common import (_program_ids, _tile_offsets, as_input, block, checked_tokens, device_guard, new_output,
+                      require_fp32_state, require_inplace)
 from .launch import RecurrentConfig, check_config, config_for, key_of
 
 __all__ = ["recurrent_gated_delta_rule"]
@@ -67,10 +68,11 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor, scale: Optional[float]
                    config: Optional[RecurrentConfig]) -> torch.Tensor:
     """The recurrent kernel over the tokens, ``state`` [B, HV, K, V] (contiguous) updated IN PLACE;
     returns o [B, T, HV, V] in v's dtype (kvbuffer_fast.baselines.recurrent_decode is this)."""
-    d = check_tokens(q, k, v, g, beta)
+    d, g = checked_tokens(q, k, v, g, beta)
     if state is None:
         raise ValueError("state: the recurrent step needs a state [B, HV, K, V] to update in place, got None")
     check_state("state", state, d, q.device)
+    require_fp32_state("state", state)
     require_inplace("state", state)
     s = check_scale(scale, d.K)
     if config is None:

@@ -48,10 +48,10 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens
+from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens, require_int_tensor
 
-from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, checked_buffer, device_guard,
-                      flag_view, new_output, pdl_launch, values_checked)
+from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, checked_buffer, checked_tokens,
+                      device_guard, flag_view, new_output, pdl_launch, values_checked)
 from .launch import VerifyConfig, check_config, config_for, key_of
 
 __all__ = ["verify", "MAX_DRAFTS"]
@@ -492,6 +492,9 @@ def verify(
     if checked:
         parents = check_parents(parents, d.B, d.T, q.device)
         num_drafts = check_num_drafts(num_drafts, d.B, d.T, q.device)
+        _, g = checked_tokens(q, k, v, g, beta, valid=torch.arange(d.T, device=q.device)[None, :] < num_drafts[:, None])
+    else:
+        _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
     if d.T > MAX_DRAFTS:
         raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
                          f"{MAX_DRAFTS} in one launch; verify them in parts or use kvbuffer_ref.verify")
@@ -509,6 +512,13 @@ def verify(
         return o, drafts
     _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg)
     return o, drafts
+
+
+def _check_draft_kinds(parents, num_drafts, B: int, D: int, device) -> None:
+    """While a CUDA graph is captured (no value checks): parents / num_drafts are still integer tensors of
+    the right shape and device, so the kernels' reads stay inside them."""
+    require_int_tensor("parents", parents, (B, D), "[B, D]", device)
+    require_int_tensor("num_drafts", num_drafts, (B,), "[B]", device)
 
 
 def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):

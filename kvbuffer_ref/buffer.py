@@ -185,10 +185,19 @@ class KVBuffer(_Slots):
         """
         check_capacity(capacity)
         form_names = cls.form_fields(form)
-        if num_heads < 1 or num_value_heads % num_heads != 0:
+        for name, n, least in (("batch", batch, 0), ("num_heads", num_heads, 1), ("num_value_heads", num_value_heads, 1),
+                               ("head_k_dim", head_k_dim, 1), ("head_v_dim", head_v_dim, 1)):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"{name}: expected an int, got {type(n).__name__}")
+            if n < least:
+                raise ValueError(f"{name}: expected an int >= {least}, got {n}")
+        if num_value_heads % num_heads != 0:
             raise ValueError(
                 f"num_value_heads: expected a positive multiple of num_heads={num_heads}, got {num_value_heads}"
             )
+        for name, dt in (("dtype", dtype), ("key_dtype", key_dtype), ("state_dtype", state_dtype)):
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise TypeError(f"{name}: expected a floating-point torch.dtype, got {dt}")
         B, C, H, HV, K, V = batch, capacity, num_heads, num_value_heads, head_k_dim, head_v_dim
         key_dtype = key_dtype or dtype
         state_dtype = state_dtype or dtype
@@ -214,15 +223,26 @@ class KVBuffer(_Slots):
         ``kvbuffer_ref.checks.check_buffer`` calls this.
         """
         k, lengths = self.k, self.lengths
+        require_tensor("buffer.k", k)
         require_rank("buffer.k", k, 4, "[B, C, H, K]")
         B, C, H, K = k.shape
+        for axis, what, n in ((1, "capacity C", C), (2, "q/k heads H", H), (3, "key dimension K", K)):
+            if n < 1:
+                raise ValueError(f"buffer.k: the {what} (dimension {axis}) must be positive, got shape {shape_str(k)}")
         form = self._populated_form()
         vname, gname = ("buffer.u", "buffer.G") if form == "u" else ("buffer.v", "buffer.g")
         vals = self.values
+        for name in self.fields():
+            x = getattr(self, name)
+            if x is not None:
+                require_tensor(f"buffer.{name}", x)
         require_rank(vname, vals, 4, "[B, C, HV, V]")
         HV, V = vals.shape[2], vals.shape[3]
         if tuple(vals.shape[:2]) != (B, C):
             raise ValueError(f"{vname}: expected leading dims [B, C] = [{B}, {C}], got {shape_str(vals)}")
+        if HV < 1 or V < 1:
+            raise ValueError(f"{vname}: the value heads HV and the value dimension V must be positive, "
+                             f"got shape {shape_str(vals)}")
         if HV % H != 0:
             raise ValueError(f"buffer: value heads HV={HV} must be a multiple of key heads H={H}")
         if tuple(self.gates.shape) not in ((B, C, HV), (B, C, HV, K)):

@@ -14,6 +14,7 @@ Shapes (docs/conventions.md)::
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,9 @@ __all__ = [
     "check_capacity",
     "check_buffer",
     "check_flush_count",
+    "check_gate_values",
+    "check_count_arg",
+    "RESET_GATE",
     "require_tensor",
     "require_float",
     "require_rank",
@@ -111,7 +115,13 @@ def check_tokens(q, k, v, g, beta) -> Dims:
     require_dim("v", v, 0, B, "batch B")
     require_dim("v", v, 1, T, "tokens T")
     HV, V = v.shape[2], v.shape[3]
-    if H == 0 or HV % H != 0:
+    if H == 0:
+        raise ValueError(f"q: the number of q/k heads H (dimension 2) must be positive, got shape {shape_str(q)}")
+    if K == 0:
+        raise ValueError(f"q: the key dimension K (dimension 3) must be positive, got shape {shape_str(q)}")
+    if V == 0:
+        raise ValueError(f"v: the value dimension V (dimension 3) must be positive, got shape {shape_str(v)}")
+    if HV == 0 or HV % H != 0:
         raise ValueError(
             f"v: the number of value heads HV={HV} must be a positive multiple of the q/k heads H={H} "
             f"(value head i uses q/k head i // (HV // H))"
@@ -186,7 +196,7 @@ def require_int_tensor(name: str, x, shape: tuple, layout: str, device: torch.de
     return x
 
 
-def check_parents(parents, B: int, D: int, device: torch.device) -> torch.Tensor:
+def check_parents(parents, B: int, D: int, device: torch.device, name: str = "parents") -> torch.Tensor:
     """Check draft parent indices [B, D]: parents[b, i] in -1..i-1 (-1 = the buffer's tail).
 
     Parents must precede their children, so the drafts are in topological order.
@@ -195,27 +205,27 @@ def check_parents(parents, B: int, D: int, device: torch.device) -> torch.Tensor
     if parents is None:
         chain = torch.arange(-1, D - 1, device=device, dtype=torch.long)
         return chain.expand(B, D).clone()
-    require_int_tensor("parents", parents, (B, D), "[B, D]", device)
+    require_int_tensor(name, parents, (B, D), "[B, D]", device)
     idx = torch.arange(D, device=device)
     bad = (parents < -1) | (parents >= idx)
     if bool(bad.any()):
         b, i = (int(x) for x in bad.nonzero()[0])
         raise ValueError(
-            f"parents: entry [{b}, {i}] is {int(parents[b, i])}, expected a value in -1..{i - 1} "
+            f"{name}: entry [{b}, {i}] is {int(parents[b, i])}, expected a value in -1..{i - 1} "
             f"(-1 = the buffer's tail; a parent must come before its child)"
         )
     return parents.long()
 
 
-def check_num_drafts(num_drafts, B: int, D: int, device: torch.device) -> torch.Tensor:
+def check_num_drafts(num_drafts, B: int, D: int, device: torch.device, name: str = "num_drafts") -> torch.Tensor:
     """Check per-request draft counts [B] in 0..D; the default is D for every request."""
     if num_drafts is None:
         return torch.full((B,), D, dtype=torch.long, device=device)
-    require_int_tensor("num_drafts", num_drafts, (B,), "[B]", device)
+    require_int_tensor(name, num_drafts, (B,), "[B]", device)
     bad = (num_drafts < 0) | (num_drafts > D)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
-        raise ValueError(f"num_drafts: entry [{b}] is {int(num_drafts[b])}, expected a value in 0..{D} (D = q.shape[1])")
+        raise ValueError(f"{name}: entry [{b}] is {int(num_drafts[b])}, expected a value in 0..{D} (D = q.shape[1])")
     return num_drafts.long()
 
 
@@ -223,9 +233,7 @@ def check_counts(counts, num_drafts: torch.Tensor, is_chain: torch.Tensor) -> to
     """Check per-request accepted counts [B]: counts[b] in 0..num_drafts[b], for chain drafts only."""
     B = num_drafts.shape[0]
     device = num_drafts.device
-    if isinstance(counts, int) and not isinstance(counts, bool):
-        counts = torch.full((B,), counts, dtype=torch.long, device=device)
-    require_int_tensor("counts", counts, (B,), "[B]", device)
+    counts = check_count_arg("counts", counts, B, device, "0..num_drafts[b]")
     bad = (counts < 0) | (counts > num_drafts)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
@@ -247,9 +255,7 @@ def check_nodes(nodes, num_drafts: torch.Tensor) -> torch.Tensor:
     """Check per-request accepted nodes [B]: -1 (accept none) or a draft index below num_drafts[b]."""
     B = num_drafts.shape[0]
     device = num_drafts.device
-    if isinstance(nodes, int) and not isinstance(nodes, bool):
-        nodes = torch.full((B,), nodes, dtype=torch.long, device=device)
-    require_int_tensor("nodes", nodes, (B,), "[B]", device)
+    nodes = check_count_arg("nodes", nodes, B, device, "-1..num_drafts[b]-1")
     bad = (nodes < -1) | (nodes >= num_drafts)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
@@ -283,13 +289,11 @@ def check_flush_count(count, lengths: torch.Tensor, check_values: bool = True) -
     B = lengths.shape[0]
     if count is None:
         return lengths.clone()
-    if isinstance(count, int) and not isinstance(count, bool):
-        count = torch.full((B,), count, dtype=torch.long, device=lengths.device)
-    if not isinstance(count, torch.Tensor) or count.dtype.is_floating_point or count.dtype == torch.bool \
-            or tuple(count.shape) != (B,):
-        desc = f"{count.dtype} {list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
-        raise ValueError(f"count: expected None, an int or an integer tensor [B] = [{B}], got {desc}")
-    count = count.to(device=lengths.device, dtype=torch.long)
+    if isinstance(count, torch.Tensor) and (count.dtype.is_floating_point or count.dtype.is_complex
+                                            or count.dtype == torch.bool or tuple(count.shape) != (B,)):
+        raise ValueError(f"count: expected None, an int or an integer tensor [B] = [{B}], got {count.dtype} "
+                         f"{shape_str(count)}")
+    count = check_count_arg("count", count, B, lengths.device, "0..lengths[b]").long()
     if check_values:
         bad = (count < 0) | (count > lengths)
         if bool(bad.any()):
@@ -297,3 +301,58 @@ def check_flush_count(count, lengths: torch.Tensor, check_values: bool = True) -
             raise ValueError(f"count: entry [{b}] is {int(count[b])}, expected a value in 0..{int(lengths[b])} "
                              f"(request {b}'s buffer length)")
     return count.contiguous()
+
+
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def check_count_arg(name: str, x, B: int, device: torch.device, expected: str) -> torch.Tensor:
+    """A per-request integer argument (accepted counts, nodes, flush counts): a Python int (broadcast to
+    every request) or an integer tensor [B] on ``device``; returned as a tensor [B].  Booleans, floats and
+    ints that do not fit int64 are rejected here; the caller checks the range (``expected`` describes it)."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        raise TypeError(f"{name}: expected an int or an integer tensor [B] = [{B}], got a bool "
+                        f"(a value in {expected} is meant)")
+    if isinstance(x, numbers.Integral):
+        x = int(x)
+        if not _INT64[0] <= x <= _INT64[1]:
+            raise ValueError(f"{name}: {x} is out of range, expected a value in {expected}")
+        return torch.full((B,), x, dtype=torch.long, device=device)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected an int or an integer tensor [B] = [{B}], got {type(x).__name__}")
+    return require_int_tensor(name, x, (B,), "[B]", device)
+
+
+#: Log-gates below ``-RESET_GATE[compute dtype]`` (-inf included) decay to exactly 0 in that dtype, as
+#: ``exp`` underflows (float64: below -745; float32: below -104): the state is reset.  The cumulative-gate
+#: forms (chunk, direct, buffered decode, verify) compute decays as ``exp(G_i - G_j)`` from sums ``G`` of
+#: the gates; they take such a gate as ``-RESET_GATE``, which still decays to 0 (also behind positive gates
+#: of a total below 1254 in float64, 96 in float32) but keeps ``G`` finite and small enough for the later
+#: differences to be exact: -inf would give ``-inf - (-inf) = NaN``, and -1e30 would absorb every later gate.
+RESET_GATE = {torch.float64: 2000.0, torch.float32: 200.0}
+
+
+def check_gate_values(g: torch.Tensor, beta: torch.Tensor, valid: Optional[torch.Tensor] = None,
+                      below: Optional[float] = None) -> bool:
+    """The value domain of the gates and write strengths (docs/conventions.md, "Domain"): ``g`` any
+    value but NaN and +inf (``-inf`` is an exact reset; ``g > 0``, a growing state, is defined and
+    accepted), ``beta`` finite (normally in [0, 1]; any finite value is defined).  ``valid`` [B, T] bool:
+    the token rows to check (verify's padding rows past num_drafts may hold anything).  Reads device
+    values, with one host sync; returns whether some (valid) gate is below ``below`` (False for None)."""
+    if valid is not None:
+        keep = valid.view(*valid.shape, *([1] * (g.dim() - 2)))
+        g = torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        beta = torch.where(valid[..., None], beta, torch.zeros((), dtype=beta.dtype, device=beta.device))
+    bad_g = torch.isnan(g) | (g == float("inf"))
+    bad_beta = ~torch.isfinite(beta)
+    flags = [bad_g.any(), bad_beta.any()] + ([(g < below).any()] if below is not None else [])
+    flags = torch.stack(flags).tolist() if g.numel() or beta.numel() else [False] * len(flags)
+    if flags[0]:
+        idx = tuple(int(i) for i in bad_g.nonzero()[0])
+        raise ValueError(f"g: entry {list(idx)} is {float(g[idx])}, expected a log-gate that is not NaN or +inf "
+                         f"(any finite value, or -inf for a full reset)")
+    if flags[1]:
+        idx = tuple(int(i) for i in bad_beta.nonzero()[0])
+        raise ValueError(f"beta: entry {list(idx)} is {float(beta[idx])}, expected a finite write strength "
+                         f"(normally in [0, 1])")
+    return bool(flags[2]) if below is not None else False

@@ -13,7 +13,7 @@ import torch
 
 from .buffer import Drafts, KVBuffer
 from .core import ancestors, cumulative_gates, innovations, outputs
-from .checks import check_buffer, check_counts, check_nodes, check_num_drafts, check_parents
+from .checks import check_buffer, check_counts, check_gate_values, check_nodes, check_num_drafts, check_parents
 from .entries import Entries, append, entries_of, memory_of, stale_state, tail_gate
 from .inputs import prepare_tokens
 
@@ -40,11 +40,12 @@ def verify(
     rows past it are padding, their outputs are 0.
     Returns o: [B, D, HV, V] and the ``Drafts`` that ``accept`` takes.
     """
-    x = prepare_tokens(q, k, v, g, beta, scale)
+    x = prepare_tokens(q, k, v, g, beta, scale, check_values=False)
     d = x.dims
     check_buffer(buffer, d, q.device)
     parents = check_parents(parents, d.B, d.T, q.device)
     num_drafts = check_num_drafts(num_drafts, d.B, d.T, q.device)
+    check_gate_values(g, beta, valid=torch.arange(d.T, device=q.device)[None, :] < num_drafts[:, None])
     dt = x.v.dtype
     o = torch.zeros(d.B, d.T, d.HV, d.V, dtype=dt, device=q.device)
     u_all = torch.zeros_like(o)

@@ -1,9 +1,21 @@
-"""Test-wide setup: the hypothesis profile (HYPOTHESIS_PROFILE=ci|thorough, default ci), NaN-poisoned
-library outputs (KVBUFFER_POISON=1: every output kvbuffer_fast allocates starts as NaN, so an element a
-kernel forgets to write fails) and, on a machine without CUDA, the Triton interpreter (set before
-anything imports triton)."""
+"""Test-wide setup: the hypothesis profile (HYPOTHESIS_PROFILE=ci|thorough|gpu, default ci) with fresh
+examples every run, NaN-poisoned library outputs (KVBUFFER_POISON=1: every output kvbuffer_fast allocates
+starts as NaN, so an element a kernel forgets to write fails) and, on a machine without CUDA, the Triton
+interpreter (set before anything imports triton).
+
+Seeds: the run's seed is $KVBUFFER_SEED, else a random one (exported to $KVBUFFER_SEED before the
+pytest-xdist workers start, so they share it); it is printed in the pytest header.  Every hypothesis
+test draws from ``profiles.seed_for(its node id)``, so ``KVBUFFER_SEED=<seed> pytest <node id>`` draws the
+same examples again, alone or in the whole suite, on any worker.  ``--hypothesis-seed=N`` also works
+(hypothesis' own option: the same seed for every test, and no example database).
+
+Before drawing, each test replays the failing examples kept in the committed database tests/.hypothesis-db
+(read-only; KVBUFFER_SAVE_EXAMPLES=1 records new failures there).
+"""
 
 import os
+import random
+from pathlib import Path
 
 try:
     import torch
@@ -15,12 +27,39 @@ if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KVBUFFER_POISON", "1")
 
-from kvbuffer_ref.validate import load_profile  # noqa: E402
+import pytest  # noqa: E402
 
-load_profile()
+from kvbuffer_ref.validate import load_profile  # noqa: E402
+from kvbuffer_ref.validate import profiles  # noqa: E402
+
+EXAMPLE_DB = Path(__file__).resolve().parent / ".hypothesis-db"
+SEED = profiles.run_seed()
+PROFILE = load_profile(database=profiles.example_database(EXAMPLE_DB))
 
 
 def pytest_report_header(config):
-    return [f"hypothesis profile: {os.environ.get('HYPOTHESIS_PROFILE', 'ci')}; "
+    forced = config.getoption("hypothesis_seed", default=None)
+    seed = (f"--hypothesis-seed={forced} (every test; no example database)" if forced is not None else
+            f"{profiles.SEED_ENV}={SEED} (replay: {profiles.SEED_ENV}={SEED} python3 -m pytest ...)")
+    saving = "read-write" if os.environ.get(profiles.SAVE_ENV) == "1" else "read-only"
+    return [f"hypothesis profile: {PROFILE}; seed {seed}; example database tests/.hypothesis-db ({saving})",
             f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}; "
             f"KVBUFFER_POISON={os.environ.get('KVBUFFER_POISON', '0')}"]
+
+
+def _seed_hypothesis(nodeid: str) -> None:
+    """Draw this test's examples from seed_for(nodeid): hypothesis takes a test's seed from its
+    per-thread random generator when no seed is forced (which would also turn the database off)."""
+    from hypothesis import core
+
+    local = getattr(core, "threadlocal", None)
+    if local is not None and hasattr(local, "_hypothesis_global_random"):
+        local._hypothesis_global_random = random.Random(profiles.seed_for(nodeid, SEED))
+    elif core.global_force_seed is None:  # pragma: no cover - another hypothesis layout: one seed for all
+        core.global_force_seed = SEED
+
+
+@pytest.fixture(autouse=True)
+def _hypothesis_seed(request):
+    _seed_hypothesis(request.node.nodeid)
+    yield

@@ -26,6 +26,8 @@ materialize_state, verify, accept, prefill (docs/validate-your-kernel.md, kvbuff
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbuffer", description="KVBuffer reference oracle tools")
+    p.add_argument("--version", action="store_true",
+                   help="print the versions of kvbuffer, torch and triton (if installed) and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     v = sub.add_parser(
         "validate", help="check implementations against the float64 oracle's properties",
@@ -55,6 +57,28 @@ def _parser() -> argparse.ArgumentParser:
                                                     "(select its single lane with --impl/--ops/--dtype)")
     v.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
     return p
+
+
+def version_text() -> str:
+    """``kvbuffer <version> (torch <version>, triton <version or 'not installed'>)``, without importing triton
+    (which would fix the interpreter setting before a command could choose it)."""
+    from importlib import metadata
+
+    import kvbuffer_ref
+
+    try:
+        import torch
+        torch_v = torch.__version__
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_v = "not installed"
+    triton_v = "not installed"
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            triton_v = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return f"kvbuffer {kvbuffer_ref.__version__} (torch {torch_v}, triton {triton_v})"
 
 
 def _bad(msg: str) -> int:
@@ -153,6 +177,9 @@ def _validate(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print(version_text())
+        return 0
     if args.command is None:
         parser.print_help()
         return 2

@@ -47,7 +47,7 @@ def check_random(case: Case, adapter, *, channel_ok: bool, **kw) -> None:
     """``adapter`` vs the float64 recurrent truth on ``case`` (inputs rounded to float32 first), with an
     initial state, under the float32 budget (baseline: kvbuffer_ref's recurrence in float32)."""
     if case.channel_gate and not channel_ok:
-        pytest.skip("scalar gates only")
+        pytest.skip(f"this adapter takes scalar gates only; {case} has per-channel gates")
     x = make_inputs(case, torch.float32)
     gen = torch.Generator().manual_seed(case.seed)
     h0 = 0.5 * torch.randn(case.B, case.HV, case.K, case.V, generator=gen)

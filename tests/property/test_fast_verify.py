@@ -37,6 +37,7 @@ from kvbuffer_ref.validate import cases, properties as P, strategies as kst, tol
 from kvbuffer_fast.baselines import per_draft_state_accept, per_draft_state_verify  # noqa: E402
 
 from .fast_adapter import Poisoned, assert_all as _assert_all  # noqa: E402
+from .strategies_local import Calling, counted, fast_drawn, informative  # noqa: E402
 
 # The accept fold computes exp(G_end - G_j) for every draft j up to the accepted node and selects 0 for those
 # it does not fold (on another branch, or kept in the buffer); with strongly decaying gates (the 'underflow'
@@ -58,32 +59,55 @@ TREE = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]  # several branches, a second root, ten 
 
 # ------------------------------------------------------------------ the serving loop, drawn cases
 @st.composite
-def _setup(draw, *, chain: bool, max_drafts: int = 6):
-    C = draw(st.sampled_from([1, 2, 4, 8]), label="capacity")
-    B = draw(st.integers(1, 3), label="B")
+def _setup(draw, *, chain: bool, max_drafts: int = 6, budget: int = 16):
+    """Capacities past one 16-row tile, kvbuffer_fast sizes and every region of ``strategies_local.drawn``."""
+    C = draw(st.sampled_from([4, 8, 17, 1, 2]), label="capacity")
+    B = draw(st.integers(1, 5), label="B")
     parents, counts = draw(kst.draft_batch(B, max_drafts=max_drafts, chain=chain), label="drafts")
     D = len(parents[0])
-    hist = draw(st.integers(0, 8), label="history")
+    hist = draw(st.one_of(st.just(C), st.integers(0, 20)), label="history")
     after = draw(st.integers(0, 2), label="after")
-    case = draw(kst.cases(B=B, T=hist + D + after, **SMALL), label="case")
+    d = draw(fast_drawn(B=B, T=hist + D + after, steps=lambda d: 2 + after, budget=budget), label="drawn")
     lengths = draw(st.lists(st.integers(0, min(hist, C)), min_size=B, max_size=B), label="lengths")
     nodes = draw(kst.acceptances(counts), label="nodes")
-    return dict(case=case, capacity=C, history=hist, lengths=lengths, parents=parents, num_drafts=counts,
+    return dict(case=d, capacity=C, history=hist, lengths=lengths, parents=parents, num_drafts=counts,
                 nodes=nodes, after=after)
 
 
+def _informative(s):
+    """The example's truth over the history and the drafts is neither zero nor constant (else ``assume``d away)."""
+    d = s["case"]
+    informative(d.inputs(), tokens=slice(s["history"], d.T))
+
+
 @FEW
+@counted()
 @given(s=_setup(chain=True))
 def test_chain_verify_accept_counts_match_oracle(s):
     """Chains, ragged draft counts and buffer lengths, accept by counts (folds when past C), then decode."""
-    _assert_all(P.check_verify_accept(Poisoned, dtype=torch.float32, device=DEVICE, use_counts=True, **s))
+    _informative(s)
+    impl = Calling(Poisoned, s["case"])
+    _assert_all(P.check_verify_accept(impl, dtype=torch.float32, device=DEVICE, use_counts=True, **s))
 
 
 @FEW
+@counted()
 @given(s=_setup(chain=False, max_drafts=8))
 def test_tree_verify_accept_nodes_match_oracle(s):
     """Trees: every node == the recurrence along its path; accepting a node appends exactly its path."""
-    _assert_all(P.check_verify_accept(Poisoned, dtype=torch.float32, device=DEVICE, **s))
+    _informative(s)
+    _assert_all(P.check_verify_accept(Calling(Poisoned, s["case"]), dtype=torch.float32, device=DEVICE, **s))
+
+
+@FEW
+@counted()
+@given(s=_setup(chain=False, max_drafts=4, budget=8))
+def test_tree_verify_accept_fp16_match_oracle(s):
+    """The same in float16 (q, k, v half; g, beta float32): the float16 row of the table.  q of unit norm
+    and v not scaled up: float16 tops out at 65504, and q of norm 100 times v of 1e4 overflows it."""
+    s = dict(s, case=dataclasses.replace(s["case"], q_norm=False, v_decades=min(s["case"].v_decades, 0.0)))
+    _informative(s)
+    _assert_all(P.check_verify_accept(Calling(Poisoned, s["case"]), dtype=torch.float16, device=DEVICE, **s))
 
 
 # ------------------------------------------------------------------ the operations against kvbuffer_ref

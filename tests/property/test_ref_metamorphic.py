@@ -14,11 +14,12 @@ from kvbuffer_ref.validate import assert_matches
 from kvbuffer_ref.validate import properties as P
 from kvbuffer_ref.validate import strategies as kst
 
-from .strategies_local import buffered
+from .strategies_local import Calling, buffered, counted, drawn, informative
 
 
 @pytest.mark.parametrize("form", ["u", "raw"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@counted()
 @given(data=st.data())
 def test_tree_verify_equals_per_path_recurrence(dtype, form, data):
     """Every node's output == the recurrence along its root-to-node path; accepting a node appends
@@ -29,17 +30,20 @@ def test_tree_verify_equals_per_path_recurrence(dtype, form, data):
     D = len(parents[0])
     hist = data.draw(st.integers(0, 8), label="history")
     after = data.draw(st.integers(0, 3), label="after")
-    case = data.draw(kst.cases(B=B, T=hist + D + after), label="case")
+    case = data.draw(drawn(B=B, T=hist + D + after, layouts=("contiguous",)), label="case")
+    informative(case.inputs(), tokens=slice(hist, case.T))
     lengths = data.draw(st.lists(st.integers(0, min(hist, C)), min_size=B, max_size=B), label="lengths")
     nodes = data.draw(kst.acceptances(counts), label="nodes")
-    for r in P.check_verify_accept(ref, case, dtype, capacity=C, history=hist, lengths=lengths, parents=parents,
-                                   num_drafts=counts, nodes=nodes, after=after, form=form):
+    for r in P.check_verify_accept(Calling(ref, case), case, dtype, capacity=C, history=hist, lengths=lengths,
+                                   parents=parents, num_drafts=counts, nodes=nodes, after=after, form=form):
         assert r.passed, str(r)
 
 
-@given(case=kst.cases(max_T=10, max_H=2, max_group=3))
+@counted()
+@given(case=drawn(max_T=10, max_H=2, max_group=3))
 def test_grouped_heads_equal_expanded_heads(case):
     x = case.inputs()
+    informative(x)
     grp = case.HV // case.H
     xe = dict(x, q=repeat(x["q"], "b t h d -> b t (h r) d", r=grp), k=repeat(x["k"], "b t h d -> b t (h r) d", r=grp))
     for fn in (ref.recurrent_gated_delta_rule, ref.chunk_gated_delta_rule):
@@ -50,10 +54,12 @@ def test_grouped_heads_equal_expanded_heads(case):
 
 
 @pytest.mark.parametrize("form", ["u", "raw"])
+@counted()
 @given(setup=buffered(min_new=1))
 def test_ragged_batch_equals_each_request_alone(form, setup):
     case, C, hist, lengths = setup
     x = case.inputs()
+    informative(x, tokens=slice(hist, case.T))
     buf = P.ragged_buffer({n: t[:, :hist] for n, t in x.items()}, lengths, C, form)
     outs = []
     for t in range(hist, case.T):
@@ -70,9 +76,11 @@ def test_ragged_batch_equals_each_request_alone(form, setup):
         assert_matches(batch[b:b + 1], torch.cat(alone, dim=1), name=f"request {b} in the batch vs alone")
 
 
-@given(case=kst.cases(max_T=10, channel_gate=False), data=st.data())
+@counted()
+@given(case=drawn(max_T=10, channel_gate=False), data=st.data())
 def test_scalar_gate_equals_equal_channel_gate(case, data):
     x = case.inputs()
+    informative(x)
     xc = dict(x, g=repeat(x["g"], "b t h -> b t h k", k=case.K))
     C = data.draw(st.integers(1, 5))
     pairs = [
@@ -85,7 +93,7 @@ def test_scalar_gate_equals_equal_channel_gate(case, data):
         assert_matches(a, b, name=f"{name}: scalar vs equal-channel gate")
 
 
-@given(case=kst.cases(max_T=8, min_T=4))
+@given(case=drawn(max_T=8, min_T=4))
 def test_reference_functions_do_not_modify_their_inputs(case):
     x = case.inputs()
     S0 = torch.randn(case.B, case.HV, case.K, case.V, dtype=torch.float64)
