@@ -5,7 +5,8 @@
 #
 # 1. the kernel tests compiled on the GPU (tests/property/test_fast_*.py, tests/kernels; -n 8);
 # 2. kvbuffer validate --device cuda on the bundled implementations;
-# 3. the GPU runner (python3 -m bench.gpu) into OUTDIR/latest (gpu.json, report.md, latency.png).
+# 3. compute-sanitizer (memcheck over scripts/sanitize.py's edge shapes, racecheck over its --quick set);
+# 4. the GPU runner (python3 -m bench.gpu) into OUTDIR/latest (gpu.json, report.md, latency.png).
 # Each stage has its own time limit (together under the device's 10 minutes a call; the runner under 5: it takes about 130 s for two package roots);
 # a failing stage is reported and the later ones still run.  Prints one JSON line last: the device, the
 # torch and triton versions, each stage's exit status and seconds, and the runner's JSON path.
@@ -31,6 +32,12 @@ stage() {  # stage NAME LIMIT_S CMD...
 stage tests 150 python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py tests/kernels -q -p no:cacheprovider -n 8
 CLI=kvbuffer_ref.validate.cli; [ -f kvbuffer_ref/validate/cli.py ] || CLI=kvbuffer_ref.cli  # the `kvbuffer` command
 stage validate 120 python3 -m $CLI validate --device cuda --max-examples 3
+if command -v compute-sanitizer >/dev/null; then
+  stage memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py
+  stage racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py --quick
+else
+  echo "gpu_check: compute-sanitizer not on PATH: memcheck/racecheck not run"
+fi
 stage runner 270 python3 -m bench.gpu --out "$OUTDIR/latest" --budget-s 240 "$@"
 python3 - "$OUTDIR" "{$(IFS=,; echo "${STATUS[*]}")}" <<'PY'
 import json, sys, torch, triton
