@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+_CLASS = __import__("re").compile(r"class: \[([^\]]+)\]")
 
 #: The copies' package names and the adapter factory each is validated through.
 PACKAGES = {
@@ -60,6 +61,7 @@ class Mutant:
     what: str
     quick: bool = False  # part of the --quick selection
     dtype: str = "float32"
+    klass: str = ""  # the class of bug it plants (runner.CLASSES); the report names the class that killed it
 
 
 def _m(id, package, file, old, new, ops, what, quick=False):
@@ -210,6 +212,159 @@ MUTANTS = [
 ]
 
 
+# ----------------------------------------------------------------------------- plain-PyTorch mutants
+# Adapters over kvbuffer_ref's forms with one bug each, written as the bug appears in real kernels: the
+# shape-heavy classes (tile boundaries, leaks) run at real shapes in plain PyTorch, in seconds.
+PT = "plain_pytorch"
+PT_HEADER = '''import types
+import torch
+import torch.nn.functional as F
+import kvbuffer_ref as ref
+from kvbuffer_ref.validate.adapters import Implementation
+
+_rec, _chunk, _direct = ref.recurrent_gated_delta_rule, ref.chunk_gated_delta_rule, ref.direct_gated_delta_rule
+_dec, _flush, _mat = ref.buffered_decode, ref.flush, ref.materialize_state
+_verify, _accept, _prefill = ref.verify, ref.accept, ref.prefill
+CACHE = {}
+
+
+def make(beta_max=1.0, **ops):
+    base = dict(recurrent_gated_delta_rule=_rec, chunk_gated_delta_rule=_chunk, direct_gated_delta_rule=_direct,
+                buffered_decode=_dec, flush=_flush, materialize_state=_mat, verify=_verify, accept=_accept,
+                prefill=_prefill)
+    base.update(ops)
+    return Implementation(name="mutant", obj=types.SimpleNamespace(**base), dtypes=(torch.float64,), forms=("u",),
+                          beta_max=beta_max)
+
+
+def contiguous_strides(shape):
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.insert(0, acc)
+        acc *= max(n, 1)
+    return st
+'''
+
+
+def _p(id, klass, ops, what, code):
+    return Mutant(id, PT, "", "", code, ops, what, False, "float64", klass)
+
+
+PT_MUTANTS = [
+    # inputs changed
+    _p("P01", "inputs changed", "recurrent", "recurrent: the final state written into the caller's initial_state",
+       "def rec(q, k, v, *, initial_state=None, **kw):\n    o, S = _rec(q, k, v, initial_state=initial_state, **kw)\n"
+       "    if initial_state is not None and S is not None:\n        initial_state.copy_(S)\n    return o, S\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P02", "inputs changed", "direct", "direct: q scaled in place",
+       "def d(q, k, v, *, g, beta, scale=None):\n    q.mul_(q.shape[-1] ** -0.5 if scale is None else scale)\n"
+       "    return _direct(q, k, v, g=g, beta=beta, scale=1.0)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P03", "inputs changed", "chunk", "chunk: the cumulative gates computed in place into g",
+       "def c(q, k, v, *, g, beta, **kw):\n    gc = g.cumsum(1)\n    g0 = torch.diff(gc, dim=1, prepend=torch.zeros_like(gc[:, :1]))\n"
+       "    g.copy_(gc)\n    return _chunk(q, k, v, g=g0, beta=beta, **kw)\ndef impl():\n    return make(chunk_gated_delta_rule=c)\n"),
+    _p("P04", "inputs changed", "materialize", "materialize_state resets the buffer's lengths (a flush in place)",
+       "def m(buffer):\n    S = _mat(buffer)\n    buffer.lengths.zero_()\n    return S\n"
+       "def impl():\n    return make(materialize_state=m)\n"),
+    _p("P05", "inputs changed", "decode", "buffered_decode writes the token's key into the caller's k (a scratch reuse)",
+       "def dec(q, k, v, *, buffer, **kw):\n    o, b = _dec(q, k, v, buffer=buffer, **kw)\n    k.zero_()\n    return o, b\n"
+       "def impl():\n    return make(buffered_decode=dec)\n"),
+    # arguments left at defaults
+    _p("P06", "arguments", "recurrent", "recurrent: an explicit scale ignored",
+       "def rec(q, k, v, *, scale=None, **kw):\n    return _rec(q, k, v, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P07", "arguments", "recurrent", "recurrent: initial_state dropped when output_final_state=False",
+       "def rec(q, k, v, *, initial_state=None, output_final_state=False, **kw):\n"
+       "    return _rec(q, k, v, initial_state=initial_state if output_final_state else None, "
+       "output_final_state=output_final_state, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P08", "arguments", "prefill", "prefill ignores its initial state",
+       "def pf(q, k, v, *, initial_state=None, **kw):\n    return _prefill(q, k, v, **kw)\ndef impl():\n    return make(prefill=pf)\n"),
+    _p("P09", "arguments", "chunk", "chunk: initial_state dropped when output_final_state=False",
+       "def c(q, k, v, *, initial_state=None, output_final_state=False, **kw):\n"
+       "    return _chunk(q, k, v, initial_state=initial_state if output_final_state else None, "
+       "output_final_state=output_final_state, **kw)\ndef impl():\n    return make(chunk_gated_delta_rule=c)\n"),
+    _p("P10", "arguments", "verify_chain", "accept: counts taken as node indices (off by one)",
+       "def acc(buffer, drafts, *, counts=None, nodes=None):\n    if counts is not None:\n        return _accept(buffer, drafts, nodes=counts.clamp(max=drafts.num_drafts.max() - 1) if hasattr(drafts, 'num_drafts') else counts)\n"
+       "    return _accept(buffer, drafts, nodes=nodes)\ndef impl():\n    return make(accept=acc)\n"),
+    _p("P11", "arguments", "decode", "buffered_decode: an explicit scale ignored",
+       "def dec(q, k, v, *, scale=None, **kw):\n    return _dec(q, k, v, **kw)\ndef impl():\n    return make(buffered_decode=dec)\n"),
+    _p("P12", "arguments", "verify_tree", "verify: an explicit scale ignored",
+       "def ver(q, k, v, *, scale=None, **kw):\n    return _verify(q, k, v, **kw)\ndef impl():\n    return make(verify=ver)\n"),
+    # tile boundaries
+    _p("P13", "tile boundary", "recurrent", "recurrent: a batch tile of 64 drops requests >= 64",
+       "def rec(q, k, v, **kw):\n    o, S = _rec(q, k, v, **kw)\n    o[64:] = 0\n    return o, S\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P14", "tile boundary", "direct", "direct: a head tile of 32 drops value heads >= 32",
+       "def d(q, k, v, **kw):\n    o = _direct(q, k, v, **kw)\n    o[:, :, 32:] = 0\n    return o\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P15", "tile boundary", "recurrent", "recurrent: a V tile of 256 drops the columns past it",
+       "def rec(q, k, v, **kw):\n    o, S = _rec(q, k, v, **kw)\n    o[..., 256:] = 0\n    return o, S\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P16", "tile boundary", "direct", "direct: a K tile of 256 drops the key dimensions past it",
+       "def d(q, k, v, **kw):\n    if q.shape[-1] > 256:\n        q, k = q.clone(), k.clone()\n        q[..., 256:] = 0\n        k[..., 256:] = 0\n"
+       "    return _direct(q, k, v, **kw)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P17", "tile boundary", "direct", "direct: a time block of 128 restarts from a zero state",
+       "def d(q, k, v, *, g, beta, scale=None):\n    if q.shape[1] <= 128:\n        return _direct(q, k, v, g=g, beta=beta, scale=scale)\n"
+       "    a = _direct(q[:, :128], k[:, :128], v[:, :128], g=g[:, :128], beta=beta[:, :128], scale=scale)\n"
+       "    b = _direct(q[:, 128:], k[:, 128:], v[:, 128:], g=g[:, 128:], beta=beta[:, 128:], scale=scale)\n"
+       "    return torch.cat([a, b], 1)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P18", "tile boundary", "materialize", "materialize_state: a row tile of 64 drops buffered rows >= 64",
+       "def m(buffer):\n    return _mat(buffer.replace(lengths=buffer.lengths.clamp(max=64)))\n"
+       "def impl():\n    return make(materialize_state=m)\n"),
+    _p("P19", "tile boundary", "chunk", "chunk: the state is not carried past the first 64 tokens",
+       "def c(q, k, v, *, g, beta, initial_state=None, output_final_state=False, chunk_size=64, scale=None):\n"
+       "    if q.shape[1] <= 64:\n        return _chunk(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size, scale=scale)\n"
+       "    a, _ = _chunk(q[:, :64], k[:, :64], v[:, :64], g=g[:, :64], beta=beta[:, :64], initial_state=initial_state, chunk_size=chunk_size, scale=scale)\n"
+       "    b, S = _chunk(q[:, 64:], k[:, 64:], v[:, 64:], g=g[:, 64:], beta=beta[:, 64:], initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size, scale=scale)\n"
+       "    return torch.cat([a, b], 1), S\ndef impl():\n    return make(chunk_gated_delta_rule=c)\n"),
+    _p("P20", "tile boundary", "verify_tree", "verify: a draft tile of 8 leaves nodes >= 8 unverified",
+       "def ver(q, k, v, **kw):\n    o, d = _verify(q, k, v, **kw)\n    o[:, 8:] = 0\n    return o, d\n"
+       "def impl():\n    return make(verify=ver)\n"),
+    # state leaking between calls
+    _p("P21", "state leak", "recurrent", "recurrent: a zero-state workspace reused (it holds the last final state)",
+       "def rec(q, k, v, *, initial_state=None, output_final_state=False, **kw):\n"
+       "    key = (q.shape[0], v.shape[2], q.shape[3], v.shape[3])\n"
+       "    if initial_state is None and key in CACHE:\n        initial_state = CACHE[key]\n"
+       "    o, S = _rec(q, k, v, initial_state=initial_state, output_final_state=True, **kw)\n"
+       "    CACHE[key] = S\n    return o, (S if output_final_state else None)\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P22", "state leak", "direct", "direct: the result cached by the shape of q",
+       "def d(q, k, v, **kw):\n    key = tuple(q.shape)\n    if key not in CACHE:\n        CACHE[key] = _direct(q, k, v, **kw)\n"
+       "    return CACHE[key].clone()\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P23", "state leak", "materialize", "materialize_state cached by (B, capacity)",
+       "def m(buffer):\n    key = (buffer.lengths.shape[0], buffer.capacity)\n    if key not in CACHE:\n        CACHE[key] = _mat(buffer)\n"
+       "    return CACHE[key].clone()\ndef impl():\n    return make(materialize_state=m)\n"),
+    _p("P24", "state leak", "direct", "direct: the default scale computed once, from the first call's K",
+       "def d(q, k, v, *, scale=None, **kw):\n    if scale is None:\n        scale = CACHE.setdefault('scale', q.shape[-1] ** -0.5)\n"
+       "    return _direct(q, k, v, scale=scale, **kw)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    # the whole declared domain
+    _p("P25", "domain", "direct", "direct: q and k L2-normalised by the kernel itself",
+       "def d(q, k, v, **kw):\n    return _direct(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, **kw)\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P26", "domain", "recurrent", "recurrent: beta clamped to 1 (the adapter declares beta in [0, 2])",
+       "def rec(q, k, v, *, beta, **kw):\n    return _rec(q, k, v, beta=beta.clamp(max=1.0), **kw)\n"
+       "def impl():\n    return make(beta_max=2.0, recurrent_gated_delta_rule=rec)\n"),
+    _p("P27", "domain", "direct", "direct: v clamped to [-8, 8] (a half-precision overflow guard)",
+       "def d(q, k, v, **kw):\n    return _direct(q, k, v.clamp(-8, 8), **kw)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P28", "domain", "recurrent", "recurrent: k L2-normalised by the kernel (q left alone)",
+       "def rec(q, k, v, **kw):\n    return _rec(q, F.normalize(k, dim=-1), v, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P29", "domain", "direct", "direct: per-token gates clamped at -20 (an exp underflow guard)",
+       "def d(q, k, v, *, g, **kw):\n    return _direct(q, k, v, g=g.clamp(min=-20.0), **kw)\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    # memory layout
+    _p("P30", "memory layout", "direct", "direct: assumes contiguous inputs (reads the storage with contiguous strides)",
+       "def fix(x):\n    return torch.as_strided(x, x.shape, contiguous_strides(x.shape), x.storage_offset())\n"
+       "def d(q, k, v, *, g, beta, **kw):\n    return _direct(fix(q), fix(k), fix(v), g=fix(g), beta=fix(beta), **kw)\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P31", "memory layout", "decode", "buffered_decode: ignores the storage offset of v",
+       "def dec(q, k, v, **kw):\n    v = torch.as_strided(v, v.shape, v.stride(), 0)\n    return _dec(q, k, v, **kw)\n"
+       "def impl():\n    return make(buffered_decode=dec)\n"),
+    _p("P32", "memory layout", "recurrent", "recurrent: assumes a contiguous initial_state",
+       "def rec(q, k, v, *, initial_state=None, **kw):\n    if initial_state is not None:\n"
+       "        initial_state = torch.as_strided(initial_state, initial_state.shape, contiguous_strides(initial_state.shape), initial_state.storage_offset())\n"
+       "    return _rec(q, k, v, initial_state=initial_state, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+]
+MUTANTS += PT_MUTANTS
+
+
 # ----------------------------------------------------------------------------- copies
 #: Where the packages are copied from: the working tree, or a tree exported from a git revision (--rev).
 SOURCE = ROOT
@@ -243,6 +398,10 @@ def _copy_package(package: str, dest: Path) -> Path:
 
 def plant(m: Mutant, dest: Path) -> None:
     """Write the copy of ``m.package`` with the mutation into ``dest``; ValueError if it no longer applies."""
+    if m.package == PT:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "mut_pt_adapter.py").write_text(PT_HEADER + "\n\n" + m.new)
+        return
     out = _copy_package(m.package, dest)
     path = out / m.file
     text = path.read_text()
@@ -254,15 +413,14 @@ def plant(m: Mutant, dest: Path) -> None:
 
 
 def _validate(dest: Path, package: str, ops: str, dtype: str, seed: int, timeout: float, verbose: bool):
-    name = PACKAGES[package][0]
+    name = "mut_pt" if package == PT else PACKAGES[package][0]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(dest), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TRITON_INTERPRET"] = "1"
     env.pop("HYPOTHESIS_PROFILE", None)
     cmd = [sys.executable, "-m", "kvbuffer_ref.validate.cli", "validate", "--impl", f"{name}_adapter:impl", "--ops", ops,
            "--dtype", dtype, "--profile", "ci", "--seed", str(seed), "--no-shrink", "--fail-fast", "--device", "cpu"]
-    if not verbose:
-        cmd.append("-q")
+    cmd.append("-q")
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, cwd=str(dest), capture_output=True, text=True, timeout=timeout)
@@ -318,7 +476,7 @@ def main(argv=None) -> int:
             print("\n".join(stale), file=sys.stderr)
             return 2
         if not args.skip_baseline:
-            for package in sorted({m.package for m in chosen}):
+            for package in sorted({m.package for m in chosen} - {PT}):
                 mine = [m for m in chosen if m.package == package]
                 ops = ",".join(sorted({o for m in mine for o in m.ops.split(",")}))
                 base = work / f"baseline-{package}"
@@ -339,18 +497,26 @@ def main(argv=None) -> int:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             for m, (rc, out, dt) in pool.map(run, chosen):
                 verdict = {1: "killed", 0: "SURVIVED"}.get(rc, f"ERROR (exit {rc})")
-                results.append((m, verdict, dt, out))
-                print(f"{m.id}  {verdict:<9} {dt:6.1f}s  {m.package}/{m.file}: {m.what}", flush=True)
+                found = _CLASS.search(out)
+                by = found.group(1) if found and rc == 1 else "-"
+                results.append((m, verdict, dt, out, by))
+                where = m.package if m.package == PT else f"{m.package}/{m.file}"
+                print(f"{m.id}  {verdict:<9} {dt:6.1f}s  by [{by}]  {where}: {m.what}", flush=True)
                 if args.verbose or rc not in (0, 1):
                     print("    " + "\n    ".join(out.rstrip().splitlines()[-25:]))
-        killed = sum(v == "killed" for _, v, _, _ in results)
+        killed = sum(r[1] == "killed" for r in results)
         total = time.perf_counter() - t_all
-        times = [dt for _, _, dt, _ in results]
+        times = [r[2] for r in results]
         print()
+        print("mutation score per planted class (killed / planted; the classes that killed them):")
+        for klass in sorted({m.klass or "wrong result" for m in chosen}):
+            mine = [r for r in results if (r[0].klass or "wrong result") == klass]
+            by = sorted({r[4] for r in mine if r[1] == "killed"})
+            print(f"  {klass:<15} {sum(r[1] == 'killed' for r in mine)}/{len(mine)}  killed by {', '.join(by) or '-'}")
         print(f"mutation score: {killed}/{len(results)} killed ({100.0 * killed / max(1, len(results)):.0f}%); "
               f"{total:.0f}s in all, {sum(times) / max(1, len(times)):.1f}s per mutant on average "
               f"(max {max(times, default=0):.1f}s), {args.jobs} in parallel, seed {args.seed}")
-        survivors = [m for m, v, _, _ in results if v != "killed"]
+        survivors = [r[0] for r in results if r[1] != "killed"]
         if survivors:
             print("not killed: " + ", ".join(f"{m.id} ({m.what})" for m in survivors))
             return 1

@@ -22,12 +22,17 @@ def test_at_least_twenty_mutants_in_the_ci_selection(mutate):
     ids = [m.id for m in mutate.MUTANTS]
     assert len(ids) == len(set(ids))
     assert sum(m.quick for m in mutate.MUTANTS) >= 20
-    assert {m.package for m in mutate.MUTANTS} == {"kvbuffer_fast", "kvbuffer_ref"}
+    assert {m.package for m in mutate.MUTANTS} == {"kvbuffer_fast", "kvbuffer_ref", mutate.PT}
+    assert sum(m.package == mutate.PT for m in mutate.MUTANTS) >= 30
 
 
 def test_every_mutant_applies_to_the_current_code(mutate, tmp_path):
     """A kernel rewrite that removes a mutated line must update the mutant (else it silently tests nothing)."""
     for m in mutate.MUTANTS:
+        if m.package == mutate.PT:  # a plain-PyTorch adapter, written whole
+            mutate.plant(m, tmp_path / m.id)
+            assert (tmp_path / m.id / "mut_pt_adapter.py").read_text().endswith(m.new), m.id
+            continue
         mutate.plant(m, tmp_path / m.id)  # ValueError if the text to mutate is not there exactly once
         text = (tmp_path / m.id / mutate.PACKAGES[m.package][0] / m.file).read_text()
         assert text != (ROOT / m.package / m.file).read_text(), m.id
