@@ -454,7 +454,10 @@ LAYOUTS = ("strided", "transposed", "offset", "sliced")
 
 
 def layout_view(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The same values as ``x`` in a non-contiguous view (or one whose storage offset is not zero)."""
+    """The same values as ``x`` in a non-contiguous view (or one whose storage offset is not zero);
+    "compact": a fresh contiguous copy (storage offset 0)."""
+    if kind == "compact":
+        return x.detach().clone(memory_format=torch.contiguous_format)
     if x.dim() == 0 or x.numel() == 0:
         return x
     if kind == "strided":  # every other element of a twice-as-wide last dimension
@@ -475,9 +478,12 @@ def layout_view(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def layout_views(args: dict, rng, skip=()) -> dict:
-    """Every tensor of ``args`` (not named in ``skip``) replaced by a ``layout_view`` of a drawn kind."""
-    return {n: (layout_view(t, LAYOUTS[rng.randrange(len(LAYOUTS))]) if isinstance(t, torch.Tensor) and n not in skip
-                else t) for n, t in args.items()}
+    """Every tensor of ``args`` (not named in ``skip``) replaced by a ``layout_view``: of a kind drawn from
+    ``rng`` (a ``random.Random``), or of the kind ``rng`` names ("compact": a fresh contiguous copy)."""
+    def kind():
+        return rng if isinstance(rng, str) else LAYOUTS[rng.randrange(len(LAYOUTS))]
+    return {n: (layout_view(t, kind()) if isinstance(t, torch.Tensor) and n not in skip else t)
+            for n, t in args.items()}
 
 
 class Guarded:

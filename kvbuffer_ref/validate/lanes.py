@@ -74,7 +74,7 @@ class Op:
 #: shrinks towards the first): with g = 0 (no decay), an underflowing decay (everything before the
 #: last token vanishes) or beta = 0 (nothing written) many wrong formulas agree with the right one.
 #: The degenerate regimes still come up, a quarter of the time.
-GATES = ("mild", "strong", "mixed", "wide", "band", "mild", "strong", "mixed", "zero", "underflow")
+GATES = ("mild", "strong", "mixed", "wide", "band", "reset", "mild", "strong", "mixed", "zero", "underflow")
 BETAS = ("uniform", "mixed", "uniform", "mixed", "one", "zero")
 
 
@@ -174,7 +174,7 @@ def _anchors() -> dict:
         "direct": [dict(case=c(2, 7, 2, 4, 7, 5, False)), dict(case=c(1, 6, 1, 2, 5, 6, True, "strong"))],
         "decode": [dict(case=c(3, 6, 2, 4, 8, 12, False), capacity=6, history=4, lengths=[4, 2, 4]),
                    dict(case=c(3, 21, 2, 4, 8, 12, False), capacity=18, history=18, lengths=[18, 17, 5]),
-                   dict(case=c(2, 11, 1, 2, 5, 7, True, "strong"), capacity=3, history=7, lengths=[3, 1])],
+                   dict(case=c(2, 11, 1, 2, 5, 7, True, "strong", scale=0.6), capacity=3, history=7, lengths=[3, 1])],
         "flush": [dict(case=c(2, 12, 2, 4, 6, 12, False), capacity=5, history=9, lengths=[5, 4],
                        flushes={0: [3, 2], 1: None, 2: [1, 0]}),
                   dict(case=c(2, 7, 1, 2, 3, 5, True, "strong"), capacity=4, history=4, lengths=[4, 2],
