@@ -187,9 +187,9 @@ def format_failure(r: LaneResult, replay_cmd: str) -> str:
         lines.append(f"  {c}" if (err or "").startswith("[") or c.startswith("PASS") else f"  [{r.klass}] {c}")
     lines.append(f"  replay: {replay_cmd}")
     if f.get("anchor") is not None:
-        lines.append(f"  (fixed case {f['anchor']} of {r.operation.split('[')[0]}"
+        lines.append(f"  (anchor case {f['anchor']} of {r.operation.split('[')[0]}"
                      + (f", the boundary case {f['edge']}" if f.get("edge") else "")
-                     + ": every run checks it first, so the replay fails the same way with any seed)")
+                     + ": a fixed case every run checks first, so the replay fails the same way with any seed)")
     elif f.get("blob"):
         lines.append(f"  or add @reproduce_failure('{f['hypothesis_version']}', b'{f['blob']}') to a test of it, "
                      f"or: {replay_cmd} --replay {f['blob']}")
