@@ -360,6 +360,10 @@ PT_MUTANTS = [
        "        initial_state = torch.as_strided(initial_state, initial_state.shape, contiguous_strides(initial_state.shape), initial_state.storage_offset())\n"
        "    return _rec(q, k, v, initial_state=initial_state, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
 ]
+#: The original mutants that belong to one of the classes (the rest plant a wrong formula: "wrong-result").
+_CLASS_OF = {"F19": "partial-flush", "F20": "partial-flush", "F26": "partial-flush", "R07": "partial-flush",
+             "F06": "arguments"}
+MUTANTS = [Mutant(**{**m.__dict__, "klass": _CLASS_OF.get(m.id, m.klass)}) for m in MUTANTS]
 MUTANTS += PT_MUTANTS
 
 
