@@ -2,20 +2,25 @@
 """Mutation testing of the validation suite: plant realistic bugs, check that `kvbuffer validate` finds each.
 
 Every mutant is one textual change to a COPY of this project's code (kvbuffer_fast's Triton kernels
-or kvbuffer_ref's forms), made in a temporary directory under another package name (mut_fast,
-mut_ref), so the real files, and the float64 truth the validator compares against, are never
-touched.  Each mutant is then validated, in its own process, with
+or kvbuffer_ref's forms), made in a temporary directory under a package name of its own
+(mut_fast_f01, mut_ref_r03, ...), so the real files, and the float64 truth the validator compares
+against, are never touched; or a plain-PyTorch adapter over the reference with one bug (mut_pt_p01).
+The mutants of the seven bug classes (``Mutant.klass``: inputs-changed, arguments, tile-boundary,
+state-leak, domain, memory-layout, partial-flush) are written as those bugs appear in real kernels.
+Each mutant is validated like
 
     kvbuffer validate --impl <the mutant's adapter> --ops <the operations it affects> --profile ci
                       --seed SEED --no-shrink --fail-fast
 
-and counts as killed when that exits 1.  Before the mutants, the unmutated copies are validated the
-same way and must pass (else the score would mean nothing).  Prints the mutation score (killed /
-planted) and the time per mutant; exits 1 if any mutant survives (a gap in the properties or
-strategies, to close there), 2 if a mutant no longer applies (the code it patches changed) or the
-unmutated copies fail.
+(``run_validation`` called in a worker process: ``--jobs`` workers, each importing torch and triton
+once and validating one mutant after another; a worker that crashes or times out is replaced) and
+counts as killed when a lane fails.  The unmutated copies are validated the same way, one task per
+operation, and must pass (else the score would mean nothing).  Prints, per mutant, the class that
+killed it, then the score per planted class and in all; exits 1 if any mutant survives (a gap in the
+properties or strategies, to close there), 2 if a mutant no longer applies (the code it patches
+changed) or the unmutated copies fail.
 
-    python scripts/mutate.py            # all mutants, 2 in parallel
+    python scripts/mutate.py            # all mutants, 2 worker processes
     python scripts/mutate.py --quick    # 20 of them (one per idea), for CI
     python scripts/mutate.py --list     # what is planted where
     python scripts/mutate.py --only F07 R03 --seed 5 -v
@@ -361,8 +366,7 @@ PT_MUTANTS = [
        "    return _rec(q, k, v, initial_state=initial_state, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
 ]
 #: The original mutants that belong to one of the classes (the rest plant a wrong formula: "wrong-result").
-_CLASS_OF = {"F19": "partial-flush", "F20": "partial-flush", "F26": "partial-flush", "R07": "partial-flush",
-             "F06": "arguments"}
+_CLASS_OF = {"F19": "partial-flush", "F20": "partial-flush", "F26": "partial-flush", "R07": "partial-flush"}
 MUTANTS = [Mutant(**{**m.__dict__, "klass": _CLASS_OF.get(m.id, m.klass)}) for m in MUTANTS]
 MUTANTS += PT_MUTANTS
 
