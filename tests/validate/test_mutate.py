@@ -29,13 +29,13 @@ def test_several_mutants_per_class_plain_pytorch_and_kernel(mutate):
     from kvbuffer_ref.validate.runner import CLASSES
 
     planted = [m for m in mutate.MUTANTS if m.klass]
-    assert len(planted) >= 30
+    assert sum(m.id[0] in "PK" for m in planted) >= 30  # written for the classes (P: plain PyTorch, K: kernel)
     assert {m.klass for m in planted} <= set(CLASSES)
     for klass in ("inputs-changed", "arguments", "tile-boundary", "state-leak", "domain", "memory-layout",
                   "partial-flush"):
         mine = [m for m in mutate.MUTANTS if m.klass == klass]
         assert len(mine) >= 2, klass
-    assert {m.package for m in planted} == {mutate.PT, "kvbuffer_fast"}
+    assert {mutate.PT, "kvbuffer_fast"} <= {m.package for m in planted if m.id[0] in "PK"}
 
 
 def test_every_mutant_applies_to_the_current_code(mutate, tmp_path):
