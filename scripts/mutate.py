@@ -2,20 +2,25 @@
 """Mutation testing of the validation suite: plant realistic bugs, check that `kvbuffer validate` finds each.
 
 Every mutant is one textual change to a COPY of this project's code (kvbuffer_fast's Triton kernels
-or kvbuffer_ref's forms), made in a temporary directory under another package name (mut_fast,
-mut_ref), so the real files, and the float64 truth the validator compares against, are never
-touched.  Each mutant is then validated, in its own process, with
+or kvbuffer_ref's forms), made in a temporary directory under a package name of its own
+(mut_fast_f01, mut_ref_r03, ...), so the real files, and the float64 truth the validator compares
+against, are never touched; or a plain-PyTorch adapter over the reference with one bug (mut_pt_p01).
+The mutants of the seven bug classes (``Mutant.klass``: inputs-changed, arguments, tile-boundary,
+state-leak, domain, memory-layout, partial-flush) are written as those bugs appear in real kernels.
+Each mutant is validated like
 
     kvbuffer validate --impl <the mutant's adapter> --ops <the operations it affects> --profile ci
                       --seed SEED --no-shrink --fail-fast
 
-and counts as killed when that exits 1.  Before the mutants, the unmutated copies are validated the
-same way and must pass (else the score would mean nothing).  Prints the mutation score (killed /
-planted) and the time per mutant; exits 1 if any mutant survives (a gap in the properties or
-strategies, to close there), 2 if a mutant no longer applies (the code it patches changed) or the
-unmutated copies fail.
+(``run_validation`` called in a worker process: ``--jobs`` workers, each importing torch and triton
+once and validating one mutant after another; a worker that crashes or times out is replaced) and
+counts as killed when a lane fails.  The unmutated copies are validated the same way, one task per
+operation, and must pass (else the score would mean nothing).  Prints, per mutant, the class that
+killed it, then the score per planted class and in all; exits 1 if any mutant survives (a gap in the
+properties or strategies, to close there), 2 if a mutant no longer applies (the code it patches
+changed) or the unmutated copies fail.
 
-    python scripts/mutate.py            # all mutants, 2 in parallel
+    python scripts/mutate.py            # all mutants, 2 worker processes
     python scripts/mutate.py --quick    # 20 of them (one per idea), for CI
     python scripts/mutate.py --list     # what is planted where
     python scripts/mutate.py --only F07 R03 --seed 5 -v
@@ -30,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The copies' package names and the adapter factory each is validated through.
 PACKAGES = {
     "kvbuffer_fast": ("mut_fast", "from kvbuffer_ref.validate.adapters import fast_from\n\n\n"
-                                  "def impl():\n    return fast_from('mut_fast')\n"),
+                                  "def impl():\n    return fast_from('{name}')\n"),
     "kvbuffer_ref": ("mut_ref", "from kvbuffer_ref.validate.adapters import reference_from\n\n\n"
-                                "def impl():\n    return reference_from('mut_ref', as_truth=False)\n"),
+                                "def impl():\n    return reference_from('{name}', as_truth=False)\n"),
 }
 #: Modules of the reference copy that stay the real ones (the shared classes and argument checks).
 _SHARED = {"buffer.py": "kvbuffer_ref.buffer", "checks.py": "kvbuffer_ref.checks"}
@@ -60,6 +64,7 @@ class Mutant:
     what: str
     quick: bool = False  # part of the --quick selection
     dtype: str = "float32"
+    klass: str = ""  # the class of bug it plants (runner.CLASSES); the report names the class that killed it
 
 
 def _m(id, package, file, old, new, ops, what, quick=False):
@@ -210,6 +215,213 @@ MUTANTS = [
 ]
 
 
+# ----------------------------------------------------------------------------- plain-PyTorch mutants
+# Adapters over kvbuffer_ref's forms with one bug each, written as the bug appears in real kernels: the
+# shape-heavy classes (tile boundaries, leaks) run at real shapes in plain PyTorch, in seconds.
+PT = "plain_pytorch"
+PT_HEADER = '''import types
+import torch
+import torch.nn.functional as F
+import kvbuffer_ref as ref
+from kvbuffer_ref.validate.adapters import Implementation
+
+_rec, _chunk, _direct = ref.recurrent_gated_delta_rule, ref.chunk_gated_delta_rule, ref.direct_gated_delta_rule
+_dec, _flush, _mat = ref.buffered_decode, ref.flush, ref.materialize_state
+_verify, _accept, _prefill = ref.verify, ref.accept, ref.prefill
+CACHE = {}
+
+
+def make(beta_max=1.0, **ops):
+    base = dict(recurrent_gated_delta_rule=_rec, chunk_gated_delta_rule=_chunk, direct_gated_delta_rule=_direct,
+                buffered_decode=_dec, flush=_flush, materialize_state=_mat, verify=_verify, accept=_accept,
+                prefill=_prefill)
+    base.update(ops)
+    return Implementation(name="mutant", obj=types.SimpleNamespace(**base), dtypes=(torch.float64,), forms=("u",),
+                          beta_max=beta_max)
+
+
+def contiguous_strides(shape):
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.insert(0, acc)
+        acc *= max(n, 1)
+    return st
+'''
+
+
+def _p(id, klass, ops, what, code):
+    return Mutant(id, PT, "", "", code, ops, what, False, "float64", klass)
+
+
+PT_MUTANTS = [
+    # inputs changed
+    _p("P01", "inputs-changed", "recurrent", "recurrent: the final state written into the caller's initial_state",
+       "def rec(q, k, v, *, initial_state=None, **kw):\n    o, S = _rec(q, k, v, initial_state=initial_state, **kw)\n"
+       "    if initial_state is not None and S is not None:\n        initial_state.copy_(S)\n    return o, S\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P02", "inputs-changed", "direct", "direct: q scaled in place",
+       "def d(q, k, v, *, g, beta, scale=None):\n    q.mul_(q.shape[-1] ** -0.5 if scale is None else scale)\n"
+       "    return _direct(q, k, v, g=g, beta=beta, scale=1.0)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P03", "inputs-changed", "chunk", "chunk: the cumulative gates computed in place into g",
+       "def c(q, k, v, *, g, beta, **kw):\n    gc = g.cumsum(1)\n    g0 = torch.diff(gc, dim=1, prepend=torch.zeros_like(gc[:, :1]))\n"
+       "    g.copy_(gc)\n    return _chunk(q, k, v, g=g0, beta=beta, **kw)\ndef impl():\n    return make(chunk_gated_delta_rule=c)\n"),
+    _p("P04", "inputs-changed", "materialize", "materialize_state resets the buffer's lengths (a flush in place)",
+       "def m(buffer):\n    S = _mat(buffer)\n    buffer.lengths.zero_()\n    return S\n"
+       "def impl():\n    return make(materialize_state=m)\n"),
+    _p("P05", "inputs-changed", "decode", "buffered_decode writes the token's key into the caller's k (a scratch reuse)",
+       "def dec(q, k, v, *, buffer, **kw):\n    o, b = _dec(q, k, v, buffer=buffer, **kw)\n    k.zero_()\n    return o, b\n"
+       "def impl():\n    return make(buffered_decode=dec)\n"),
+    # arguments left at defaults
+    _p("P06", "arguments", "recurrent", "recurrent: an explicit scale ignored",
+       "def rec(q, k, v, *, scale=None, **kw):\n    return _rec(q, k, v, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P07", "arguments", "recurrent", "recurrent: initial_state dropped when output_final_state=False",
+       "def rec(q, k, v, *, initial_state=None, output_final_state=False, **kw):\n"
+       "    return _rec(q, k, v, initial_state=initial_state if output_final_state else None, "
+       "output_final_state=output_final_state, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P08", "arguments", "prefill", "prefill ignores its initial state",
+       "def pf(q, k, v, *, initial_state=None, **kw):\n    return _prefill(q, k, v, **kw)\ndef impl():\n    return make(prefill=pf)\n"),
+    _p("P09", "arguments", "chunk", "chunk: initial_state dropped when output_final_state=False",
+       "def c(q, k, v, *, initial_state=None, output_final_state=False, **kw):\n"
+       "    return _chunk(q, k, v, initial_state=initial_state if output_final_state else None, "
+       "output_final_state=output_final_state, **kw)\ndef impl():\n    return make(chunk_gated_delta_rule=c)\n"),
+    _p("P10", "arguments", "verify_chain", "accept: counts taken as node indices (off by one)",
+       "def acc(buffer, drafts, *, counts=None, nodes=None):\n    if counts is not None:\n        return _accept(buffer, drafts, nodes=counts.clamp(max=drafts.num_drafts.max() - 1) if hasattr(drafts, 'num_drafts') else counts)\n"
+       "    return _accept(buffer, drafts, nodes=nodes)\ndef impl():\n    return make(accept=acc)\n"),
+    _p("P11", "arguments", "decode", "buffered_decode: an explicit scale ignored",
+       "def dec(q, k, v, *, scale=None, **kw):\n    return _dec(q, k, v, **kw)\ndef impl():\n    return make(buffered_decode=dec)\n"),
+    _p("P12", "arguments", "verify_tree", "verify: an explicit scale ignored",
+       "def ver(q, k, v, *, scale=None, **kw):\n    return _verify(q, k, v, **kw)\ndef impl():\n    return make(verify=ver)\n"),
+    # tile boundaries
+    _p("P13", "tile-boundary", "recurrent", "recurrent: a batch tile of 64 drops requests >= 64",
+       "def rec(q, k, v, **kw):\n    o, S = _rec(q, k, v, **kw)\n    o[64:] = 0\n    return o, S\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P14", "tile-boundary", "direct", "direct: a head tile of 32 drops value heads >= 32",
+       "def d(q, k, v, **kw):\n    o = _direct(q, k, v, **kw)\n    o[:, :, 32:] = 0\n    return o\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P15", "tile-boundary", "recurrent", "recurrent: a V tile of 256 drops the columns past it",
+       "def rec(q, k, v, **kw):\n    o, S = _rec(q, k, v, **kw)\n    o[..., 256:] = 0\n    return o, S\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P16", "tile-boundary", "direct", "direct: a K tile of 256 drops the key dimensions past it",
+       "def d(q, k, v, **kw):\n    if q.shape[-1] > 256:\n        q, k = q.clone(), k.clone()\n        q[..., 256:] = 0\n        k[..., 256:] = 0\n"
+       "    return _direct(q, k, v, **kw)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P17", "tile-boundary", "direct", "direct: a time block of 128 restarts from a zero state",
+       "def d(q, k, v, *, g, beta, scale=None):\n    if q.shape[1] <= 128:\n        return _direct(q, k, v, g=g, beta=beta, scale=scale)\n"
+       "    a = _direct(q[:, :128], k[:, :128], v[:, :128], g=g[:, :128], beta=beta[:, :128], scale=scale)\n"
+       "    b = _direct(q[:, 128:], k[:, 128:], v[:, 128:], g=g[:, 128:], beta=beta[:, 128:], scale=scale)\n"
+       "    return torch.cat([a, b], 1)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P18", "tile-boundary", "materialize", "materialize_state: a row tile of 64 drops buffered rows >= 64",
+       "def m(buffer):\n    return _mat(buffer.replace(lengths=buffer.lengths.clamp(max=64)))\n"
+       "def impl():\n    return make(materialize_state=m)\n"),
+    _p("P19", "tile-boundary", "chunk", "chunk: the state is not carried past the first 64 tokens",
+       "def c(q, k, v, *, g, beta, initial_state=None, output_final_state=False, chunk_size=64, scale=None):\n"
+       "    if q.shape[1] <= 64:\n        return _chunk(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size, scale=scale)\n"
+       "    a, _ = _chunk(q[:, :64], k[:, :64], v[:, :64], g=g[:, :64], beta=beta[:, :64], initial_state=initial_state, chunk_size=chunk_size, scale=scale)\n"
+       "    b, S = _chunk(q[:, 64:], k[:, 64:], v[:, 64:], g=g[:, 64:], beta=beta[:, 64:], initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size, scale=scale)\n"
+       "    return torch.cat([a, b], 1), S\ndef impl():\n    return make(chunk_gated_delta_rule=c)\n"),
+    _p("P20", "tile-boundary", "verify_tree", "verify: a draft tile of 8 leaves nodes >= 8 unverified",
+       "def ver(q, k, v, **kw):\n    o, d = _verify(q, k, v, **kw)\n    o[:, 8:] = 0\n    return o, d\n"
+       "def impl():\n    return make(verify=ver)\n"),
+    # state leaking between calls
+    _p("P21", "state-leak", "recurrent", "recurrent: a zero-state workspace reused (it holds the last final state)",
+       "def rec(q, k, v, *, initial_state=None, output_final_state=False, **kw):\n"
+       "    key = (q.shape[0], v.shape[2], q.shape[3], v.shape[3])\n"
+       "    if initial_state is None and key in CACHE:\n        initial_state = CACHE[key]\n"
+       "    o, S = _rec(q, k, v, initial_state=initial_state, output_final_state=True, **kw)\n"
+       "    CACHE[key] = S\n    return o, (S if output_final_state else None)\n"
+       "def impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P22", "state-leak", "direct", "direct: the result cached by the shape of q",
+       "def d(q, k, v, **kw):\n    key = tuple(q.shape)\n    if key not in CACHE:\n        CACHE[key] = _direct(q, k, v, **kw)\n"
+       "    return CACHE[key].clone()\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P23", "state-leak", "materialize", "materialize_state cached by (B, capacity)",
+       "def m(buffer):\n    key = (buffer.lengths.shape[0], buffer.capacity)\n    if key not in CACHE:\n        CACHE[key] = _mat(buffer)\n"
+       "    return CACHE[key].clone()\ndef impl():\n    return make(materialize_state=m)\n"),
+    _p("P24", "state-leak", "direct", "direct: the default scale computed once, from the first call's K",
+       "def d(q, k, v, *, scale=None, **kw):\n    if scale is None:\n        scale = CACHE.setdefault('scale', q.shape[-1] ** -0.5)\n"
+       "    return _direct(q, k, v, scale=scale, **kw)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    # the whole declared domain
+    _p("P25", "domain", "direct", "direct: q and k L2-normalised by the kernel itself",
+       "def d(q, k, v, **kw):\n    return _direct(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, **kw)\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P26", "domain", "recurrent", "recurrent: beta clamped to 1 (the adapter declares beta in [0, 2])",
+       "def rec(q, k, v, *, beta, **kw):\n    return _rec(q, k, v, beta=beta.clamp(max=1.0), **kw)\n"
+       "def impl():\n    return make(beta_max=2.0, recurrent_gated_delta_rule=rec)\n"),
+    _p("P27", "domain", "direct", "direct: v clamped to [-8, 8] (a half-precision overflow guard)",
+       "def d(q, k, v, **kw):\n    return _direct(q, k, v.clamp(-8, 8), **kw)\ndef impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P28", "domain", "recurrent", "recurrent: k L2-normalised by the kernel (q left alone)",
+       "def rec(q, k, v, **kw):\n    return _rec(q, F.normalize(k, dim=-1), v, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+    _p("P29", "domain", "direct", "direct: per-token gates clamped at -20 (an exp underflow guard)",
+       "def d(q, k, v, *, g, **kw):\n    return _direct(q, k, v, g=g.clamp(min=-20.0), **kw)\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    # memory layout
+    _p("P30", "memory-layout", "direct", "direct: assumes contiguous inputs (reads the storage with contiguous strides)",
+       "def fix(x):\n    return torch.as_strided(x, x.shape, contiguous_strides(x.shape), x.storage_offset())\n"
+       "def d(q, k, v, *, g, beta, **kw):\n    return _direct(fix(q), fix(k), fix(v), g=fix(g), beta=fix(beta), **kw)\n"
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+    _p("P31", "memory-layout", "decode", "buffered_decode: ignores the storage offset of v",
+       "def dec(q, k, v, **kw):\n    v = torch.as_strided(v, v.shape, v.stride(), 0)\n    return _dec(q, k, v, **kw)\n"
+       "def impl():\n    return make(buffered_decode=dec)\n"),
+    _p("P32", "memory-layout", "recurrent", "recurrent: assumes a contiguous initial_state",
+       "def rec(q, k, v, *, initial_state=None, **kw):\n    if initial_state is not None:\n"
+       "        initial_state = torch.as_strided(initial_state, initial_state.shape, contiguous_strides(initial_state.shape), initial_state.storage_offset())\n"
+       "    return _rec(q, k, v, initial_state=initial_state, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
+]
+#: The original mutants that belong to one of the classes (the rest plant a wrong formula: "wrong-result").
+_CLASS_OF = {"F19": "partial-flush", "F20": "partial-flush", "F26": "partial-flush", "R07": "partial-flush"}
+MUTANTS = [Mutant(**{**m.__dict__, "klass": _CLASS_OF.get(m.id, m.klass)}) for m in MUTANTS]
+MUTANTS += PT_MUTANTS
+
+
+def _k(id, klass, file, old, new, ops, what):
+    return Mutant(id, F, file, old, new, ops, what, False, "float32", klass)
+
+
+# ----------------------------------------------------------------------------- kernel mutants of the classes
+# Patched copies of kvbuffer_fast with one bug each, as they appear in real kernels.
+KERNEL_MUTANTS = [
+    _k("K01", "inputs-changed", "recurrent.py",
+       "        state = initial_state.to(torch.float32, copy=True).contiguous()\n",
+       "        state = initial_state if initial_state.dtype == torch.float32 and initial_state.is_contiguous() \\\n"
+       "            else initial_state.to(torch.float32, copy=True).contiguous()\n",
+       "recurrent", "recurrent: a float32 initial_state updated in place (the copy skipped when none is needed)"),
+    _k("K02", "arguments", "recurrent.py", "    s = check_scale(scale, d.K)\n",
+       "    s = check_scale(None, d.K)\n", "recurrent", "recurrent kernel: an explicit scale ignored"),
+    _k("K03", "arguments", "decode.py", "    s = check_scale(scale, d.K)\n", "    s = check_scale(None, d.K)\n",
+       "decode", "buffered_decode: an explicit scale ignored"),
+    _k("K04", "arguments", "verify.py", "    s = check_scale(scale, d.K)\n", "    s = check_scale(None, d.K)\n",
+       "verify_tree", "verify: an explicit scale ignored"),
+    _k("K05", "arguments", "recurrent.py",
+       "    return o, (state if output_final_state else None)\n",
+       "    return o, state\n", "recurrent", "recurrent: the final state returned although output_final_state=False"),
+    _k("K06", "tile-boundary", "recurrent.py", "_recurrent_kernel[(triton.cdiv(d.V, BV), d.B * d.HV)](",
+       "_recurrent_kernel[(1, d.B * d.HV)](", "recurrent",
+       "recurrent: one V tile launched (columns past the 64-column tile never computed)"),
+    _k("K07", "tile-boundary", "flush.py", "_flush_kernel[(triton.cdiv(V, BV), B * HV)](",
+       "_flush_kernel[(min(triton.cdiv(V, BV), 2), B * HV)](", "flush",
+       "flush: at most two V tiles launched (a V tile that drops columns past 256)"),
+    _k("K08", "tile-boundary", "decode.py", "_decode_kernel[(triton.cdiv(d.V, BV), d.B * d.HV)](",
+       "_decode_kernel[(min(triton.cdiv(d.V, BV), 2), d.B * d.HV)](", "decode",
+       "decode: at most two V tiles of 64 (columns past 128 dropped)"),
+    _k("K09", "domain", "_common.py", "            g = g.clamp(min=low)\n", "            g = g\n", "decode",
+       "decode: a reset gate (-inf) used as is: its cumulative gate turns to NaN"),
+    _k("K10", "domain", "_common.py", "            g = g.clamp(min=low)\n",
+       "            g = torch.where(g < low, torch.zeros_like(g), g)\n",
+       "recurrent", "a reset gate (-inf, -1e30) masked to 0: no decay instead of a full reset"),
+    _k("K11", "memory-layout", "_common.py", "    return x if x.is_contiguous() else x.contiguous()\n",
+       "    return x\n", "recurrent", "read-only inputs assumed contiguous (no copy of a strided view)"),
+    _k("K12", "memory-layout", "_common.py", "    return x if x.is_contiguous() else x.contiguous()\n",
+       "    return x if x.is_contiguous() else torch.as_strided(x.contiguous(), x.shape, x.stride())\n", "decode",
+       "read-only inputs: the copy keeps the view's strides (data_ptr arithmetic on the old layout)"),
+    _k("K13", "partial-flush", "flush.py", "    buffer.k.copy_(buffer.k.gather(1, k_rows))\n",
+       "    buffer.k.copy_(torch.where((count == buffer.lengths).view(-1, *([1] * (buffer.k.dim() - 1))),\n"
+       "                               buffer.k.gather(1, k_rows), buffer.k))\n",
+       "flush", "flush: the kept entries' keys not moved down on a partial flush"),
+    _k("K14", "partial-flush", "flush.py", "    buffer.lengths.sub_(count)\n",
+       "    buffer.lengths.sub_(torch.where(count < buffer.lengths, 0, count))\n", "flush",
+       "flush: a partial count leaves the length unchanged (only a full flush empties)"),
+]
+MUTANTS += KERNEL_MUTANTS
+
+
 # ----------------------------------------------------------------------------- copies
 #: Where the packages are copied from: the working tree, or a tree exported from a git revision (--rev).
 SOURCE = ROOT
@@ -227,9 +439,16 @@ def _export(rev: str, dest: Path) -> Path:
     return dest
 
 
-def _copy_package(package: str, dest: Path) -> Path:
-    """Copy ``package`` to ``dest/<copy name>``; for the reference, share buffer/checks with the real one."""
-    name = PACKAGES[package][0]
+def copy_name(m: "Mutant") -> str:
+    """The package name of ``m``'s copy: unique per mutant, so one worker process imports many copies."""
+    prefix = "mut_pt" if m.package == PT else PACKAGES[m.package][0]
+    return f"{prefix}_{m.id.lower()}"
+
+
+def _copy_package(package: str, dest: Path, name: str = None) -> Path:
+    """Copy ``package`` to ``dest/<name>`` (with ``<name>_adapter.py`` beside it); for the reference,
+    share buffer/checks with the real one."""
+    name = name or PACKAGES[package][0]
     src = SOURCE / package
     out = dest / name
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", *_TOOLS))
@@ -237,13 +456,18 @@ def _copy_package(package: str, dest: Path) -> Path:
         for fname, real in _SHARED.items():
             (out / fname).write_text(f'"""Shim: the real {real} (shared classes and checks)."""\nimport sys\n'
                                      f"import {real} as _real\n\nsys.modules[__name__] = _real\n")
-    (dest / f"{name}_adapter.py").write_text(PACKAGES[package][1])
+    (dest / f"{name}_adapter.py").write_text(PACKAGES[package][1].replace("{name}", name))
     return out
 
 
 def plant(m: Mutant, dest: Path) -> None:
     """Write the copy of ``m.package`` with the mutation into ``dest``; ValueError if it no longer applies."""
-    out = _copy_package(m.package, dest)
+    name = copy_name(m)
+    if m.package == PT:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / f"{name}_adapter.py").write_text(PT_HEADER + "\n\n" + m.new)
+        return
+    out = _copy_package(m.package, dest, name)
     path = out / m.file
     text = path.read_text()
     n = text.count(m.old)
@@ -253,23 +477,99 @@ def plant(m: Mutant, dest: Path) -> None:
     path.write_text(text.replace(m.old, m.new))
 
 
-def _validate(dest: Path, package: str, ops: str, dtype: str, seed: int, timeout: float, verbose: bool):
-    name = PACKAGES[package][0]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(dest), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["TRITON_INTERPRET"] = "1"
-    env.pop("HYPOTHESIS_PROFILE", None)
-    cmd = [sys.executable, "-m", "kvbuffer_ref.validate.cli", "validate", "--impl", f"{name}_adapter:impl", "--ops", ops,
-           "--dtype", dtype, "--profile", "ci", "--seed", str(seed), "--no-shrink", "--fail-fast", "--device", "cpu"]
-    if not verbose:
-        cmd.append("-q")
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, cwd=str(dest), capture_output=True, text=True, timeout=timeout)
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out = -1, f"timed out after {timeout:.0f}s\n{e.stdout or ''}"
-    return rc, out, time.perf_counter() - t0
+# ----------------------------------------------------------------------------- workers
+# Each worker is one process (torch, triton and hypothesis imported once) that validates one task after
+# another in-process: a task is one JSON line on its stdin, its result one JSON line on its stdout.
+def _worker() -> int:
+    """The worker loop: {id, dest, module, ops, dtype, seed} in, {id, passed, klass, lane, why} out."""
+    import importlib
+    import json
+
+    import torch
+
+    from kvbuffer_ref.validate import lanes, runner
+
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        t = json.loads(line)
+        t0 = time.perf_counter()
+        out = dict(id=t["id"])
+        try:
+            sys.path.insert(0, t["dest"])
+            impl = importlib.import_module(t["module"]).impl()
+            rep = runner.run_validation([impl], ops=lanes.select_ops(t["ops"]), dtypes=[lanes.DTYPES[t["dtype"]]],
+                                        profile="ci", device="cpu", seed=t["seed"], shrink=False, fail_fast=True,
+                                        progress=None)
+            bad = [r for r in rep.lanes if r.failed]
+            out.update(passed=not bad, klass=bad[0].klass if bad else None, lane=bad[0].operation if bad else None,
+                       why=(bad[0].why or "") if bad else "", ran=rep.ran)
+        except Exception as e:  # a copy that does not import, a bad task: reported, the worker goes on
+            out.update(passed=None, klass=None, lane=None, why=f"{type(e).__name__}: {e}", ran=0)
+        out["seconds"] = time.perf_counter() - t0
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+class _Pool:
+    """``jobs`` worker processes fed from one queue of tasks; a worker that dies (a crash) or runs past
+    ``timeout`` on a task is replaced, and that task reported as an error."""
+
+    def __init__(self, jobs: int, timeout: float):
+        self.jobs, self.timeout = jobs, timeout
+
+    def _start(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        env.pop("HYPOTHESIS_PROFILE", None)
+        return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"], env=env, cwd=str(ROOT),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def run(self, tasks: list, on_result) -> None:
+        import json
+        import queue
+        import threading
+
+        todo = queue.Queue()
+        for t in tasks:
+            todo.put(t)
+
+        def drive():
+            proc = None
+            while True:
+                try:
+                    t = todo.get_nowait()
+                except queue.Empty:
+                    break
+                if proc is None or proc.poll() is not None:
+                    proc = self._start()
+                proc.stdin.write(json.dumps(t) + "\n")
+                proc.stdin.flush()
+                box = {}
+                reader = threading.Thread(target=lambda: box.update(line=proc.stdout.readline()), daemon=True)
+                t0 = time.perf_counter()
+                reader.start()
+                reader.join(self.timeout)
+                line = box.get("line")
+                if not line:
+                    why = f"timed out after {self.timeout:.0f}s" if reader.is_alive() else \
+                        f"the worker died (exit {proc.poll()})"
+                    proc.kill()
+                    proc.wait()
+                    proc = None
+                    on_result(dict(id=t["id"], passed=None, klass=None, lane=None, why=why, ran=0,
+                                   seconds=time.perf_counter() - t0))
+                else:
+                    on_result(json.loads(line))
+            if proc is not None:
+                proc.stdin.close()
+                proc.wait()
+
+        threads = [threading.Thread(target=drive) for _ in range(max(1, self.jobs))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
 
 
 def main(argv=None) -> int:
@@ -284,7 +584,10 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print every validation's output")
     ap.add_argument("--rev", metavar="REV", help="mutate the packages as of this git revision (default: the "
                                                  "working tree)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return _worker()
 
     chosen = [m for m in MUTANTS if (not args.quick or m.quick) and (not args.only or m.id in args.only)]
     if args.only and len(chosen) != len(set(args.only)):
@@ -293,7 +596,9 @@ def main(argv=None) -> int:
         return 2
     if args.list:
         for m in chosen:
-            print(f"{m.id}  {m.package}/{m.file:<15} --ops {m.ops:<26} {m.what}{'  [quick]' if m.quick else ''}")
+            where = m.package if m.package == PT else f"{m.package}/{m.file}"
+            print(f"{m.id}  [{m.klass or 'wrong-result'}] {where:<28} --ops {m.ops:<24} {m.what}"
+                  f"{'  [quick]' if m.quick else ''}")
         return 0
 
     global SOURCE
@@ -317,40 +622,62 @@ def main(argv=None) -> int:
         if stale:
             print("\n".join(stale), file=sys.stderr)
             return 2
-        if not args.skip_baseline:
-            for package in sorted({m.package for m in chosen}):
+        tasks, baselines = [], {}
+        if not args.skip_baseline:  # the unmutated copies, validated like the mutants (first in the queue)
+            for package in sorted({m.package for m in chosen} - {PT}):
                 mine = [m for m in chosen if m.package == package]
-                ops = ",".join(sorted({o for m in mine for o in m.ops.split(",")}))
-                base = work / f"baseline-{package}"
-                _copy_package(package, base)
-                rc, out, dt = _validate(base, package, ops, mine[0].dtype, args.seed, args.timeout * 2, args.verbose)
-                print(f"baseline  {package:<14} (unmutated copy, --ops {ops}): {'PASS' if rc == 0 else 'FAIL'} "
-                      f"in {dt:.1f}s", flush=True)
-                if rc != 0:
-                    print(out, file=sys.stderr)
-                    print("the unmutated copy does not pass: fix that first, the mutation score would mean nothing",
-                          file=sys.stderr)
-                    return 2
+                name = f"{PACKAGES[package][0]}_baseline"
+                _copy_package(package, work / name, name)
+                for op in sorted({o for m in mine for o in m.ops.split(",")}):  # one task per operation
+                    tid = f"baseline {package} {op}"
+                    baselines[tid] = op
+                    tasks.append(dict(id=tid, dest=str(work / name), module=f"{name}_adapter", ops=op,
+                                      dtype=mine[0].dtype, seed=args.seed))
+        for m in chosen:
+            tasks.append(dict(id=m.id, dest=str(work / m.id), module=f"{copy_name(m)}_adapter", ops=m.ops,
+                              dtype=m.dtype, seed=args.seed))
+        by_id = {m.id: m for m in chosen}
+        results, bad_base = [], []
 
-        def run(m: Mutant):
-            return m, _validate(work / m.id, m.package, m.ops, m.dtype, args.seed, args.timeout, args.verbose)
+        def on_result(r):
+            if r["id"] in baselines:
+                ok = r["passed"] is True
+                print(f"baseline  {r['id'][9:]:<30} (the unmutated copy): {'PASS' if ok else 'FAIL'} "
+                      f"in {r['seconds']:.1f}s", flush=True)
+                if not ok:
+                    bad_base.append(r)
+                return
+            m = by_id[r["id"]]
+            verdict = {True: "SURVIVED", False: "killed"}.get(r["passed"], "ERROR")
+            results.append((m, verdict, r))
+            where = m.package if m.package == PT else f"{m.package}/{m.file}"
+            by = f"[{r['klass']}]" if r["passed"] is False else "-"
+            print(f"{m.id}  {verdict:<8} {r['seconds']:5.1f}s  by {by:<17} {where}: {m.what}", flush=True)
+            if args.verbose or r["passed"] is None:
+                print(f"    {r.get('lane') or ''} {r.get('why') or ''}")
 
-        results = []
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for m, (rc, out, dt) in pool.map(run, chosen):
-                verdict = {1: "killed", 0: "SURVIVED"}.get(rc, f"ERROR (exit {rc})")
-                results.append((m, verdict, dt, out))
-                print(f"{m.id}  {verdict:<9} {dt:6.1f}s  {m.package}/{m.file}: {m.what}", flush=True)
-                if args.verbose or rc not in (0, 1):
-                    print("    " + "\n    ".join(out.rstrip().splitlines()[-25:]))
-        killed = sum(v == "killed" for _, v, _, _ in results)
+        _Pool(args.jobs, args.timeout).run(tasks, on_result)
+        if bad_base:
+            for r in bad_base:
+                print(f"{r['id']}: {r.get('lane')} [{r.get('klass')}] {r.get('why')}", file=sys.stderr)
+            print("the unmutated copy does not pass: fix that first, the mutation score would mean nothing",
+                  file=sys.stderr)
+            return 2
+        results.sort(key=lambda x: MUTANTS.index(x[0]))
+        killed = sum(v == "killed" for _, v, _ in results)
         total = time.perf_counter() - t_all
-        times = [dt for _, _, dt, _ in results]
+        times = [r["seconds"] for _, _, r in results]
         print()
+        print("mutation score per planted class (killed / planted; the classes that killed them):")
+        for klass in sorted({m.klass or "wrong-result" for m in chosen}):
+            mine = [x for x in results if (x[0].klass or "wrong-result") == klass]
+            by = sorted({r["klass"] for _, v, r in mine if v == "killed"})
+            print(f"  {klass:<15} {sum(v == 'killed' for _, v, _ in mine)}/{len(mine)}  "
+                  f"killed by {', '.join(by) or '-'}")
         print(f"mutation score: {killed}/{len(results)} killed ({100.0 * killed / max(1, len(results)):.0f}%); "
               f"{total:.0f}s in all, {sum(times) / max(1, len(times)):.1f}s per mutant on average "
-              f"(max {max(times, default=0):.1f}s), {args.jobs} in parallel, seed {args.seed}")
-        survivors = [m for m, v, _, _ in results if v != "killed"]
+              f"(max {max(times, default=0):.1f}s), {args.jobs} worker processes, seed {args.seed}")
+        survivors = [m for m, v, _ in results if v != "killed"]
         if survivors:
             print("not killed: " + ", ".join(f"{m.id} ({m.what})" for m in survivors))
             return 1

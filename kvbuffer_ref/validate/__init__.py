@@ -5,6 +5,8 @@
 * ``strategies``: hypothesis strategies of cases, buffers and drafts; ``properties``: each property
   of the oracle as a function over any implementation; ``load_profile``: the hypothesis profiles;
 * ``Implementation``, ``resolve``: adapters, the ready ones (reference, fast, fla) (``adapters``);
+  ``Sizes`` (``NORMAL``, ``SMALL``, ``GPU``): the size budgets an adapter declares (``cases``);
+* ``CLASSES``: the bug classes a failure is attributed to (``runner``);
 * ``run_validation``: ``kvbuffer validate`` as a function (``lanes``, ``runner``, ``report``), also
   its command line (``cli``) and pytest plugin (``pytest_plugin``);
 * ``golden``: the frozen float64 vectors, read and checked.
@@ -13,17 +15,20 @@ See docs/testing.md and docs/validate-your-kernel.md.
 """
 
 from . import golden, properties, strategies
-from .adapters import AdapterError, Implementation, describe, resolve, stepwise_recurrent
-from .cases import BETA_REGIMES, GATE_REGIMES, Case, cast_inputs, make_inputs, upcast_inputs
+from .adapters import (AdapterError, Guarded, Implementation, default_implementations, describe, resolve,
+                       stepwise_recurrent)
+from .cases import BETA_REGIMES, GATE_REGIMES, GPU, NORM_REGIMES, NORMAL, SMALL, Case, Sizes, cast_inputs, make_inputs, \
+    upcast_inputs
 from .lanes import OP_KEYS, OPS, ValidationError, plan, select_ops
 from .profiles import load_profile, register_profiles
 from .report import LaneResult, Report
-from .runner import NothingToRun, run_validation
+from .runner import CLASSES, NothingToRun, run_validation
 from .tolerances import TOLERANCES, Comparison, Tolerance, assert_matches, compare, rel_rms_slices, tolerance_for
 
 __all__ = [
     "TOLERANCES", "Tolerance", "tolerance_for", "Comparison", "compare", "assert_matches", "rel_rms_slices",
-    "Case", "make_inputs", "cast_inputs", "upcast_inputs", "GATE_REGIMES", "BETA_REGIMES",
+    "Case", "make_inputs", "cast_inputs", "upcast_inputs", "GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES",
+    "Sizes", "NORMAL", "SMALL", "GPU", "CLASSES", "Guarded", "default_implementations",
     "strategies", "properties", "golden", "load_profile", "register_profiles",
     "Implementation", "AdapterError", "describe", "resolve", "stepwise_recurrent",
     "OPS", "OP_KEYS", "ValidationError", "select_ops", "plan", "run_validation", "NothingToRun", "Report",

@@ -25,10 +25,26 @@ every other one as "not provided", with the reason.  Optional attributes describ
     forms          tuple       buffer forms of its buffer operations, "u" and/or "raw" (default ``("u",)``)
     channel_gate   bool | set  per-channel (KDA) gates: True (all ops), False, or the set of op attribute
                                names that take them (default True)
-    interpreted    bool        it runs on the (slow) Triton interpreter: the validator draws fewer,
-                               smaller cases (default False)
+    interpreted    bool        it runs on the (slow) Triton interpreter (default False)
+    sizes          Sizes | str its size budget: how large the drawn and boundary cases are (the
+                               dimensions past tile sizes are in ``cases.Sizes``): "normal" (the default:
+                               B past 64, 36 value heads, K and V of 256 and 264, T past 128, 70
+                               buffered rows), "small" (the default when ``interpreted``: the boundary
+                               cases a slow path can afford) or a ``cases.Sizes`` of its own.  The
+                               ``gpu`` profile uses production shapes (``cases.GPU``) unless the
+                               implementation is interpreted.  The report prints the budget per lane
+    in_place       dict        {attribute: argument names it updates IN PLACE by contract}; every other
+                               tensor argument (and field of a buffer or drafts argument) must be left
+                               bit for bit as it was (default: ``{"recurrent_decode": ("state",)}``)
+    beta_max       float       the top of its beta domain (default 1.0; 2.0 for kernels that allow
+                               negative eigenvalues): beta is drawn in [0, beta_max]
     not_provided   dict        {attribute: reason} for operations it deliberately leaves out
     prepare()      callable    called once before the validation (e.g. to turn on NaN-filled outputs)
+
+Every call the validator makes goes through ``Guarded``: it clones every tensor argument (and every field
+of a buffer or drafts argument), calls, and compares them bit for bit afterwards ([inputs-changed]
+unless the argument is in ``in_place``); in examples that draw it, every read-only tensor argument is
+passed as a strided, transposed-back, sliced or storage-offset view ([memory-layout]).
 
 ``resolve("module:attr")`` loads an adapter; ``attr`` may also be a factory (a callable that is not
 itself an operation, called with no arguments).  Ready adapters: ``reference`` (kvbuffer_ref, float64
@@ -48,9 +64,11 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["OPERATION_ATTRS", "AdapterError", "Implementation", "describe", "resolve", "builtin_names",
+from .cases import NORMAL, SMALL, Sizes
+
+__all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "OPERATION_ATTRS", "AdapterError", "Implementation", "describe", "resolve", "builtin_names",
            "reference", "reference_from", "fast", "fast_from", "fla", "FlaAdapter", "stepwise_recurrent",
-           "interpreter_active", "POISON_ENV"]
+           "interpreter_active", "POISON_ENV", "unavailable", "default_implementations"]
 
 #: Every operation attribute the validator knows, in report order.
 OPERATION_ATTRS = (
@@ -84,6 +102,10 @@ class Implementation:
     interpreted: bool = False
     not_provided: dict = field(default_factory=dict)
     is_truth: bool = False  # the oracle itself: its recurrence is the truth, not validated against itself
+    sizes: Sizes = NORMAL  # its declared size budget (SMALL on the Triton interpreter)
+    in_place: dict = field(default_factory=lambda: dict(DEFAULT_IN_PLACE))
+    beta_max: float = 1.0
+    unavailable: str = ""  # why it cannot run here at all (e.g. triton missing): every lane is NOT RUN
 
     def has(self, attr: str) -> bool:
         return callable(getattr(self.obj, attr, None))
@@ -97,6 +119,19 @@ class Implementation:
         fn = getattr(self.obj, "prepare", None)
         if callable(fn):
             fn()
+
+
+#: What the protocol itself updates in place: recurrent_decode's state.
+DEFAULT_IN_PLACE = {"recurrent_decode": ("state",)}
+
+
+def _sizes(x, label) -> Sizes:
+    if isinstance(x, Sizes):
+        return x
+    by = {"normal": NORMAL, "small": SMALL}
+    if x not in by:
+        raise AdapterError(f"adapter {label}: sizes must be 'normal', 'small' or a Sizes, got {x!r}")
+    return by[x]
 
 
 def _is_adapter(obj) -> bool:
@@ -130,10 +165,18 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
     cg = getattr(obj, "channel_gate", True)
     if not isinstance(cg, bool):
         cg = frozenset(cg)
+    interpreted = bool(getattr(obj, "interpreted", False))
+    in_place = dict(DEFAULT_IN_PLACE)
+    in_place.update({a: tuple(v) for a, v in (getattr(obj, "in_place", None) or {}).items()})
+    beta_max = float(getattr(obj, "beta_max", 1.0))
+    if not beta_max > 0:
+        raise AdapterError(f"adapter {label}: beta_max must be positive, got {beta_max}")
     return Implementation(name=label, obj=obj, dtypes=dtypes, forms=forms, channel_gate=cg,
-                          interpreted=bool(getattr(obj, "interpreted", False)),
+                          interpreted=interpreted,
                           not_provided=dict(getattr(obj, "not_provided", {}) or {}),
-                          is_truth=bool(getattr(obj, "is_truth", False)))
+                          is_truth=bool(getattr(obj, "is_truth", False)),
+                          sizes=_sizes(getattr(obj, "sizes", "small" if interpreted else "normal"), label),
+                          in_place=in_place, beta_max=beta_max)
 
 
 # ----------------------------------------------------------------------------- ready adapters
@@ -161,6 +204,11 @@ def reference() -> Implementation:
 _FAST_EXTRA_MODULES = ("baselines",)
 
 
+#: kvbuffer_fast's buffer operations update the buffer's tensors IN PLACE (its contract); its verify and
+#: materialize_state leave the buffer as it was.
+FAST_IN_PLACE = {**DEFAULT_IN_PLACE, "buffered_decode": ("buffer",), "flush": ("buffer",), "accept": ("buffer",)}
+
+
 def fast_from(package: str = "kvbuffer_fast") -> Implementation:
     """A package with kvbuffer_fast's public API (e.g. a mutant copy): u-cache form, float32 and float16.
 
@@ -172,7 +220,8 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
     try:
         import triton  # noqa: F401
     except ImportError as e:  # pragma: no cover - triton is installed where the kernels are used
-        raise AdapterError(f"{package} needs triton, which is not installed ({e})") from None
+        raise AdapterError(f"{package} needs triton, which is not installed ({e}); pip install 'kvbuffer[fast]'") \
+            from None
     modules = [importlib.import_module(package)]
     for extra in _FAST_EXTRA_MODULES:
         if importlib.util.find_spec(f"{package}.{extra}") is not None:
@@ -189,7 +238,23 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
     missing = {a: f"not implemented in {package}" for a in OPERATION_ATTRS if a not in ops}
     return Implementation(name=package, obj=types.SimpleNamespace(prepare=prepare, **ops),
                           dtypes=(torch.float32, torch.float16), forms=("u",), channel_gate=True,
-                          interpreted=interpreter_active(), not_provided=missing)
+                          interpreted=interpreter_active(), not_provided=missing,
+                          sizes=SMALL if interpreter_active() else NORMAL, in_place=dict(FAST_IN_PLACE))
+
+
+def unavailable(name: str, reason: str) -> Implementation:
+    """An implementation that cannot run here (``reason``): the report lists each of its lanes as NOT RUN."""
+    return Implementation(name=name, obj=types.SimpleNamespace(), dtypes=(torch.float32,), forms=("u",),
+                          unavailable=reason)
+
+
+def default_implementations() -> list:
+    """What ``kvbuffer validate`` checks without --impl: the reference's forms and kvbuffer_fast; without
+    triton, kvbuffer_fast is listed as NOT RUN (with the reason) rather than dropped."""
+    try:
+        return [reference(), fast()]
+    except AdapterError as e:
+        return [reference(), unavailable("kvbuffer_fast", str(e))]
 
 
 def fast() -> Implementation:
@@ -336,9 +401,9 @@ class _Stepwise:
         B, T, HV, V = v.shape
         K = k.shape[-1]
         if initial_state is None:
-            state = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
-        else:
-            state = initial_state.to(torch.float32, copy=True).contiguous()
+            state = torch.zeros(B, HV, K, V, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        else:  # the state in the compute dtype (float64 inputs keep a float64 state), never the caller's tensor
+            state = initial_state.to(torch.promote_types(q.dtype, torch.float32), copy=True).contiguous()
         outs = []
         for t in range(T):
             sl = slice(t, t + 1)
@@ -352,3 +417,108 @@ def stepwise_recurrent(step) -> _Stepwise:
     """A ``recurrent_gated_delta_rule`` built from an in-place single-token step
     ``step(q, k, v, *, g, beta, state, scale)`` called once per token (T = 1 each)."""
     return _Stepwise(step)
+
+
+# ----------------------------------------------------------------------------- the call guard
+class ContractViolation(AssertionError):
+    """A breach of the protocol found by the lane itself, not by a comparison: its ``klass`` names the
+    class of bug ("inputs-changed", "state-leak", ...) and the message starts with it in brackets."""
+
+    def __init__(self, klass: str, message: str):
+        super().__init__(f"[{klass}] {message}")
+        self.klass = klass
+
+
+#: The positional parameters of each operation (the rest are keywords).
+_POSITIONAL = {"flush": ("buffer",), "materialize_state": ("buffer",), "accept": ("buffer", "drafts")}
+
+
+def _tensors_of(name: str, x) -> dict:
+    """{label: tensor} of one argument: a tensor, or every tensor field of a buffer / drafts object."""
+    if isinstance(x, torch.Tensor):
+        return {name: x}
+    fields = getattr(x, "tensors", None)
+    if callable(fields):
+        return {f"{name}.{f}": t for f, t in fields().items() if isinstance(t, torch.Tensor)}
+    return {}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    y.copy_(x.detach().reshape(-1))
+    return y.view(torch.uint8) if x.numel() and x.dtype != torch.bool else y
+
+
+#: The memory layouts ``layout_views`` draws: every element equal, the strides and offsets not.
+LAYOUTS = ("strided", "transposed", "offset", "sliced")
+
+
+def layout_view(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The same values as ``x`` in a non-contiguous view (or one whose storage offset is not zero);
+    "compact": a fresh contiguous copy (storage offset 0)."""
+    if kind == "compact":
+        return x.detach().clone(memory_format=torch.contiguous_format)
+    if x.dim() == 0 or x.numel() == 0:
+        return x
+    if kind == "strided":  # every other element of a twice-as-wide last dimension
+        big = torch.full((*x.shape[:-1], 2 * x.shape[-1]), float("nan") if x.is_floating_point() else -7,
+                         dtype=x.dtype, device=x.device)
+        big[..., ::2] = x
+        return big[..., ::2]
+    if kind == "transposed" and x.dim() >= 3:  # stored [.., T, B, ..] then transposed back
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if kind == "sliced":  # one request of padding on each side of the batch
+        pad = torch.full((1, *x.shape[1:]), float("nan") if x.is_floating_point() else -7, dtype=x.dtype,
+                         device=x.device)
+        return torch.cat([pad, x, pad])[1:-1]
+    flat = torch.empty(x.numel() + 5, dtype=x.dtype, device=x.device)  # offset (and the fallback)
+    out = flat[5:].view(x.shape)
+    out.copy_(x)
+    return out
+
+
+def layout_views(args: dict, rng, skip=()) -> dict:
+    """Every tensor of ``args`` (not named in ``skip``) replaced by a ``layout_view``: of a kind drawn from
+    ``rng`` (a ``random.Random``), or of the kind ``rng`` names ("compact": a fresh contiguous copy)."""
+    def kind():
+        return rng if isinstance(rng, str) else LAYOUTS[rng.randrange(len(LAYOUTS))]
+    return {n: (layout_view(t, kind()) if isinstance(t, torch.Tensor) and n not in skip else t)
+            for n, t in args.items()}
+
+
+class Guarded:
+    """An adapter object seen through the lane protocol: every operation call clones every tensor it is
+    given (buffer and drafts fields included) and compares them bit for bit after the call; an argument
+    the implementation declares it updates in place (``Implementation.in_place``) is exempt.  With
+    ``layout`` (a ``random.Random``) every tensor argument that is not updated in place, and not a
+    buffer, is passed as a non-contiguous or offset view (``layout_views``)."""
+
+    def __init__(self, obj, in_place: dict, layout=None):
+        self._obj, self._in_place, self._layout = obj, in_place, layout
+        self.calls = 0
+
+    def __getattr__(self, attr):
+        fn = getattr(self._obj, attr)
+        if attr not in OPERATION_ATTRS or not callable(fn):
+            return fn
+
+        def call(*args, **kw):
+            names = _POSITIONAL.get(attr, ("q", "k", "v"))
+            given = dict(zip(names, args), **kw)
+            free = set(self._in_place.get(attr, ()))
+            if self._layout is not None:
+                given = layout_views(given, self._layout, skip=free)
+            before = {}
+            for n, x in given.items():
+                if n not in free:
+                    before.update({lab: (t, _bits(t).clone()) for lab, t in _tensors_of(n, x).items()})
+            self.calls += 1
+            pos = [given[n] for n in names if n in given]
+            out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
+            for lab, (t, bits) in before.items():
+                if not torch.equal(_bits(t), bits):
+                    raise ContractViolation("inputs-changed", f"input {lab} changed by the call to {attr} "
+                                            f"(shape {list(t.shape)}; the implementation declares in place only "
+                                            f"{sorted(free) or 'nothing'} for it)")
+            return out
+        return call

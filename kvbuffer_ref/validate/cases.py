@@ -11,13 +11,77 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GATE_REGIMES", "BETA_REGIMES", "Case", "make_inputs", "cast_inputs", "upcast_inputs"]
+__all__ = ["GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES", "Case", "make_inputs", "cast_inputs", "upcast_inputs",
+           "Sizes", "NORMAL", "SMALL", "GPU"]
 
 #: log-gate regimes: exactly 0 (no decay), mild [-0.5, 0], strong [-8, -1], underflowing [-120, -104]
-#: (exp(g) is exactly 0 in float32 and below 1e-45 in float64), and a per-element mix of the four.
-GATE_REGIMES = ("zero", "mild", "strong", "underflow", "mixed")
-#: write-strength regimes: exactly 0, exactly 1, uniform in [0, 1], a mix of all three.
+#: (exp(g) is exactly 0 in float32 and below 1e-45 in float64), a per-element mix of those four, the
+#: band (-104, -8) where exp(g) is tiny or a float32 subnormal ("band"), a per-element mix ("wide")
+#: of everything from 0 down to -200 per token, and resets ("reset": mild gates with one token per
+#: request and head a full reset, g = -inf, -1e30 or -300: exp(g) is exactly 0, docs/conventions.md
+#: "Reset gates"; one per row keeps the gate span of the error budget at one RESET_GATE).
+GATE_REGIMES = ("zero", "mild", "strong", "underflow", "mixed", "band", "wide", "reset")
+#: write-strength regimes: exactly 0, exactly 1, uniform in [0, beta_max], a mix of all three.
 BETA_REGIMES = ("zero", "one", "uniform", "mixed")
+#: q/k norm regimes: "unit" (L2-normalised rows) or "any" (rows of norm in [0.25, 4] for q and
+#: [0.4, 1.25 / sqrt(beta_max)] for k, so the delta rule stays contractive; a zero row stays possible).
+NORM_REGIMES = ("unit", "any")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Bounds of the drawn cases, and the boundary cases every lane checks once per run.
+
+    An implementation declares its size budget (``Implementation.sizes``): ``NORMAL`` for plain PyTorch
+    and compiled kernels, ``SMALL`` for the Triton interpreter (~1000x slower), ``GPU`` (the ``gpu``
+    profile) for production shapes.  The ``edge_*`` fields are the shapes of the boundary cases: each
+    crosses one usual tile size (requests past a 64-request batch tile, value heads past a 32-head tile
+    with groups, tokens past 64 and 128, buffered rows past 64, K and V of 256 and a non-power-of-two
+    above 256, chunk sizes 16/32/64 with T crossing chunks)."""
+
+    name: str = "normal"
+    max_B: int = 3
+    max_T: int = 12
+    max_H: int = 2
+    max_group: int = 3
+    dims: tuple = (1, 2, 3, 5, 7, 8, 12, 16, 40, 72, 136)  # > 32, > 64, > 128: more than one tile of BV columns
+    max_capacity: int = 6
+    max_history: int = 10
+    max_new: int = 6
+    max_chain: int = 6
+    max_tree: int = 10
+    max_after: int = 3
+    max_prompt: int = 12
+    big_capacity: int = 20  # drawn now and then: more cached rows than a kernel's row tile (16)
+    edge_base: tuple = (1, 1, 2, 8, 8)  # (B, H, HV, K, V) of the boundary cases, but for the one crossed
+    edge_B: int = 70  # > 64 requests (0: no such case)
+    edge_HV: tuple = (4, 36)  # (H, HV): > 32 value heads, 9 per q/k head
+    edge_T: int = 136  # > 128 (and > 64)
+    edge_rows: int = 70  # buffered rows > 64
+    edge_dims: tuple = ((256, 264), (264, 256))  # (K, V): 256, and a non-power-of-two above 256
+    edge_chunks: tuple = (16, 32, 64)
+    edge_tree: int = 12  # draft nodes of the boundary verify cases
+    sequences: bool = True  # every drawn example and anchor is a call sequence (state-leak); False: the first anchor only
+
+
+#: Plain PyTorch and compiled kernels: small drawn cases (K and V up to 72; a V of 136 in the anchors),
+#: boundary cases at every usual tile size.
+NORMAL = Sizes(dims=(1, 2, 3, 5, 7, 8, 12, 16, 24, 40, 72))
+#: The Triton interpreter (about 1000x slower than PyTorch): smaller drawn cases and boundary cases that
+#: cross kvbuffer_fast's own tiles only (its grids have one program per request and value head, so no
+#: batch case; 10 value heads cross the fold's group of 8; K = 40 crosses the 32-row key block, V = 264
+#: the 64-, 128- and 256-column tiles; 66 rows the grouped fold's limit of 32 and a 64-row tile).
+SMALL = Sizes(name="small (Triton interpreter)", max_B=3, max_T=8, max_H=2, max_group=2, max_capacity=5,
+              max_history=6, max_new=4, max_chain=4, max_tree=6, max_after=2, max_prompt=8, big_capacity=18,
+              dims=(1, 2, 3, 5, 7, 8, 12, 16, 40, 72), edge_B=0, edge_HV=(2, 10), edge_T=66, edge_rows=66,
+              edge_dims=((40, 264),), edge_chunks=(16, 32, 64), edge_tree=8, sequences=False)
+#: Production shapes (Qwen3-Next: H = 16, HV = 32, K = V = 128; B up to 256, T up to 4096, C up to 64,
+#: trees up to 64 nodes): the ``gpu`` profile, with the float64 oracle on the device as well.  Drawn
+#: cases keep Qwen3-Next's heads; boundary cases are each production-sized in one dimension.
+GPU = Sizes(name="gpu (production)", max_B=8, max_T=64, max_H=16, max_group=2, dims=(64, 128, 136, 256),
+            max_capacity=64, max_history=96, max_new=8, max_chain=16, max_tree=64, max_after=4, max_prompt=512,
+            big_capacity=64, edge_base=(2, 16, 32, 128, 128), edge_B=256, edge_HV=(16, 32), edge_T=4096,
+            edge_rows=64, edge_dims=((256, 264),), edge_chunks=(16, 32, 64), edge_tree=64)
 
 
 @dataclass(frozen=True)
@@ -35,29 +99,44 @@ class Case:
     beta: str = "uniform"
     zero_key: bool = False
     seed: int = 0
+    norm: str = "unit"  # NORM_REGIMES
+    v_scale: float = 1.0  # v ~ N(0, v_scale^2)
+    scale: float | None = None  # the explicit `scale` passed to every call (None: the default K ** -0.5)
+    beta_max: float = 1.0  # the top of the beta domain ("uniform" draws in [0, beta_max])
 
     def inputs(self, dtype: torch.dtype = torch.float64, device="cpu") -> dict:
         """q, k, v, g, beta for this case (see ``make_inputs``)."""
         return make_inputs(self, dtype, device)
 
 
-def _gates(shape, regime: str, gen: torch.Generator) -> torch.Tensor:
+def _gates(shape, regime: str, gen: torch.Generator, reset_anywhere: bool = True) -> torch.Tensor:
     r = torch.rand(shape, generator=gen, dtype=torch.float64)
     by = {
         "zero": torch.zeros(shape, dtype=torch.float64),
         "mild": -0.5 * r,
         "strong": -(1.0 + 7.0 * r),
         "underflow": -(104.0 + 16.0 * r),
+        "band": -(8.0 + 96.0 * r),
+        "deep": -(120.0 + 80.0 * r),
     }
-    if regime != "mixed":
+    if regime == "reset":  # one reset per (request, head[, channel]) at a random token, mild gates elsewhere
+        B, T = shape[0], shape[1]
+        at = torch.randint(0, max(T, 1), (B, 1, *shape[2:]), generator=gen)
+        if not reset_anywhere:
+            at = torch.full_like(at, T - 1)
+        resets = torch.tensor([float("-inf"), -1e30, -300.0], dtype=torch.float64)[
+            torch.randint(0, 3, (B, 1, *shape[2:]), generator=gen)]
+        hit = torch.arange(T).view(1, T, *([1] * (len(shape) - 2))) == at
+        return torch.where(hit, resets.expand(shape), by["mild"])
+    if regime not in ("mixed", "wide"):
         return by[regime]
-    pick = torch.randint(0, 4, shape, generator=gen)
-    return torch.stack([by["zero"], by["mild"], by["strong"], by["underflow"]], dim=-1).gather(
-        -1, pick.unsqueeze(-1)).squeeze(-1)
+    names = ["zero", "mild", "strong", "underflow"] + (["band", "deep", "mild"] if regime == "wide" else [])
+    pick = torch.randint(0, len(names), shape, generator=gen)
+    return torch.stack([by[n] for n in names], dim=-1).gather(-1, pick.unsqueeze(-1)).squeeze(-1)
 
 
-def _betas(shape, regime: str, gen: torch.Generator) -> torch.Tensor:
-    r = torch.rand(shape, generator=gen, dtype=torch.float64)
+def _betas(shape, regime: str, gen: torch.Generator, beta_max: float = 1.0) -> torch.Tensor:
+    r = torch.rand(shape, generator=gen, dtype=torch.float64) * beta_max
     by = {"zero": torch.zeros(shape, dtype=torch.float64), "one": torch.ones(shape, dtype=torch.float64), "uniform": r}
     if regime != "mixed":
         return by[regime]
@@ -72,13 +151,25 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float64, device="cpu") ->
         raise ValueError(f"case.gate: expected one of {GATE_REGIMES}, got {case.gate!r}")
     if case.beta not in BETA_REGIMES:
         raise ValueError(f"case.beta: expected one of {BETA_REGIMES}, got {case.beta!r}")
+    if case.norm not in NORM_REGIMES:
+        raise ValueError(f"case.norm: expected one of {NORM_REGIMES}, got {case.norm!r}")
     gen = torch.Generator().manual_seed(case.seed)
     B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, case.K, case.V
     q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
-    g = _gates((B, T, HV, K) if case.channel_gate else (B, T, HV), case.gate, gen)
-    beta = _betas((B, T, HV), case.beta, gen)
+    # float64: the reset token anywhere; narrower dtypes: the last token (a reset followed by more tokens
+    # leaves the float32 cumulative forms, the reference's included, 1.15-2x past the budget's gate-span
+    # term, gate_floor = 1 in tolerances.py: measured, to be recalibrated there)
+    g = _gates((B, T, HV, K) if case.channel_gate else (B, T, HV), case.gate, gen,
+               reset_anywhere=dtype == torch.float64)
+    beta = _betas((B, T, HV), case.beta, gen, case.beta_max)
+    if case.norm == "any":
+        q = q * (0.25 * 16.0 ** torch.rand(B, T, H, 1, generator=gen, dtype=torch.float64))
+        top = 1.25 / max(1.0, case.beta_max) ** 0.5
+        k = k * (0.4 + (top - 0.4) * torch.rand(B, T, H, 1, generator=gen, dtype=torch.float64))
+    if case.v_scale != 1.0:
+        v = v * case.v_scale
     if case.zero_key and T > 0:
         t = int(torch.randint(0, T, (1,), generator=gen))
         k[:, t] = 0.0
@@ -92,6 +183,8 @@ def cast_inputs(x: dict, dtype: torch.dtype, device="cpu", gate_dtype: torch.dty
     return {n: t.to(device=device, dtype=gate_dtype if n in ("g", "beta") else dtype) for n, t in x.items()}
 
 
-def upcast_inputs(x: dict) -> dict:
-    """The same (already rounded) inputs in float64 on the CPU: what the truth is computed from."""
-    return {n: t.detach().to(device="cpu", dtype=torch.float64) for n, t in x.items()}
+def upcast_inputs(x: dict, device="cpu") -> dict:
+    """The same (already rounded) inputs in float64 on ``device`` (None: where they are): what the truth
+    is computed from."""
+    return {n: t.detach().to(device=t.device if device is None else device, dtype=torch.float64)
+            for n, t in x.items()}

@@ -17,9 +17,10 @@ import torch
 from . import properties as P
 from . import strategies as kst
 from .adapters import Implementation, stepwise_recurrent
-from .cases import Case
+from .cases import GPU, NORMAL, SMALL, Case, Sizes
 
-__all__ = ["ValidationError", "DTYPES", "DEFAULT_DTYPES", "dtype_name", "Sizes", "NORMAL", "SMALL",
+__all__ = ["ValidationError", "DTYPES", "DEFAULT_DTYPES", "dtype_name", "Sizes", "NORMAL", "SMALL", "GPU",
+           "edge_params",
            "INTERPRETED_EXAMPLES", "Op", "OPS", "OP_KEYS", "FORM_OPS", "ANCHORS", "select_ops", "parse_dtypes",
            "Lane", "plan", "op_params"]
 
@@ -42,31 +43,11 @@ def dtype_name(dt: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- sizes of the cases
-@dataclass(frozen=True)
-class Sizes:
-    """Bounds of the drawn cases.  ``small`` is for implementations on the Triton interpreter."""
-
-    max_B: int = 3
-    max_T: int = 12
-    max_H: int = 2
-    max_group: int = 3
-    dims: tuple = (1, 2, 3, 5, 7, 8, 12, 16, 40, 72, 136)  # > 32, > 64, > 128: more than one tile of BV columns
-    max_capacity: int = 6
-    max_history: int = 10
-    max_new: int = 6
-    max_chain: int = 6
-    max_tree: int = 10
-    max_after: int = 3
-    max_prompt: int = 12
-    big_capacity: int = 20  # drawn now and then: more cached rows than a kernel's row tile (16)
-
-
-NORMAL = Sizes()
-SMALL = Sizes(max_B=3, max_T=8, max_H=2, max_group=2, max_capacity=5, max_history=6, max_new=4, max_chain=4,
-              max_tree=6, max_after=2, max_prompt=8, big_capacity=18)
-#: examples per lane on the interpreter, per profile: its cases are SMALL (the interpreter is ~1000x slower
-#: than PyTorch), so more of them; each still covers ragged requests in several modes at once.
-INTERPRETED_EXAMPLES = {"ci": 30, "thorough": 300}
+# Sizes, NORMAL, SMALL and GPU live in ``cases`` (an implementation declares its size budget,
+# ``Implementation.sizes``); re-exported here.
+#: examples per lane on the interpreter, per profile: each example is three calls (the state-leak
+#: sequence) on SMALL cases, after the anchors and the boundary cases.
+INTERPRETED_EXAMPLES = {"ci": 4, "thorough": 300, "gpu": 4}
 
 
 # ----------------------------------------------------------------------------- operations
@@ -93,15 +74,34 @@ class Op:
 #: shrinks towards the first): with g = 0 (no decay), an underflowing decay (everything before the
 #: last token vanishes) or beta = 0 (nothing written) many wrong formulas agree with the right one.
 #: The degenerate regimes still come up, a quarter of the time.
-GATES = ("mild", "strong", "mixed", "mild", "strong", "mixed", "zero", "underflow")
+GATES = ("mild", "strong", "mixed", "wide", "band", "reset", "mild", "strong", "mixed", "zero", "underflow")
 BETAS = ("uniform", "mixed", "uniform", "mixed", "one", "zero")
 
 
+#: q/k norms, scales of v and explicit ``scale`` values drawn (None: the default K ** -0.5).
+NORMS = ("any", "unit")
+V_SCALES = (1.0, 0.05, 20.0)
+SCALES = (0.37, None, 1.6)
+
+
 def _case_kw(s: Sizes, kw: dict) -> dict:
-    return dict(max_H=s.max_H, max_group=s.max_group, dims=s.dims, gates=GATES, betas=BETAS, **kw)
+    return dict(max_H=s.max_H, max_group=s.max_group, dims=s.dims, gates=GATES, betas=BETAS, norms=NORMS,
+                v_scales=V_SCALES, scales=SCALES, **kw)
+
+
+def _with_layout(strategy):
+    """Every example also draws ``layout``: its tensor inputs passed as strided / offset views."""
+    from hypothesis import strategies as st
+    return st.tuples(strategy, st.booleans()).map(lambda p: dict(p[0], layout=p[1]))
 
 
 def _cases(s, kw):
+    from hypothesis import strategies as st
+    return st.fixed_dictionaries({"case": kst.cases(max_B=s.max_B, max_T=s.max_T, **_case_kw(s, kw)),
+                                  "initial": st.booleans(), "final": st.booleans()})
+
+
+def _direct_params(s, kw):
     from hypothesis import strategies as st
     return st.fixed_dictionaries({"case": kst.cases(max_B=s.max_B, max_T=s.max_T, **_case_kw(s, kw))})
 
@@ -109,7 +109,8 @@ def _cases(s, kw):
 def _chunk_params(s, kw):
     from hypothesis import strategies as st
     return st.fixed_dictionaries({"case": kst.cases(max_B=s.max_B, max_T=s.max_T + 8, **_case_kw(s, kw)),
-                                  "chunk_size": st.sampled_from([1, 2, 3, 5, 8, 64])})
+                                  "chunk_size": st.sampled_from([1, 2, 3, 5, 8, 16, 32, 64]),
+                                  "initial": st.booleans(), "final": st.booleans()})
 
 
 def _buffer_params(s, kw, min_new=0):
@@ -155,35 +156,40 @@ def _prefill_params(s, kw):
 # ----------------------------------------------------------------------------- anchor cases
 # A few fixed cases per operation that every run checks first (hypothesis explicit examples), before
 # the fresh random ones: each hits the paths a kernel is most likely to get wrong at once, whatever
-# the seed: more cached rows than a 16-row tile (C = 18), more value columns than a 128-column tile
-# (V = 136), grouped heads, a direct-mode request whose full buffer folds, requests that own a state
+# the seed: more cached rows than a 16-row tile (C = 18), grouped heads (the boundary cases,
+# ``edge_params``, cross the column, key and row tiles), a direct-mode request whose full buffer folds, requests that own a state
 # and fill up, partial flushes that keep entries, acceptances past the capacity, both gate kinds.
 def _anchors() -> dict:
-    def c(B, T, H, HV, K, V, channel, gate="mild", beta="uniform", seed=1):
-        return Case(B=B, T=T, H=H, HV=HV, K=K, V=V, channel_gate=channel, gate=gate, beta=beta, seed=seed)
+    def c(B, T, H, HV, K, V, channel, gate="mild", beta="uniform", seed=1, scale=None):
+        return Case(B=B, T=T, H=H, HV=HV, K=K, V=V, channel_gate=channel, gate=gate, beta=beta, seed=seed,
+                    scale=scale)
 
     return {
-        "recurrent": [dict(case=c(2, 3, 2, 4, 8, 136, False)), dict(case=c(1, 3, 1, 2, 5, 7, True, "strong"))],
-        "recurrent_decode": [dict(case=c(2, 3, 2, 4, 8, 136, False)), dict(case=c(1, 3, 1, 2, 5, 7, True, "strong"))],
-        "chunk": [dict(case=c(2, 11, 2, 4, 7, 5, False), chunk_size=4),
-                  dict(case=c(1, 9, 1, 2, 5, 6, True, "strong"), chunk_size=3)],
+        "recurrent": [dict(case=c(2, 3, 2, 4, 8, 12, False), initial=True, final=True),
+                      dict(case=c(1, 3, 1, 2, 5, 7, True, "strong", scale=0.6), initial=True, final=False)],
+        "recurrent_decode": [dict(case=c(2, 3, 2, 4, 8, 12, False), initial=True, final=True),
+                             dict(case=c(1, 3, 1, 2, 5, 7, True, "strong", scale=0.6), initial=True, final=False)],
+        "chunk": [dict(case=c(2, 11, 2, 4, 7, 5, False), chunk_size=4, initial=True, final=True),
+                  dict(case=c(1, 9, 1, 2, 5, 6, True, "strong", scale=0.6), chunk_size=3, initial=True, final=False)],
         "direct": [dict(case=c(2, 7, 2, 4, 7, 5, False)), dict(case=c(1, 6, 1, 2, 5, 6, True, "strong"))],
-        "decode": [dict(case=c(3, 21, 2, 4, 8, 136, False), capacity=18, history=18, lengths=[18, 17, 5]),
-                   dict(case=c(2, 11, 1, 2, 5, 7, True, "strong"), capacity=3, history=7, lengths=[3, 1])],
-        "flush": [dict(case=c(2, 12, 2, 4, 6, 136, False), capacity=5, history=9, lengths=[5, 4],
+        "decode": [dict(case=c(3, 6, 2, 4, 8, 12, False), capacity=6, history=4, lengths=[4, 2, 4]),
+                   dict(case=c(3, 21, 2, 4, 8, 12, False), capacity=18, history=18, lengths=[18, 17, 5]),
+                   dict(case=c(2, 11, 1, 2, 5, 7, True, "strong", scale=0.6), capacity=3, history=7, lengths=[3, 1])],
+        "flush": [dict(case=c(2, 12, 2, 4, 6, 12, False), capacity=5, history=9, lengths=[5, 4],
                        flushes={0: [3, 2], 1: None, 2: [1, 0]}),
                   dict(case=c(2, 7, 1, 2, 3, 5, True, "strong"), capacity=4, history=4, lengths=[4, 2],
                        flushes={0: [2, 1], 2: [1, 2]})],
-        "materialize": [dict(case=c(2, 18, 2, 4, 8, 136, False), capacity=18, lengths=[18, 3]),
+        "materialize": [dict(case=c(2, 18, 2, 4, 8, 12, False), capacity=18, lengths=[18, 3]),
                         dict(case=c(2, 6, 1, 2, 5, 6, True, "strong"), capacity=4, lengths=[4, 2])],
-        "verify_chain": [dict(case=c(2, 13, 2, 4, 6, 136, False), capacity=4, history=6, lengths=[4, 2],
+        "verify_chain": [dict(case=c(2, 13, 2, 4, 6, 12, False), capacity=4, history=6, lengths=[4, 2],
                               parents=[[-1, 0, 1, 2, 3]] * 2, num_drafts=[5, 3], nodes=[4, 1], after=2,
                               use_counts=True)],
         "verify_tree": [dict(case=c(2, 13, 1, 2, 5, 7, True, "strong"), capacity=3, history=5, lengths=[3, 1],
                              parents=[[-1, 0, 0, 1, 3, -1], [-1, 0, -1, 2, 3, 4]], num_drafts=[6, 4],
                              nodes=[4, 3], after=2, use_counts=False)],
         "prefill": [dict(case=c(2, 13, 2, 4, 6, 7, False), capacity=4, prompt=10, tail=None, chunk_size=3),
-                    dict(case=c(1, 8, 1, 2, 5, 6, True, "strong"), capacity=3, prompt=6, tail=3, chunk_size=4)],
+                    dict(case=c(1, 8, 1, 2, 5, 6, True, "strong", scale=0.6), capacity=3, prompt=6, tail=3, chunk_size=4,
+                         initial=True)],
     }
 
 
@@ -191,20 +197,97 @@ ANCHORS = _anchors()
 
 
 def op_params(p: dict) -> dict:
-    """An operation's parameters without its ``case`` (what the property takes besides the case)."""
-    return {k: v for k, v in p.items() if k != "case"}
+    """An operation's parameters without its ``case`` and ``layout`` (what the property takes besides)."""
+    return {k: v for k, v in p.items() if k not in ("case", "layout", "edge")}
+
+
+# ----------------------------------------------------------------------------- boundary cases
+def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list[dict]:
+    """The boundary cases of operation ``key`` for the size budget ``s``: each crosses one usual tile size
+    (``Sizes.edge_*``: requests past a batch tile, value heads past a head tile with groups, K and V past
+    the column and key tiles, tokens and history past time blocks, buffered rows past a row tile, chunk
+    sizes 16/32/64 with T crossing chunks), the other dimensions at ``Sizes.edge_base``.  Every lane of
+    the operation checks them once per run (contents from ``seed``); ``edge`` names the boundary crossed
+    (a failure on one that no simpler change explains is reported as ``tile-boundary``)."""
+    base = dict(zip(("B", "H", "HV", "K", "V"), s.edge_base))
+    H, HV = s.edge_HV
+    big = []
+    if s.edge_B:
+        big.append((f"B={s.edge_B}", dict(B=s.edge_B)))
+    big.append((f"HV={HV} (H={H})", dict(B=1, H=H, HV=HV)))
+    big += [(f"K={K},V={V}", dict(B=1, H=min(base["H"], 2), HV=min(base["HV"], 2), K=K, V=V))
+            for K, V in s.edge_dims]
+
+    def c(T, gate="mixed", **kw):
+        kw = {**base, **kw}
+        return Case(T=T, channel_gate=channel, gate=gate, beta="uniform", norm="any", seed=seed, scale=0.7, **kw)
+
+    T, C, B1 = s.edge_T, s.edge_rows, min(base["B"], 2)
+
+    def ragged(B, n):  # lengths cycling through full, one short, and empty-ish
+        return [(n, max(n - 2, 0), 1)[b % 3] for b in range(B)]
+
+    out = []
+    if key in ("recurrent", "recurrent_decode", "direct"):
+        extra = {} if key == "direct" else dict(initial=True, final=True)
+        out = [dict(case=c(3, **d), edge=e, **extra) for e, d in big]
+        out.append(dict(case=c(T, B=B1), edge=f"T={T}", **extra))
+    elif key == "chunk":
+        out = [dict(case=c(T, B=B1), chunk_size=cs, initial=True, final=True, edge=f"T={T},chunk={cs}")
+               for cs in s.edge_chunks]
+        out += [dict(case=c(20, **d), chunk_size=s.edge_chunks[0], initial=True, final=True, edge=e) for e, d in big]
+    elif key in ("decode", "flush"):
+        out = [dict(case=c(5, **d), capacity=3, history=3, lengths=ragged(d.get("B", base["B"]), 3), edge=e)
+               for e, d in big]
+        out += [dict(case=c(T + 3, B=1), capacity=8, history=T, lengths=[5], edge=f"history={T}"),
+                dict(case=c(C + 3, B=2), capacity=C, history=C, lengths=[C, C - 3], edge=f"rows={C}")]
+        if key == "flush":  # partial flushes across the boundary (all of them on the rows case)
+            for p in out:
+                steps = p["case"].T - p["history"]
+                p["flushes"] = {0: [1] * p["case"].B, steps - 1: [0] * p["case"].B}
+            out[-1]["flushes"] = {0: [C - 1, 0], 1: None, 2: [1, 1]}
+    elif key == "materialize":
+        out = [dict(case=c(4, **d), capacity=3, lengths=ragged(d.get("B", base["B"]), 3), edge=e) for e, d in big]
+        out += [dict(case=c(C + 2, B=2), capacity=C, lengths=[C, 5], edge=f"rows={C}"),
+                dict(case=c(T, B=1), capacity=8, lengths=[8], edge=f"history={T}")]
+    elif key in ("verify_chain", "verify_tree"):
+        chain = key == "verify_chain"
+        n = s.edge_tree
+
+        def dr(B, n):
+            par = list(range(-1, n - 1)) if chain else [-1] + [i // 2 for i in range(n - 1)]
+            return dict(parents=[par] * B, num_drafts=[n] * B, nodes=[n - 1 - (b % 2) for b in range(B)],
+                        use_counts=chain)
+        out = [dict(case=c(3 + 3 + 1, **d), capacity=3, history=3, lengths=[3] * d.get("B", base["B"]), after=1,
+                    edge=e, **dr(d.get("B", base["B"]), 3)) for e, d in big]
+        out += [dict(case=c(T + 3 + 1, B=1), capacity=8, history=T, lengths=[6], after=1, edge=f"history={T}",
+                     **dr(1, 3)),
+                dict(case=c(C + n + 1, B=2), capacity=C, history=C, lengths=[C, C - 2], after=1,
+                     edge=f"rows={C},drafts={n}", **dr(2, n))]
+    elif key == "prefill":
+        out = [dict(case=c(T + 2, B=1), capacity=8, prompt=T, tail=None, chunk_size=cs, initial=True,
+                    edge=f"prompt={T},chunk={cs}") for cs in s.edge_chunks]
+        out += [dict(case=c(6, **d), capacity=3, prompt=5, tail=None, chunk_size=s.edge_chunks[0], initial=True,
+                     edge=e) for e, d in big]
+        out += [dict(case=c(C + 2, B=1), capacity=C, prompt=C, tail=C, chunk_size=s.edge_chunks[0], initial=False,
+                     edge=f"rows={C}")]
+    return [dict(p, layout=False) for p in out]
 
 
 OPS: tuple[Op, ...] = (
     Op("recurrent", ("recurrent_gated_delta_rule",), "recurrent form (output and final state) from a random state",
-       _cases, lambda o, p, dt, dev, f: P.check_recurrent(o, p["case"], dt, device=dev)),
+       _cases, lambda o, p, dt, dev, f: P.check_recurrent(o, p["case"], dt, device=dev, initial=p.get("initial", True),
+                                                          final=p.get("final", True))),
     Op("recurrent_decode", ("recurrent_decode",), "in-place single-token step, run once per token",
        _cases, lambda o, p, dt, dev, f: P.check_recurrent(stepwise_recurrent(o.recurrent_decode), p["case"], dt,
-                                                          device=dev)),
+                                                          device=dev, initial=p.get("initial", True),
+                                                          final=p.get("final", True))),
     Op("chunk", ("chunk_gated_delta_rule",), "chunkwise form, any T and chunk size",
-       _chunk_params, lambda o, p, dt, dev, f: P.check_chunk(o, p["case"], dt, chunk_size=p["chunk_size"], device=dev)),
+       _chunk_params, lambda o, p, dt, dev, f: P.check_chunk(o, p["case"], dt, chunk_size=p["chunk_size"], device=dev,
+                                                             with_initial_state=p.get("initial", True),
+                                                             final=p.get("final", True))),
     Op("direct", ("direct_gated_delta_rule",), "direct mode (no state) == recurrence from zero",
-       _cases, lambda o, p, dt, dev, f: P.check_direct(o, p["case"], dt, device=dev)),
+       _direct_params, lambda o, p, dt, dev, f: P.check_direct(o, p["case"], dt, device=dev)),
     Op("decode", ("buffered_decode", "flush"), "buffered decode after ragged buffers (unused slots poisoned)",
        _buffer_params, lambda o, p, dt, dev, f: P.check_decode(o, p["case"], dt, form=f, device=dev, poison=True,
                                                                **op_params(p))),
@@ -271,7 +354,7 @@ class Lane:
     op: Op
     impl: Implementation
     dtype: Optional[torch.dtype]
-    status: str = "RUN"  # RUN, or NOT PROVIDED / SKIP with a reason
+    status: str = "RUN"  # RUN, or NOT PROVIDED / SKIP / NOT RUN (the implementation cannot run here) with a reason
     reason: str = ""
 
 
@@ -284,6 +367,9 @@ def plan(impls: Sequence[Implementation], ops=None, dtypes: Optional[Sequence[to
         for op in OPS:
             wanted = [f for k, f in selected if k == op.key]
             if not wanted:
+                continue
+            if impl.unavailable:
+                lanes.append(Lane(op, impl, None, "NOT RUN", impl.unavailable))
                 continue
             missing = [a for a in op.needs if not impl.has(a) or a in impl.not_provided]
             if missing:

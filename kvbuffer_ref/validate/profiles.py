@@ -1,6 +1,17 @@
 """Hypothesis profiles: ``ci`` (bounded, fresh examples every run), ``thorough`` (many examples) and
 ``gpu`` (few examples: every new shape is a Triton compile, for the compiled lane on a GPU).
 
+In ``kvbuffer validate`` the profile also picks the size budget of a lane (``runner.lane_sizes``):
+``ci`` and ``thorough`` use the implementation's declared budget (``cases.NORMAL``: plain PyTorch and
+compiled kernels; ``cases.SMALL``: the Triton interpreter); ``gpu`` uses production shapes
+(``cases.GPU``: Qwen3-Next's H = 16, HV = 32, K = V = 128, B up to 256, T up to 4096, C up to 64, trees
+of 64 nodes) for every implementation that is not interpreted, with the float64 oracle computed on the
+same device, the first anchor of each operation (its call sequence, strided and wide-domain variants),
+the boundary cases at production size, and 4 drawn examples per lane::
+
+    kvbuffer validate --profile gpu --device cuda --impl fast
+    kvbuffer validate --profile gpu --device cuda --impl fla
+
 ``load_profile()`` picks the profile named by the environment variable HYPOTHESIS_PROFILE
 (default ``ci``).  Every profile prints the blob that replays a failure (``@reproduce_failure``).
 

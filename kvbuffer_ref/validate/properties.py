@@ -21,6 +21,7 @@ import torch
 
 import kvbuffer_ref as ref
 from kvbuffer_ref.buffer import KVBuffer
+from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, upcast_inputs
@@ -41,7 +42,33 @@ __all__ = [
     "poison_unused_",
     "owned_state",
     "check_materialize",
+    "LEDGER",
+    "informative",
 ]
+
+#: (comparison, informative) of every comparison made since the runner last cleared it: a comparison
+#: whose truth is all zero or constant (e.g. beta = 0 with no state) is not informative: an
+#: implementation returning zeros or a constant would pass it, so it is not counted as a check.
+LEDGER: list = []
+
+
+def informative(truth: torch.Tensor, valid=None) -> bool:
+    t = truth.detach()
+    if valid is not None:
+        t = t[valid.expand_as(t)] if valid.dim() == t.dim() else t
+    t = t[torch.isfinite(t)]
+    return t.numel() > 0 and bool((t.max() - t.min()) > 0)
+
+
+def _scale(case: Case) -> dict:
+    """The explicit scale of ``case`` as a keyword (nothing when it uses the default K ** -0.5)."""
+    return {} if case.scale is None else {"scale": float(case.scale)}
+
+
+def _state0(case: Case, dtype, device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    S0 = torch.randn(case.B, case.HV, case.K, case.V, generator=gen, dtype=torch.float64) * 0.5
+    return S0.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -82,11 +109,15 @@ def stack_buffers(buffers: Sequence[KVBuffer]) -> KVBuffer:
 def ragged_buffer(x64: dict, lengths: Sequence[int], capacity: int, form: str = "u") -> KVBuffer:
     """A float64 buffer after each request's history ``x64`` (all P tokens), request b keeping the
     last ``lengths[b]`` tokens buffered (0..min(P, C)) and the rest folded into its state.  A request
-    whose whole history is buffered owns no state (direct mode)."""
-    rows = []
-    for b, n in enumerate(lengths):
-        _, buf = ref.prefill(**_row(x64, b), capacity=capacity, tail=int(n), form=form)
-        rows.append(buf)
+    whose whole history is buffered owns no state (direct mode).  Requests of equal length are
+    prefilled together (one batched call each)."""
+    rows = [None] * len(lengths)
+    for n in sorted(set(int(n) for n in lengths)):
+        idx = [b for b, m in enumerate(lengths) if int(m) == n]
+        sel = torch.tensor(idx, dtype=torch.long, device=x64["q"].device)
+        _, buf = ref.prefill(**{k: t[sel] for k, t in x64.items()}, capacity=capacity, tail=n, form=form)
+        for j, b in enumerate(idx):
+            rows[b] = KVBuffer(**{f: None if t is None else t[j : j + 1] for f, t in buf.tensors().items()})
     return stack_buffers(rows)
 
 
@@ -121,59 +152,76 @@ def owned_state(buffer: KVBuffer) -> torch.Tensor:
 
 
 def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = None,
-                       compute_baseline: bool = True):
+                       compute_baseline: bool = True, scale: Optional[float] = None):
     """(o, S) of the float64 recurrence on the (already rounded) inputs, and the same in the plain
     compute dtype (the baseline; None for float64 inputs)."""
-    x64 = upcast_inputs(x_dtype)
-    s64 = None if initial_state is None else initial_state.detach().to("cpu", torch.float64)
-    truth = ref.recurrent_gated_delta_rule(**x64, initial_state=s64, output_final_state=True)
+    x64 = upcast_inputs(x_dtype, device=None)
+    s64 = None if initial_state is None else initial_state.detach().to(torch.float64)
+    truth = ref.recurrent_gated_delta_rule(**x64, initial_state=s64, output_final_state=True, scale=scale)
     if not compute_baseline or x_dtype["q"].dtype == torch.float64:
         return truth, None
-    xc = {n: t.detach().cpu() for n, t in x_dtype.items()}
-    sc = None if initial_state is None else initial_state.detach().cpu().float()
-    base = ref.recurrent_gated_delta_rule(**xc, initial_state=sc, output_final_state=True)
+    xc = {n: t.detach() for n, t in x_dtype.items()}
+    sc = None if initial_state is None else initial_state.detach().float()
+    base = ref.recurrent_gated_delta_rule(**xc, initial_state=sc, output_final_state=True, scale=scale)
     return truth, (base[0].to(x_dtype["v"].dtype), base[1])
 
 
 def _cmp(name, actual, truth, base, dtype, g=None, **kw) -> Comparison:
-    return compare(actual.detach().cpu(), truth, None if base is None else base.detach().cpu(),
-                   name=name, dtype=dtype, g=g, **kw)
+    if actual is None:
+        raise AssertionError(f"[arguments] {name}: the implementation returned None (expected a tensor of shape "
+                             f"{list(truth.shape)})")
+    if g is not None:  # a reset gate (-inf, -1e30) counts as RESET_GATE in the gate span, as the forms take it
+        g = g.detach().to(torch.float64).clamp(min=-RESET_GATE[torch.float64 if dtype == torch.float64
+                                                              else torch.float32]).cpu()
+    truth, valid = truth.detach().cpu(), kw.pop("valid", None)
+    valid = None if valid is None else valid.cpu()
+    c = compare(actual.detach().cpu(), truth, None if base is None else base.detach().cpu(),
+                name=name, dtype=dtype, g=g, valid=valid, **kw)
+    LEDGER.append((c, informative(truth, valid)))
+    return c
 
 
 # ----------------------------------------------------------------------------- properties
-def check_recurrent(impl, case: Case, dtype: torch.dtype, device="cpu") -> list[Comparison]:
-    """recurrent(impl) == the float64 recurrence (output and final state), from a random initial state."""
+def check_recurrent(impl, case: Case, dtype: torch.dtype, device="cpu", *, initial: bool = True,
+                    final: bool = True) -> list[Comparison]:
+    """recurrent(impl) == the float64 recurrence (output, and final state when ``final``), from a random
+    initial state (``initial``) or none; ``case.scale`` passed explicitly when set."""
     x = case.inputs(dtype, device)
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    S0 = torch.randn(case.B, case.HV, case.K, case.V, generator=gen, dtype=torch.float64) * 0.5
-    S0d = S0.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
-    (o64, S64), base = truth_and_baseline(x, S0d)
-    o, S = impl.recurrent_gated_delta_rule(**x, initial_state=S0d, output_final_state=True)
-    return [_cmp("recurrent.o", o, o64, base and base[0], dtype),
-            _cmp("recurrent.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32), head_axis=1)]
+    S0d = _state0(case, dtype, device) if initial else None
+    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
+    o, S = impl.recurrent_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, **_scale(case))
+    tag = f"recurrent[initial_state={'S0' if initial else None},output_final_state={final}]"
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, g=x["g"])]
+    if final:
+        res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
+                        head_axis=1, g=x["g"]))
+    elif S is not None:
+        raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
+                             f"tensor of shape {list(S.shape)}")
+    return res
 
 
 def check_chunk(impl, case: Case, dtype: torch.dtype, *, chunk_size: int, device="cpu",
-                with_initial_state: bool = True) -> list[Comparison]:
-    """chunk(impl) == recurrence for any T and chunk size (output and final state)."""
+                with_initial_state: bool = True, final: bool = True) -> list[Comparison]:
+    """chunk(impl) == recurrence for any T and chunk size (output, and final state when ``final``)."""
     x = case.inputs(dtype, device)
-    S0d = None
-    if with_initial_state:
-        gen = torch.Generator().manual_seed(case.seed + 1)
-        S0d = (torch.randn(case.B, case.HV, case.K, case.V, generator=gen, dtype=torch.float64) * 0.5).to(
-            device=device, dtype=torch.promote_types(dtype, torch.float32))
-    (o64, S64), base = truth_and_baseline(x, S0d)
-    o, S = impl.chunk_gated_delta_rule(**x, initial_state=S0d, output_final_state=True, chunk_size=chunk_size)
-    return [_cmp(f"chunk[{chunk_size}].o", o, o64, base and base[0], dtype, g=x["g"]),
-            _cmp(f"chunk[{chunk_size}].state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                 head_axis=1, g=x["g"])]
+    S0d = _state0(case, dtype, device) if with_initial_state else None
+    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
+    o, S = impl.chunk_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, chunk_size=chunk_size,
+                                       **_scale(case))
+    tag = f"chunk[{chunk_size},initial_state={'S0' if with_initial_state else None},output_final_state={final}]"
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, g=x["g"])]
+    if final:
+        res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
+                        head_axis=1, g=x["g"]))
+    return res
 
 
 def check_direct(impl, case: Case, dtype: torch.dtype, device="cpu") -> list[Comparison]:
     """direct(impl) == recurrence from a zero state."""
     x = case.inputs(dtype, device)
-    (o64, _), base = truth_and_baseline(x)
-    o = impl.direct_gated_delta_rule(**x)
+    (o64, _), base = truth_and_baseline(x, scale=case.scale)
+    o = impl.direct_gated_delta_rule(**x, **_scale(case))
     return [_cmp("direct.o", o, o64, base and base[0], dtype, g=x["g"])]
 
 
@@ -189,8 +237,8 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     """
     x = case.inputs(dtype, device)
     P = history
-    (o64, S64), base = truth_and_baseline(x)
-    buf = buffer_to(ragged_buffer(upcast_inputs(_sl(x, slice(0, P))), lengths, capacity, form),
+    (o64, S64), base = truth_and_baseline(x, scale=case.scale)
+    buf = buffer_to(ragged_buffer(upcast_inputs(_sl(x, slice(0, P)), device=None), lengths, capacity, form),
                     dtype=cache_dtype or torch.promote_types(dtype, torch.float32), device=device,
                     key_dtype=dtype)
     if poison:
@@ -202,7 +250,7 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
             if counts is not None:
                 counts = torch.minimum(torch.as_tensor(counts, device=buf.lengths.device), buf.lengths)
             buf = impl.flush(buf, count=counts)
-        o, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf)
+        o, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
         outs.append(o)
     name = f"decode[C={capacity},{form}]"
     res = []
@@ -214,13 +262,14 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     return res
 
 
-def _path_truth(nodes_x: dict, b: int, path: list[int], S_hist: torch.Tensor) -> torch.Tensor:
+def _path_truth(nodes_x: dict, b: int, path: list[int], S_hist: torch.Tensor, scale=None) -> torch.Tensor:
     """Recurrent outputs [len(path), HV, V] along one root-to-node path of request b, starting from the
     history's final state ``S_hist`` [B, HV, K, V]; computed in the dtype of ``nodes_x``."""
     idx = torch.tensor(path, dtype=torch.long)
-    toks = {n: t[b : b + 1, idx].cpu() for n, t in nodes_x.items()}
+    toks = {n: t[b : b + 1, idx.to(t.device)] for n, t in nodes_x.items()}
     state_dtype = torch.promote_types(toks["q"].dtype, torch.float32)
-    o, _ = ref.recurrent_gated_delta_rule(**toks, initial_state=S_hist[b : b + 1].cpu().to(state_dtype))
+    o, _ = ref.recurrent_gated_delta_rule(**toks, initial_state=S_hist[b : b + 1].to(toks["q"].device, state_dtype),
+                                          scale=scale)
     return o[0]
 
 
@@ -238,30 +287,31 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     P, D, B = history, len(parents[0]), case.B
     assert case.T == P + D + after, "case.T must be history + drafts + after"
     x = case.inputs(dtype, device)
-    x64 = upcast_inputs(x)
+    x64 = upcast_inputs(x, device=None)
     xd = torch.promote_types(dtype, torch.float32)
     hist = _sl(x64, slice(0, P))
     nodes_x = _sl(x64, slice(P, P + D))
     _, S_hist = ref.recurrent_gated_delta_rule(**hist, output_final_state=True)
     S_hist_c = None
     if dtype != torch.float64:
-        _, S_hist_c = ref.recurrent_gated_delta_rule(**{n: t.cpu() for n, t in _sl(x, slice(0, P)).items()},
+        _, S_hist_c = ref.recurrent_gated_delta_rule(**_sl(x, slice(0, P)),
                                                      output_final_state=True)
     buf = buffer_to(ragged_buffer(hist, lengths, capacity, form), dtype=xd, device=device, key_dtype=dtype)
     if poison:
         buf = poison_unused(buf)
     par = torch.tensor(parents, dtype=torch.long, device=device)
     nd = torch.tensor(num_drafts, dtype=torch.long, device=device)
-    o, drafts = impl.verify(**_sl(x, slice(P, P + D)), buffer=buf, parents=par, num_drafts=nd)
+    o, drafts = impl.verify(**_sl(x, slice(P, P + D)), buffer=buf, parents=par, num_drafts=nd, **_scale(case))
     # expected verify outputs, path by path
     exp = torch.zeros(B, D, case.HV, case.V, dtype=torch.float64)
     bas = torch.zeros_like(exp) if S_hist_c is not None else None
     for b in range(B):
         for i in range(num_drafts[b]):
             p = path_to(par[b].cpu(), i)
-            exp[b, i] = _path_truth(nodes_x, b, p, S_hist)[-1]
+            exp[b, i] = _path_truth(nodes_x, b, p, S_hist, case.scale)[-1].cpu()
             if bas is not None:
-                bas[b, i] = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c)[-1].to(torch.float64)
+                bas[b, i] = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale)[-1].to("cpu",
+                                                                                                    torch.float64)
     valid = (torch.arange(D)[None, :] < nd.cpu()[:, None])[:, :, None, None]
     res = [_cmp(f"verify[C={capacity},{form}].o", o, exp, bas, dtype, valid=valid, g=x["g"])]
     # accept, then decode the remaining tokens; truth per request over its own committed history
@@ -272,15 +322,15 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
         buf = impl.accept(buf, drafts, nodes=node_t)
     outs = []
     for t in range(P + D, case.T):
-        ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf)
+        ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
         outs.append(ot)
     final = owned_state(impl.flush(buf))
     exp_o, exp_S, bas_o, bas_S = [], [], [], []
     for b in range(B):
         keep = list(range(P)) + [P + i for i in path_to(par[b].cpu(), int(nodes[b]))] + list(range(P + D, case.T))
         idx = torch.tensor(keep, dtype=torch.long)
-        xb = {n: t[b : b + 1, idx] for n, t in x.items()}
-        (o64, S64), base = truth_and_baseline({n: t.cpu() for n, t in xb.items()})
+        xb = {n: t[b : b + 1, idx.to(t.device)] for n, t in x.items()}
+        (o64, S64), base = truth_and_baseline(xb, scale=case.scale)
         exp_o.append(o64[:, len(keep) - after:])
         exp_S.append(S64)
         if base is not None:
@@ -295,17 +345,21 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
 
 
 def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt: int, tail: Optional[int],
-                  form: str = "u", chunk_size: int = 64, device="cpu") -> list[Comparison]:
-    """prefill(impl) of the first ``prompt`` tokens (any split) then decode of the rest == recurrence."""
+                  form: str = "u", chunk_size: int = 64, device="cpu", initial: bool = False) -> list[Comparison]:
+    """prefill(impl) of the first ``prompt`` tokens (any split), from a random initial state when
+    ``initial``, then decode of the rest == recurrence."""
     x = case.inputs(dtype, device)
-    (o64, S64), base = truth_and_baseline(x)
-    o, buf = impl.prefill(**_sl(x, slice(0, prompt)), capacity=capacity, tail=tail, form=form, chunk_size=chunk_size)
+    S0d = _state0(case, dtype, device) if initial else None
+    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
+    kw = dict(_scale(case), **({"initial_state": S0d} if initial else {}))
+    o, buf = impl.prefill(**_sl(x, slice(0, prompt)), capacity=capacity, tail=tail, form=form, chunk_size=chunk_size,
+                          **kw)
     outs = [o]
     for t in range(prompt, case.T):
-        ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf)
+        ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
         outs.append(ot)
     final = owned_state(impl.flush(buf))
-    name = f"prefill[C={capacity},tail={tail},{form}]"
+    name = f"prefill[C={capacity},tail={tail},chunk={chunk_size},initial_state={'S0' if initial else None},{form}]"
     return [_cmp(f"{name}.o", torch.cat(outs, dim=1), o64, base and base[0], dtype, g=x["g"]),
             _cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
                  head_axis=1, g=x["g"])]
@@ -319,7 +373,7 @@ def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, le
     x = case.inputs(dtype, device)
     xd = torch.promote_types(dtype, torch.float32)
     (_, S64), base = truth_and_baseline(x)
-    buf = buffer_to(ragged_buffer(upcast_inputs(x), lengths, capacity, form), dtype=xd, device=device,
+    buf = buffer_to(ragged_buffer(upcast_inputs(x, device=None), lengths, capacity, form), dtype=xd, device=device,
                     key_dtype=dtype)
     if poison:
         buf = poison_unused(buf)

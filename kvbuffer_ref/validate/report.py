@@ -23,7 +23,7 @@ class LaneResult:
     operation: str
     implementation: str
     dtype: Optional[str]
-    status: str  # PASS, FAIL, ERROR, NOT PROVIDED, SKIP
+    status: str  # PASS, FAIL, ERROR, NOT PROVIDED, SKIP, NOT RUN
     cases: int = 0
     worst_rel: Optional[float] = None
     budget: Optional[float] = None
@@ -32,6 +32,12 @@ class LaneResult:
     reason: str = ""
     seed: Optional[int] = None
     failure: Optional[dict] = None
+    klass: Optional[str] = None  # the class of bug a failure is attributed to (runner.CLASSES)
+    why: Optional[str] = None  # what made it that class
+    calls: int = 0  # implementation calls (each example is a sequence of calls: the state-leak check)
+    checks: int = 0  # informative comparisons that passed (a truth of all zeros or a constant is not one)
+    vacuous: int = 0  # examples with no informative comparison
+    sizes: Optional[str] = None  # the size budget the lane ran under (the implementation declares it)
 
     @property
     def failed(self) -> bool:
@@ -88,17 +94,40 @@ class Report:
     def ran(self) -> int:
         return sum(r.status in ("PASS", "FAIL", "ERROR") for r in self.lanes)
 
+    @property
+    def complete(self) -> bool:
+        """False when a selected implementation could not run at all here (NOT RUN rows)."""
+        return not any(r.status == "NOT RUN" for r in self.lanes)
+
+    def not_run_reasons(self) -> dict:
+        """{implementation: why it was not run} for every NOT RUN implementation."""
+        return {r.implementation: r.reason for r in self.lanes if r.status == "NOT RUN"}
+
+    def summary_line(self) -> str:
+        """The last line of a run: the verdict, the counts, and, for an incomplete run, what was not run
+        and why (a run that skipped an implementation says so; it exits 0 when every lane run passed)."""
+        c = {s: sum(r.status == s for r in self.lanes) for s in ("PASS", "FAIL", "ERROR", "SKIP", "NOT PROVIDED",
+                                                                 "NOT RUN")}
+        verdict = "FAILED" if not self.passed else ("PASSED" if self.complete else "PASSED, INCOMPLETE")
+        line = (f"{verdict}: {c['PASS']} passed, {c['FAIL'] + c['ERROR']} failed, {c['NOT PROVIDED']} not provided, "
+                f"{c['SKIP']} skipped, {c['NOT RUN']} not run in {self.seconds:.1f}s (seed {self.seed})")
+        for name, why in self.not_run_reasons().items():
+            line += f"\nNOT RUN: {name}: {why}"
+        return line
+
     def to_json(self) -> dict:
         return _jsonable(dict(
             tool="kvbuffer validate", profile=self.profile, seed=self.seed, device=self.device, triton=self.triton,
-            seconds=round(self.seconds, 3), passed=self.passed, argv=self.argv,
-            summary={s: sum(r.status == s for r in self.lanes) for s in ("PASS", "FAIL", "ERROR", "SKIP", "NOT PROVIDED")},
+            seconds=round(self.seconds, 3), passed=self.passed, complete=self.complete, argv=self.argv,
+            summary={s: sum(r.status == s for r in self.lanes)
+                     for s in ("PASS", "FAIL", "ERROR", "SKIP", "NOT PROVIDED", "NOT RUN")},
+            not_run=self.not_run_reasons(),
             results=[asdict(r) for r in self.lanes],
         ))
 
 
-_COLS = ("operation", "implementation", "dtype", "cases", "worst rel-RMS", "budget", "result", "time")
-_WIDTHS = (18, 16, 9, 6, 14, 10, 13, 7)
+_COLS = ("operation", "implementation", "dtype", "cases", "worst rel-RMS", "budget", "result", "time", "checks")
+_WIDTHS = (18, 16, 9, 6, 14, 10, 22, 7, 7)
 
 
 def _fmt_row(cells) -> str:
@@ -111,12 +140,13 @@ def table_header() -> str:
 
 
 def table_row(r: LaneResult) -> str:
-    if r.status in ("NOT PROVIDED", "SKIP"):
+    if r.status in ("NOT PROVIDED", "SKIP", "NOT RUN"):
         return _fmt_row([r.operation, r.implementation, r.dtype or "-", "-", "-", "-", r.status, "-"]) + \
             f"   ({r.reason})"
     f = (lambda x: "-" if x is None else (f"{x:.2e}" if x == x and x != float("inf") else str(x)))
-    return _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), r.status,
-                     f"{r.seconds:.1f}s"])
+    status = f"{r.status} [{r.klass}]" if r.failed and r.klass else r.status
+    return _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), status,
+                     f"{r.seconds:.1f}s", r.checks])
 
 
 def format_table(report: Report) -> str:
@@ -133,22 +163,33 @@ def replay_command(r: LaneResult, impl_spec: Optional[str], seed: int, profile: 
 
 
 def format_failure(r: LaneResult, replay_cmd: str) -> str:
+    """A failing lane in full: the class that caught it and why, the smallest failing case, what the
+    implementation raised or which comparisons failed, and how to replay it."""
     f = r.failure or {}
-    lines = [f"{r.status}: {r.operation} / {r.implementation} / {r.dtype}"]
+    lines = [f"{r.status} [{r.klass or 'wrong-result'}]: {r.operation} / {r.implementation} / {r.dtype}"
+             + (f" (size budget {r.sizes})" if r.sizes else "")]
+    if r.why:
+        lines.append(f"  caught by [{r.klass}]: {r.why}")
     if f.get("case") is not None:
         lines.append(f"  smallest failing case: {f['case']!r}")
         if f.get("params"):
             lines.append("  with: " + ", ".join(f"{k}={v!r}" for k, v in f["params"].items()))
-    if f.get("error"):
-        lines.append(f"  the implementation raised {f['error']}")
-        if f.get("traceback"):
-            lines += ["    at " + x for x in f["traceback"].rstrip().splitlines()]
+        if f.get("layout"):
+            lines.append("  inputs passed as strided / transposed-back / sliced / storage-offset views")
+    err = f.get("error")
+    if err and err.startswith("["):
+        lines.append(f"  {err}")
+    elif err:
+        lines.append(f"  [{r.klass or 'raised'}] the implementation raised {err}")
+    if f.get("traceback"):
+        lines += ["    at " + x for x in f["traceback"].rstrip().splitlines()]
     for c in f.get("comparisons") or []:
-        lines.append(f"  {c}")
+        lines.append(f"  {c}" if (err or "").startswith("[") or c.startswith("PASS") else f"  [{r.klass}] {c}")
     lines.append(f"  replay: {replay_cmd}")
     if f.get("anchor") is not None:
-        lines.append(f"  (anchor case {f['anchor']} of {r.operation.split('[')[0]}: a fixed case every run checks "
-                     f"first, so the replay fails the same way with any seed)")
+        lines.append(f"  (anchor case {f['anchor']} of {r.operation.split('[')[0]}"
+                     + (f", the boundary case {f['edge']}" if f.get("edge") else "")
+                     + ": a fixed case every run checks first, so the replay fails the same way with any seed)")
     elif f.get("blob"):
         lines.append(f"  or add @reproduce_failure('{f['hypothesis_version']}', b'{f['blob']}') to a test of it, "
                      f"or: {replay_cmd} --replay {f['blob']}")

@@ -25,11 +25,14 @@ def head_dims(choices=HEAD_DIMS):
 @st.composite
 def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int = 2, max_group: int = 3,
           dims=HEAD_DIMS, channel_gate=None, gate=None, beta=None, zero_key=None, B=None, T=None,
-          gates=GATE_REGIMES, betas=BETA_REGIMES) -> Case:
+          gates=GATE_REGIMES, betas=BETA_REGIMES, norms=("unit",), v_scales=(1.0,), scales=(None,),
+          beta_max: float = 1.0) -> Case:
     """A ``Case``; pin any field by passing it (e.g. ``channel_gate=False``, ``T=1``).
 
     gates, betas: the regimes drawn from, in order of preference (hypothesis draws and shrinks
-    towards the first ones; ``kvbuffer validate`` puts the informative regimes first)."""
+    towards the first ones; ``kvbuffer validate`` puts the informative regimes first).  norms,
+    v_scales, scales: the q/k norm regimes, the scales of v and the explicit ``scale`` values (None:
+    the default) drawn from; beta_max: the top of the beta domain."""
     H = draw(st.integers(1, max_H))
     return Case(
         B=B if B is not None else draw(st.integers(1, max_B)),
@@ -43,6 +46,10 @@ def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int =
         beta=beta if beta is not None else draw(st.sampled_from(betas)),
         zero_key=zero_key if zero_key is not None else draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
+        norm=draw(st.sampled_from(norms)),
+        v_scale=draw(st.sampled_from(v_scales)),
+        scale=draw(st.sampled_from(scales)),
+        beta_max=beta_max,
     )
 
 
@@ -183,7 +190,7 @@ def _draft_setup(draw, chain: bool, max_capacity: int, max_B: int, max_drafts: i
     else:
         nodes = draw(acceptances(counts), label="accepted node")
     return dict(case=case, capacity=C, history=P, lengths=lengths, parents=parents, num_drafts=counts,
-                nodes=nodes, after=after, use_counts=chain)
+                nodes=nodes, after=after, use_counts=draw(st.booleans(), label="use_counts") if chain else False)
 
 
 def chain_setups(*, max_capacity: int = 6, max_B: int = 3, max_drafts: int = 6, max_history: int = 8,
@@ -209,4 +216,5 @@ def prefill_setups(draw, *, max_capacity: int = 6, max_prompt: int = 12, max_new
     case = draw(cases(T=prompt + new, **case_kw), label="case")
     tail = draw(st.one_of(st.none(), st.integers(0, min(C, prompt))), label="tail")
     chunk_size = draw(st.sampled_from(chunk_sizes), label="chunk_size")
-    return dict(case=case, capacity=C, prompt=prompt, tail=tail, chunk_size=chunk_size)
+    initial = draw(st.booleans(), label="initial_state")
+    return dict(case=case, capacity=C, prompt=prompt, tail=tail, chunk_size=chunk_size, initial=initial)
