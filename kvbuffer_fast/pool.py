@@ -173,11 +173,21 @@ class KVPool:
                              f"{layer}; accept them (accept(counts=0) rejects all) before {op}")
 
     def _claims(self, layer: int, bs: torch.Tensor, folds: torch.Tensor, checked: bool):
-        """(read slot, write slot, need) per row for rows that ``folds``: a row without a state slot or
-        sharing one gets a fresh slot (``need``) for its fold's result; the others write their own."""
+        """(read slot, write slot, need) per row for rows that ``folds``: a row without a state slot, or
+        sharing one with a request that does not fold in this call, gets a fresh slot (``need``) for its
+        fold's result; the others write their own."""
         t, S = self._t, self.num_state_slots
         cur = t["state_slot"][layer, bs]
-        need = folds & ((cur < 0) | (t["refs"][layer, cur.clamp(min=0)] > 1))
+        # a slot all of whose sharers fold in this call stays with one of them (the first row): exactly the
+        # slots the sequential rule (the reference pool's) leaves with the last of them
+        at = torch.where(folds & (cur >= 0), cur, S)
+        row = torch.arange(bs.shape[0], device=bs.device)
+        folders = torch.zeros(S + 1, dtype=torch.int64, device=bs.device).scatter_add_(0, at, torch.ones_like(at))
+        first = torch.full((S + 1,), bs.shape[0], dtype=torch.int64, device=bs.device).scatter_reduce_(
+            0, at, row, "amin")
+        c = cur.clamp(min=0)
+        keeps = folds & (cur >= 0) & (t["refs"][layer, c] == folders[c]) & (first[c] == row)
+        need = folds & ~keeps
         free = t["refs"][layer, :S] == 0
         if checked and int(need.sum()) > int(free.sum()):
             raise ValueError(f"slots: {int(need.sum())} requests fold into a state slot of their own in layer {layer}, "

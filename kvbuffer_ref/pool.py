@@ -240,10 +240,15 @@ class KVPool:
 
     def _check_free_states(self, layer: int, s: torch.Tensor, folds: torch.Tensor) -> None:
         """Enough free state slots for the requests of ``s`` that fold (``folds`` [n] bool) and need one."""
-        need = 0
-        for b, f in zip(s.tolist(), folds.tolist()):
+        need, refs = 0, {}
+        for b, f in zip(s.tolist(), folds.tolist()):  # as _scatter takes them: in order
             slot = int(self.state_slot[layer, b])
-            need += bool(f) and (slot < 0 or int(self.refs[layer, slot]) > 1)
+            if not f:
+                continue
+            r = refs.get(slot, int(self.refs[layer, slot])) if slot >= 0 else 0
+            if slot < 0 or r > 1:
+                need += 1
+                refs[slot] = r - 1
         free = int((self.refs[layer] == 0).sum())
         if need > free:
             raise ValueError(f"slots: {need} requests fold into a state slot of their own in layer {layer}, but only "
