@@ -24,22 +24,23 @@ is lost).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import triton
 
 from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.checks import check_capacity, check_scale, require_tensor
+from kvbuffer_ref.checks import check_capacity, check_flush_count, check_scale, require_tensor
 from kvbuffer_ref.pool import check_slots, head_layout
 from kvbuffer_ref.prefill import prefill as ref_prefill
 
 from . import decode as _decode
 from ._common import as_input, block, checked_tokens, device_guard, flag_view, new_output, pdl_launch, values_checked
 from .accept import accept as fast_accept
-from .flush import flush as fast_flush
+from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
-from .launch import check_config, config_for, key_of
+from .launch import Key, check_config, config_for, key_of
 from .verify import verify as fast_verify
 
 __all__ = ["KVPool"]
@@ -380,7 +381,9 @@ class KVPool:
         t["num_drafts"][layer, bs] = 0
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
-        """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored)."""
+        """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): one launch on the pool
+        addressed by slot index (``_flush_slots_kernel``: the state fold and the u columns), the keys and
+        gates of the addressed rows moved in torch."""
         layer = self._layer(layer)
         s, bs, checked = self._rows("slots", slots)
         if checked:
@@ -401,11 +404,26 @@ class KVPool:
         else:
             c = torch.full_like(n, count)
         c = torch.where(s >= 0, c, 0)
+        c = check_flush_count(c, n, checked)  # 0..lengths
         folds = (s >= 0) & (c > 0)
         cur, write, need = self._claims(layer, bs, folds, checked)
-        buf = self._gather(layer, bs, cur)
-        buf = fast_flush(buf, count=c, config=config)  # checks count
-        self._scatter(layer, bs, buf, write)
+        cfg = check_config("flush", config_for("flush", Key()) if config is None else config)
+        B, C, H, HV, K, V = s.shape[0], self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, \
+            self.head_v_dim
+        if B == 0:
+            return
+        BV = max(16, min(cfg.BV, block(V)))
+        with device_guard(s):
+            _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
+                t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]),
+                t["state"][layer], c, s, cur, write, C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
+                CHANNEL=self.channel_gate, num_warps=cfg.num_warps)
+        rows = SimpleNamespace(k=t["k"][layer, bs], G=t["G"][layer, bs])  # keys and G: small, moved in torch
+        _shift_keys_and_gates(rows, c)
+        t["k"][layer, bs] = rows.k
+        t["G"][layer, bs] = rows.G
+        t["lengths"][layer, bs] = n - c
+        t["has_state"][layer, bs] = t["has_state"][layer, bs] | (c > 0)
         self._rebind(layer, bs, cur, write, need)
 
     def fork(self, *, src: torch.Tensor, dst: torch.Tensor, keep) -> None:
