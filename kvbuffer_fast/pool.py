@@ -30,14 +30,16 @@ from typing import Optional
 import torch
 import triton
 
-from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.checks import check_capacity, check_flush_count, check_scale, require_tensor
+from kvbuffer_ref.buffer import KVBuffer
+from kvbuffer_ref.checks import (check_capacity, check_counts, check_flush_count, check_nodes, check_scale,
+                                 require_tensor)
 from kvbuffer_ref.pool import check_slots, head_layout
 from kvbuffer_ref.prefill import prefill as ref_prefill
 
 from . import decode as _decode
-from ._common import as_input, block, checked_tokens, device_guard, flag_view, new_output, pdl_launch, values_checked
-from .accept import accept as fast_accept
+from ._common import (as_input, block, checked_tokens, device_guard, flag_view, new_output, pdl_launch,
+                      ticket_counters, values_checked)
+from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
 from .launch import Key, check_config, config_for, key_of
@@ -344,7 +346,9 @@ class KVPool:
         return o
 
     def accept(self, *, layer: int, slots: torch.Tensor, counts=None, nodes=None, config=None) -> None:
-        """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored)."""
+        """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored): the fold launch and the
+        copy launch of ``kvbuffer_fast.accept`` on the pool, addressed by slot index (the drafts are read
+        from the slots' draft room)."""
         layer = self._layer(layer)
         s, bs, checked = self._rows("slots", slots)
         t = self._t
@@ -367,15 +371,36 @@ class KVPool:
             raise TypeError(f"{name}: expected an int or an integer tensor [B], got {type(x).__name__}")
         else:
             x = torch.where(s >= 0, x, 0 if counts is not None else -1)
-        drafts = Drafts(k=t["dk"][layer, bs], u=t["du"][layer, bs], G=t["dG"][layer, bs],
-                        parents=t["parents"][layer, bs], num_drafts=torch.where(s >= 0, t["num_drafts"][layer, bs], 0))
-        node = x - 1 if counts is not None else x
-        m = _path_lengths(drafts.parents, node)
+        nd = torch.where(s >= 0, t["num_drafts"][layer, bs], 0)
+        par = t["parents"][layer, bs]
+        D = self.max_drafts
+        if checked:  # the counts / nodes against the verified drafts (kvbuffer_ref.checks)
+            if counts is not None:
+                chain = torch.arange(-1, D - 1, device=par.device)
+                is_chain = ((par == chain[None, :]) | (torch.arange(D, device=par.device)[None, :] >= nd[:, None])).all(1)
+                check_counts(x, nd, is_chain)
+            else:
+                check_nodes(x, nd)
+        node = (x - 1 if counts is not None else x).contiguous()
+        m = _path_lengths(par, node)
         folds = (s >= 0) & (t["lengths"][layer, bs] + m > self.capacity)
         cur, write, need = self._claims(layer, bs, folds, checked)
-        buf = self._gather(layer, bs, cur)
-        fast_accept(buf, drafts, **{name: x}, config=config)  # checks the counts / nodes
-        self._scatter(layer, bs, buf, write)
+        B, C, H, HV, K, V = s.shape[0], self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, \
+            self.head_v_dim
+        if B > 0 and D > 0:
+            if config is None:
+                config = config_for("accept", key_of(t["k"], C=C, B=B, HV=HV, V=V, channel=self.channel_gate))
+            cfg = check_config("accept", config)
+            BV, fold_BV = (max(16, min(v, block(V))) for v in (cfg.BV, cfg.fold_BV))
+            NV = triton.cdiv(V, BV)
+            buf = (t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]))
+            room = (t["dk"][layer], t["du"][layer], t["dG"][layer], t["parents"][layer], node, D)
+            consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), BK=block(K), CHANNEL=self.channel_gate)
+            with device_guard(s):
+                _accept_fold_slots_kernel[(triton.cdiv(V, fold_BV), B * HV)](
+                    *buf, t["state"][layer], *room, s, cur, write, BV=fold_BV, num_warps=cfg.fold_warps, **consts)
+                _accept_slots_kernel[(NV, B * HV)](*buf, ticket_counters(B, s.device), *room, s, BV=BV, NV=NV,
+                                                   num_warps=cfg.num_warps, **consts)
         self._rebind(layer, bs, cur, write, need)
         t["pending"][layer, bs] = False
         t["num_drafts"][layer, bs] = 0

@@ -33,3 +33,33 @@ def _pool(layers, N, C, D, H, HV, K, V, S=None, **kw):
 def test_fast_schedules_match_each_request_alone(data, C):
     shapes = dict(SHAPES, C=C)
     run_schedule(lambda: _pool(**shapes), data, dtype=torch.float32, device=DEVICE, steps=8, **shapes)
+
+
+def test_fast_folds_take_their_own_slots():
+    """Accept past the capacity from direct mode (a first fold) and on a state shared with a fork
+    (copy-on-write), with a pad row: every request's state equals the recurrence over its own tokens."""
+    from .schedule import Checker, Tokens, _cat, _rows
+    p = _pool(**SHAPES)
+    tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
+    s = p.acquire(2)
+    x = tok.draw(2, 4)                                        # request 1: C + 1 tokens, a state; 0: 2, direct
+    p.admit(**_rows(x, (slice(0, 1), slice(0, 2))), layer=0, slots=s[:1].to(DEVICE))
+    p.admit(**_rows(x, slice(1, 2)), layer=0, slots=s[1:].to(DEVICE))
+    f = p.acquire(1)
+    p.fork(src=s[1:].to(DEVICE), dst=f.to(DEVICE), keep=0)    # shares request 1's state slot
+    hist = {0: _rows(x, (0, slice(0, 2))), 1: _rows(x, 1), 2: _rows(x, (1, slice(0, 3)))}
+    rows = torch.tensor([int(f), -1, int(s[0]), int(s[1])], dtype=torch.int32, device=DEVICE)
+    d = tok.draw(4, 3)
+    o = p.verify(**{n: t.to(DEVICE) for n, t in d.items()}, layer=0, slots=rows)
+    who = {0: 2, 2: 0, 3: 1}                                  # row -> request
+    for r, q in who.items():
+        chk.check(o[r].cpu(), hist[q], _rows(d, r), f"verify row {r}")
+    counts = torch.tensor([3, 99, 2, 3], device=DEVICE)       # every request passes C = 3: folds
+    p.accept(layer=0, slots=rows, counts=counts)
+    for r, q in who.items():
+        hist[q] = _cat(hist[q], _rows(d, (r, slice(0, int(counts[r])))))
+    slots = p.tensors()["state_slot"][0].tolist()
+    assert len({slots[int(f)], slots[int(s[0])], slots[int(s[1])]}) == 3 and -1 not in slots[:3], slots
+    S = p.state_of(layer=0, slots=torch.tensor([int(s[0]), int(s[1]), int(f)], device=DEVICE))
+    for i, q in enumerate((0, 1, 2)):
+        chk.check_state(S[i].cpu(), hist[q], f"state of request {q}")
