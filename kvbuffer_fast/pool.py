@@ -43,7 +43,7 @@ from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
 from .launch import Key, check_config, config_for, key_of
-from .verify import verify as fast_verify
+from .verify import _verify
 
 __all__ = ["KVPool"]
 
@@ -317,7 +317,8 @@ class KVPool:
     def verify(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, parents=None, num_drafts=None,
                scale=None, config=None) -> torch.Tensor:
         """As ``kvbuffer_ref.pool.KVPool.verify`` (pad rows: unspecified outputs); the drafts go to the
-        slots' draft room, pending."""
+        slots' draft room, pending.  The kernels of ``kvbuffer_fast.verify`` on the addressed rows' buffer
+        entries (gathered: C rows each), the state read from the pool's slots by index."""
         layer = self._layer(layer)
         s, bs, checked = self._rows("slots", slots)
         d, g = self._check_tokens(q, k, v, g, beta, s)
@@ -332,9 +333,12 @@ class KVPool:
             chain = torch.arange(-1, Dn - 1, device=q.device).expand(B, Dn)
             parents = torch.where((s >= 0)[:, None], parents.to(torch.int64), chain)
         x = self._padded_tokens(s, q=q, k=k, v=v, g=g, beta=beta)
-        o, drafts = fast_verify(x.pop("q"), x.pop("k"), x.pop("v"), **x, buffer=self._gather(layer, bs),
-                                parents=parents, num_drafts=num_drafts, scale=scale, config=config)
         t = self._t
+        rows = KVBuffer(k=t["k"][layer, bs], u=t["u"][layer, bs], G=t["G"][layer, bs], lengths=t["lengths"][layer, bs],
+                        has_state=t["has_state"][layer, bs], state=None)  # the buffer rows (C entries each)
+        cur = torch.where(s >= 0, t["state_slot"][layer, bs], -1)
+        o, drafts = _verify(x.pop("q"), x.pop("k"), x.pop("v"), x.pop("g"), x.pop("beta"), rows, parents, num_drafts,
+                            scale, config, pool_state=(t["state"][layer], cur))
         t["dk"][layer, bs, :Dn] = drafts.k.to(t["dk"].dtype)
         t["du"][layer, bs, :Dn] = drafts.u.to(t["du"].dtype)
         t["dG"][layer, bs, :Dn] = drafts.G.to(t["dG"].dtype)
