@@ -78,11 +78,11 @@ def _book_slots_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, bslot_ptr
 
 
 @triton.jit
-def _book_row(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, c_b,
+def _book_row(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, t_b, i_b,
               C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
               BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr):
-    """The bookkeeping of token row i_b in buffer row c_b (the same row outside a pool)."""
-    n = tl.load(len_ptr + c_b).to(tl.int32)
+    """The bookkeeping of token row t_b in buffer row i_b (the same row outside a pool)."""
+    n = tl.load(len_ptr + i_b).to(tl.int32)
     full = n >= C
     keep = tl.where(full, 0, n)
     has_last = (n > 0) & (n < C)  # the new G builds on G_n; on 0 when empty or folded (rebased)
@@ -91,26 +91,26 @@ def _book_row(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, c_b,
     m_k = o_k < K
     o_h = tl.arange(0, BH)
     m_hk = (o_h < H)[:, None] & m_k[None, :]
-    k_all = tl.load(k_ptr + (i_b * H + o_h[:, None]) * K + o_k[None, :], mask=m_hk, other=0.0)
-    tl.store(ck_ptr + ((c_b * C + keep) * H + o_h[:, None]) * K + o_k[None, :], k_all.to(ck_ptr.dtype.element_ty),
+    k_all = tl.load(k_ptr + (t_b * H + o_h[:, None]) * K + o_k[None, :], mask=m_hk, other=0.0)
+    tl.store(ck_ptr + ((i_b * C + keep) * H + o_h[:, None]) * K + o_k[None, :], k_all.to(ck_ptr.dtype.element_ty),
              mask=m_hk)
     o_hv = tl.arange(0, BHV)
     if CHANNEL:
         m_g = (o_hv < HV)[:, None] & m_k[None, :]
-        g_prev = tl.load(cg_ptr + ((c_b * C + last) * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g,
+        g_prev = tl.load(cg_ptr + ((i_b * C + last) * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g,
                          other=0.0).to(tl.float32)
-        g_tok = tl.load(g_ptr + (i_b * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g, other=0.0).to(tl.float32)
-        tl.store(cg_ptr + ((c_b * C + keep) * HV + o_hv[:, None]) * K + o_k[None, :],
+        g_tok = tl.load(g_ptr + (t_b * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g, other=0.0).to(tl.float32)
+        tl.store(cg_ptr + ((i_b * C + keep) * HV + o_hv[:, None]) * K + o_k[None, :],
                  (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
     else:
         m_g = o_hv < HV
-        g_prev = tl.load(cg_ptr + (c_b * C + last) * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
-        g_tok = tl.load(g_ptr + i_b * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
-        tl.store(cg_ptr + (c_b * C + keep) * HV + o_hv,
+        g_prev = tl.load(cg_ptr + (i_b * C + last) * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
+        g_tok = tl.load(g_ptr + t_b * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
+        tl.store(cg_ptr + (i_b * C + keep) * HV + o_hv,
                  (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
-    tl.store(len_ptr + c_b, (keep + 1).to(len_ptr.dtype.element_ty))
+    tl.store(len_ptr + i_b, (keep + 1).to(len_ptr.dtype.element_ty))
     if full:
-        tl.store(own_ptr + c_b, 1)
+        tl.store(own_ptr + i_b, 1)
 
 
 @triton.jit
@@ -162,18 +162,18 @@ def _decode_slots_kernel(
 @triton.jit
 def _decode_program(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, scale, i_v, i_bhv, i_b, i_hv, i_h, c_b, s_bhv, s_ok,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, scale, i_v, i_bhv, t_b, i_hv, i_h, i_b, s_bhv, s_ok,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr, SERVED: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """The body of the decode kernels for token row i_b (value head i_hv, q/k head i_h, V-tile i_v;
-    i_bhv = i_b * HV + i_hv) on buffer row c_b and state row s_bhv (per value head); outside a pool
-    c_b = i_b and s_bhv = i_bhv.  SLOTS: the state row exists only where ``s_ok``."""
+    """The body of the decode kernels for token row t_b (value head i_hv, q/k head i_h, V-tile i_v;
+    i_bhv = t_b * HV + i_hv) on buffer row i_b and state row s_bhv (per value head); outside a pool
+    i_b = t_b and s_bhv = i_bhv.  SLOTS: the state row exists only where ``s_ok``."""
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    n = tl.load(len_ptr + c_b).to(tl.int32)
-    owns = tl.load(own_ptr + c_b) != 0
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    owns = tl.load(own_ptr + i_b) != 0
     if SERVED:  # served by the fold launch: nothing of this request is written here (nor its rows read)
         m_v = o_v < tl.where(n < C, V, 0)
     b_v = tl.load(v_ptr + i_bhv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -182,11 +182,11 @@ def _decode_program(
     m_c = rows < C
     if not CHANNEL:
         g_tok = tl.load(g_ptr + i_bhv).to(tl.float32)
-        gc = tl.load(cg_ptr + (c_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
+        gc = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
     o_kb = tl.arange(0, KB)
     p_s = state_ptr + (s_bhv * K + o_kb[:, None]) * V + o_v[None, :]
-    p_x = (i_b * H + i_h) * K + o_kb
-    p_c = ((c_b * C + rows[:, None]) * H + i_h) * K + o_kb[None, :]
+    p_x = (t_b * H + i_h) * K + o_kb
+    p_c = ((i_b * C + rows[:, None]) * H + i_h) * K + o_kb[None, :]
     sk = tl.zeros([BV], dtype=tl.float32)
     sq = tl.zeros([BV], dtype=tl.float32)
     wk = tl.zeros([CB], dtype=tl.float32)
@@ -214,10 +214,10 @@ def _decode_program(
             qk += kb * qb
             if CHANNEL:
                 gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
-                gl = tl.load(cg_ptr + ((c_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb,
+                gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb,
                              other=0.0).to(tl.float32)
                 gn = tl.where(n > 0, gl, 0.0) + gb  # G_new over this block of channels
-                gcb = tl.load(cg_ptr + ((c_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
+                gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
                               mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
                 live = (rows < n)[:, None]
                 kd = tl.where(live, kc * tl.exp(tl.where(live, gn[None, :] - gcb, 0.0)), 0.0)
@@ -234,7 +234,7 @@ def _decode_program(
                     sk += tl.sum(st * kb[:, None], 0)
                     sq += tl.sum(st * qb[:, None], 0)
     m_r = rows < n
-    uc = tl.load(cu_ptr + ((c_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+    uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
                  mask=m_r[:, None] & m_v[None, :], other=0.0, eviction_policy="evict_last").to(tl.float32)
     uc = tl.where(m_r[:, None], uc, 0.0)
     if not CHANNEL:
@@ -255,7 +255,7 @@ def _decode_program(
     b_o = sq + acc_q + tl.sum(qk, 0) * scale * b_u
     tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
     # n < C here unless SERVED (whose stores are off); the new u row is the program's own slice
-    tl.store(cu_ptr + ((c_b * C + n) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
+    tl.store(cu_ptr + ((i_b * C + n) * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty),
              mask=o_v < tl.where(n < C, V, 0), eviction_policy="evict_last")
     if SERVED:
         if PDL:
@@ -263,12 +263,12 @@ def _decode_program(
 
 
 @triton.jit
-def _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, c_b, i_hv, i_bhv, sk, sq, qk, scale, o_v, m_v,
+def _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, sq, qk, scale, o_v, m_v,
                   C: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, CHANNEL: tl.constexpr):
     """The token of a request folded just now, from the folded state S with an empty buffer:
     sk = S^T k, sq = S^T q (per-channel gates: already with exp(g) inside), qk = k.q;
     u = beta (v - exp(g) S^T k), o = exp(g) S^T q s + (q.k) s u; u is written to row 0 of its own
-    columns of buffer row c_b (the bookkeeping launch appends the key / G rows there and sets the length
+    columns of buffer row i_b (the bookkeeping launch appends the key / G rows there and sets the length
     to 1); the token's own tensors are read and written at i_bhv."""
     if not CHANNEL:
         e_new = tl.exp(tl.load(g_ptr + i_bhv).to(tl.float32))
@@ -279,7 +279,7 @@ def _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, c_b, i_hv, i_bhv, sk, s
     b_u = b_beta * (b_v - sk)
     b_o = sq * scale + qk * scale * b_u
     tl.store(o_ptr + i_bhv * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-    tl.store(cu_ptr + (c_b * C * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
+    tl.store(cu_ptr + (i_b * C * HV + i_hv) * V + o_v, b_u.to(cu_ptr.dtype.element_ty), mask=m_v)
 
 
 @triton.jit

@@ -155,10 +155,12 @@ class KVPool:
 
     def _check_tokens(self, q, k, v, g, beta, s: torch.Tensor, T: Optional[int] = None):
         """The token checks over the valid rows; their heads and dims must be the pool's.  Returns g."""
-        valid = (s >= 0)[:, None].expand(s.shape[0], q.shape[1] if q.dim() > 1 else 1)
-        d, g = checked_tokens(q, k, v, g, beta, valid=valid)
-        if d.B != s.shape[0]:
-            raise ValueError(f"q: expected {s.shape[0]} rows (one per entry of slots), got {d.B}")
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            require_tensor(name, x)
+            if x.dim() < 2 or x.shape[0] != s.shape[0]:
+                raise ValueError(f"{name}: expected {s.shape[0]} rows (one per entry of slots), got shape "
+                                 f"{list(x.shape)}")
+        d, g = checked_tokens(q, k, v, g, beta, valid=(s >= 0)[:, None].expand(s.shape[0], q.shape[1]))
         for name, got, want in (("q", d.H, self.num_heads), ("v", d.HV, self.num_value_heads),
                                 ("q", d.K, self.head_k_dim), ("v", d.V, self.head_v_dim)):
             if got != want:
@@ -335,7 +337,8 @@ class KVPool:
         x = self._padded_tokens(s, q=q, k=k, v=v, g=g, beta=beta)
         t = self._t
         rows = KVBuffer(k=t["k"][layer, bs], u=t["u"][layer, bs], G=t["G"][layer, bs], lengths=t["lengths"][layer, bs],
-                        has_state=t["has_state"][layer, bs], state=None)  # the buffer rows (C entries each)
+                        has_state=torch.zeros_like(t["has_state"][layer, bs]), state=None)  # C entries each;
+        # the states (has_state <=> a state slot) are read by the kernel from the pool's slots
         cur = torch.where(s >= 0, t["state_slot"][layer, bs], -1)
         o, drafts = _verify(x.pop("q"), x.pop("k"), x.pop("v"), x.pop("g"), x.pop("beta"), rows, parents, num_drafts,
                             scale, config, pool_state=(t["state"][layer], cur))

@@ -432,13 +432,17 @@ def _verify_stream_program(
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """The body of the phase-2 kernels: program (i_v, i_bhv) of request i_b, its state read at row s_bhv
-    (per value head; i_bhv outside a pool; SLOTS: only where ``s_ok``)."""
+    (per value head; i_bhv outside a pool; SLOTS: the request owns a state, and it is read, only where
+    ``s_ok``; its buffer's has_state is not read)."""
     R: tl.constexpr = 2 * BD
     _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
-    owns = tl.load(own_ptr + i_b) != 0
+    if SLOTS:  # a pool's request owns a state exactly when it has a state slot
+        owns = s_ok
+    else:
+        owns = tl.load(own_ptr + i_b) != 0
     o_kb = tl.arange(0, KB)
     p_s = state_ptr + (s_bhv * K + o_kb[:, None]) * V + o_v[None, :]
     X = tl.zeros([R, BV], dtype=tl.float32)

@@ -63,3 +63,64 @@ def test_fast_folds_take_their_own_slots():
     S = p.state_of(layer=0, slots=torch.tensor([int(s[0]), int(s[1]), int(f)], device=DEVICE))
     for i, q in enumerate((0, 1, 2)):
         chk.check_state(S[i].cpu(), hist[q], f"state of request {q}")
+
+
+def _tok(B, T=1, seed=0):
+    from .schedule import Tokens
+    return {n: t.to(DEVICE) for n, t in Tokens(seed, 1, 2, 4, 4, torch.float32, "cpu").draw(B, T).items()}
+
+
+@pytest.mark.parametrize("slots, error, match", [
+    ([0, 4], ValueError, r"slots: entry \[1\] is 4, expected a slot in 0..3 or -1"),
+    ([0, 2, 0], ValueError, "slots: slot 0 appears more than once"),
+    ([1], ValueError, r"slots: entry \[0\] is slot 1, which holds no live request"),
+    ([0.0], TypeError, "slots: expected an int32 or int64 tensor"),
+])
+@pytest.mark.parametrize("op", ["decode", "verify", "flush", "accept", "release"])
+def test_fast_bad_slots_name_the_argument_and_change_nothing(op, slots, error, match):
+    p = _pool(**SHAPES)
+    s = p.acquire(3)
+    p.admit(**_tok(3, T=2), layer=0, slots=s.to(DEVICE))
+    p.release(s[1:2].to(DEVICE))
+    p.verify(**_tok(2, T=2), layer=0, slots=s[[0, 2]].to(DEVICE))
+    if op in ("decode", "flush"):
+        p.accept(layer=0, slots=s[[0, 2]].to(DEVICE), counts=1)
+    before = snapshot(p)
+    sl = torch.tensor(slots, device=DEVICE)
+    B = sl.shape[0]
+    with pytest.raises(error, match=match):
+        if op == "decode":
+            p.decode(**_tok(B), layer=0, slots=sl)
+        elif op == "verify":
+            p.verify(**_tok(B, T=2), layer=0, slots=sl)
+        elif op == "flush":
+            p.flush(layer=0, slots=sl)
+        elif op == "accept":
+            p.accept(layer=0, slots=sl, counts=0)
+        else:
+            p.release(sl)
+    assert_untouched(p, before, [], f"rejected {op}")
+
+
+def test_fast_state_rules():
+    """Decode with drafts pending, accept without verify, counts out of range, no free state slot: errors
+    before anything is written."""
+    p = _pool(**SHAPES, S=1)
+    s = p.acquire(2).to(DEVICE)
+    p.admit(**_tok(2, T=3), layer=0, slots=s)                # C = 3: both full, no state yet
+    p.decode(**_tok(1), layer=0, slots=s[:1])                 # takes the one state slot
+    before = snapshot(p)
+    for call, match in [(lambda: p.decode(**_tok(1), layer=0, slots=s[1:]), "only 0 of 1 state slots are free"),
+                        (lambda: p.accept(layer=0, slots=s, counts=0), "no verified drafts pending"),
+                        (lambda: p.decode(**_tok(3), layer=0, slots=s), "q: expected 2 rows")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert_untouched(p, before, [], f"rejected call ({match})")
+    p.verify(**_tok(2, T=2), layer=0, slots=s)
+    before = snapshot(p)
+    for call, match in [(lambda: p.decode(**_tok(2), layer=0, slots=s), "pending.*before decode"),
+                        (lambda: p.accept(layer=0, slots=s, counts=torch.tensor([0, 3], device=DEVICE)), "counts"),
+                        (lambda: p.accept(layer=0, slots=s, nodes=torch.tensor([2, 0], device=DEVICE)), "nodes")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert_untouched(p, before, [], f"rejected call ({match})")
