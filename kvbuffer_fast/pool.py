@@ -31,9 +31,8 @@ import torch
 import triton
 
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.checks import (check_capacity, check_counts, check_flush_count, check_nodes, check_scale,
-                                 require_tensor)
-from kvbuffer_ref.pool import check_slots, head_layout
+from kvbuffer_ref.checks import check_counts, check_flush_count, check_nodes, check_scale, require_tensor
+from kvbuffer_ref.pool import check_slots, per_row, set_layout
 from kvbuffer_ref.prefill import prefill as ref_prefill
 
 from . import decode as _decode
@@ -59,21 +58,15 @@ class KVPool:
                  max_drafts: int, num_heads: int, num_value_heads: int, head_k_dim: int, head_v_dim: int,
                  head_range: Optional[tuple] = None, channel_gate: bool = False, dtype: torch.dtype = torch.float32,
                  key_dtype: Optional[torch.dtype] = None, state_dtype: torch.dtype = torch.float32, device=None):
-        for name, n, least in (("layers", layers, 1), ("num_state_slots", num_state_slots, 1),
-                               ("num_buffer_slots", num_buffer_slots, 1), ("max_drafts", max_drafts, 0),
-                               ("head_k_dim", head_k_dim, 1), ("head_v_dim", head_v_dim, 1)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < least:
-                raise ValueError(f"{name}: expected an int >= {least}, got {n!r}")
-        check_capacity(capacity)
         if state_dtype != torch.float32:
             raise TypeError(f"state_dtype: kvbuffer_fast keeps states in float32, got {state_dtype}")
-        self.key_head_start, H, HV = head_layout(num_heads, num_value_heads, head_range)
-        self.head_range = (0, num_value_heads) if head_range is None else tuple(head_range)
-        L, S, N, C, D, K, V = layers, num_state_slots, num_buffer_slots, capacity, max_drafts, head_k_dim, head_v_dim
-        self.layers, self.num_state_slots, self.num_buffer_slots, self.capacity, self.max_drafts = L, S, N, C, D
-        self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim = H, HV, K, V
-        self.channel_gate = channel_gate
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        set_layout(self, layers=layers, num_state_slots=num_state_slots, num_buffer_slots=num_buffer_slots,
+                   capacity=capacity, max_drafts=max_drafts, num_heads=num_heads, num_value_heads=num_value_heads,
+                   head_k_dim=head_k_dim, head_v_dim=head_v_dim, head_range=head_range, channel_gate=channel_gate,
+                   device=device, least_state_slots=1)
+        L, S, N, C, D, K, V = (self.layers, self.num_state_slots, self.num_buffer_slots, self.capacity,
+                               self.max_drafts, self.head_k_dim, self.head_v_dim)
+        H, HV = self.num_heads, self.num_value_heads
         kw = dict(device=self.device)
         gk = (K,) if channel_gate else ()
         key_dtype = key_dtype or dtype
@@ -367,17 +360,7 @@ class KVPool:
         if (counts is None) == (nodes is None):
             raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
         name, x = ("counts", counts) if counts is not None else ("nodes", nodes)
-        if isinstance(x, torch.Tensor):
-            if x.shape != s.shape:
-                raise ValueError(f"{name}: expected [B] = [{s.shape[0]}] (one per entry of slots), got "
-                                 f"{list(x.shape)}")
-            if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
-                raise TypeError(f"{name}: expected an integer tensor, got {x.dtype}")
-            x = torch.where(s >= 0, x.to(torch.int64), 0 if counts is not None else -1)  # pads: accept none
-        elif isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"{name}: expected an int or an integer tensor [B], got {type(x).__name__}")
-        else:
-            x = torch.where(s >= 0, x, 0 if counts is not None else -1)
+        x = torch.where(s >= 0, per_row(name, x, s), 0 if counts is not None else -1)  # pads: accept none
         nd = torch.where(s >= 0, t["num_drafts"][layer, bs], 0)
         par = t["parents"][layer, bs]
         D = self.max_drafts
@@ -422,20 +405,7 @@ class KVPool:
             self._no_pending(layer, bs, s, "flush")
         t = self._t
         n = t["lengths"][layer, bs]
-        if count is None:
-            c = n
-        elif isinstance(count, torch.Tensor):
-            if count.shape != s.shape:
-                raise ValueError(f"count: expected [B] = [{s.shape[0]}] (one per entry of slots), got "
-                                 f"{list(count.shape)}")
-            if count.dtype == torch.bool or count.dtype.is_floating_point or count.dtype.is_complex:
-                raise TypeError(f"count: expected an integer tensor, got {count.dtype}")
-            c = count.to(torch.int64)
-        elif isinstance(count, bool) or not isinstance(count, int):
-            raise TypeError(f"count: expected None, an int or an integer tensor [B], got {type(count).__name__}")
-        else:
-            c = torch.full_like(n, count)
-        c = torch.where(s >= 0, c, 0)
+        c = torch.where(s >= 0, n if count is None else per_row("count", count, s), 0)
         c = check_flush_count(c, n, checked)  # 0..lengths
         folds = (s >= 0) & (c > 0)
         cur, write, need = self._claims(layer, bs, folds, checked)
@@ -468,16 +438,7 @@ class KVPool:
         valid = (s >= 0) & (d >= 0)
         N, S, t = self.num_buffer_slots, self.num_state_slots, self._t
         ss, ds = torch.where(valid, ss, N), torch.where(valid, ds, N)
-        if isinstance(keep, torch.Tensor):
-            if keep.shape != s.shape:
-                raise ValueError(f"keep: expected [B] = [{s.shape[0]}], got {list(keep.shape)}")
-            if keep.dtype == torch.bool or keep.dtype.is_floating_point or keep.dtype.is_complex:
-                raise TypeError(f"keep: expected an integer tensor, got {keep.dtype}")
-            kv = keep.to(torch.int64)
-        elif isinstance(keep, bool) or not isinstance(keep, int):
-            raise TypeError(f"keep: expected an int or an integer tensor [B], got {type(keep).__name__}")
-        else:
-            kv = torch.full_like(s, keep)
+        kv = per_row("keep", keep, s)
         if checked:
             if bool(torch.isin(d[valid], s[valid]).any()):
                 raise ValueError("dst: a slot is both a source and a destination of one fork")

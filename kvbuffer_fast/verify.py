@@ -400,7 +400,6 @@ def _verify_stream_kernel(
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
     it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
     products in precision XP); otherwise in PREC."""
-    R: tl.constexpr = 2 * BD
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, i_bhv, True, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False)
 
@@ -415,7 +414,6 @@ def _verify_stream_slots_kernel(
 ):
     """``_verify_stream_kernel`` on a pool's states: request i_b's S0 is state slot ``sslot[i_b]`` of
     ``state_ptr`` (-1: none, nothing read), int64 offsets."""
-    R: tl.constexpr = 2 * BD
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     s_b = tl.load(sslot_ptr + i_b).to(tl.int64)
     _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0,

@@ -49,7 +49,42 @@ from .entries import fold_count
 from .prefill import prefill
 from .speculative import accept, path_to, verify
 
-__all__ = ["KVPool", "head_layout", "check_slots"]
+__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row"]
+
+
+def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int, max_drafts: int,
+               num_heads: int, num_value_heads: int, head_k_dim: int, head_v_dim: int, head_range, channel_gate: bool,
+               device, least_state_slots: int = 0) -> None:
+    """Check a pool's sizes (ValueError naming the argument) and set them on ``pool``: layers, num_state_slots,
+    num_buffer_slots, capacity, max_drafts, the shard's num_heads / num_value_heads (``head_layout``),
+    key_head_start, head_range, head_k_dim, head_v_dim, channel_gate, device."""
+    for name, n, least in (("layers", layers, 1), ("num_state_slots", num_state_slots, least_state_slots),
+                           ("num_buffer_slots", num_buffer_slots, 1), ("max_drafts", max_drafts, 0),
+                           ("head_k_dim", head_k_dim, 1), ("head_v_dim", head_v_dim, 1)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < least:
+            raise ValueError(f"{name}: expected an int >= {least}, got {n!r}")
+    check_capacity(capacity)
+    pool.key_head_start, pool.num_heads, pool.num_value_heads = head_layout(num_heads, num_value_heads, head_range)
+    pool.head_range = (0, num_value_heads) if head_range is None else tuple(head_range)
+    pool.layers, pool.num_state_slots, pool.num_buffer_slots = layers, num_state_slots, num_buffer_slots
+    pool.capacity, pool.max_drafts, pool.head_k_dim, pool.head_v_dim = capacity, max_drafts, head_k_dim, head_v_dim
+    pool.channel_gate = channel_gate
+    pool.device = torch.device(device) if device is not None else torch.device("cpu")
+
+
+def per_row(name: str, x, slots: torch.Tensor) -> torch.Tensor:
+    """A per-request argument (an int for every row, or an integer tensor [B] with one entry per entry of
+    ``slots``) as an int64 tensor [B] on the slots' device."""
+    if isinstance(x, torch.Tensor):
+        if tuple(x.shape) != tuple(slots.shape):
+            raise ValueError(f"{name}: expected [B] = [{slots.shape[0]}] (one per entry of slots), got "
+                             f"{list(x.shape)}")
+        if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
+            raise TypeError(f"{name}: expected an integer tensor, got {x.dtype}")
+        return x.to(torch.int64)
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int or an integer tensor [B], got {type(x).__name__}")
+    return torch.full(slots.shape, x, dtype=torch.int64, device=slots.device)
 
 
 def _accepted_lengths(drafts: Drafts, counts, nodes, rows: torch.Tensor) -> list:
@@ -135,19 +170,13 @@ class KVPool:
                  max_drafts: int, num_heads: int, num_value_heads: int, head_k_dim: int, head_v_dim: int,
                  head_range: Optional[tuple] = None, channel_gate: bool = False, dtype: torch.dtype = torch.float64,
                  key_dtype: Optional[torch.dtype] = None, state_dtype: Optional[torch.dtype] = None, device=None):
-        for name, n, least in (("layers", layers, 1), ("num_state_slots", num_state_slots, 0),
-                               ("num_buffer_slots", num_buffer_slots, 1), ("max_drafts", max_drafts, 0),
-                               ("head_k_dim", head_k_dim, 1), ("head_v_dim", head_v_dim, 1)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < least:
-                raise ValueError(f"{name}: expected an int >= {least}, got {n!r}")
-        check_capacity(capacity)
-        self.key_head_start, H, HV = head_layout(num_heads, num_value_heads, head_range)
-        self.head_range = (0, num_value_heads) if head_range is None else tuple(head_range)
-        L, S, N, C, D, K, V = layers, num_state_slots, num_buffer_slots, capacity, max_drafts, head_k_dim, head_v_dim
-        self.layers, self.num_state_slots, self.num_buffer_slots, self.capacity, self.max_drafts = L, S, N, C, D
-        self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim = H, HV, K, V
-        self.channel_gate = channel_gate
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        set_layout(self, layers=layers, num_state_slots=num_state_slots, num_buffer_slots=num_buffer_slots,
+                   capacity=capacity, max_drafts=max_drafts, num_heads=num_heads, num_value_heads=num_value_heads,
+                   head_k_dim=head_k_dim, head_v_dim=head_v_dim, head_range=head_range, channel_gate=channel_gate,
+                   device=device)
+        L, S, N, C, D, K, V = (self.layers, self.num_state_slots, self.num_buffer_slots, self.capacity,
+                               self.max_drafts, self.head_k_dim, self.head_v_dim)
+        H, HV = self.num_heads, self.num_value_heads
         key_dtype, state_dtype = key_dtype or dtype, state_dtype or dtype
         kw = dict(device=self.device)
         gk = (K,) if channel_gate else ()
@@ -428,15 +457,7 @@ class KVPool:
         sv, dv = s[rows], d[rows]
         if bool(torch.isin(dv, sv).any()):
             raise ValueError("dst: a slot is both a source and a destination of one fork")
-        if isinstance(keep, torch.Tensor):
-            self._tokens("keep", keep, s.shape[0])
-            if keep.dtype in (torch.bool,) or keep.dtype.is_floating_point or keep.dtype.is_complex:
-                raise TypeError(f"keep: expected an integer tensor, got {keep.dtype}")
-            kv = keep.to(torch.int64)[rows]
-        elif isinstance(keep, bool) or not isinstance(keep, int):
-            raise TypeError(f"keep: expected an int or an integer tensor [B], got {type(keep).__name__}")
-        else:
-            kv = torch.full((rows.numel(),), keep, dtype=torch.int64, device=self.device)
+        kv = per_row("keep", keep, s)[rows]
         busy = ((self.lengths[:, dv] > 0) | self.has_state[:, dv] | self.pending[:, dv]).any(0)
         if bool(busy.any()):
             raise ValueError(f"dst: slot {int(dv[busy.nonzero()[0, 0]])} already holds entries or a state; fork into "

@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvbuffer_ref as ref
 from kvbuffer_ref.pool import KVPool, head_layout
 
 from .schedule import assert_untouched, run_schedule, snapshot
