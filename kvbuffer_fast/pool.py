@@ -4,13 +4,13 @@ replayed with new contents and new slot indices.
 
 Layout (docs/pool.md): the reference pool's tensors (``tensors()`` gives them by the same names), each
 with one more row behind its slots that no slot addresses (a *sink*: the bookkeeping's scatters send
-pad rows there, so they need no host-side filtering).  Decode runs its kernels on the pool itself: the
-fold launch, the decode launch and the bookkeeping launch of ``kvbuffer_fast.decode`` take the rows'
-buffer slots and state slots (``_fold_group_slots_kernel``, ``_decode_slots_kernel``,
-``_book_slots_kernel``: int64 offsets, a pad row's programs return at once).  ``verify``, ``accept``,
-``flush`` and ``state_of`` gather the addressed rows into a ``KVBuffer``, run the kvbuffer_fast operation
-and scatter the result back (graph-capturable torch indexing; not yet slot-addressed kernels), as does
-decode for capacities the grouped fold does not take (C > 32).
+pad rows there, so they need no host-side filtering).  The operations run kvbuffer_fast's kernels on the
+pool, addressed by slot index tensors (int64 offsets; a pad row's programs read and write nothing):
+decode's fold, decode and bookkeeping launches (``_fold_group_slots_kernel``, ``_decode_slots_kernel``,
+``_book_slots_kernel``), accept's fold and copy launches, flush's fold launch (keys and gates moved in
+torch), verify's phase 2 reading the states from the slots (its phase 1 and outputs on the addressed
+rows' buffer entries, gathered).  ``state_of`` and decode at C > 32 (the tile fold) go through a gathered
+``KVBuffer``.
 
 State slots are taken on the device: a row that folds into no state slot, or into one it shares with
 a fork (copy-on-write), gets the lowest free slot (``refs == 0``) in its rank among such rows; the
