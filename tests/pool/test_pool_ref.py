@@ -26,7 +26,7 @@ def test_schedules_match_each_request_alone(data, C, group):
     int64 indices: every request's outputs and final state are the float64 recurrence over its own tokens."""
     shapes = dict(SHAPES, C=C, HV=group)
     chk = run_schedule(lambda: _pool(**shapes), data, dtype=torch.float64, device="cpu", steps=12, **shapes)
-    assert chk.compared > 0 or True  # the final state_of checks run on every live request
+    assert chk.compared > 0  # the first step admits: its outputs at least were compared
 
 
 @settings(deadline=None, max_examples=4)
