@@ -30,13 +30,14 @@ __all__ = ["accept"]
 
 
 @triton.jit
-def _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C: tl.constexpr, BD: tl.constexpr):
+def _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C: tl.constexpr, BD: tl.constexpr):
     """The accepted node's root-to-node path (walked up ``parents`` in registers) and the overflow rule:
-    returns (n, node, on_path [BD], pos [BD] index along the path, m, fold, nf = path entries folded)."""
+    returns (n, node, on_path [BD], pos [BD] index along the path, m, fold, nf = path entries folded).
+    The node is call row i_b's, the length and the parents buffer row c_b's (i_b outside a pool)."""
     node = tl.load(node_ptr + i_b).to(tl.int32)
-    n = tl.load(len_ptr + i_b).to(tl.int32)
+    n = tl.load(len_ptr + c_b).to(tl.int32)
     o_d = tl.arange(0, BD)
-    par = tl.load(par_ptr + i_b * D + o_d, mask=o_d < D, other=-1).to(tl.int32)
+    par = tl.load(par_ptr + c_b * D + o_d, mask=o_d < D, other=-1).to(tl.int32)
     on_path = o_d < 0
     cur = node
     for _ in range(0, node + 1):
@@ -61,41 +62,79 @@ def _accept_fold_kernel(
     old entries and the oldest nf path entries into this [K, BV] state tile,
     S = diag(exp(G_end)) S0 + sum_j exp(G_end - G_j) k_j u_j^T (rank-1 updates, as decode's fold)."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C, BD)
+    _accept_fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
+                         D, i_v, i_bhv, i_b, i_hv, i_h, i_b, i_b, i_b, C, H, HV, K, V, BD, BK, BV, CHANNEL, False)
+
+
+@triton.jit
+def _accept_fold_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr, sread_ptr, swrite_ptr,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    """``_accept_fold_kernel`` on a pool: call row i_b (its node node[i_b]) on buffer row and draft room
+    ``bslot[i_b]``, the state read from slot ``sread[i_b]`` (-1: none) and written to ``swrite[i_b]``, int64
+    offsets; a pad (-1) does nothing."""
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        s_r = tl.maximum(tl.load(sread_ptr + i_b).to(tl.int64), 0)
+        s_w = tl.load(swrite_ptr + i_b).to(tl.int64)
+        _accept_fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr,
+                             node_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, c_b, s_r, s_w, C, H, HV, K, V, BD, BK, BV,
+                             CHANNEL, True)
+
+
+@triton.jit
+def _accept_fold_program(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, c_b, s_r, s_w,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, SLOTS: tl.constexpr,
+):
+    """The body of the accept fold kernels: call row i_b on buffer row (and draft rows) c_b; SLOTS: the
+    state slots s_r (read) and s_w (written), else the program's own row i_bhv."""
+    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD)
     if fold:
-        owns = tl.load(own_ptr + i_b) != 0
+        owns = tl.load(own_ptr + c_b) != 0
         o_d = tl.arange(0, BD)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         m_k = o_k < K
         m_v = o_v < V
-        p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-        s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if SLOTS:  # the state slot read (none: nothing read) and the one written
+            p_s = state_ptr + ((s_r * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+            s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            p_s = state_ptr + ((s_w * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+        else:
+            p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+            s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         s = tl.where(owns, s, 0.0)  # direct mode: S0 = 0 (the storage row is garbage)
         last = tl.maximum(n - 1, 0)
         j_end = tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # the last folded path entry, if any
         if CHANNEL:
-            g_old = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k, mask=o_k < tl.where(n > 0, K, 0),
+            g_old = tl.load(cg_ptr + ((c_b * C + last) * HV + i_hv) * K + o_k, mask=o_k < tl.where(n > 0, K, 0),
                             other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + ((i_b * D + j_end) * HV + i_hv) * K + o_k, mask=o_k < tl.where(nf > 0, K, 0),
+            g_new = tl.load(dg_ptr + ((c_b * D + j_end) * HV + i_hv) * K + o_k, mask=o_k < tl.where(nf > 0, K, 0),
                             other=0.0).to(tl.float32)
             g_end = tl.where(nf > 0, g_new, g_old)  # [BK]
             s = s * tl.exp(g_end)[:, None]
         else:
-            g_old = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv, mask=n > 0, other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + (i_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
+            g_old = tl.load(cg_ptr + (c_b * C + last) * HV + i_hv, mask=n > 0, other=0.0).to(tl.float32)
+            g_new = tl.load(dg_ptr + (c_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
             g_end = tl.where(nf > 0, g_new, g_old)
             s = s * tl.exp(g_end)
-        s = fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n, g_end, o_k, o_v, m_k, m_v,
+        s = fold_rows(s, ck_ptr, cu_ptr, cg_ptr, c_b, i_h, i_hv, n, g_end, o_k, o_v, m_k, m_v,
                        C, H, HV, K, V, CHANNEL)
         for j in range(0, tl.where(nf > 0, node + 1, 0)):  # drafts <= node: real rows written by verify
             take = tl.sum(tl.where((o_d == j) & (pos < nf), on_path.to(tl.int32), 0), 0) > 0
-            k_j = tl.load(dk_ptr + ((i_b * D + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            u_j = tl.load(du_ptr + ((i_b * D + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            k_j = tl.load(dk_ptr + ((c_b * D + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            u_j = tl.load(du_ptr + ((c_b * D + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             if CHANNEL:
-                G_j = tl.load(dg_ptr + ((i_b * D + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                G_j = tl.load(dg_ptr + ((c_b * D + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             else:
-                G_j = tl.load(dg_ptr + (i_b * D + j) * HV + i_hv).to(tl.float32)
+                G_j = tl.load(dg_ptr + (c_b * D + j) * HV + i_hv).to(tl.float32)
             w = tl.where(take, tl.exp(g_end - G_j), 0.0)
             s += (k_j * w)[:, None] * u_j[None, :]
         tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
@@ -111,9 +150,38 @@ def _accept_kernel(
     """Phase 2 of accept (after any fold has read the old rows): append the kept path entries' u
     columns (every program), G (V-tile 0, rebased on the last folded entry) and keys (one program per
     q/k head); the request's last program (atomic ticket) advances lengths / has_state."""
-    GROUP: tl.constexpr = HV // H
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, D, C, BD)
+    _accept_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+                    i_v, i_b, i_hv, i_h, i_b, C, H, HV, K, V, BD, BK, BV, NV, CHANNEL)
+
+
+@triton.jit
+def _accept_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    """``_accept_kernel`` on a pool: call row i_b on buffer row and draft room ``bslot[i_b]`` (int64
+    offsets); a pad (-1) does nothing."""
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        _accept_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr,
+                        node_ptr, D, i_v, i_b, i_hv, i_h, c_b, C, H, HV, K, V, BD, BK, BV, NV, CHANNEL)
+
+
+@triton.jit
+def _accept_program(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, i_v, i_b, i_hv, i_h, c_b,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    """The body of the accept copy kernels: call row i_b (its node and ticket) on buffer row and draft
+    rows c_b (i_b outside a pool)."""
+    GROUP: tl.constexpr = HV // H
+    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD)
     o_d = tl.arange(0, BD)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -121,9 +189,9 @@ def _accept_kernel(
     m_v = o_v < V
     m_keep = on_path & (pos >= nf)  # path entries that stay buffered ...
     dest = tl.where(fold, pos - nf, n + pos)  # ... at these rows
-    p_dt = (i_b * D + o_d) * HV + i_hv
+    p_dt = (c_b * D + o_d) * HV + i_hv
     ud = tl.load(du_ptr + p_dt[:, None] * V + o_v[None, :], mask=m_keep[:, None] & m_v[None, :], other=0.0)
-    tl.store(cu_ptr + ((i_b * C + dest[:, None]) * HV + i_hv) * V + o_v[None, :],
+    tl.store(cu_ptr + ((c_b * C + dest[:, None]) * HV + i_hv) * V + o_v[None, :],
              ud.to(cu_ptr.dtype.element_ty), mask=m_keep[:, None] & m_v[None, :])
     if i_v == 0:
         last = tl.maximum(n - 1, 0)
@@ -132,32 +200,32 @@ def _accept_kernel(
         if CHANNEL:
             Gd = tl.load(dg_ptr + p_dt[:, None] * K + o_k[None, :], mask=m_keep[:, None] & m_k[None, :],
                          other=0.0).to(tl.float32)
-            g_old = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + o_k,
+            g_old = tl.load(cg_ptr + ((c_b * C + last) * HV + i_hv) * K + o_k,
                             mask=m_ko & (o_k < tl.where(n > 0, K, 0)), other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + ((i_b * D + j_end) * HV + i_hv) * K + o_k,
+            g_new = tl.load(dg_ptr + ((c_b * D + j_end) * HV + i_hv) * K + o_k,
                             mask=m_ko & (o_k < tl.where(nf > 0, K, 0)), other=0.0).to(tl.float32)
             g_end = tl.where(nf > 0, g_new, g_old)  # 0 without a fold
-            tl.store(cg_ptr + ((i_b * C + dest[:, None]) * HV + i_hv) * K + o_k[None, :],
+            tl.store(cg_ptr + ((c_b * C + dest[:, None]) * HV + i_hv) * K + o_k[None, :],
                      (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
         else:
             Gd = tl.load(dg_ptr + p_dt, mask=m_keep, other=0.0).to(tl.float32)
-            g_old = tl.load(cg_ptr + (i_b * C + last) * HV + i_hv, mask=tl.where(fold, n, 0) > 0,
+            g_old = tl.load(cg_ptr + (c_b * C + last) * HV + i_hv, mask=tl.where(fold, n, 0) > 0,
                             other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + (i_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
+            g_new = tl.load(dg_ptr + (c_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
             g_end = tl.where(nf > 0, g_new, g_old)
-            tl.store(cg_ptr + (i_b * C + dest) * HV + i_hv, (Gd - g_end).to(cg_ptr.dtype.element_ty), mask=m_keep)
+            tl.store(cg_ptr + (c_b * C + dest) * HV + i_hv, (Gd - g_end).to(cg_ptr.dtype.element_ty), mask=m_keep)
         if i_hv % GROUP == 0:
-            p_k = ((i_b * D + o_d[:, None]) * H + i_h) * K + o_k[None, :]
+            p_k = ((c_b * D + o_d[:, None]) * H + i_h) * K + o_k[None, :]
             k_new = tl.load(dk_ptr + p_k, mask=m_keep[:, None] & m_k[None, :], other=0.0)
-            tl.store(ck_ptr + ((i_b * C + dest[:, None]) * H + i_h) * K + o_k[None, :],
+            tl.store(ck_ptr + ((c_b * C + dest[:, None]) * H + i_h) * K + o_k[None, :],
                      k_new.to(ck_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
     # the request's last program writes what every program read: lengths and has_state
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + i_b, 1)
     if ticket == HV * NV - 1:
         if fold:
-            tl.store(own_ptr + i_b, 1)
-        tl.store(len_ptr + i_b, tl.where(fold, m - nf, n + m).to(len_ptr.dtype.element_ty))
+            tl.store(own_ptr + c_b, 1)
+        tl.store(len_ptr + c_b, tl.where(fold, m - nf, n + m).to(len_ptr.dtype.element_ty))
         tl.store(ticket_ptr + i_b, 0)
 
 

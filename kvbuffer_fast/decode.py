@@ -60,6 +60,28 @@ def _book_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr,
     owning a state.  Grid (B,), one warp."""
     _pdl_prologue(PDL)
     i_b = tl.program_id(0).to(tl.int64)
+    _book_row(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, i_b, C, H, HV, K, BK, BH, BHV, CHANNEL)
+
+
+@triton.jit
+def _book_slots_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, bslot_ptr,
+                       C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                       BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """``_book_kernel`` on a pool: token row i_b books into buffer row ``bslot[i_b]`` (int64 offsets);
+    a pad (-1) does nothing."""
+    _pdl_prologue(PDL)
+    i_b = tl.program_id(0).to(tl.int64)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        _book_row(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, i_b, c_b, C, H, HV, K, BK, BH, BHV, CHANNEL)
+
+
+@triton.jit
+def _book_row(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr, t_b, i_b,
+              C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+              BK: tl.constexpr, BH: tl.constexpr, BHV: tl.constexpr, CHANNEL: tl.constexpr):
+    """The bookkeeping of token row t_b in buffer row i_b (the same row outside a pool)."""
     n = tl.load(len_ptr + i_b).to(tl.int32)
     full = n >= C
     keep = tl.where(full, 0, n)
@@ -69,7 +91,7 @@ def _book_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr,
     m_k = o_k < K
     o_h = tl.arange(0, BH)
     m_hk = (o_h < H)[:, None] & m_k[None, :]
-    k_all = tl.load(k_ptr + (i_b * H + o_h[:, None]) * K + o_k[None, :], mask=m_hk, other=0.0)
+    k_all = tl.load(k_ptr + (t_b * H + o_h[:, None]) * K + o_k[None, :], mask=m_hk, other=0.0)
     tl.store(ck_ptr + ((i_b * C + keep) * H + o_h[:, None]) * K + o_k[None, :], k_all.to(ck_ptr.dtype.element_ty),
              mask=m_hk)
     o_hv = tl.arange(0, BHV)
@@ -77,13 +99,13 @@ def _book_kernel(k_ptr, g_ptr, ck_ptr, cg_ptr, len_ptr, own_ptr,
         m_g = (o_hv < HV)[:, None] & m_k[None, :]
         g_prev = tl.load(cg_ptr + ((i_b * C + last) * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g,
                          other=0.0).to(tl.float32)
-        g_tok = tl.load(g_ptr + (i_b * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g, other=0.0).to(tl.float32)
+        g_tok = tl.load(g_ptr + (t_b * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_g, other=0.0).to(tl.float32)
         tl.store(cg_ptr + ((i_b * C + keep) * HV + o_hv[:, None]) * K + o_k[None, :],
                  (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
     else:
         m_g = o_hv < HV
         g_prev = tl.load(cg_ptr + (i_b * C + last) * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
-        g_tok = tl.load(g_ptr + i_b * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
+        g_tok = tl.load(g_ptr + t_b * HV + o_hv, mask=m_g, other=0.0).to(tl.float32)
         tl.store(cg_ptr + (i_b * C + keep) * HV + o_hv,
                  (tl.where(has_last, g_prev, 0.0) + g_tok).to(cg_ptr.dtype.element_ty), mask=m_g)
     tl.store(len_ptr + i_b, (keep + 1).to(len_ptr.dtype.element_ty))
@@ -111,6 +133,43 @@ def _decode_kernel(
     only at their end, before exiting."""
     _pdl_prologue(PDL, WAIT=not SERVED)  # SERVED: the wait is at the end
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    _decode_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+                    scale, i_v, i_bhv, i_b, i_hv, i_h, i_b, i_bhv, True, C, H, HV, K, V, CB, BV, KB, NS, CHANNEL,
+                    STORAGE, PDL, SERVED, False)
+
+
+@triton.jit
+def _decode_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, scale, bslot_ptr, sslot_ptr,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
+    CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr = False, SERVED: tl.constexpr = False,
+):
+    """``_decode_kernel`` on a pool: token row i_b reads and writes buffer row ``bslot[i_b]`` and reads
+    state row ``sslot[i_b]`` (-1: none, nothing read, S0 = 0), offsets in int64; a pad row (bslot -1)
+    reads and writes nothing."""
+    _pdl_prologue(PDL, WAIT=not SERVED)
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        s_b = tl.load(sslot_ptr + i_b).to(tl.int64)
+        _decode_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+                        o_ptr, scale, i_v, i_bhv, i_b, i_hv, i_h, c_b, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0,
+                        C, H, HV, K, V, CB, BV, KB, NS, CHANNEL, STORAGE, PDL, SERVED, True)
+
+
+@triton.jit
+def _decode_program(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, scale, i_v, i_bhv, t_b, i_hv, i_h, i_b, s_bhv, s_ok,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
+    CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr, SERVED: tl.constexpr, SLOTS: tl.constexpr,
+):
+    """The body of the decode kernels for token row t_b (value head i_hv, q/k head i_h, V-tile i_v;
+    i_bhv = t_b * HV + i_hv) on buffer row i_b and state row s_bhv (per value head); outside a pool
+    i_b = t_b and s_bhv = i_bhv.  SLOTS: the state row exists only where ``s_ok``."""
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n = tl.load(len_ptr + i_b).to(tl.int32)
@@ -125,8 +184,8 @@ def _decode_kernel(
         g_tok = tl.load(g_ptr + i_bhv).to(tl.float32)
         gc = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
     o_kb = tl.arange(0, KB)
-    p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
-    p_x = (i_b * H + i_h) * K + o_kb
+    p_s = state_ptr + (s_bhv * K + o_kb[:, None]) * V + o_v[None, :]
+    p_x = (t_b * H + i_h) * K + o_kb
     p_c = ((i_b * C + rows[:, None]) * H + i_h) * K + o_kb[None, :]
     sk = tl.zeros([BV], dtype=tl.float32)
     sq = tl.zeros([BV], dtype=tl.float32)
@@ -143,8 +202,11 @@ def _decode_kernel(
         for k0 in tl.range(0, K, KB, num_stages=NS):
             m_kb = (k0 + o_kb) < K
             if STORAGE:
-                st = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0,
-                             eviction_policy="evict_first").to(tl.float32)
+                if SLOTS:  # a request without a state slot reads none (its S0 is 0)
+                    m_st = ((k0 + o_kb) < tl.where(s_ok, K, 0))[:, None] & m_v[None, :]
+                else:
+                    m_st = m_kb[:, None] & m_v[None, :]
+                st = tl.load(p_s + k0 * V, mask=m_st, other=0.0, eviction_policy="evict_first").to(tl.float32)
             kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
             qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
             kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0,
@@ -206,7 +268,8 @@ def _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, s
     """The token of a request folded just now, from the folded state S with an empty buffer:
     sk = S^T k, sq = S^T q (per-channel gates: already with exp(g) inside), qk = k.q;
     u = beta (v - exp(g) S^T k), o = exp(g) S^T q s + (q.k) s u; u is written to row 0 of its own
-    columns (the bookkeeping launch appends the key / G rows there and sets the length to 1)."""
+    columns of buffer row i_b (the bookkeeping launch appends the key / G rows there and sets the length
+    to 1); the token's own tensors are read and written at i_bhv."""
     if not CHANNEL:
         e_new = tl.exp(tl.load(g_ptr + i_bhv).to(tl.float32))
         sk = sk * e_new
@@ -277,9 +340,50 @@ def _fold_group_kernel(
     i_g = tl.program_id(1).to(tl.int64)
     i_b = i_g // NG
     hv0 = (i_g % NG) * FH
-    n = tl.load(len_ptr + i_b).to(tl.int32)
+    _fold_group_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+                        o_ptr, scale, i_v, i_b, hv0, i_b, i_b, i_b, C, H, HV, K, V, CB, KB, BV, FH, NS, CHANNEL, False)
+
+
+@triton.jit
+def _fold_group_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, scale, bslot_ptr, sread_ptr, swrite_ptr,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
+    CHANNEL: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """``_fold_group_kernel`` on a pool: token row i_b folds buffer row ``bslot[i_b]`` on the state read
+    from slot ``sread[i_b]`` (-1: none, S0 = 0) into slot ``swrite[i_b]`` (the same slot, or a fresh one
+    for a request without one or sharing it: copy-on-write), int64 offsets; a pad (bslot -1) does nothing."""
+    NG: tl.constexpr = HV // FH
+    _pdl_prologue(PDL)
+    i_v = tl.program_id(0)
+    i_g = tl.program_id(1).to(tl.int64)
+    i_b = i_g // NG
+    hv0 = (i_g % NG) * FH
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        s_r = tl.maximum(tl.load(sread_ptr + i_b).to(tl.int64), 0)
+        s_w = tl.load(swrite_ptr + i_b).to(tl.int64)
+        _fold_group_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
+                            beta_ptr, o_ptr, scale, i_v, i_b, hv0, c_b, s_r, s_w, C, H, HV, K, V, CB, KB, BV, FH, NS,
+                            CHANNEL, True)
+
+
+@triton.jit
+def _fold_group_program(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, scale, i_v, i_b, hv0, c_b, s_r, s_w,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
+    CHANNEL: tl.constexpr, SLOTS: tl.constexpr,
+):
+    """The body of the grouped fold kernels: token row i_b, value heads hv0..hv0+FH-1, V-tile i_v, on
+    buffer row c_b; SLOTS: the state is read from slot s_r and written to slot s_w (else both are the
+    token row's, i_b * HV + i_hv)."""
+    n = tl.load(len_ptr + c_b).to(tl.int32)
     if n >= C:
-        owns = tl.load(own_ptr + i_b) != 0
+        owns = tl.load(own_ptr + c_b) != 0
         o_kb = tl.arange(0, KB)
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -289,10 +393,10 @@ def _fold_group_kernel(
             i_hv = hv0 + hh
             i_h = i_hv // (HV // H)
             i_bhv = i_b * HV + i_hv
-            uf = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+            uf = tl.load(cu_ptr + ((c_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
                          mask=m_c[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [CB, BV]
             if not CHANNEL:
-                gj = tl.load(cg_ptr + (i_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
+                gj = tl.load(cg_ptr + (c_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
                 g_end = tl.sum(tl.where(rows == C - 1, gj, 0.0), 0)
                 w = tl.where(m_c, tl.exp(g_end - gj), 0.0)
             sk = tl.zeros([BV], dtype=tl.float32)
@@ -301,16 +405,23 @@ def _fold_group_kernel(
             for k0 in tl.range(0, K, KB, num_stages=NS):
                 o_k = k0 + o_kb
                 m_k = o_k < K
-                p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-                m_s = m_k[:, None] & m_v[None, :]
-                st = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+                if SLOTS:  # read the request's state slot (none: S0 = 0), write the fold to slot s_w
+                    p_s = state_ptr + ((s_r * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+                    m_s = m_k[:, None] & m_v[None, :]
+                    st = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :],
+                                 other=0.0).to(tl.float32)
+                    p_s = state_ptr + ((s_w * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+                else:
+                    p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+                    m_s = m_k[:, None] & m_v[None, :]
+                    st = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
                 st = tl.where(owns, st, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)
-                kf = tl.load(ck_ptr + ((i_b * C + rows[None, :]) * H + i_h) * K + o_k[:, None],
+                kf = tl.load(ck_ptr + ((c_b * C + rows[None, :]) * H + i_h) * K + o_k[:, None],
                              mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [KB, CB]
                 if CHANNEL:
-                    ge = tl.load(cg_ptr + ((i_b * C + C - 1) * HV + i_hv) * K + o_k, mask=m_k,
+                    ge = tl.load(cg_ptr + ((c_b * C + C - 1) * HV + i_hv) * K + o_k, mask=m_k,
                                  other=0.0).to(tl.float32)
-                    gjk = tl.load(cg_ptr + ((i_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None],
+                    gjk = tl.load(cg_ptr + ((c_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None],
                                   mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
                     kf = tl.where(m_c[None, :], kf * tl.exp(ge[:, None] - gjk), 0.0)
                     st = st * tl.exp(ge)[:, None]
@@ -321,7 +432,7 @@ def _fold_group_kernel(
                 tl.store(p_s, st.to(state_ptr.dtype.element_ty), mask=m_s)
                 sk, sq, qk = _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
                                          H, K, CHANNEL)
-            _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, i_b, i_hv, i_bhv, sk, sq, qk, scale,
+            _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, c_b, i_hv, i_bhv, sk, sq, qk, scale,
                           o_v, m_v, C, HV, V, CHANNEL)
 
 

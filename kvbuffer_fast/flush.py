@@ -34,20 +34,49 @@ def _flush_kernel(
     """Fold the first m entries into the state tile and move this tile's remaining u columns down.
     A request in direct mode folds into S0 = 0 (its storage is not read)."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    _flush_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, i_v, i_b, i_hv, i_h, i_b, i_bhv,
+                   i_bhv, C, H, HV, K, V, BC, BK, BV, CHANNEL)
+
+
+@triton.jit
+def _flush_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, bslot_ptr, sread_ptr, swrite_ptr,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    """``_flush_kernel`` on a pool: row i_b (its count count[i_b]) folds buffer row ``bslot[i_b]`` on the
+    state of slot ``sread[i_b]`` (-1: none) into slot ``swrite[i_b]``, int64 offsets; a pad (-1) does
+    nothing."""
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        s_r = tl.maximum(tl.load(sread_ptr + i_b).to(tl.int64), 0)
+        s_w = tl.load(swrite_ptr + i_b).to(tl.int64)
+        _flush_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, i_v, i_b, i_hv, i_h, c_b,
+                       s_r * HV + i_hv, s_w * HV + i_hv, C, H, HV, K, V, BC, BK, BV, CHANNEL)
+
+
+@triton.jit
+def _flush_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, i_v, i_b, i_hv, i_h, c_b,
+                   s_r, s_w, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr):
+    """The body of the flush kernels: count row i_b on buffer row c_b, the state read at row s_r and
+    written at row s_w (per value head: slot * HV + i_hv; outside a pool all are the program's own)."""
     m = tl.load(count_ptr + i_b).to(tl.int32)
     if m > 0:
-        n = tl.load(len_ptr + i_b).to(tl.int32)
-        owns = tl.load(own_ptr + i_b) != 0
+        n = tl.load(len_ptr + c_b).to(tl.int32)
+        owns = tl.load(own_ptr + c_b) != 0
         o_c = tl.arange(0, BC)
         o_k, o_v, m_k, m_v = _tile_offsets(i_v, BK, BV, K, V)
-        p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
+        p_s = state_ptr + (s_r * K + o_k[:, None]) * V + o_v[None, :]
         s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        s, g_end = decay(s, cg_ptr, i_b * C + m - 1, i_hv, o_k, m_k, HV, K, CHANNEL)
-        s = fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, m, g_end, o_k, o_v, m_k, m_v, C, H, HV, K, V,
+        s, g_end = decay(s, cg_ptr, c_b * C + m - 1, i_hv, o_k, m_k, HV, K, CHANNEL)
+        s = fold_rows(s, ck_ptr, cu_ptr, cg_ptr, c_b, i_h, i_hv, m, g_end, o_k, o_v, m_k, m_v, C, H, HV, K, V,
                       CHANNEL)
+        p_s = state_ptr + (s_w * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
         m_rest = (o_c >= m) & (o_c < n)  # entries that stay: row j moves to row j - m
-        p_cu = cu_ptr + ((i_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
+        p_cu = cu_ptr + ((c_b * C + o_c[:, None]) * HV + i_hv) * V + o_v[None, :]
         uc = tl.load(p_cu, mask=m_rest[:, None] & m_v[None, :], other=0.0)
         tl.debug_barrier()  # every warp has read the rows before any is overwritten
         tl.store(p_cu - m * HV * V, uc, mask=m_rest[:, None] & m_v[None, :])

@@ -400,15 +400,49 @@ def _verify_stream_kernel(
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
     it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
     products in precision XP); otherwise in PREC."""
-    R: tl.constexpr = 2 * BD
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, i_bhv, True, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False)
+
+
+@triton.jit
+def _verify_stream_slots_kernel(
+    v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
+    C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+    STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
+    H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, sslot_ptr,
+):
+    """``_verify_stream_kernel`` on a pool's states: request i_b's S0 is state slot ``sslot[i_b]`` of
+    ``state_ptr`` (-1: none, nothing read), int64 offsets."""
+    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    s_b = tl.load(sslot_ptr + i_b).to(tl.int64)
+    _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0,
+                           C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, True)
+
+
+@triton.jit
+def _verify_stream_program(
+    v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
+    i_v, i_bhv, i_b, i_hv, i_h, s_bhv, s_ok,
+    C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+    STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
+    H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, SLOTS: tl.constexpr,
+):
+    """The body of the phase-2 kernels: program (i_v, i_bhv) of request i_b, its state read at row s_bhv
+    (per value head; i_bhv outside a pool; SLOTS: the request owns a state, and it is read, only where
+    ``s_ok``; its buffer's has_state is not read)."""
+    R: tl.constexpr = 2 * BD
     _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
-    owns = tl.load(own_ptr + i_b) != 0
+    if SLOTS:  # a pool's request owns a state exactly when it has a state slot
+        owns = s_ok
+    else:
+        owns = tl.load(own_ptr + i_b) != 0
     o_kb = tl.arange(0, KB)
-    p_s = state_ptr + (i_bhv * K + o_kb[:, None]) * V + o_v[None, :]
+    p_s = state_ptr + (s_bhv * K + o_kb[:, None]) * V + o_v[None, :]
     X = tl.zeros([R, BV], dtype=tl.float32)
     p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
     o_m = tl.arange(0, BC)
@@ -422,7 +456,10 @@ def _verify_stream_kernel(
             m_kx = (m_in & m_t & ~is_q)[:, None]
             m_qx = (m_in & m_t & is_q)[:, None]
             for k0 in tl.range(0, K, KB, num_stages=NS):
-                m_kb = (k0 + o_kb) < K
+                if SLOTS:  # no state slot: nothing read
+                    m_kb = (k0 + o_kb) < tl.where(s_ok, K, 0)
+                else:
+                    m_kb = (k0 + o_kb) < K
                 sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                 xb = (tl.load(k_ptr + p_x + k0, mask=m_kx & m_kb[None, :], other=0.0).to(tl.float32)
                       + tl.load(q_ptr + p_x + k0, mask=m_qx & m_kb[None, :], other=0.0).to(tl.float32))
@@ -450,7 +487,10 @@ def _verify_stream_kernel(
         else:
             p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kb[None, :]
             for k0 in tl.range(0, K, KB, num_stages=NS):
-                m_kb = (k0 + o_kb) < K
+                if SLOTS:
+                    m_kb = (k0 + o_kb) < tl.where(s_ok, K, 0)
+                else:
+                    m_kb = (k0 + o_kb) < K
                 sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                 pb = tl.load(p_p + k0, mask=m_kb[None, :], other=0.0)
                 X = tl.dot(pb, sb, X, input_precision=PREC)
@@ -486,6 +526,13 @@ def verify(
     ``config``: the launch (a ``kvbuffer_fast.launch.VerifyConfig``; default: the launch table's row
     for these shapes).  The checks that read device values are skipped while a CUDA graph is captured.
     """
+    return _verify(q, k, v, g, beta, buffer, parents, num_drafts, scale, config)
+
+
+def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, config, pool_state=None):
+    """``verify``'s body.  ``pool_state``: None, or (state [S, HV, K, V], slots [B]) of a serving pool
+    (``kvbuffer_fast.pool``): request b's S0 is state slot ``slots[b]`` (-1: none, S0 = 0) instead of
+    ``buffer.state`` (which is then None)."""
     d = check_tokens(q, k, v, g, beta)
     checked = checked_buffer(buffer, "verify", d, q.device)
     parents, num_drafts = _default_drafts(parents, num_drafts, d.B, d.T, q)
@@ -510,7 +557,7 @@ def verify(
     drafts = Drafts(parents=parents, num_drafts=num_drafts, k=dk, u=du, G=dG)
     if d.B == 0 or d.T == 0:
         return o, drafts
-    _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg)
+    _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg, pool_state)
     return o, drafts
 
 
@@ -532,10 +579,11 @@ def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
 
 
 def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o, drafts: Drafts, d,
-            cfg: VerifyConfig) -> None:
+            cfg: VerifyConfig, pool_state=None) -> None:
     """Phase 1 then phase 2 (module docstring).  fp32 products: tf32x3 on CUDA, FMA ("ieee") in the
-    interpreter; phase 2's X S0 splits only the state for 16-bit q and k (exact in TF32)."""
-    storage = buffer.state is not None
+    interpreter; phase 2's X S0 splits only the state for 16-bit q and k (exact in TF32).  ``pool_state``:
+    as ``_verify``'s (phase 2 then reads the pool's state slots)."""
+    storage = buffer.state is not None or pool_state is not None
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
     BV = max(16, min(cfg.BV, block(d.V)))
@@ -559,12 +607,16 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
                                                     **prep)
         else:
             _verify_prep_kernel[(d.B * d.HV,)](*args, **prep)
-        _verify_stream_kernel[(triton.cdiv(d.V, BV), d.B * d.HV)](
+        if pool_state is None:
+            stream, state, slots = _verify_stream_kernel, buffer.state, {}
+        else:
+            stream, state, slots = _verify_stream_slots_kernel, pool_state[0], dict(sslot_ptr=pool_state[1])
+        stream[(triton.cdiv(d.V, BV), d.B * d.HV)](
             as_input(v), num_drafts, o, drafts.u, buffer.u, buffer.lengths, flag_view(buffer.has_state),
-            buffer.state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
+            state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
             pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, KB=KB, BV=BV, NS=cfg.NS,
             STORAGE=storage, PREC=prec, ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), EARLY=cfg.early,
-            XSPLIT=xsplit, XP="tf32" if q.is_cuda else "ieee", num_warps=cfg.num_warps, **pdl)
+            XSPLIT=xsplit, XP="tf32" if q.is_cuda else "ieee", num_warps=cfg.num_warps, **slots, **pdl)
 
 
 #: Rows of default (parents, num_drafts) per (B, D, device): [block, next row].  Each default call takes a

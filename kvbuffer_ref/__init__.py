@@ -9,6 +9,7 @@ from .buffer import Drafts, KVBuffer
 from .chunk import chunk_gated_delta_rule
 from .decode import buffered_decode, flush, materialize_state
 from .direct import direct_gated_delta_rule
+from .pool import KVPool, head_layout
 from .prefill import default_tail, prefill
 from .recurrent import recurrent_gated_delta_rule
 from .speculative import accept, path_to, verify
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "KVBuffer",
     "Drafts",
+    "KVPool",
+    "head_layout",
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule",
     "direct_gated_delta_rule",

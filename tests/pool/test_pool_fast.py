@@ -1,0 +1,126 @@
+"""kvbuffer_fast.pool.KVPool on drawn schedules (the Triton interpreter on a CPU; small shapes, float32):
+every request's outputs and final state against the float64 recurrence within the error table's float32
+budget, pads that read and write nothing, int32 and int64 indices; the reference pool's bad-input rules."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvbuffer_fast.pool import KVPool  # noqa: E402
+
+from .schedule import assert_untouched, run_schedule, snapshot  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FEW = settings(max_examples=4, deadline=None) if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else \
+    settings(deadline=None)
+SHAPES = dict(layers=1, N=4, C=3, D=3, H=1, HV=2, K=4, V=4)
+
+
+def _pool(layers, N, C, D, H, HV, K, V, S=None, **kw):
+    return KVPool(layers=layers, num_state_slots=N if S is None else S, num_buffer_slots=N, capacity=C,
+                  max_drafts=D, num_heads=H, num_value_heads=HV, head_k_dim=K, head_v_dim=V, device=DEVICE, **kw)
+
+
+@FEW
+@given(data=st.data(), C=st.sampled_from([1, 3]))
+def test_fast_schedules_match_each_request_alone(data, C):
+    shapes = dict(SHAPES, C=C)
+    run_schedule(lambda: _pool(**shapes), data, dtype=torch.float32, device=DEVICE, steps=8, **shapes)
+
+
+def test_fast_folds_take_their_own_slots():
+    """Accept past the capacity from direct mode (a first fold) and on a state shared with a fork
+    (copy-on-write), with a pad row: every request's state equals the recurrence over its own tokens."""
+    from .schedule import Checker, Tokens, _cat, _rows
+    p = _pool(**SHAPES)
+    tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
+    s = p.acquire(2)
+    x = tok.draw(2, 4)                                        # request 1: C + 1 tokens, a state; 0: 2, direct
+    p.admit(**_rows(x, (slice(0, 1), slice(0, 2))), layer=0, slots=s[:1].to(DEVICE))
+    p.admit(**_rows(x, slice(1, 2)), layer=0, slots=s[1:].to(DEVICE))
+    f = p.acquire(1)
+    p.fork(src=s[1:].to(DEVICE), dst=f.to(DEVICE), keep=0)    # shares request 1's state slot
+    hist = {0: _rows(x, (0, slice(0, 2))), 1: _rows(x, 1), 2: _rows(x, (1, slice(0, 3)))}
+    rows = torch.tensor([int(f), -1, int(s[0]), int(s[1])], dtype=torch.int32, device=DEVICE)
+    d = tok.draw(4, 3)
+    o = p.verify(**{n: t.to(DEVICE) for n, t in d.items()}, layer=0, slots=rows)
+    who = {0: 2, 2: 0, 3: 1}                                  # row -> request
+    for r, q in who.items():
+        chk.check(o[r].cpu(), hist[q], _rows(d, r), f"verify row {r}")
+    counts = torch.tensor([3, 99, 2, 3], device=DEVICE)       # every request passes C = 3: folds
+    p.accept(layer=0, slots=rows, counts=counts)
+    for r, q in who.items():
+        hist[q] = _cat(hist[q], _rows(d, (r, slice(0, int(counts[r])))))
+    slots = p.tensors()["state_slot"][0].tolist()
+    assert len({slots[int(f)], slots[int(s[0])], slots[int(s[1])]}) == 3 and -1 not in slots[:3], slots
+    S = p.state_of(layer=0, slots=torch.tensor([int(s[0]), int(s[1]), int(f)], device=DEVICE))
+    for i, q in enumerate((0, 1, 2)):
+        chk.check_state(S[i].cpu(), hist[q], f"state of request {q}")
+
+
+def _tok(B, T=1, seed=0):
+    from .schedule import Tokens
+    return {n: t.to(DEVICE) for n, t in Tokens(seed, 1, 2, 4, 4, torch.float32, "cpu").draw(B, T).items()}
+
+
+@pytest.mark.parametrize("slots, error, match", [
+    ([0, 4], ValueError, r"slots: entry \[1\] is 4, expected a slot in 0..3 or -1"),
+    ([0, 2, 0], ValueError, "slots: slot 0 appears more than once"),
+    ([1], ValueError, r"slots: entry \[0\] is slot 1, which holds no live request"),
+    ([0.0], TypeError, "slots: expected an int32 or int64 tensor"),
+])
+@pytest.mark.parametrize("op", ["decode", "verify", "flush", "accept", "release"])
+def test_fast_bad_slots_name_the_argument_and_change_nothing(op, slots, error, match):
+    p = _pool(**SHAPES)
+    s = p.acquire(3)
+    p.admit(**_tok(3, T=2), layer=0, slots=s.to(DEVICE))
+    p.release(s[1:2].to(DEVICE))
+    p.verify(**_tok(2, T=2), layer=0, slots=s[[0, 2]].to(DEVICE))
+    if op in ("decode", "flush"):
+        p.accept(layer=0, slots=s[[0, 2]].to(DEVICE), counts=1)
+    before = snapshot(p)
+    sl = torch.tensor(slots, device=DEVICE)
+    B = sl.shape[0]
+    with pytest.raises(error, match=match):
+        if op == "decode":
+            p.decode(**_tok(B), layer=0, slots=sl)
+        elif op == "verify":
+            p.verify(**_tok(B, T=2), layer=0, slots=sl)
+        elif op == "flush":
+            p.flush(layer=0, slots=sl)
+        elif op == "accept":
+            p.accept(layer=0, slots=sl, counts=0)
+        else:
+            p.release(sl)
+    assert_untouched(p, before, [], f"rejected {op}")
+
+
+def test_fast_state_rules():
+    """Decode with drafts pending, accept without verify, counts out of range, no free state slot: errors
+    before anything is written."""
+    p = _pool(**SHAPES, S=1)
+    s = p.acquire(2).to(DEVICE)
+    p.admit(**_tok(2, T=3), layer=0, slots=s)                # C = 3: both full, no state yet
+    p.decode(**_tok(1), layer=0, slots=s[:1])                 # takes the one state slot
+    before = snapshot(p)
+    for call, match in [(lambda: p.decode(**_tok(1), layer=0, slots=s[1:]), "only 0 of 1 state slots are free"),
+                        (lambda: p.accept(layer=0, slots=s, counts=0), "no verified drafts pending"),
+                        (lambda: p.decode(**_tok(3), layer=0, slots=s), "q: expected 2 rows")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert_untouched(p, before, [], f"rejected call ({match})")
+    p.verify(**_tok(2, T=2), layer=0, slots=s)
+    before = snapshot(p)
+    for call, match in [(lambda: p.decode(**_tok(2), layer=0, slots=s), "pending.*before decode"),
+                        (lambda: p.accept(layer=0, slots=s, counts=torch.tensor([0, 3], device=DEVICE)), "counts"),
+                        (lambda: p.accept(layer=0, slots=s, nodes=torch.tensor([2, 0], device=DEVICE)), "nodes")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert_untouched(p, before, [], f"rejected call ({match})")
