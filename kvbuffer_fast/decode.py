@@ -294,7 +294,13 @@ def _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
         en = tl.exp(tl.load(g_ptr + i_bhv * K + o_k, mask=m_k, other=0.0).to(tl.float32))
         kb = kb * en
         qb = qb * en
-    return sk + tl.sum(st * kb[:, None], 0), sq + tl.sum(st * qb[:, None], 0), qk + kq
+    # Both sums as rows 0 and 1 of one product [16, KB] @ st.  A row is then taken out by adding exact
+    # zeros, so every thread that holds a copy of a sum holds the same value (a tl.sum over st's rows
+    # leaves differently rounded copies in the lanes of its butterfly, which the layout conversion
+    # after it writes to one shared-memory word: a write-write race that racecheck reports).
+    r = tl.arange(0, 16)[:, None]
+    p = tl.dot(tl.where(r == 0, kb[None, :], tl.where(r == 1, qb[None, :], 0.0)), st, input_precision="ieee")
+    return sk + tl.sum(tl.where(r == 0, p, 0.0), 0), sq + tl.sum(tl.where(r == 1, p, 0.0), 0), qk + kq
 
 
 @triton.jit
