@@ -287,7 +287,7 @@ def validation_markdown(data: dict, plot: Optional[str] = None) -> str:
         md.append("| " + " | ".join([
             str(r.get("operation")), str(r.get("implementation")), str(r.get("dtype") or "–"),
             str(r.get("cases")) if ran else "–", _sci(r.get("worst_rel")), _sci(r.get("budget")),
-            "–" if ratio is None else f"{ratio:.3f}", status.replace("|", "\\|"),
+            "–" if ratio is None else f"{ratio:.3g}", status.replace("|", "\\|"),
             f"{_num(r.get('seconds')) or 0:.1f} s" if ran else "–"]) + " |")
     failures = [r for r in data.get("results", []) if r.get("status") in ("FAIL", "ERROR")]
     if failures:
@@ -296,7 +296,10 @@ def validation_markdown(data: dict, plot: Optional[str] = None) -> str:
         f = r.get("failure") or {}
         md += ["", f"### {r.get('status')}: {r.get('operation')} / {r.get('implementation')} / {r.get('dtype')}", ""]
         if f.get("case") is not None:
-            md.append(f"- Smallest failing case: `{f['case']}`" + (
+            case = f["case"]
+            if isinstance(case, dict):
+                case = "Case(" + ", ".join(f"{k}={v!r}" for k, v in case.items()) + ")"
+            md.append(f"- Smallest failing case: `{case}`" + (
                 f" with {', '.join(f'{k}={v!r}' for k, v in f['params'].items())}" if f.get("params") else ""))
         if f.get("error"):
             md.append(f"- The implementation raised `{f['error']}`")
