@@ -197,3 +197,51 @@ def test_report_with_nothing_to_render_says_where_it_looked(capsys, tmp_path, mo
     rc = kcli.main(["report"])
     err = capsys.readouterr().err
     assert rc == 2 and "run `kvbuffer validate` first" in err and str(tmp_path / "empty") in err
+
+
+# ----------------------------------------------------------------------------- install: what the docs promise
+def _pyproject():
+    import tomllib
+
+    from .conftest import ROOT
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_wheel_ships_every_golden_vector_file():
+    """pyproject's package data covers every file of the golden data directory (a new case ships too)."""
+    from fnmatch import fnmatch
+
+    from kvbuffer_ref.validate import golden
+
+    patterns = _pyproject()["tool"]["setuptools"]["package-data"]["kvbuffer_ref.validate.golden"]
+    base = golden.PACKAGE_DIR.parent
+    files = [p.relative_to(base).as_posix() for p in golden.PACKAGE_DIR.rglob("*") if p.is_file()]
+    assert len(files) > 10
+    assert [f for f in files if not any(fnmatch(f, pat) for pat in patterns)] == []
+
+
+def test_the_extras_are_pinned_as_the_docs_say():
+    from .conftest import ROOT
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert extras["fast"] == ["triton>=3.0"]
+    assert "fla-core==0.6.0" in extras["crosscheck"]
+    (tf,) = [d for d in extras["crosscheck"] if d.startswith("transformers")]
+    assert "<" in tf and ">=" in tf, tf  # a tested range, not any release
+    readme = (ROOT / "README.md").read_text()
+    assert f"`{tf}`" in readme and "`fla-core==0.6.0`" in readme and "`triton>=3.0`" in readme
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in (ROOT / "scripts" / "install.sh").read_text()
+
+
+def test_the_readme_names_the_rows_validate_reports_not_provided_for_kvbuffer_fast():
+    from kvbuffer_ref.validate import adapters, lanes
+
+    from .conftest import ROOT
+
+    impl = adapters.fast()
+    missing = sorted(op.key for op in lanes.OPS if any(a in impl.not_provided for a in op.needs))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = "`kvbuffer validate` lists " + ", ".join(f"`{m}`" for m in missing[:-1]) + f" and `{missing[-1]}` " \
+        "as NOT PROVIDED for `kvbuffer_fast`"
+    assert said in readme, (missing, said)
