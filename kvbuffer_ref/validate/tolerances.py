@@ -103,7 +103,8 @@ def gate_spans(g: Optional[torch.Tensor], compute: torch.dtype = torch.float32) 
         return None
     if g.dim() not in (3, 4):
         raise ValueError(f"g: expected [B, T, HV] or [B, T, HV, K], got shape {list(g.shape)}")
-    a = g.detach().to(torch.float64).abs().nan_to_num(nan=math.inf).clamp(max=RESET_GATE[compute]).sum(dim=1)
+    # NaN: a row no form uses (verify's padding past num_drafts; a used NaN gate is rejected by the checks)
+    a = g.detach().to(torch.float64).abs().nan_to_num(nan=0.0).clamp(max=RESET_GATE[compute]).sum(dim=1)
     if a.dim() == 3:
         a = a.amax(dim=-1) if a.shape[-1] else a.sum(dim=-1)
     return a
@@ -189,15 +190,6 @@ class Comparison:
     @property
     def passed(self) -> bool:
         return self.nonfinite == 0 and self.worst_rel <= self.budget
-
-    @property
-    def ratio(self) -> float:
-        """Error / budget at the deciding slice (inf for non-finite output; 0/0 = 0)."""
-        if self.nonfinite or self.worst_rel != self.worst_rel:
-            return float("inf")
-        if self.budget <= 0:
-            return 0.0 if self.worst_rel == 0 else float("inf")
-        return self.worst_rel / self.budget
 
     def budget_terms(self) -> str:
         """The budget's terms at the deciding slice, as the report prints them."""
