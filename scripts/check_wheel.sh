@@ -74,12 +74,14 @@ assert all(r.passed for r in fast)
 print(f"[check_wheel] golden: {len(cases)} cases in {golden.default_dir()}; {len(reports) + len(fast)} checks passed")
 EOF
 
-step "the pytest plugin, as docs/validate-your-kernel.md runs it (an adapter module in the working directory)"
+step "the pytest plugin, as docs/validate-your-kernel.md runs it (an adapter module in a project folder)"
+mkdir -p "$work/project"  # a folder of its own: pytest collects everything below where it starts
 printf 'from kvbuffer_ref import direct_gated_delta_rule  # noqa: F401  (a module is an adapter)\nname = "my-adapter"\n' \
-    > "$work/my_adapter.py"
-"$V" -m pytest -q -p no:cacheprovider --kvbuffer-impl my_adapter --kvbuffer-ops direct --kvbuffer-max-examples 2 \
-    > "$work/plugin.txt" 2>&1 || { cat "$work/plugin.txt"; exit 1; }
-grep -q "passed" "$work/plugin.txt" && step "plugin: $(tail -1 "$work/plugin.txt")"
+    > "$work/project/my_adapter.py"
+# python3 -m pytest, not plain pytest: -m puts the working directory (the adapter module) on sys.path
+(cd "$work/project" && "$V" -m pytest -q -p no:cacheprovider --kvbuffer-impl my_adapter --kvbuffer-ops direct \
+    --kvbuffer-max-examples 2) > "$work/plugin.txt" 2>&1 || { cat "$work/plugin.txt"; exit 1; }
+grep -q "1 passed" "$work/plugin.txt" && step "plugin: $(tail -1 "$work/plugin.txt")"
 
 if [ "${FULL:-0}" = "1" ]; then
     step "the whole default kvbuffer validate, timed"
