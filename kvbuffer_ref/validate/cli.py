@@ -1,14 +1,24 @@
-"""``kvbuffer``: the command line.  ``kvbuffer validate --help`` says what it does.
+"""``kvbuffer``: the command line.  ``kvbuffer validate --help`` and ``kvbuffer report --help`` say what
+they do.
 
 Exit status of ``kvbuffer validate``: 0 when every lane passes (NOT PROVIDED and SKIP rows are
 listed, never hidden), 1 when any lane fails, 2 on a bad argument (with a message, no traceback).
+Every run also keeps its JSON report as ``last-validate.json`` in the cache folder (``cache_dir``),
+which ``kvbuffer report`` renders by default.
+
+Exit status of ``kvbuffer report``: 0 when it rendered every file, 2 when a file is missing or is
+none of the JSONs it knows (a validation report, ``bench/gpu.py``'s or pytest-benchmark's JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Optional, Sequence
 
 USAGE_EXAMPLES = """\
@@ -17,11 +27,34 @@ examples:
   kvbuffer validate --impl fla --ops recurrent        # flash-linear-attention's fused_recurrent kernel
   kvbuffer validate --impl mypkg.kvb:adapter --json report.json
   kvbuffer validate --impl fast --ops decode --seed 123 --profile thorough
+  kvbuffer report                                     # the last run as Markdown
 
 An adapter (module:attr) is an object or module with some of the attributes recurrent_gated_delta_rule,
 recurrent_decode, chunk_gated_delta_rule, direct_gated_delta_rule, buffered_decode, flush,
 materialize_state, verify, accept, prefill (docs/validate-your-kernel.md, kvbuffer_ref/validate/adapters.py).
 """
+
+
+REPORT_EXAMPLES = """\
+examples:
+  kvbuffer report                                     # the last validation run (and ./bench/results/latest/*.json)
+  kvbuffer report report.json --out results/          # results/report.md and results/report-lanes.png
+  kvbuffer report bench/results/latest/gpu.json       # a benchmark run (from a checkout: bench/ renders it)
+"""
+
+#: The file name under ``cache_dir()`` that every ``kvbuffer validate`` run writes its JSON report to.
+LAST_REPORT = "last-validate.json"
+#: Benchmark JSON read by ``kvbuffer report`` without arguments (relative to the working directory).
+BENCH_LATEST = Path("bench") / "results" / "latest"
+
+
+def cache_dir() -> Path:
+    """Where ``kvbuffer validate`` keeps its last report: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer,
+    else ~/.cache/kvbuffer."""
+    if os.environ.get("KVBUFFER_CACHE_DIR"):
+        return Path(os.environ["KVBUFFER_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvbuffer"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +89,18 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--replay", metavar="BLOB", help="replay one failure from its @reproduce_failure blob "
                                                     "(select its single lane with --impl/--ops/--dtype)")
     v.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
+    r = sub.add_parser(
+        "report", help="render validation and benchmark JSON as Markdown (and plots, with matplotlib)",
+        description="Render JSON reports as Markdown: the last `kvbuffer validate` run (kept as "
+                    f"{LAST_REPORT} in the cache folder: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer, else "
+                    "~/.cache/kvbuffer) and, in a checkout, the benchmark JSON of bench/results/latest/. "
+                    "Plots need matplotlib and --out.",
+        epilog=REPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("json", nargs="*", metavar="JSON",
+                   help="files to render: `kvbuffer validate --json` reports, bench/gpu.py's gpu.json, pytest-benchmark "
+                        "JSON (default: the last validation report and ./bench/results/latest/*.json)")
+    r.add_argument("--out", metavar="DIR", help="write DIR/report.md and the plots (PNG) instead of printing the Markdown")
+    r.add_argument("--no-plot", action="store_true", help="no plots, even with matplotlib installed")
     return p
 
 
@@ -165,6 +210,7 @@ def _validate(args) -> int:
     print()
     print(f"{'FAILED' if failures else 'PASSED'}: {s['PASS']} passed, {s['FAIL'] + s['ERROR']} failed, "
           f"{s['NOT PROVIDED']} not provided, {s['SKIP']} skipped in {report.seconds:.1f}s (seed {report.seed})")
+    _keep_last(report)
     if args.json:
         try:
             rep.write_json(report, args.json)
@@ -172,6 +218,215 @@ def _validate(args) -> int:
             print(f"kvbuffer validate: error: --json {args.json}: {e}", file=sys.stderr)
             return 2
     return 1 if failures else 0
+
+
+def _keep_last(report) -> None:
+    """Write ``report`` to cache_dir()/LAST_REPORT (atomically: parallel runs never leave half a file);
+    a folder that cannot be written costs a note, not the run."""
+    from . import report as rep
+
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".last-validate.", suffix=".json", dir=folder)
+        os.close(fd)
+        try:
+            rep.write_json(report, tmp)
+            os.replace(tmp, folder / LAST_REPORT)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:
+        print(f"note: the report was not kept for `kvbuffer report` ({folder}: {e})", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- kvbuffer report
+def _num(x) -> Optional[float]:
+    """A JSON number (infinities are written as strings) as a float; None for null."""
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _sci(x) -> str:
+    x = _num(x)
+    return "–" if x is None else (f"{x:.2e}" if math.isfinite(x) else str(x))
+
+
+def lane_ratio(r: dict) -> Optional[float]:
+    """A lane's worst error / budget from its JSON row (None when it ran no comparison)."""
+    w, b = _num(r.get("worst_rel")), _num(r.get("budget"))
+    if w is None or b is None:
+        return None
+    if b <= 0:
+        return 0.0 if w == 0 else math.inf
+    return w / b
+
+
+def validation_markdown(data: dict, plot: Optional[str] = None) -> str:
+    """A ``kvbuffer validate`` JSON report as Markdown: the settings, one table row per lane (error,
+    budget and their ratio; the reason of every lane not run), each failure with its case and
+    comparisons, and ``plot`` (an image path) when given."""
+    s = data.get("summary", {})
+    md = [f"# kvbuffer validate: {'PASSED' if data.get('passed') else 'FAILED'}", "",
+          f"- Profile {data.get('profile')}, seed {data.get('seed')}, device {data.get('device')}, Triton "
+          f"{data.get('triton')}; {data.get('seconds')} s",
+          f"- {s.get('PASS', 0)} passed, {s.get('FAIL', 0) + s.get('ERROR', 0)} failed, "
+          f"{s.get('NOT PROVIDED', 0)} not provided, {s.get('SKIP', 0)} skipped"]
+    if data.get("argv"):
+        md.append(f"- Command: `{' '.join(['kvbuffer'] + list(data['argv'][1:]))}`")
+    md += ["", "| operation | implementation | dtype | cases | worst rel-RMS | budget | error / budget | result | time |",
+           "|---|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in data.get("results", []):
+        ran = r.get("status") in ("PASS", "FAIL", "ERROR")
+        ratio = lane_ratio(r)
+        status = r.get("status", "?") if ran or not r.get("reason") else f"{r['status']}: {r['reason']}"
+        md.append("| " + " | ".join([
+            str(r.get("operation")), str(r.get("implementation")), str(r.get("dtype") or "–"),
+            str(r.get("cases")) if ran else "–", _sci(r.get("worst_rel")), _sci(r.get("budget")),
+            "–" if ratio is None else f"{ratio:.3g}", status.replace("|", "\\|"),
+            f"{_num(r.get('seconds')) or 0:.1f} s" if ran else "–"]) + " |")
+    failures = [r for r in data.get("results", []) if r.get("status") in ("FAIL", "ERROR")]
+    if failures:
+        md += ["", "## Failures"]
+    for r in failures:
+        f = r.get("failure") or {}
+        md += ["", f"### {r.get('status')}: {r.get('operation')} / {r.get('implementation')} / {r.get('dtype')}", ""]
+        if f.get("case") is not None:
+            case = f["case"]
+            if isinstance(case, dict):
+                case = "Case(" + ", ".join(f"{k}={v!r}" for k, v in case.items()) + ")"
+            md.append(f"- Smallest failing case: `{case}`" + (
+                f" with {', '.join(f'{k}={v!r}' for k, v in f['params'].items())}" if f.get("params") else ""))
+        if f.get("error"):
+            md.append(f"- The implementation raised `{f['error']}`")
+        if f.get("blob"):
+            md.append(f"- Replay: `--replay {f['blob']}` (with this lane's --impl/--ops/--dtype and seed "
+                      f"{data.get('seed')})")
+        if f.get("comparisons"):
+            md += ["", "```"] + [str(c) for c in f["comparisons"]] + ["```"]
+    if plot:
+        md += ["", f"![error / budget per lane]({plot})"]
+    return "\n".join(md) + "\n"
+
+
+def plot_lanes(data: dict, path: Path) -> bool:
+    """A bar per lane that ran: its worst error / budget (log scale, the budget at 1).  False without
+    matplotlib or without a lane that ran."""
+    rows = [(f"{r['operation']} / {r['implementation']} / {r['dtype']}", lane_ratio(r), r.get("status"))
+            for r in data.get("results", []) if lane_ratio(r) is not None]
+    if not rows:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    tiny = 1e-6
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.2))
+    vals = [min(max(x, tiny), 1e3) for _, x, _ in rows]
+    ax.barh(range(len(rows)), vals, color=["tab:red" if st != "PASS" else "tab:blue" for _, _, st in rows])
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set_yticks(range(len(rows)), [n for n, _, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("worst rel-RMS error / budget (1 = the budget)")
+    ax.set_title(f"kvbuffer validate, seed {data.get('seed')}, {data.get('device')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _bench_report_module(json_path: Path):
+    """``bench.report`` (which renders benchmark JSON) from the checkout the file lies in or the working
+    directory; None outside a checkout (bench/ is not part of the installed package)."""
+    try:
+        import bench.report as br
+        return br
+    except ImportError:
+        pass
+    for folder in [Path.cwd(), *json_path.resolve().parents]:
+        if (folder / "bench" / "report.py").is_file():
+            sys.path.insert(0, str(folder))
+            try:
+                import bench.report as br
+                return br
+            except ImportError:
+                sys.path.remove(str(folder))
+    return None
+
+
+def _render(path: Path, data: dict, out: Optional[Path], plot: bool) -> str:
+    """The Markdown of one JSON file (its plots written under ``out``); ValueError for an unknown file."""
+    stem = path.stem
+    if data.get("tool") == "kvbuffer validate":
+        img = None
+        if out is not None and plot and plot_lanes(data, out / f"{stem}-lanes.png"):
+            img = f"{stem}-lanes.png"
+        return validation_markdown(data, img)
+    if data.get("kind") == "kvbuffer-gpu-runner" or "benchmarks" in data:
+        br = _bench_report_module(path)
+        if br is None:
+            raise ValueError(f"{path}: a benchmark JSON; its renderer is bench/report.py of a kvbuffer checkout "
+                             f"(not part of the installed package): run `kvbuffer report` from the checkout")
+        if "benchmarks" in data:
+            return br.pytest_markdown(data)
+        drawn = out is not None and plot and br.plot_latency(data, out / f"{stem}-latency.png")
+        return br.runner_markdown(dict(data, _plot=drawn)).replace("(latency.png)", f"({stem}-latency.png)") + "\n"
+    raise ValueError(f"{path}: neither a `kvbuffer validate --json` report nor bench/gpu.py's or pytest-benchmark's "
+                     f"JSON")
+
+
+def default_report_files() -> list[Path]:
+    """The last validation report (if any run kept one) and ./bench/results/latest/*.json."""
+    files = [cache_dir() / LAST_REPORT] if (cache_dir() / LAST_REPORT).is_file() else []
+    return files + sorted(BENCH_LATEST.glob("*.json"))
+
+
+def _report(args) -> int:
+    def bad(msg):
+        print(f"kvbuffer report: error: {msg}", file=sys.stderr)
+        return 2
+
+    files = [Path(p) for p in args.json] or default_report_files()
+    if not files:
+        return bad(f"nothing to render: no file given, no {cache_dir() / LAST_REPORT} (run `kvbuffer validate` "
+                   f"first) and no {BENCH_LATEST}/*.json here")
+    out = None
+    if args.out:
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return bad(f"--out {out}: {e}")
+    parts = []
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return bad(f"{path}: no such file")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            return bad(f"{path}: not readable JSON ({e})")
+        if not isinstance(data, dict):
+            return bad(f"{path}: expected a JSON object, got {type(data).__name__}")
+        try:
+            parts.append(f"<!-- from {path} -->\n" + _render(path, data, out, not args.no_plot))
+        except ValueError as e:
+            return bad(str(e))
+    text = "\n".join(parts)
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        (out / "report.md").write_text(text)
+        print(f"kvbuffer report: wrote {out / 'report.md'}" + "".join(
+            f", {p}" for p in sorted(out.glob("*.png"))))
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -185,6 +440,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.command == "validate":
         return _validate(args)
+    if args.command == "report":
+        return _report(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -24,8 +24,8 @@ import kvbuffer_ref
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.validate import golden
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / "kvbuffer_ref" / "validate" / "golden" / "data"  # the vectors: package data, shipped in the wheel
 CASES = golden.load_cases(HERE)
 BY_ID = {c.id: c for c in CASES}
 
@@ -163,6 +163,28 @@ def test_load_from_explicit_path_and_env(tmp_path, monkeypatch):
     assert len(golden.load_cases()) == len(CASES)
     monkeypatch.setenv(golden.ENV_VAR, str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="index.json"):
+        golden.load_cases()
+
+
+def test_the_default_is_the_package_data_the_wheel_ships(monkeypatch):
+    """Without $KVBUFFER_GOLDEN_DIR the vectors come from the installed package itself (a wheel holds
+    them: pyproject.toml's package data), not from a checkout's tests/ folder."""
+    monkeypatch.delenv(golden.ENV_VAR, raising=False)
+    assert golden.default_dir() == HERE and (HERE / "index.json").is_file()
+    assert golden.default_dir().is_relative_to(Path(golden.__file__).resolve().parent)
+    assert len(golden.load_cases()) == len(CASES)
+
+
+def test_a_missing_directory_names_a_path_that_exists_or_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv(golden.ENV_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError) as e:
+        golden.load_cases()
+    msg = str(e.value)
+    assert str(tmp_path / "nowhere") in msg and golden.ENV_VAR in msg
+    assert str(HERE) in msg  # the vectors this installation ships, which do exist
+    monkeypatch.delenv(golden.ENV_VAR)
+    monkeypatch.setattr(golden.files, "PACKAGE_DIR", tmp_path / "stripped")  # an installation without its data
+    with pytest.raises(FileNotFoundError, match="pip install --force-reinstall kvbuffer"):
         golden.load_cases()
 
 

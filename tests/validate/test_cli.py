@@ -131,3 +131,117 @@ def test_the_entry_point_runs_as_a_program(cli, tmp_path):
     assert ("materialize[u]", "PASS") in ran and ("recurrent_decode", "PASS") in ran
     r2 = cli("--impl", "no_such_module_xyz:a")
     assert r2.returncode == 2 and "Traceback" not in r2.stderr
+
+
+# ----------------------------------------------------------------------------- kvbuffer report
+def test_validate_keeps_its_last_report_and_report_renders_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no bench/results/latest here: only the validation report is rendered
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:wrong_scale", "--ops", "direct,chunk", "--seed", "7",
+                         "--max-examples", "2")
+    assert rc == 1, out + err
+    assert (tmp_path / "cache" / kcli.LAST_REPORT).is_file()
+    rc = kcli.main(["report"])
+    md = capsys.readouterr().out
+    assert rc == 0
+    assert md.splitlines()[1] == "# kvbuffer validate: FAILED"
+    assert "| operation | implementation | dtype | cases | worst rel-RMS | budget | error / budget | result | time |" in md
+    row = next(l for l in md.splitlines() if l.startswith("| direct | wrong_scale | float64 |"))
+    assert "| FAIL |" in row and float(row.split("|")[7]) > 1.0  # error / budget past 1
+    assert "## Failures" in md and "Smallest failing case: `Case(" in md and "FAIL direct.o [float64]" in md
+    assert "NOT PROVIDED: the adapter has no" in md or "| chunk | wrong_scale | float64 |" in md
+
+
+def test_report_writes_markdown_and_plots(capsys, tmp_path):
+    from .conftest import ROOT
+
+    p = tmp_path / "run.json"
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--ops", "direct", "--seed", "2", "--max-examples",
+                         "2", "--json", str(p))
+    assert rc == 0, out + err
+    bench = ROOT / "bench" / "results" / "latest" / "gpu.json"
+    files = [str(p)] + ([str(bench)] if bench.is_file() else [])
+    rc = kcli.main(["report", *files, "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "wrote" in out
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "# kvbuffer validate: PASSED" in md and "| direct | good | float64 |" in md
+    if bench.is_file():
+        assert "# KVBuffer GPU benchmarks" in md and "## Decode" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "out" / "run-lanes.png").stat().st_size > 1000
+    assert "![error / budget per lane](run-lanes.png)" in md
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("{not json", "not readable JSON"),
+    ('{"kind": "something else"}', "neither a `kvbuffer validate --json` report"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_report_bad_files_exit_2_with_a_message(capsys, tmp_path, content, message):
+    p = tmp_path / "x.json"
+    if content is not None:
+        p.write_text(content)
+    rc = kcli.main(["report", str(p)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_report_with_nothing_to_render_says_where_it_looked(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    rc = kcli.main(["report"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "run `kvbuffer validate` first" in err and str(tmp_path / "empty") in err
+
+
+# ----------------------------------------------------------------------------- install: what the docs promise
+def _pyproject():
+    import tomllib
+
+    from .conftest import ROOT
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_wheel_ships_every_golden_vector_file():
+    """pyproject's package data covers every file of the golden data directory (a new case ships too)."""
+    from fnmatch import fnmatch
+
+    from kvbuffer_ref.validate import golden
+
+    patterns = _pyproject()["tool"]["setuptools"]["package-data"]["kvbuffer_ref.validate.golden"]
+    base = golden.PACKAGE_DIR.parent
+    files = [p.relative_to(base).as_posix() for p in golden.PACKAGE_DIR.rglob("*") if p.is_file()]
+    assert len(files) > 10
+    assert [f for f in files if not any(fnmatch(f, pat) for pat in patterns)] == []
+
+
+def test_the_extras_are_pinned_as_the_docs_say():
+    from .conftest import ROOT
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert extras["fast"] == ["triton>=3.0"]
+    assert "fla-core==0.6.0" in extras["crosscheck"]
+    (tf,) = [d for d in extras["crosscheck"] if d.startswith("transformers")]
+    assert "<" in tf and ">=" in tf, tf  # a tested range, not any release
+    readme = (ROOT / "README.md").read_text()
+    assert f"`{tf}`" in readme and "`fla-core==0.6.0`" in readme and "`triton>=3.0`" in readme
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in (ROOT / "scripts" / "install.sh").read_text()
+
+
+def test_the_readme_names_the_rows_validate_reports_not_provided_for_kvbuffer_fast():
+    from kvbuffer_ref.validate import adapters, lanes
+
+    from .conftest import ROOT
+
+    impl = adapters.fast()
+    missing = sorted(op.key for op in lanes.OPS if any(a in impl.not_provided for a in op.needs))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = "`kvbuffer validate` lists " + ", ".join(f"`{m}`" for m in missing[:-1]) + f" and `{missing[-1]}` " \
+        "as NOT PROVIDED for `kvbuffer_fast`"
+    assert said in readme, (missing, said)

@@ -1,10 +1,9 @@
 """Golden vectors on disk: the index, the case files, and how they are found.
 
-The vectors are plain files, not package data: ``tests/golden/index.json`` plus one ``.npz`` per case
-under ``tests/golden/cases/``.  ``load_cases(path)`` reads them from any directory holding an
-``index.json``; with no ``path`` it uses, in order, the environment variable ``KVBUFFER_GOLDEN_DIR``
-and then ``tests/golden`` of the source checkout this module sits in.  A pip-installed user (no
-checkout) copies the ``tests/golden`` directory (< 5 MB, numpy + JSON only) and passes its path.
+The vectors are plain files shipped as package data: ``data/index.json`` beside this module plus one
+``.npz`` per case under ``data/cases/`` (about 1.3 MB, numpy + JSON only; the wheel holds them).
+``load_cases(path)`` reads them from any directory holding an ``index.json``; with no ``path`` it uses
+the environment variable ``KVBUFFER_GOLDEN_DIR`` if set, else ``PACKAGE_DIR``, the installed copy.
 The format is described field by field in docs/golden.md.
 """
 
@@ -20,12 +19,14 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-__all__ = ["FORMAT", "VERSION", "ENV_VAR", "OPS", "BUFFER_OPS", "GoldenCase", "default_dir", "load_index",
+__all__ = ["FORMAT", "VERSION", "ENV_VAR", "PACKAGE_DIR", "OPS", "BUFFER_OPS", "GoldenCase", "default_dir", "load_index",
            "load_cases", "read_npz", "write_npz"]
 
 FORMAT = "kvbuffer-golden"
 VERSION = 1
 ENV_VAR = "KVBUFFER_GOLDEN_DIR"
+#: The vectors this installation ships (package data of kvbuffer_ref.validate.golden).
+PACKAGE_DIR = Path(__file__).resolve().parent / "data"
 
 #: Every operation a case can exercise (the ``op`` field of the index).
 OPS = ("recurrent", "chunk", "direct", "decode", "flush", "verify_chain", "verify_tree", "prefill")
@@ -34,11 +35,11 @@ BUFFER_OPS = ("decode", "flush", "verify_chain", "verify_tree")
 
 
 def default_dir() -> Path:
-    """``$KVBUFFER_GOLDEN_DIR`` if set, else ``tests/golden`` of the source checkout holding this module."""
+    """``$KVBUFFER_GOLDEN_DIR`` if set, else ``PACKAGE_DIR`` (the vectors installed with the package)."""
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "tests" / "golden"
+    return PACKAGE_DIR
 
 
 def _resolve(path) -> Path:
@@ -46,9 +47,14 @@ def _resolve(path) -> Path:
     if d.is_file():
         d = d.parent
     if not (d / "index.json").is_file():
-        how = (f"set {ENV_VAR} or pass path= (the directory holding index.json; in the source tree it is "
-               f"tests/golden)") if path is None else "pass the directory that holds index.json"
-        raise FileNotFoundError(f"golden vectors: no index.json in {d}; {how}")
+        shipped = (PACKAGE_DIR / "index.json").is_file()
+        if shipped:
+            how = f"the vectors installed with kvbuffer are in {PACKAGE_DIR} (the default when {ENV_VAR} is unset)"
+        else:
+            how = (f"this installation lacks its vectors ({PACKAGE_DIR}): pip install --force-reinstall kvbuffer, "
+                   f"or point {ENV_VAR} or path= at a copy of kvbuffer_ref/validate/golden/data")
+        where = f"{ENV_VAR}={d}" if path is None and os.environ.get(ENV_VAR) else str(d)
+        raise FileNotFoundError(f"golden vectors: no index.json in {where}; {how}")
     return d
 
 

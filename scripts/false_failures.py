@@ -1,0 +1,155 @@
+"""The validator's false-failure rate: correct implementations through ``kvbuffer validate``'s lanes, many seeds.
+
+    python3 scripts/false_failures.py                 # 200 seeds, every bundled implementation
+    python3 scripts/false_failures.py --quick         # 20 seeds, fewer examples: a smoke run of a few minutes
+    python3 scripts/false_failures.py --impl reference,stepwise --seeds 200 --json ff.json
+
+The implementations are correct by construction, so every FAIL or ERROR is a false verdict of the
+validator (a budget too tight, or a bug of the harness): ``reference`` (kvbuffer_ref's forms in float64
+and float32, both buffer forms), ``fast`` (kvbuffer_fast: compiled on CUDA, the Triton interpreter on a
+CPU) and ``stepwise`` (kvbuffer_ref's recurrence called one token at a time as an in-place decode step,
+in float64 and float32, through the ``recurrent_decode`` lane).
+
+Each seed runs one operation in turn (seed i: operation i mod the number of operations), so a run of N
+seeds covers every operation N / 10 times at the cost of N lanes per implementation, with fresh random
+cases each seed (the anchor cases repeat).  Prints, per operation and implementation, the lanes run, the
+false failures and the worst error / budget ratio seen; exits 1 when any lane failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import types
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+IMPLS = ("reference", "fast", "stepwise")
+
+
+def stepwise_reference():
+    """kvbuffer_ref's recurrence as an in-place single-token step (float64 and float32): the
+    ``recurrent_decode`` lane's correct implementation."""
+    import torch
+
+    import kvbuffer_ref as ref
+    from kvbuffer_ref.validate.adapters import describe
+
+    def recurrent_decode(q, k, v, *, g, beta, state, scale=None):
+        o, new = ref.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
+                                                output_final_state=True)
+        state.copy_(new)
+        return o
+
+    return describe(types.SimpleNamespace(name="stepwise kvbuffer_ref", dtypes=(torch.float64, torch.float32),
+                                          recurrent_decode=recurrent_decode))
+
+
+def _impl(name: str):
+    from kvbuffer_ref.validate import adapters
+
+    return {"reference": adapters.reference, "fast": adapters.fast, "stepwise": stepwise_reference}[name]()
+
+
+def _ratio(r) -> float:
+    if r.worst_rel is None or r.budget is None:
+        return 0.0
+    if r.budget <= 0:
+        return 0.0 if r.worst_rel == 0 else float("inf")
+    return r.worst_rel / r.budget
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=200, help="number of seeds (default 200; --quick: 20)")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--impl", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)} (default all)")
+    ap.add_argument("--ops", help="comma list of operations (default all, one per seed in turn)")
+    ap.add_argument("--examples", type=int, default=None,
+                    help="examples per lane (default: the ci profile's, 30 on the interpreter; --quick: 3)")
+    ap.add_argument("--quick", action="store_true", help="20 seeds, 3 examples per lane")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    ap.add_argument("--json", metavar="PATH", help="write every lane's verdict and the summary as JSON")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every lane")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds = 20 if args.seeds == 200 else args.seeds
+        args.examples = args.examples or 3
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    from kvbuffer_ref.validate import lanes, runner
+
+    names = [x.strip() for x in args.impl.split(",") if x.strip()]
+    bad = [n for n in names if n not in IMPLS]
+    if bad:
+        ap.error(f"--impl: unknown {bad}; known: {', '.join(IMPLS)}")
+    impls = {n: _impl(n) for n in names}
+    ops = [k for k, _ in lanes.select_ops(args.ops)]
+    stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))
+    rows, t0 = [], time.perf_counter()
+    for i in range(args.seeds):
+        seed = args.first_seed + i
+        op = ops[i % len(ops)]
+        for name, impl in impls.items():
+            try:
+                rep = runner.run_validation([impl], ops=[(op, None)], seed=seed, device=device,
+                                            max_examples=args.examples, shrink=False)
+            except runner.NothingToRun:
+                continue
+            for r in rep.lanes:
+                if r.status not in ("PASS", "FAIL", "ERROR"):
+                    continue
+                key = (r.operation, r.implementation, r.dtype)
+                s = stats[key]
+                s["lanes"] += 1
+                ratio = float("inf") if r.status == "ERROR" else _ratio(r)
+                if r.failed:
+                    s["failed"] += 1
+                    print(f"FALSE FAILURE seed {seed}: {r.operation} / {r.implementation} / {r.dtype}: {r.status}",
+                          flush=True)
+                    for c in (r.failure or {}).get("comparisons") or [(r.failure or {}).get("error")]:
+                        print(f"    {c}", flush=True)
+                    if (r.failure or {}).get("case") is not None:
+                        print(f"    case {r.failure['case']!r} {r.failure.get('params')}", flush=True)
+                if ratio >= s["worst"]:
+                    s.update(worst=ratio, worst_seed=seed, worst_name=r.worst_comparison)
+                rows.append(dict(seed=seed, operation=r.operation, implementation=r.implementation, dtype=r.dtype,
+                                 status=r.status, cases=r.cases, ratio=ratio, worst=r.worst_comparison))
+                if args.verbose:
+                    print(f"seed {seed} {r.operation} {r.implementation} {r.dtype} {r.status} {r.cases} cases "
+                          f"ratio {ratio:.3g}", flush=True)
+        if not args.verbose:
+            print(f"seed {seed} ({op}) done, {time.perf_counter() - t0:.0f} s", flush=True)
+    total = sum(s["lanes"] for s in stats.values())
+    failed = sum(s["failed"] for s in stats.values())
+    print()
+    print(f"{'operation':18s}  {'implementation':22s}  {'dtype':8s}  {'lanes':>5s}  {'false':>5s}  {'worst ratio':>11s}  "
+          f"worst at")
+    for (op, impl, dt), s in sorted(stats.items()):
+        print(f"{op:18s}  {impl:22s}  {dt:8s}  {s['lanes']:5d}  {s['failed']:5d}  {s['worst']:11.3g}  "
+              f"seed {s['worst_seed']} {s['worst_name'] or ''}")
+    rate = failed / total if total else 0.0
+    print(f"\n{args.seeds} seeds (first {args.first_seed}), {total} lanes, {failed} false failures "
+          f"(rate {rate:.4f}); worst ratio {max((s['worst'] for s in stats.values()), default=0.0):.3g}; "
+          f"{time.perf_counter() - t0:.0f} s, device {device}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            seeds=args.seeds, first_seed=args.first_seed, examples=args.examples, device=device, lanes=total,
+            false_failures=failed, rate=rate, rows=rows,
+            summary=[dict(operation=k[0], implementation=k[1], dtype=k[2], **v) for k, v in sorted(stats.items())],
+        ), indent=1, default=str) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
