@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "Key", "Row", "RecurrentConfig", "DecodeConfig", "FlushConfig", "VerifyConfig", "AcceptConfig",
-    "PerDraftStateConfig", "CONFIGS", "TABLES", "config_for", "key_of",
+    "PerDraftStateConfig", "ChunkConfig", "DirectConfig", "PrefillConfig", "CONFIGS", "TABLES", "config_for", "key_of",
 ]
 
 _INF = float("inf")
@@ -161,6 +161,34 @@ class PerDraftStateConfig:
     accept_warps: int = 4
 
 
+@dataclass(frozen=True)
+class ChunkConfig:
+    """chunk_gated_delta_rule: the per-chunk launch (``prep_warps`` warps per (chunk, value head)) and the
+    state launch (BV state columns per (sequence, value head) program, ``num_warps`` warps)."""
+
+    BV: int = 64
+    num_warps: int = 4
+    prep_warps: int = 4
+
+
+@dataclass(frozen=True)
+class DirectConfig:
+    """direct_gated_delta_rule: the chunk launches from a zero state (fields as :class:`ChunkConfig`)."""
+
+    BV: int = 64
+    num_warps: int = 4
+    prep_warps: int = 4
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """prefill: the chunk launches with the tail written into the buffer (fields as :class:`ChunkConfig`)."""
+
+    BV: int = 64
+    num_warps: int = 4
+    prep_warps: int = 4
+
+
 CONFIGS = {
     "recurrent": RecurrentConfig,
     "decode": DecodeConfig,
@@ -168,6 +196,9 @@ CONFIGS = {
     "verify": VerifyConfig,
     "accept": AcceptConfig,
     "per_draft_state": PerDraftStateConfig,
+    "chunk": ChunkConfig,
+    "direct": DirectConfig,
+    "prefill": PrefillConfig,
 }
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -195,6 +226,9 @@ TABLES: dict[str, tuple[Row, ...]] = {
     ),
     "accept": (),
     "per_draft_state": (),
+    "chunk": (),
+    "direct": (),
+    "prefill": (),
 }
 
 

@@ -1,0 +1,325 @@
+"""The chunkwise gated delta rule (prefill): chunks in parallel, then one sequential pass over the state.
+
+Tokens are handled flat, ``[N_tok, heads, dim]`` (a batch of B requests of T tokens is the N = B
+sequences at offsets b * T; a variable-length batch gives its ``cu_seqlens``), cut into a table of
+chunks: chunk c is tokens ``start[c] .. start[c] + len[c] - 1`` of one sequence, ``len[c] <= BT``.
+Per value head, with G the chunk-local cumulative gate and D_ij = exp(G_i - G_j) (per channel: inside
+the inner products):
+
+    A_ij  = beta_i D_ij (k_i . k_j)  (i > j),   T = (I + A)^-1   (unit lower triangular)
+    W     = T diag(beta) (exp(G) * K),          U~ = T diag(beta) V
+    U     = U~ - W S,                           O  = exp(G) S^T q + (causal D * Q K^T) U
+    S'    = diag(exp(G_L)) S + sum_j (exp(G_L - G_j) * k_j) u_j^T
+
+Two launches:
+
+1. ``_chunk_prep_kernel``, one program per (chunk, value head), all chunks in parallel: G, A, T by
+   forward substitution over the chunk's rows, W, U~ and the masked, decayed Q K^T (fp32 scratch).
+2. ``_chunk_state_kernel``, grid (V / BV, N * HV): one program per (sequence, value head, V-tile)
+   walks the sequence's chunks in order with its [K, BV] state tile in registers: U, O (stored), S'.
+   With ``TAIL`` (the prefill hand-off, kvbuffer_fast.prefill) the last chunk of every sequence is its
+   buffered tail: its U, G and keys are written into the buffer's rows and it is not folded.
+
+Precision: every fp32 product is ``input_precision`` PREC: "tf32x3" on CUDA for fp32 inputs (three TF32
+products, about fp32 accuracy), "tf32" for 16-bit inputs (within the bf16 / fp16 budget), "ieee" (FMA)
+under the interpreter.  Gates below ``-RESET_GATE[float32]`` (-inf included) are clamped as the
+reference does; decays are formed only for pairs in causal order, masked before the exp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state, check_tokens
+from kvbuffer_ref.recurrent import check_cu_seqlens
+
+from ._common import as_input, block, checked_tokens, device_guard, new_output
+from .launch import ChunkConfig, check_config, config_for, key_of
+
+__all__ = ["chunk_gated_delta_rule", "chunk_table", "precision_for"]
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _row(x, o_r, i):
+    """Row i of the [R, n] tile x as an [n] vector (zero if i is not a row)."""
+    return tl.sum(tl.where(o_r[:, None] == i, x, 0.0), 0)
+
+
+@triton.jit
+def _unit_lower_inverse(A, o_t, BT: tl.constexpr):
+    """(I + A)^-1 for A [BT, BT] strictly lower triangular: forward substitution, row by row,
+    T_i = e_i - sum_{j < i} A_ij T_j (rows of T below i are final when row i is formed)."""
+    Ti = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        a_i = _row(A, o_t, i)  # [BT], zero for j >= i
+        new = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, 0)
+        Ti = tl.where(o_t[:, None] == i, new[None, :], Ti)
+    return Ti
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, len_ptr,
+    w_ptr, ut_ptr, gc_ptr, aqk_ptr, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+):
+    """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
+    row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT])."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start = tl.load(start_ptr + i_c).to(tl.int64)
+    L = tl.load(len_ptr + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BVF)
+    m_t = o_t < L
+    m_k = o_k < K
+    m_v = o_v < V
+    tok = start + o_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+    b_beta = tl.load(beta_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_v = tl.load(v_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                  other=0.0).to(tl.float32)
+    lower = o_t[:, None] > o_t[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    if CHANNEL:
+        p_g = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
+        G = tl.cumsum(tl.load(g_ptr + p_g, mask=m_tk, other=0.0).to(tl.float32), 0)  # [BT, BK]
+        tl.store(gc_ptr + p_g, G, mask=m_tk)
+        A = tl.zeros([BT, BT], dtype=tl.float32)
+        QK = tl.zeros([BT, BT], dtype=tl.float32)
+        for j in range(0, BT):
+            k_j = _row(b_k, o_t, j)
+            G_j = _row(G, o_t, j)
+            dec = tl.exp(tl.where((o_t >= j)[:, None], G - G_j[None, :], float("-inf")))  # [BT, BK], <= 1
+            kk = tl.sum(b_k * dec * k_j[None, :], 1)
+            qk = tl.sum(b_q * dec * k_j[None, :], 1)
+            A = tl.where(o_t[None, :] == j, kk[:, None], A)
+            QK = tl.where(o_t[None, :] == j, qk[:, None], QK)
+        A = tl.where(lower, A, 0.0) * b_beta[:, None]
+        QK = tl.where(causal, QK, 0.0)
+        kg = b_k * tl.exp(G)
+    else:
+        G = tl.cumsum(tl.load(g_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32), 0)  # [BT]
+        tl.store(gc_ptr + tok * HV + i_hv, G, mask=m_t)
+        diff = G[:, None] - G[None, :]
+        kt = tl.trans(b_k)
+        A = tl.dot(b_k, kt, input_precision=PREC)
+        A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
+        QK = tl.dot(b_q, kt, input_precision=PREC)
+        QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
+        kg = b_k * tl.exp(G)[:, None]
+    Ti = _unit_lower_inverse(A, o_t, BT)
+    Tb = Ti * b_beta[None, :]  # T diag(beta)
+    w = tl.dot(Tb, kg, input_precision=PREC)
+    ut = tl.dot(Tb, b_v, input_precision=PREC)
+    tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w, mask=m_tk)
+    tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
+    tl.store(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], QK, mask=m_t[:, None])
+
+
+@triton.jit
+def _chunk_state_kernel(
+    q_ptr, k_ptr, w_ptr, ut_ptr, gc_ptr, aqk_ptr, start_ptr, len_ptr, coff_ptr, fend_ptr,
+    o_ptr, s0_ptr, sf_ptr, bk_ptr, bu_ptr, bg_ptr, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+    INITIAL: tl.constexpr, FINAL: tl.constexpr, TAIL: tl.constexpr,
+):
+    """One (sequence, value head, V-tile): the sequence's chunks in order, the [K, BV] state tile in
+    registers.  Chunks from ``fend[n]`` on (the sequence's last one or none) are its buffered tail: not
+    folded, and with TAIL their U, G and keys written into buffer request n; the final state is the
+    state before them."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = (i_nh * K + o_k[:, None]) * V + o_v[None, :]
+    if INITIAL:
+        s = tl.load(s0_ptr + p_s, mask=m_s, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    c0 = tl.load(coff_ptr + i_n)
+    c1 = tl.load(coff_ptr + i_n + 1)
+    c_fold = tl.load(fend_ptr + i_n)
+    for c in range(c0, c1):
+        start = tl.load(start_ptr + c).to(tl.int64)
+        L = tl.load(len_ptr + c)
+        m_t = o_t < L
+        tok = start + o_t
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+        w = tl.load(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - tl.dot(w, s, input_precision=PREC)
+        u = tl.where(m_tv, u, 0.0)
+        p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+        b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+        aqk = tl.load(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+        if CHANNEL:
+            p_g = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
+            G = tl.load(gc_ptr + p_g, mask=m_tk, other=0.0)
+            o = tl.dot(b_q * tl.exp(G), s, input_precision=PREC)
+        else:
+            G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
+            o = tl.dot(b_q, s, input_precision=PREC) * tl.exp(G)[:, None]
+        o = tl.dot(aqk, u, o, input_precision=PREC)
+        tl.store(o_ptr + p_tv, o.to(o_ptr.dtype.element_ty), mask=m_tv)
+        if c >= c_fold:
+            if TAIL:
+                p_b = i_n * C + o_t  # buffer rows of request n
+                tl.store(bu_ptr + (p_b[:, None] * HV + i_hv) * V + o_v[None, :], u.to(bu_ptr.dtype.element_ty),
+                         mask=m_tv)
+                if i_v == 0:
+                    if CHANNEL:
+                        tl.store(bg_ptr + (p_b[:, None] * HV + i_hv) * K + o_k[None, :], G.to(bg_ptr.dtype.element_ty),
+                                 mask=m_tk)
+                    else:
+                        tl.store(bg_ptr + p_b * HV + i_hv, G.to(bg_ptr.dtype.element_ty), mask=m_t)
+                    if i_hv % (HV // H) == 0:
+                        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0)
+                        tl.store(bk_ptr + (p_b[:, None] * H + i_h) * K + o_k[None, :], b_k.to(bk_ptr.dtype.element_ty),
+                                 mask=m_tk)
+        else:
+            b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+            if CHANNEL:
+                G_L = _row(G, o_t, L - 1)  # [BK]
+                kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, G_L[None, :] - G, 0.0)), 0.0)
+                s = s * tl.exp(G_L)[:, None]
+            else:
+                G_L = tl.sum(tl.where(o_t == L - 1, G, 0.0), 0)
+                kd = b_k * tl.where(m_t, tl.exp(tl.where(m_t, G_L - G, 0.0)), 0.0)[:, None]
+                s = s * tl.exp(G_L)
+            s = tl.dot(tl.trans(kd), u, s, input_precision=PREC)
+    if FINAL:
+        tl.store(sf_ptr + p_s, s, mask=m_s)
+
+
+def precision_for(x: torch.Tensor) -> str:
+    """The products' precision for inputs like ``x``: "ieee" under the interpreter, "tf32x3" for fp32
+    inputs on CUDA (fp32 accuracy), "tf32" for 16-bit inputs on CUDA."""
+    if not x.is_cuda:
+        return "ieee"
+    return "tf32" if x.dtype in _SIXTEEN_BIT else "tf32x3"
+
+
+def chunk_table(cu: list[int], chunk_size: int, tails: Optional[list[int]] = None, device=None):
+    """The chunks of sequences at offsets ``cu`` [N + 1]: (start [NC] int32, len [NC] int32, offsets
+    [N + 1] int32 of each sequence's first chunk, the longest chunk).  ``tails`` [N]: the last
+    ``tails[n]`` tokens of sequence n form one chunk of their own (the prefill tail; 0 for none)."""
+    starts, lens, offs = [], [], [0]
+    for n, (a, b) in enumerate(zip(cu, cu[1:])):
+        t = 0 if tails is None else tails[n]
+        for s in range(a, b - t, chunk_size):
+            starts.append(s)
+            lens.append(min(chunk_size, b - t - s))
+        if t > 0:
+            starts.append(b - t)
+            lens.append(t)
+        offs.append(len(starts))
+    longest = max(lens, default=1)
+    mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return mk(starts), mk(lens), mk(offs), longest
+
+
+def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: int, initial_state, final,
+               cfg: ChunkConfig, tails: Optional[list[int]] = None, buffer=None):
+    """Both launches over the flat tokens of ``q`` .. ``beta`` ([B, T, ...], the sequences at offsets ``cu``).
+    Returns (o [B, T, HV, V] in v's dtype, the final states [N, HV, K, V] fp32 or None); with ``tails``,
+    the tails' U, G and keys go into ``buffer`` (KVBuffer of N requests) and are not folded."""
+    N = len(cu) - 1
+    o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
+    S = new_output((N, d.HV, d.K, d.V), torch.float32, q.device) if final else None
+    if N == 0 or d.T == 0:
+        if final:
+            S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
+        return o, S
+    starts, lens, offs, longest = chunk_table(cu, chunk_size, tails, q.device)
+    # the first chunk of each sequence's tail (its last chunk when it has one): not folded
+    fend = offs[1:] if tails is None else offs[1:] - torch.tensor([int(t > 0) for t in tails], dtype=torch.int32,
+                                                                   device=q.device)
+    BT = block(longest)
+    BK, BVF = block(d.K), block(d.V)
+    BV = max(16, min(cfg.BV, BVF))
+    prec = precision_for(q)
+    NT = d.B * d.T
+    dev = q.device
+    w = torch.empty(NT, d.HV, d.K, dtype=torch.float32, device=dev)
+    ut = torch.empty(NT, d.HV, d.V, dtype=torch.float32, device=dev)
+    gc = torch.empty((NT, d.HV, d.K) if d.channel_gate else (NT, d.HV), dtype=torch.float32, device=dev)
+    aqk = torch.empty(NT, d.HV, BT, dtype=torch.float32, device=dev)
+    q, k = as_input(q), as_input(k)
+    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    tail = buffer is not None
+    with device_guard(q):
+        _chunk_prep_kernel[(starts.numel(), d.HV)](
+            q, k, as_input(v), as_input(g), as_input(beta), starts, lens, w, ut, gc, aqk, s,
+            H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, BVF=BVF, CHANNEL=d.channel_gate, PREC=prec,
+            num_warps=cfg.prep_warps,
+        )
+        dummy = w
+        _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](
+            q, k, w, ut, gc, aqk, starts, lens, offs, fend, o,
+            dummy if s0 is None else s0, dummy if S is None else S,
+            buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy, s,
+            H=d.H, HV=d.HV, K=d.K, V=d.V, C=buffer.capacity if tail else 1,
+            BT=BT, BK=BK, BV=BV, CHANNEL=d.channel_gate, PREC=prec,
+            INITIAL=s0 is not None, FINAL=S is not None, TAIL=tail, num_warps=cfg.num_warps,
+        )
+    return o, S
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    config: Optional[ChunkConfig] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``kvbuffer_ref.chunk_gated_delta_rule`` on the chunk kernels (module docstring); inputs are not modified.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] or [B, T, HV, K]; beta: [B, T, HV];
+    initial_state: [B, HV, K, V] or None (zeros).  ``cu_seqlens`` (int32 / int64 [N + 1], B = 1): N
+    sequences concatenated along T, each computed alone; states are then [N, HV, K, V].
+    Returns o [B, T, HV, V] in v's dtype and, if ``output_final_state``, the final fp32 state.
+    ``config``: a :class:`kvbuffer_fast.launch.ChunkConfig`, None for the table's.
+    """
+    d, g = checked_tokens(q, k, v, g, beta)
+    check_chunk_size(chunk_size)
+    s = check_scale(scale, d.K)
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, q, initial_state)
+        N = len(cu) - 1
+        check_state("initial_state", initial_state, Dims(**{**d.__dict__, "B": N}), q.device)
+    else:
+        check_state("initial_state", initial_state, d, q.device)
+        cu = [b * d.T for b in range(d.B + 1)]
+    cfg = check_config("chunk", config) if config is not None else config_for(
+        "chunk", key_of(q, B=len(cu) - 1, HV=d.HV, V=d.V, channel=d.channel_gate))
+    o, S = run_chunks(q, k, v, g, beta, d, cu, s, chunk_size, initial_state, output_final_state, cfg)
+    return o, S
