@@ -52,11 +52,11 @@ def _row(x, o_r, i):
 
 
 @triton.jit
-def _unit_lower_inverse(A, o_t, BT: tl.constexpr):
-    """(I + A)^-1 for A [BT, BT] strictly lower triangular: forward substitution, row by row,
-    T_i = e_i - sum_{j < i} A_ij T_j (rows of T below i are final when row i is formed)."""
+def _unit_lower_inverse(A, o_t, L):
+    """(I + A)^-1 for A [BT, BT] strictly lower triangular and zero past row L: forward substitution, row
+    by row, T_i = e_i - sum_{j < i} A_ij T_j (rows of T below i are final when row i is formed)."""
     Ti = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    for i in range(1, BT):
+    for i in range(1, L):
         a_i = _row(A, o_t, i)  # [BT], zero for j >= i
         new = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, 0)
         Ti = tl.where(o_t[:, None] == i, new[None, :], Ti)
@@ -99,7 +99,7 @@ def _chunk_prep_kernel(
         tl.store(gc_ptr + p_g, G, mask=m_tk)
         A = tl.zeros([BT, BT], dtype=tl.float32)
         QK = tl.zeros([BT, BT], dtype=tl.float32)
-        for j in range(0, BT):
+        for j in range(0, L):
             k_j = _row(b_k, o_t, j)
             G_j = _row(G, o_t, j)
             dec = tl.exp(tl.where((o_t >= j)[:, None], G - G_j[None, :], float("-inf")))  # [BT, BK], <= 1
@@ -120,7 +120,7 @@ def _chunk_prep_kernel(
         QK = tl.dot(b_q, kt, input_precision=PREC)
         QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
         kg = b_k * tl.exp(G)[:, None]
-    Ti = _unit_lower_inverse(A, o_t, BT)
+    Ti = _unit_lower_inverse(A, o_t, L)
     Tb = Ti * b_beta[None, :]  # T diag(beta)
     w = tl.dot(Tb, kg, input_precision=PREC)
     ut = tl.dot(Tb, b_v, input_precision=PREC)
