@@ -221,10 +221,28 @@ def precision_for(x: torch.Tensor) -> str:
     return "tf32" if x.dtype in _SIXTEEN_BIT else "tf32x3"
 
 
+#: Chunk tables already on a device, by (offsets, chunk size, tails, device): a repeated call makes no
+#: host-to-device copy (which would wait for the stream, and cannot be captured in a CUDA graph).
+_TABLES: dict = {}
+_MAX_TABLES = 256
+
+
 def chunk_table(cu: list[int], chunk_size: int, tails: Optional[list[int]] = None, device=None):
     """The chunks of sequences at offsets ``cu`` [N + 1]: (start [NC] int32, len [NC] int32, offsets
-    [N + 1] int32 of each sequence's first chunk, the longest chunk).  ``tails`` [N]: the last
-    ``tails[n]`` tokens of sequence n form one chunk of their own (the prefill tail; 0 for none)."""
+    [N + 1] int32 of each sequence's first chunk, fold ends [N] int32: each sequence's first chunk that
+    is not folded, the longest chunk).  ``tails`` [N]: the last ``tails[n]`` tokens of sequence n form
+    one chunk of their own (the prefill tail; 0 for none), which is not folded.  Cached per device."""
+    key = (tuple(cu), chunk_size, None if tails is None else tuple(tails), str(torch.device(device or "cpu")))
+    hit = _TABLES.get(key)
+    if hit is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        hit = _TABLES[key] = _make_table(cu, chunk_size, tails, device)
+    return hit
+
+
+def _make_table(cu: list[int], chunk_size: int, tails: Optional[list[int]], device):
+    """``chunk_table``'s tensors, made on the host and copied to ``device``."""
     starts, lens, offs = [], [], [0]
     for n, (a, b) in enumerate(zip(cu, cu[1:])):
         t = 0 if tails is None else tails[n]
@@ -235,9 +253,10 @@ def chunk_table(cu: list[int], chunk_size: int, tails: Optional[list[int]] = Non
             starts.append(b - t)
             lens.append(t)
         offs.append(len(starts))
+    fend = [offs[n + 1] - (0 if tails is None else int(tails[n] > 0)) for n in range(len(cu) - 1)]
     longest = max(lens, default=1)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return mk(starts), mk(lens), mk(offs), longest
+    return mk(starts), mk(lens), mk(offs), mk(fend), longest
 
 
 def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: int, initial_state, final,
@@ -252,10 +271,7 @@ def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: i
         if final:
             S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
         return o, S
-    starts, lens, offs, longest = chunk_table(cu, chunk_size, tails, q.device)
-    # the first chunk of each sequence's tail (its last chunk when it has one): not folded
-    fend = offs[1:] if tails is None else offs[1:] - torch.tensor([int(t > 0) for t in tails], dtype=torch.int32,
-                                                                   device=q.device)
+    starts, lens, offs, fend, longest = chunk_table(cu, chunk_size, tails, q.device)
     BT = block(longest)
     BK, BVF = block(d.K), block(d.V)
     BV = max(16, min(cfg.BV, BVF))
