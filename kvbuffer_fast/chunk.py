@@ -13,8 +13,10 @@ the inner products):
 
 Two launches:
 
-1. ``_chunk_prep_kernel``, one program per (chunk, value head), all chunks in parallel: G, A, T by
-   forward substitution over the chunk's rows, W, U~ and the masked, decayed Q K^T (fp32 scratch).
+1. ``_chunk_prep_kernel``, one program per (chunk, value head), all chunks in parallel: G, A, T, W,
+   U~ and the masked, decayed Q K^T (fp32 scratch).  T by forward substitution over the chunk's rows
+   (``solve="rows"``) or blocked (``solve="blocked"``: the 16 x 16 diagonal blocks by forward
+   substitution, all at once, then the block rows by products).
 2. ``_chunk_state_kernel``, grid (V / BV, N * HV): one program per (sequence, value head, V-tile)
    walks the sequence's chunks in order with its [K, BV] state tile in registers: U, O (stored), S'.
    With ``TAIL`` (the prefill hand-off, kvbuffer_fast.prefill) the last chunk of every sequence is its
@@ -64,11 +66,44 @@ def _unit_lower_inverse(A, o_t, L):
 
 
 @triton.jit
+def _unit_lower_inverse_blocked(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for A [BT, BT] strictly lower triangular, in blocks of 16: the inverses of the BT / 16
+    diagonal blocks at once by forward substitution (15 steps on [BT / 16, 16, 16]), then the block rows
+    in order, X_b = T_bb (E_b - A_{b,<b} X_{<b}), two products each."""
+    BS: tl.constexpr = 16
+    NB: tl.constexpr = BT // BS
+    o_b = tl.arange(0, NB)
+    o_s = tl.arange(0, BS)
+    o_t = tl.arange(0, BT)
+    A4 = tl.reshape(A, [NB, BS, NB, BS])
+    D = tl.sum(tl.where((o_b[:, None, None, None] == o_b[None, None, :, None]), A4, 0.0), 2)  # [NB, BS, BS]
+    eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    Ti = tl.zeros([NB, BS, BS], dtype=tl.float32) + eye[None, :, :]
+    for i in range(1, BS):
+        a_i = tl.sum(tl.where(o_s[None, :, None] == i, D, 0.0), 1)  # [NB, BS]: row i of each block
+        new = tl.where(o_s[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * Ti, 1)
+        Ti = tl.where(o_s[None, :, None] == i, new[:, None, :], Ti)
+    A3 = tl.reshape(A, [NB, BS, BT])
+    X = tl.zeros([NB, BS, BT], dtype=tl.float32)
+    for b in tl.static_range(NB):
+        Ab = tl.sum(tl.where(o_b[:, None, None] == b, A3, 0.0), 0)  # [BS, BT]: block row b of A
+        Ab = tl.where(o_t[None, :] < b * BS, Ab, 0.0)
+        R = tl.where(o_s[:, None] + b * BS == o_t[None, :], 1.0, 0.0)
+        if b > 0:
+            R -= tl.dot(Ab, tl.reshape(X, [BT, BT]), input_precision=PREC)
+        Tbb = tl.sum(tl.where(o_b[:, None, None] == b, Ti, 0.0), 0)  # [BS, BS]
+        Xb = tl.dot(Tbb, R, input_precision=PREC)
+        X = tl.where(o_b[:, None, None] == b, Xb[None, :, :], X)
+    return tl.reshape(X, [BT, BT])
+
+
+@triton.jit
 def _chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, len_ptr,
     w_ptr, ut_ptr, gc_ptr, aqk_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+    BLOCKED: tl.constexpr,
 ):
     """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
     row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT])."""
@@ -120,7 +155,10 @@ def _chunk_prep_kernel(
         QK = tl.dot(b_q, kt, input_precision=PREC)
         QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
         kg = b_k * tl.exp(G)[:, None]
-    Ti = _unit_lower_inverse(A, o_t, L)
+    if BLOCKED:
+        Ti = _unit_lower_inverse_blocked(A, BT, PREC)
+    else:
+        Ti = _unit_lower_inverse(A, o_t, L)
     Tb = Ti * b_beta[None, :]  # T diag(beta)
     w = tl.dot(Tb, kg, input_precision=PREC)
     ut = tl.dot(Tb, b_v, input_precision=PREC)
@@ -259,12 +297,21 @@ def _make_table(cu: list[int], chunk_size: int, tails: Optional[list[int]], devi
     return mk(starts), mk(lens), mk(offs), mk(fend), longest
 
 
+def _solve(cfg) -> str:
+    """The config's ``solve`` ("rows": forward substitution over the chunk's rows; "blocked": 16 x 16
+    diagonal blocks, then block rows by products), ValueError for anything else."""
+    if cfg.solve not in ("rows", "blocked"):
+        raise ValueError(f"config.solve: expected 'rows' or 'blocked', got {cfg.solve!r}")
+    return cfg.solve
+
+
 def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: int, initial_state, final,
                cfg: ChunkConfig, tails: Optional[list[int]] = None, buffer=None):
     """Both launches over the flat tokens of ``q`` .. ``beta`` ([B, T, ...], the sequences at offsets ``cu``).
     Returns (o [B, T, HV, V] in v's dtype, the final states [N, HV, K, V] fp32 or None); with ``tails``,
     the tails' U, G and keys go into ``buffer`` (KVBuffer of N requests) and are not folded."""
     N = len(cu) - 1
+    _solve(cfg)
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
     S = new_output((N, d.HV, d.K, d.V), torch.float32, q.device) if final else None
     if N == 0 or d.T == 0:
@@ -289,7 +336,7 @@ def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: i
         _chunk_prep_kernel[(starts.numel(), d.HV)](
             q, k, as_input(v), as_input(g), as_input(beta), starts, lens, w, ut, gc, aqk, s,
             H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, BVF=BVF, CHANNEL=d.channel_gate, PREC=prec,
-            num_warps=cfg.prep_warps,
+            BLOCKED=_solve(cfg) == "blocked", num_warps=cfg.prep_warps,
         )
         dummy = w
         _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](

@@ -163,12 +163,14 @@ class PerDraftStateConfig:
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """chunk_gated_delta_rule: the per-chunk launch (``prep_warps`` warps per (chunk, value head)) and the
-    state launch (BV state columns per (sequence, value head) program, ``num_warps`` warps)."""
+    """chunk_gated_delta_rule: the per-chunk launch (``prep_warps`` warps per (chunk, value head); ``solve``:
+    the triangular inverse by forward substitution over the rows, "rows", or in 16 x 16 blocks, "blocked")
+    and the state launch (BV state columns per (sequence, value head) program, ``num_warps`` warps)."""
 
     BV: int = 64
     num_warps: int = 4
     prep_warps: int = 4
+    solve: str = "rows"
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ class DirectConfig:
     BV: int = 64
     num_warps: int = 4
     prep_warps: int = 4
+    solve: str = "rows"
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,7 @@ class PrefillConfig:
     BV: int = 64
     num_warps: int = 4
     prep_warps: int = 4
+    solve: str = "rows"
 
 
 CONFIGS = {

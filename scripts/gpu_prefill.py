@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+
 import kvbuffer_fast as fast  # noqa: E402
+from kvbuffer_fast.launch import ChunkConfig  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from bench.gpu import device_ms, versions  # noqa: E402
 from kvbuffer_ref.validate import compare  # noqa: E402
@@ -128,6 +130,11 @@ def correctness(fla_fn, quick):
                     orc, _ = fast.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
                     row["recurrent_kernel_rel"] = rel_err(orc, o64)
                 row["chunk_rel"] = rel_err(o, o64)
+                ob2, Sb2 = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, cu_seqlens=cu_t,
+                                                       config=ChunkConfig(solve="blocked"))
+                row["chunk_blocked_o"] = judged(f"chunk[blocked] {tag}.o", ob2, o64, ob, x["g"])
+                row["chunk_blocked_state"] = judged(f"chunk[blocked] {tag}.state", Sb2, S64, Sb, x["g"], head_axis=1,
+                                                    dtype=torch.float32)
                 if fla_fn is not None and not channel:
                     try:
                         of, _ = call_fla(fla_fn, x, initial_state=S0, output_final_state=True, cu_seqlens=kw["cu_seqlens"])
@@ -195,6 +202,11 @@ def chunk_flops(B, T, HV, K, V, BT=64):
     return B * HV * nc * per_chunk
 
 
+#: The launches timed: the table's default ("ours") and the variants beside it.
+VARIANTS = (("ours", None), ("blocked", ChunkConfig(solve="blocked")),
+            ("blocked_w8", ChunkConfig(solve="blocked", num_warps=8)))
+
+
 def timings(fla_fn, quick, deadline):
     rows = []
     Ts = (1024, 4096) if quick else (1024, 4096, 16384, 32768)
@@ -210,19 +222,24 @@ def timings(fla_fn, quick, deadline):
                 row = dict(dtype=str(dtype)[6:], B=B, T=T, **QWEN)
                 flops = chunk_flops(B, T, QWEN["HV"], QWEN["K"], QWEN["V"])
                 peak = PEAK_TFLOPS[row["dtype"]]
-                try:
-                    ms, method = device_ms(lambda: fast.chunk_gated_delta_rule(**x, output_final_state=True), False)
-                    row.update(ours_us=ms * 1e3, ours_method=method, ours_tflops=flops / (ms * 1e-3) / 1e12)
-                    row["ours_of_peak"] = row["ours_tflops"] / peak
-                except Exception as e:  # noqa: BLE001
-                    row["ours_error"] = f"{type(e).__name__}: {e}"[:300]
+                for label, cfg in VARIANTS:
+                    try:
+                        ms, method = device_ms(lambda: fast.chunk_gated_delta_rule(**x, output_final_state=True,
+                                                                                   config=cfg), False)
+                        row[f"{label}_us"] = ms * 1e3
+                        row[f"{label}_method"] = method
+                        row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
+                        row[f"{label}_of_peak"] = row[f"{label}_tflops"] / peak
+                    except Exception as e:  # noqa: BLE001
+                        row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
                 if fla_fn is not None:
                     try:
                         ms, method = device_ms(lambda: call_fla(fla_fn, x, output_final_state=True), False)
                         row.update(fla_us=ms * 1e3, fla_method=method, fla_tflops=flops / (ms * 1e-3) / 1e12)
                         row["fla_of_peak"] = row["fla_tflops"] / peak
-                        if "ours_us" in row:
-                            row["ours_over_fla"] = row["ours_us"] / row["fla_us"]
+                        for label, _ in VARIANTS:
+                            if f"{label}_us" in row:
+                                row[f"{label}_over_fla"] = row[f"{label}_us"] / row["fla_us"]
                     except Exception as e:  # noqa: BLE001
                         row["fla_error"] = f"{type(e).__name__}: {e}"[:300]
                 if B == 1 and T in err_Ts:
@@ -232,9 +249,11 @@ def timings(fla_fn, quick, deadline):
                     if fla_fn is not None and "fla_error" not in row:
                         row["fla_rel"] = rel_err(call_fla(fla_fn, x)[0], o64)
                     del o64
-                log(f"[time] {row['dtype']} B={B} T={T}: ours {row.get('ours_us', float('nan')):.1f} us "
-                    f"({row.get('ours_tflops', float('nan')):.1f} TFLOP/s), fla {row.get('fla_us', float('nan')):.1f} us, "
-                    f"ratio {row.get('ours_over_fla', float('nan')):.3f}; err ours {row.get('ours_rel', float('nan')):.3g} "
+                nan = float("nan")
+                log(f"[time] {row['dtype']} B={B} T={T}: ours {row.get('ours_us', nan):.1f} us "
+                    f"({row.get('ours_tflops', nan):.1f} TFLOP/s), blocked {row.get('blocked_us', nan):.1f} us, "
+                    f"fla {row.get('fla_us', nan):.1f} us, ratio {row.get('ours_over_fla', nan):.3f} / "
+                    f"{row.get('blocked_over_fla', nan):.3f}; err ours {row.get('ours_rel', nan):.3g} "
                     f"fla {row.get('fla_rel', float('nan')):.3g} rec {row.get('recurrent_kernel_rel', float('nan')):.3g}")
                 rows.append(row)
                 del x

@@ -49,6 +49,17 @@ def test_chunk_matches_oracle(dtype, shape, channel, gate, initial):
     _assert_all(P.check_chunk(fast, case, dtype, chunk_size=16, device=DEVICE, with_initial_state=initial))
 
 
+@pytest.mark.parametrize("solve", ["rows", "blocked"])
+@pytest.mark.parametrize("T,chunk_size,channel", [(70, 64, False), (50, 32, True)], ids=["64-scalar", "32-channel"])
+def test_chunk_solves(solve, T, chunk_size, channel):
+    """Both triangular solves (forward substitution over rows; 16 x 16 blocks then block rows) at chunk sizes
+    of 2 and 4 blocks, a short last chunk, from an initial state."""
+    case = Case(B=1, T=T, H=1, HV=2, K=8, V=12, channel_gate=channel, gate="strong", seed=T)
+    impl = type("Impl", (), {"chunk_gated_delta_rule": staticmethod(
+        lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=ChunkConfig(solve=solve)))})
+    _assert_all(P.check_chunk(impl, case, torch.float32, chunk_size=chunk_size, device=DEVICE))
+
+
 def test_chunk_default_size_and_no_final_state():
     """The default chunk_size (64) over T = 70; output_final_state=False returns None."""
     x = Case(B=1, T=70, H=1, HV=2, K=8, V=8, seed=3).inputs(torch.float32, DEVICE)
@@ -141,6 +152,8 @@ def test_bad_arguments_are_named():
         fast.chunk_gated_delta_rule(**x, chunk_size=0)
     with pytest.raises(TypeError, match="ChunkConfig"):
         fast.chunk_gated_delta_rule(**x, config=DirectConfig())
+    with pytest.raises(ValueError, match="config.solve"):
+        fast.chunk_gated_delta_rule(**x, config=ChunkConfig(solve="lu"))
     with pytest.raises(TypeError, match="DirectConfig"):
         fast.direct_gated_delta_rule(**x, config=ChunkConfig())
     bad = dict(x, g=x["g"].clone())
