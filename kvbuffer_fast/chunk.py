@@ -22,7 +22,8 @@ Two launches:
    With ``TAIL`` (the prefill hand-off, kvbuffer_fast.prefill) the last chunk of every sequence is its
    buffered tail: its U, G and keys are written into the buffer's rows and it is not folded.
 
-Precision: every fp32 product is ``input_precision`` PREC: "tf32x3" on CUDA for fp32 inputs (three TF32
+Precision: the scalar-gate scores of 16-bit q and k on CUDA are 16-bit products (exact, fp32
+accumulation); every other product is fp32 with ``input_precision`` PREC: "tf32x3" on CUDA for fp32 inputs (three TF32
 products, about fp32 accuracy), "tf32" for 16-bit inputs (within the bf16 / fp16 budget), "ieee" (FMA)
 under the interpreter.  Gates below ``-RESET_GATE[float32]`` (-inf included) are clamped as the
 reference does; decays are formed only for pairs in causal order, masked before the exp.
@@ -103,7 +104,7 @@ def _chunk_prep_kernel(
     w_ptr, ut_ptr, gc_ptr, aqk_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
-    BLOCKED: tl.constexpr,
+    BLOCKED: tl.constexpr, MMA16: tl.constexpr,
 ):
     """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
     row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT])."""
@@ -149,10 +150,16 @@ def _chunk_prep_kernel(
         G = tl.cumsum(tl.load(g_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32), 0)  # [BT]
         tl.store(gc_ptr + tok * HV + i_hv, G, mask=m_t)
         diff = G[:, None] - G[None, :]
-        kt = tl.trans(b_k)
-        A = tl.dot(b_k, kt, input_precision=PREC)
+        if MMA16:  # the raw 16-bit rows: exact products, fp32 accumulation
+            k16 = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0)
+            kt16 = tl.trans(k16)
+            A = tl.dot(k16, kt16)
+            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0), kt16) * scale
+        else:
+            kt = tl.trans(b_k)
+            A = tl.dot(b_k, kt, input_precision=PREC)
+            QK = tl.dot(b_q, kt, input_precision=PREC)
         A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
-        QK = tl.dot(b_q, kt, input_precision=PREC)
         QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
         kg = b_k * tl.exp(G)[:, None]
     if BLOCKED:
@@ -336,7 +343,8 @@ def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: i
         _chunk_prep_kernel[(starts.numel(), d.HV)](
             q, k, as_input(v), as_input(g), as_input(beta), starts, lens, w, ut, gc, aqk, s,
             H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, BVF=BVF, CHANNEL=d.channel_gate, PREC=prec,
-            BLOCKED=_solve(cfg) == "blocked", num_warps=cfg.prep_warps,
+            BLOCKED=_solve(cfg) == "blocked", MMA16=q.is_cuda and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT,
+            num_warps=cfg.prep_warps,
         )
         dummy = w
         _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](

@@ -78,13 +78,35 @@ def fla_chunk():
         return None, None
 
 
+FLA_GROUPED = {"native": None}  # whether fla's chunk kernel takes HV > H itself (else q, k are expanded)
+
+
 def call_fla(fn, x, initial_state=None, output_final_state=False, cu_seqlens=None):
-    return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=initial_state,
-              output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=False)
+    """fla's chunk_gated_delta_rule on our inputs; q and k expanded to the value heads if fla does not take
+    grouped heads (value head i reads q/k head i // (HV // H)), found out at the first call and recorded."""
+    q, k = x["q"], x["k"]
+    kw = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+              use_qk_l2norm_in_kernel=False)
+    group = x["v"].shape[2] // q.shape[2]
+    if group > 1 and FLA_GROUPED["native"] is not False:
+        try:
+            out = fn(q, k, x["v"], x["g"], x["beta"], **kw)
+            FLA_GROUPED["native"] = True
+            return out
+        except Exception as e:  # noqa: BLE001
+            if FLA_GROUPED["native"]:
+                raise
+            FLA_GROUPED["native"] = False
+            FLA_GROUPED["why"] = f"{type(e).__name__}: {e}"[:300]
+            log(f"fla takes no grouped heads here ({FLA_GROUPED['why']}); q and k expanded for it")
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    return fn(q, k, x["v"], x["g"], x["beta"], **kw)
 
 
 def judged(name, actual, truth, baseline, g, head_axis=2, dtype=None):
-    c = compare(actual.detach(), truth, None if baseline is None else baseline.detach(), name=name, g=g,
+    c = compare(actual.detach().cpu(), truth.cpu(), None if baseline is None else baseline.detach().cpu(), name=name,
+                g=g.cpu(),
                 head_axis=head_axis, dtype=dtype)
     return dict(name=name, passed=bool(c.passed), rel=float(c.worst_rel), baseline_rel=float(c.baseline_rel), budget=float(c.budget), text=str(c))
 
@@ -276,6 +298,7 @@ def main(argv=None) -> int:
         print(json.dumps({"error": "no CUDA device (--smoke runs the correctness part on the CPU)"}))
         return 2
     os.environ.setdefault("KVBUFFER_POISON", "0")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the oracle's and the baseline's products stay fp32 / fp64
     t0 = time.time()
     fla_fn, fla_version = fla_chunk()
     out = dict(script="scripts/gpu_prefill.py", quick=args.quick, versions=versions(), fla=fla_version,
@@ -296,6 +319,7 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         out["timings_error"] = traceback.format_exc()[-2000:]
         log(out["timings_error"])
+    out["fla_grouped_heads"] = dict(FLA_GROUPED)
     out["wall_s"] = time.time() - t0
     text = json.dumps(out, indent=1, default=str)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
