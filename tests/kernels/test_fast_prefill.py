@@ -32,7 +32,8 @@ def _poison_outputs(monkeypatch):
     (37, 0, True, 8),       # nothing buffered: the whole prompt folded
     (40, 16, False, 16),    # a full buffer of C = chunk_size rows
     (6, None, True, 8),     # the whole prompt buffered: direct mode (no state owned)
-], ids=["tail-default", "tail-0-channel", "tail-full", "direct-mode-channel"])
+    (35, 30, False, 40),    # a tail of 30 rows, past one chunk of 16: the tail's chunk widens to hold it
+], ids=["tail-default", "tail-0-channel", "tail-full", "direct-mode-channel", "tail-past-a-chunk"])
 def test_prefill_then_decode_is_the_recurrence(prompt, tail, channel, C):
     case = Case(B=2, T=prompt + 3, H=1, HV=2, K=8, V=12, channel_gate=channel, gate="mixed", seed=prompt + C)
     results = P.check_prefill(fast, case, torch.float32, capacity=C, prompt=prompt, tail=tail, chunk_size=16,
