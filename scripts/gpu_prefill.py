@@ -226,7 +226,8 @@ def chunk_flops(B, T, HV, K, V, BT=64):
 
 #: The launches timed: the table's default ("ours") and the variants beside it.
 VARIANTS = (("ours", None), ("blocked", ChunkConfig(solve="blocked")),
-            ("blocked_w8", ChunkConfig(solve="blocked", num_warps=8)))
+            ("blocked_w8", ChunkConfig(solve="blocked", num_warps=8)),
+            ("blocked_bv128_w8", ChunkConfig(solve="blocked", BV=128, num_warps=8)))
 
 
 def timings(fla_fn, quick, deadline):
