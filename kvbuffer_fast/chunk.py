@@ -11,16 +11,19 @@ the inner products):
     U     = U~ - W S,                           O  = exp(G) S^T q + (causal D * Q K^T) U
     S'    = diag(exp(G_L)) S + sum_j (exp(G_L - G_j) * k_j) u_j^T
 
-Two launches:
+Three launches:
 
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), all chunks in parallel: G, A, T, W,
-   U~ and the masked, decayed Q K^T (fp32 scratch).  T by forward substitution over the chunk's rows
-   (``solve="rows"``) or blocked (``solve="blocked"``: the 16 x 16 diagonal blocks by forward
-   substitution, all at once, then the block rows by products).
+   U~ and the masked, decayed Q K^T (fp32 scratch).  T in 16 x 16 blocks: the diagonal blocks'
+   inverses by forward substitution, all at once (15 steps), then the block rows by products.
 2. ``_chunk_state_kernel``, grid (V / BV, N * HV): one program per (sequence, value head, V-tile)
-   walks the sequence's chunks in order with its [K, BV] state tile in registers: U, O (stored), S'.
-   With ``TAIL`` (the prefill hand-off, kvbuffer_fast.prefill) the last chunk of every sequence is its
-   buffered tail: its U, G and keys are written into the buffer's rows and it is not folded.
+   walks the sequence's chunks in order with its [K, BV] state tile in registers; per chunk it stores
+   the state before the chunk (h [NC, HV, K, V] fp32) and U (fp32), then folds the chunk: the
+   sequential part is two products per chunk.  With ``TAIL`` (the prefill hand-off,
+   kvbuffer_fast.prefill) the last chunk of every sequence is its buffered tail: its U, G and keys are
+   written into the buffer's rows and it is not folded.
+3. ``_chunk_output_kernel``, one program per (chunk, value head, V-tile), all in parallel:
+   O = exp(G) Q h + (causal D * Q K^T) U.
 
 Precision: the scalar-gate scores of 16-bit q and k on CUDA are 16-bit products (exact, fp32
 accumulation); every other product is fp32 with ``input_precision`` PREC: "tf32x3" on CUDA for fp32 inputs (three TF32
@@ -43,7 +46,7 @@ from kvbuffer_ref.recurrent import check_cu_seqlens
 from ._common import as_input, block, checked_tokens, device_guard, new_output
 from .launch import ChunkConfig, check_config, config_for, key_of
 
-__all__ = ["chunk_gated_delta_rule", "chunk_table", "precision_for"]
+__all__ = ["chunk_gated_delta_rule", "chunk_launches_for", "chunk_table", "precision_for"]
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -55,19 +58,7 @@ def _row(x, o_r, i):
 
 
 @triton.jit
-def _unit_lower_inverse(A, o_t, L):
-    """(I + A)^-1 for A [BT, BT] strictly lower triangular and zero past row L: forward substitution, row
-    by row, T_i = e_i - sum_{j < i} A_ij T_j (rows of T below i are final when row i is formed)."""
-    Ti = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    for i in range(1, L):
-        a_i = _row(A, o_t, i)  # [BT], zero for j >= i
-        new = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, 0)
-        Ti = tl.where(o_t[:, None] == i, new[None, :], Ti)
-    return Ti
-
-
-@triton.jit
-def _unit_lower_inverse_blocked(A, BT: tl.constexpr, PREC: tl.constexpr):
+def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for A [BT, BT] strictly lower triangular, in blocks of 16: the inverses of the BT / 16
     diagonal blocks at once by forward substitution (15 steps on [BT / 16, 16, 16]), then the block rows
     in order, X_b = T_bb (E_b - A_{b,<b} X_{<b}), two products each."""
@@ -104,7 +95,7 @@ def _chunk_prep_kernel(
     w_ptr, ut_ptr, gc_ptr, aqk_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
-    BLOCKED: tl.constexpr, MMA16: tl.constexpr,
+    MMA16: tl.constexpr,
 ):
     """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
     row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT])."""
@@ -162,10 +153,7 @@ def _chunk_prep_kernel(
         A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
         QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
         kg = b_k * tl.exp(G)[:, None]
-    if BLOCKED:
-        Ti = _unit_lower_inverse_blocked(A, BT, PREC)
-    else:
-        Ti = _unit_lower_inverse(A, o_t, L)
+    Ti = _unit_lower_inverse(A, BT, PREC)
     Tb = Ti * b_beta[None, :]  # T diag(beta)
     w = tl.dot(Tb, kg, input_precision=PREC)
     ut = tl.dot(Tb, b_v, input_precision=PREC)
@@ -176,15 +164,16 @@ def _chunk_prep_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    q_ptr, k_ptr, w_ptr, ut_ptr, gc_ptr, aqk_ptr, start_ptr, len_ptr, coff_ptr, fend_ptr,
-    o_ptr, s0_ptr, sf_ptr, bk_ptr, bu_ptr, bg_ptr, scale,
+    k_ptr, w_ptr, ut_ptr, gc_ptr, start_ptr, len_ptr, coff_ptr, fend_ptr,
+    u_ptr, h_ptr, s0_ptr, sf_ptr, bk_ptr, bu_ptr, bg_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
     INITIAL: tl.constexpr, FINAL: tl.constexpr, TAIL: tl.constexpr,
 ):
     """One (sequence, value head, V-tile): the sequence's chunks in order, the [K, BV] state tile in
-    registers.  Chunks from ``fend[n]`` on (the sequence's last one or none) are its buffered tail: not
-    folded, and with TAIL their U, G and keys written into buffer request n; the final state is the
+    registers; per chunk c the state before it goes to h[c] [K, BV] and U = U~ - W S to u, then the
+    state is folded.  Chunks from ``fend[n]`` on (the sequence's last one or none) are its buffered tail:
+    not folded, and with TAIL their U, G and keys written into buffer request n; the final state is the
     state before them."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -197,9 +186,9 @@ def _chunk_state_kernel(
     m_k = o_k < K
     m_v = o_v < V
     m_s = m_k[:, None] & m_v[None, :]
-    p_s = (i_nh * K + o_k[:, None]) * V + o_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
     if INITIAL:
-        s = tl.load(s0_ptr + p_s, mask=m_s, other=0.0).to(tl.float32)
+        s = tl.load(s0_ptr + i_nh * K * V + p_kv, mask=m_s, other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
     c0 = tl.load(coff_ptr + i_n)
@@ -208,6 +197,7 @@ def _chunk_state_kernel(
     for c in range(c0, c1):
         start = tl.load(start_ptr + c).to(tl.int64)
         L = tl.load(len_ptr + c)
+        tl.store(h_ptr + (c * HV + i_hv) * K * V + p_kv, s, mask=m_s)  # i_hv int64
         m_t = o_t < L
         tok = start + o_t
         m_tk = m_t[:, None] & m_k[None, :]
@@ -216,18 +206,12 @@ def _chunk_state_kernel(
         w = tl.load(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
         u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - tl.dot(w, s, input_precision=PREC)
         u = tl.where(m_tv, u, 0.0)
+        tl.store(u_ptr + p_tv, u, mask=m_tv)
         p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-        b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
-        aqk = tl.load(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
         if CHANNEL:
-            p_g = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
-            G = tl.load(gc_ptr + p_g, mask=m_tk, other=0.0)
-            o = tl.dot(b_q * tl.exp(G), s, input_precision=PREC)
+            G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
         else:
             G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
-            o = tl.dot(b_q, s, input_precision=PREC) * tl.exp(G)[:, None]
-        o = tl.dot(aqk, u, o, input_precision=PREC)
-        tl.store(o_ptr + p_tv, o.to(o_ptr.dtype.element_ty), mask=m_tv)
         if c >= c_fold:
             if TAIL:
                 p_b = i_n * C + o_t  # buffer rows of request n
@@ -255,7 +239,46 @@ def _chunk_state_kernel(
                 s = s * tl.exp(G_L)
             s = tl.dot(tl.trans(kd), u, s, input_precision=PREC)
     if FINAL:
-        tl.store(sf_ptr + p_s, s, mask=m_s)
+        tl.store(sf_ptr + i_nh * K * V + p_kv, s, mask=m_s)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, u_ptr, h_ptr, gc_ptr, aqk_ptr, start_ptr, len_ptr, o_ptr, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+):
+    """One (chunk, value head, V-tile), all in parallel: O = exp(G) (Q h[c]) + (causal D * Q K^T) U, with
+    h[c] the state before the chunk and U its innovations (both from the state launch)."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    start = tl.load(start_ptr + i_c).to(tl.int64)
+    L = tl.load(len_ptr + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = o_t < L
+    m_k = o_k < K
+    m_v = o_v < V
+    tok = start + o_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+    h = tl.load(h_ptr + (i_c * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
+                mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_q = tl.load(q_ptr + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+    if CHANNEL:
+        G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        o = tl.dot(b_q * tl.exp(G), h, input_precision=PREC)
+    else:
+        G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
+        o = tl.dot(b_q, h, input_precision=PREC) * tl.exp(G)[:, None]
+    u = tl.load(u_ptr + p_tv, mask=m_tv, other=0.0)
+    aqk = tl.load(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    o = tl.dot(aqk, u, o, input_precision=PREC)
+    tl.store(o_ptr + p_tv, o.to(o_ptr.dtype.element_ty), mask=m_tv)
 
 
 def precision_for(x: torch.Tensor) -> str:
@@ -304,58 +327,109 @@ def _make_table(cu: list[int], chunk_size: int, tails: Optional[list[int]], devi
     return mk(starts), mk(lens), mk(offs), mk(fend), longest
 
 
-def _solve(cfg) -> str:
-    """The config's ``solve`` ("rows": forward substitution over the chunk's rows; "blocked": 16 x 16
-    diagonal blocks, then block rows by products), ValueError for anything else."""
-    if cfg.solve not in ("rows", "blocked"):
-        raise ValueError(f"config.solve: expected 'rows' or 'blocked', got {cfg.solve!r}")
-    return cfg.solve
-
-
 def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: int, initial_state, final,
                cfg: ChunkConfig, tails: Optional[list[int]] = None, buffer=None):
-    """Both launches over the flat tokens of ``q`` .. ``beta`` ([B, T, ...], the sequences at offsets ``cu``).
-    Returns (o [B, T, HV, V] in v's dtype, the final states [N, HV, K, V] fp32 or None); with ``tails``,
-    the tails' U, G and keys go into ``buffer`` (KVBuffer of N requests) and are not folded."""
+    """The three launches over the flat tokens of ``q`` .. ``beta`` ([B, T, ...], the sequences at offsets
+    ``cu``).  Returns (o [B, T, HV, V] in v's dtype, the final states [N, HV, K, V] fp32 or None); with
+    ``tails``, the tails' U, G and keys go into ``buffer`` (KVBuffer of N requests) and are not folded."""
+    o, S, launches = chunk_launches(q, k, v, g, beta, d, cu, s, chunk_size, initial_state, final, cfg, tails, buffer)
+    for _, launch in launches:
+        launch()
+    return o, S
+
+
+def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: int, initial_state, final,
+                   cfg: ChunkConfig, tails: Optional[list[int]] = None, buffer=None):
+    """``run_chunks``'s outputs (allocated, not yet written) and its launches, in order, as
+    [("prep" | "state" | "output", callable)] over scratch allocated here (a benchmark times each
+    alone; each reads only what the ones before it wrote).  Shared-memory overflows are reported as
+    ValueError naming the launch and the config field to lower."""
     N = len(cu) - 1
-    _solve(cfg)
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
     S = new_output((N, d.HV, d.K, d.V), torch.float32, q.device) if final else None
     if N == 0 or d.T == 0:
         if final:
             S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
-        return o, S
+        return o, S, []
     starts, lens, offs, fend, longest = chunk_table(cu, chunk_size, tails, q.device)
     BT = block(longest)
     BK, BVF = block(d.K), block(d.V)
     BV = max(16, min(cfg.BV, BVF))
+    BVO = max(16, min(cfg.out_BV, BVF))
     prec = precision_for(q)
-    NT = d.B * d.T
+    NT, NC = d.B * d.T, starts.numel()
     dev = q.device
-    w = torch.empty(NT, d.HV, d.K, dtype=torch.float32, device=dev)
-    ut = torch.empty(NT, d.HV, d.V, dtype=torch.float32, device=dev)
-    gc = torch.empty((NT, d.HV, d.K) if d.channel_gate else (NT, d.HV), dtype=torch.float32, device=dev)
-    aqk = torch.empty(NT, d.HV, BT, dtype=torch.float32, device=dev)
-    q, k = as_input(q), as_input(k)
+    f32 = dict(dtype=torch.float32, device=dev)
+    w = torch.empty(NT, d.HV, d.K, **f32)
+    ut = torch.empty(NT, d.HV, d.V, **f32)
+    u = torch.empty(NT, d.HV, d.V, **f32)
+    h = torch.empty(NC, d.HV, d.K, d.V, **f32)
+    gc = torch.empty((NT, d.HV, d.K) if d.channel_gate else (NT, d.HV), **f32)
+    aqk = torch.empty(NT, d.HV, BT, **f32)
+    q, k, v, g, beta = (as_input(x) for x in (q, k, v, g, beta))
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     tail = buffer is not None
-    with device_guard(q):
-        _chunk_prep_kernel[(starts.numel(), d.HV)](
-            q, k, as_input(v), as_input(g), as_input(beta), starts, lens, w, ut, gc, aqk, s,
-            H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, BVF=BVF, CHANNEL=d.channel_gate, PREC=prec,
-            BLOCKED=_solve(cfg) == "blocked", MMA16=q.is_cuda and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT,
-            num_warps=cfg.prep_warps,
-        )
-        dummy = w
+    dummy = w
+    mma16 = q.is_cuda and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT
+    common = dict(H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, CHANNEL=d.channel_gate, PREC=prec)
+
+    def prep():
+        _chunk_prep_kernel[(NC, d.HV)](
+            q, k, v, g, beta, starts, lens, w, ut, gc, aqk, s, **common, BVF=BVF, MMA16=mma16,
+            num_warps=cfg.prep_warps)
+
+    def state():
         _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](
-            q, k, w, ut, gc, aqk, starts, lens, offs, fend, o,
+            k, w, ut, gc, starts, lens, offs, fend, u, h,
             dummy if s0 is None else s0, dummy if S is None else S,
-            buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy, s,
-            H=d.H, HV=d.HV, K=d.K, V=d.V, C=buffer.capacity if tail else 1,
-            BT=BT, BK=BK, BV=BV, CHANNEL=d.channel_gate, PREC=prec,
-            INITIAL=s0 is not None, FINAL=S is not None, TAIL=tail, num_warps=cfg.num_warps,
-        )
-    return o, S
+            buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy,
+            **common, C=buffer.capacity if tail else 1, BV=BV, INITIAL=s0 is not None, FINAL=S is not None,
+            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.stages)
+
+    def output():
+        _chunk_output_kernel[(NC, d.HV, triton.cdiv(d.V, BVO))](
+            q, u, h, gc, aqk, starts, lens, o, s, **common, BV=BVO, num_warps=cfg.out_warps)
+
+    def guarded(name, fields, launch):
+        def run():
+            try:
+                with device_guard(q):
+                    launch()
+            except triton.runtime.errors.OutOfResources as e:
+                raise ValueError(f"config: the chunk {name} launch ({fields}) does not fit the device: {e}; "
+                                 f"lower those fields (kvbuffer_fast.launch.chunk_smem_bytes estimates them)") from None
+        return run
+
+    return o, S, [
+        ("prep", guarded("prep", f"prep_warps={cfg.prep_warps}", prep)),
+        ("state", guarded("state", f"BV={BV}, num_warps={cfg.num_warps}, stages={cfg.stages}", state)),
+        ("output", guarded("output", f"out_BV={BVO}, out_warps={cfg.out_warps}", output)),
+    ]
+
+
+def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_seqlens, config):
+    """``chunk_gated_delta_rule``'s checks; returns ``run_chunks``'s arguments."""
+    d, g = checked_tokens(q, k, v, g, beta)
+    check_chunk_size(chunk_size)
+    s = check_scale(scale, d.K)
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, q, initial_state)
+        N = len(cu) - 1
+        check_state("initial_state", initial_state, Dims(**{**d.__dict__, "B": N}), q.device)
+    else:
+        check_state("initial_state", initial_state, d, q.device)
+        cu = [b * d.T for b in range(d.B + 1)]
+    cfg = check_config("chunk", config) if config is not None else config_for(
+        "chunk", key_of(q, B=len(cu) - 1, HV=d.HV, V=d.V, channel=d.channel_gate))
+    return (q, k, v, g, beta, d, cu, s, chunk_size, initial_state, output_final_state, cfg)
+
+
+def chunk_launches_for(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                       chunk_size: int = 64, cu_seqlens=None, config: Optional[ChunkConfig] = None):
+    """``chunk_gated_delta_rule``'s launches, not run: (o, final state or None, [(name, callable)]) as
+    :func:`chunk_launches` (for timing each launch alone; running them in order fills o and the state)."""
+    return chunk_launches(*_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
+                                       cu_seqlens, config))
 
 
 def chunk_gated_delta_rule(
@@ -380,17 +454,5 @@ def chunk_gated_delta_rule(
     Returns o [B, T, HV, V] in v's dtype and, if ``output_final_state``, the final fp32 state.
     ``config``: a :class:`kvbuffer_fast.launch.ChunkConfig`, None for the table's.
     """
-    d, g = checked_tokens(q, k, v, g, beta)
-    check_chunk_size(chunk_size)
-    s = check_scale(scale, d.K)
-    if cu_seqlens is not None:
-        cu = check_cu_seqlens(cu_seqlens, q, initial_state)
-        N = len(cu) - 1
-        check_state("initial_state", initial_state, Dims(**{**d.__dict__, "B": N}), q.device)
-    else:
-        check_state("initial_state", initial_state, d, q.device)
-        cu = [b * d.T for b in range(d.B + 1)]
-    cfg = check_config("chunk", config) if config is not None else config_for(
-        "chunk", key_of(q, B=len(cu) - 1, HV=d.HV, V=d.V, channel=d.channel_gate))
-    o, S = run_chunks(q, k, v, g, beta, d, cu, s, chunk_size, initial_state, output_final_state, cfg)
-    return o, S
+    return run_chunks(*_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
+                                   cu_seqlens, config))

@@ -163,34 +163,27 @@ class PerDraftStateConfig:
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """chunk_gated_delta_rule: the per-chunk launch (``prep_warps`` warps per (chunk, value head); ``solve``:
-    the triangular inverse by forward substitution over the rows, "rows", or in 16 x 16 blocks, "blocked")
-    and the state launch (BV state columns per (sequence, value head) program, ``num_warps`` warps)."""
+    """chunk_gated_delta_rule's three launches: the per-chunk prep (``prep_warps`` warps per (chunk,
+    value head)), the sequential state pass (``BV`` state columns per (sequence, value head) program,
+    ``num_warps`` warps, ``stages`` software-pipeline stages of its chunk loop) and the parallel output
+    launch (``out_BV`` columns per (chunk, value head) program, ``out_warps`` warps)."""
 
-    BV: int = 64
+    BV: int = 32
     num_warps: int = 4
+    stages: int = 1
     prep_warps: int = 4
-    solve: str = "rows"
+    out_BV: int = 64
+    out_warps: int = 4
 
 
 @dataclass(frozen=True)
-class DirectConfig:
+class DirectConfig(ChunkConfig):
     """direct_gated_delta_rule: the chunk launches from a zero state (fields as :class:`ChunkConfig`)."""
 
-    BV: int = 64
-    num_warps: int = 4
-    prep_warps: int = 4
-    solve: str = "rows"
-
 
 @dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(ChunkConfig):
     """prefill: the chunk launches with the tail written into the buffer (fields as :class:`ChunkConfig`)."""
-
-    BV: int = 64
-    num_warps: int = 4
-    prep_warps: int = 4
-    solve: str = "rows"
 
 
 CONFIGS = {
@@ -250,7 +243,7 @@ def config_for(op: str, key: Key):
 def check_config(op: str, config):
     """``config`` if it is ``op``'s config class, else a TypeError naming the expected class."""
     cls = CONFIGS[op]
-    if not isinstance(config, cls):
+    if type(config) is not cls:
         raise TypeError(f"config: expected a kvbuffer_fast.launch.{cls.__name__} (or None for the launch "
                         f"table's choice), got {type(config).__name__}")
     return config

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
+from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
 from kvbuffer_fast.launch import ChunkConfig, DirectConfig  # noqa: E402
 from kvbuffer_ref.validate import Case, assert_matches  # noqa: E402
 from kvbuffer_ref.validate import properties as P  # noqa: E402
@@ -49,91 +50,27 @@ def test_chunk_matches_oracle(dtype, shape, channel, gate, initial):
     _assert_all(P.check_chunk(fast, case, dtype, chunk_size=16, device=DEVICE, with_initial_state=initial))
 
 
-@pytest.mark.parametrize("solve", ["rows", "blocked"])
 @pytest.mark.parametrize("T,chunk_size,channel", [(70, 64, False), (50, 32, True)], ids=["64-scalar", "32-channel"])
-def test_chunk_solves(solve, T, chunk_size, channel):
-    """Both triangular solves (forward substitution over rows; 16 x 16 blocks then block rows) at chunk sizes
-    of 2 and 4 blocks, a short last chunk, from an initial state."""
-    case = Case(B=1, T=T, H=1, HV=2, K=8, V=12, channel_gate=channel, gate="strong", seed=T)
+def test_chunk_tiles(T, chunk_size, channel):
+    """Chunks of 4 and 2 inverse blocks, a short last chunk, from an initial state, with V = 40 cut into
+    16-column tiles by the state and the output launches (three state tiles, the last one partly masked)."""
+    case = Case(B=1, T=T, H=1, HV=2, K=8, V=40, channel_gate=channel, gate="strong", seed=T)
+    cfg = ChunkConfig(BV=16, out_BV=16)
     impl = type("Impl", (), {"chunk_gated_delta_rule": staticmethod(
-        lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=ChunkConfig(solve=solve)))})
+        lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=cfg))})
     _assert_all(P.check_chunk(impl, case, torch.float32, chunk_size=chunk_size, device=DEVICE))
 
 
-def test_chunk_default_size_and_no_final_state():
-    """The default chunk_size (64) over T = 70; output_final_state=False returns None."""
-    x = Case(B=1, T=70, H=1, HV=2, K=8, V=8, seed=3).inputs(torch.float32, DEVICE)
-    (o64, _), base = P.truth_and_baseline(x)
-    o, S = fast.chunk_gated_delta_rule(**x)
-    assert S is None
-    assert_matches(o.cpu(), o64, base[0], name="chunk[64].o", g=x["g"])
-
-
-def _cu_case(channel: bool, seed: int):
-    lens = [5, 0, 18, 17]  # an empty sequence; sequences shorter than, and past, one chunk of 16
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    case = Case(B=1, T=cu[-1], H=1, HV=2, K=8, V=12, channel_gate=channel, gate="mixed", seed=seed)
-    return case, cu
-
-
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
-def test_chunk_varlen_is_each_sequence_alone(index_dtype, channel):
-    """cu_seqlens: o and the final states [N, HV, K, V] == the per-sequence float64 recurrence."""
-    case, cu = _cu_case(channel, 7 + channel)
-    x = case.inputs(torch.float32, DEVICE)
-    cu_t = torch.tensor(cu, dtype=index_dtype, device=DEVICE)
-    S0 = torch.randn(len(cu) - 1, case.HV, case.K, case.V, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    x64 = P.upcast_inputs(x)
-    o64, S64 = ref.recurrent_gated_delta_rule(**x64, initial_state=S0.double().cpu(), output_final_state=True,
-                                              cu_seqlens=torch.tensor(cu))
-    ob, Sb = ref.recurrent_gated_delta_rule(**{n: t.cpu() for n, t in x.items()}, initial_state=S0.cpu(),
-                                            output_final_state=True, cu_seqlens=torch.tensor(cu))
-    o, S = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, chunk_size=16,
-                                       cu_seqlens=cu_t)
-    assert S.shape == (len(cu) - 1, case.HV, case.K, case.V)
-    assert_matches(o.cpu(), o64, ob, name="chunk[varlen].o", g=x["g"])
-    assert_matches(S.cpu(), S64, Sb, name="chunk[varlen].state", head_axis=1, g=x["g"])
-
-
-def test_reference_chunk_varlen_is_the_per_sequence_recurrence():
-    """kvbuffer_ref's chunk form with cu_seqlens == its recurrence, sequence by sequence, in float64."""
-    case, cu = _cu_case(True, 11)
-    x = case.inputs(torch.float64)
-    cu_t = torch.tensor(cu)
-    o, S = ref.chunk_gated_delta_rule(**x, output_final_state=True, chunk_size=4, cu_seqlens=cu_t)
-    for n, (a, b) in enumerate(zip(cu, cu[1:])):
-        xs = {k: t[:, a:b] for k, t in x.items()}
-        on, Sn = ref.recurrent_gated_delta_rule(**xs, output_final_state=True)
-        assert_matches(o[:, a:b], on, name=f"ref.chunk[varlen][{n}].o")
-        assert_matches(S[n:n + 1], Sn, name=f"ref.chunk[varlen][{n}].state", head_axis=1)
-
-
-@pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
-def test_chunk_reset_gates(channel):
-    """g = -inf (an exact reset) mid-chunk and on a chunk boundary: finite, equal to the recurrence."""
-    case = Case(B=1, T=36, H=1, HV=2, K=8, V=8, channel_gate=channel, seed=5)
-    x = case.inputs(torch.float32, DEVICE)
-    x["g"][:, 7] = float("-inf")
-    x["g"][:, 16, 1] = float("-inf")
-    (o64, S64), base = P.truth_and_baseline(x)
-    o, S = fast.chunk_gated_delta_rule(**x, output_final_state=True, chunk_size=16)
-    assert torch.isfinite(o).all() and torch.isfinite(S).all()
-    assert_matches(o.cpu(), o64, base[0], name="chunk[reset].o", g=x["g"].clamp(min=-200.0))
-    assert_matches(S.cpu(), S64, base[1], name="chunk[reset].state", head_axis=1, g=x["g"].clamp(min=-200.0))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T,channel", [(11, False), (20, True)], ids=["one-chunk", "two-chunks-channel"])
-def test_direct_matches_oracle(dtype, T, channel):
-    case = Case(B=2, T=T, H=1, HV=2, K=8, V=12, channel_gate=channel, gate="mixed", seed=T)
-    x = case.inputs(dtype, DEVICE)
-    (o64, _), base = P.truth_and_baseline(x)
-    o = fast.direct_gated_delta_rule(**x, chunk_size=16)
-    assert_matches(o.cpu(), o64, base[0], name="direct.o", dtype=dtype, g=x["g"])
-    _assert_all(P.check_direct(fast, case, dtype, device=DEVICE))
+def test_chunk_launches_run_in_order_are_the_call():
+    """The launches a benchmark times one by one, run in order, give the call's outputs exactly."""
+    x = Case(B=2, T=40, H=1, HV=2, K=8, V=8, seed=5).inputs(torch.float32, DEVICE)
+    S0 = torch.randn(2, 2, 8, 8, device=DEVICE)
+    o, S = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, chunk_size=16)
+    o2, S2, launches = chunk_launches_for(**x, initial_state=S0, output_final_state=True, chunk_size=16)
+    assert [n for n, _ in launches] == ["prep", "state", "output"]
+    for _, launch in launches:
+        launch()
+    assert torch.equal(o, o2) and torch.equal(S, S2)
 
 
 def test_bad_arguments_are_named():
@@ -152,8 +89,6 @@ def test_bad_arguments_are_named():
         fast.chunk_gated_delta_rule(**x, chunk_size=0)
     with pytest.raises(TypeError, match="ChunkConfig"):
         fast.chunk_gated_delta_rule(**x, config=DirectConfig())
-    with pytest.raises(ValueError, match="config.solve"):
-        fast.chunk_gated_delta_rule(**x, config=ChunkConfig(solve="lu"))
     with pytest.raises(TypeError, match="DirectConfig"):
         fast.direct_gated_delta_rule(**x, config=ChunkConfig())
     bad = dict(x, g=x["g"].clone())
