@@ -44,7 +44,7 @@ from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state
 from kvbuffer_ref.recurrent import check_cu_seqlens
 
 from ._common import as_input, block, checked_tokens, device_guard, new_output
-from .launch import ChunkConfig, check_config, config_for, key_of
+from .launch import ChunkConfig, check_config, chunk_smem_bytes, config_for, key_of
 
 __all__ = ["chunk_gated_delta_rule", "chunk_launches_for", "chunk_table", "precision_for"]
 
@@ -113,14 +113,14 @@ def _chunk_prep_kernel(
     tok = start + o_t
     m_tk = m_t[:, None] & m_k[None, :]
     p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-    b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-    b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
     b_beta = tl.load(beta_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_v = tl.load(v_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                  other=0.0).to(tl.float32)
     lower = o_t[:, None] > o_t[None, :]
     causal = o_t[:, None] >= o_t[None, :]
+    # loads sit next to their use and every result is stored as soon as it is final, so that few
+    # [BT, BK] tiles are live at once (the fp32 tiles alone would fill the registers)
     if CHANNEL:
+        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
         p_g = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
         G = tl.cumsum(tl.load(g_ptr + p_g, mask=m_tk, other=0.0).to(tl.float32), 0)  # [BT, BK]
         tl.store(gc_ptr + p_g, G, mask=m_tk)
@@ -136,30 +136,31 @@ def _chunk_prep_kernel(
             QK = tl.where(o_t[None, :] == j, qk[:, None], QK)
         A = tl.where(lower, A, 0.0) * b_beta[:, None]
         QK = tl.where(causal, QK, 0.0)
-        kg = b_k * tl.exp(G)
+        eg = tl.exp(G)  # [BT, BK]
     else:
         G = tl.cumsum(tl.load(g_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32), 0)  # [BT]
         tl.store(gc_ptr + tok * HV + i_hv, G, mask=m_t)
         diff = G[:, None] - G[None, :]
         if MMA16:  # the raw 16-bit rows: exact products, fp32 accumulation
-            k16 = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0)
-            kt16 = tl.trans(k16)
-            A = tl.dot(k16, kt16)
+            kt16 = tl.trans(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0))
+            A = tl.dot(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0), kt16)
             QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0), kt16) * scale
         else:
-            kt = tl.trans(b_k)
-            A = tl.dot(b_k, kt, input_precision=PREC)
-            QK = tl.dot(b_q, kt, input_precision=PREC)
+            kt = tl.trans(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32))
+            A = tl.dot(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32), kt, input_precision=PREC)
+            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale, kt, input_precision=PREC)
         A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
         QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
-        kg = b_k * tl.exp(G)[:, None]
-    Ti = _unit_lower_inverse(A, BT, PREC)
-    Tb = Ti * b_beta[None, :]  # T diag(beta)
-    w = tl.dot(Tb, kg, input_precision=PREC)
-    ut = tl.dot(Tb, b_v, input_precision=PREC)
-    tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w, mask=m_tk)
-    tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
+        eg = tl.exp(G)[:, None]  # [BT, 1]
     tl.store(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], QK, mask=m_t[:, None])
+    Tb = _unit_lower_inverse(A, BT, PREC) * b_beta[None, :]  # T diag(beta)
+    b_v = tl.load(v_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                  other=0.0).to(tl.float32)
+    ut = tl.dot(Tb, b_v, input_precision=PREC)
+    tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
+    kg = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * eg
+    w = tl.dot(Tb, kg, input_precision=PREC)
+    tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w, mask=m_tk)
 
 
 @triton.jit
@@ -390,6 +391,16 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         _chunk_output_kernel[(NC, d.HV, triton.cdiv(d.V, BVO))](
             q, u, h, gc, aqk, starts, lens, o, s, **common, BV=BVO, num_warps=cfg.out_warps)
 
+    if q.is_cuda:
+        limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", None)
+        as_dtype = torch.float32 if prec == "tf32x3" else torch.bfloat16
+        for name in ("prep", "state", "output"):
+            need = chunk_smem_bytes(name, cfg, dtype=as_dtype, K=d.K, V=d.V, BT=BT)
+            if limit is not None and need > limit:
+                raise ValueError(f"config: the chunk {name} launch needs about {need} B of shared memory at K = {d.K}, "
+                                 f"V = {d.V}, chunk {BT} ({cfg}), the device has {limit} B per block; lower BV, "
+                                 f"stages or out_BV")
+
     def guarded(name, fields, launch):
         def run():
             try:
@@ -397,7 +408,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
                     launch()
             except triton.runtime.errors.OutOfResources as e:
                 raise ValueError(f"config: the chunk {name} launch ({fields}) does not fit the device: {e}; "
-                                 f"lower those fields (kvbuffer_fast.launch.chunk_smem_bytes estimates them)") from None
+                                 f"lower those fields") from None
         return run
 
     return o, S, [

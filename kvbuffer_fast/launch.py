@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "Key", "Row", "RecurrentConfig", "DecodeConfig", "FlushConfig", "VerifyConfig", "AcceptConfig",
     "PerDraftStateConfig", "ChunkConfig", "DirectConfig", "PrefillConfig", "CONFIGS", "TABLES", "config_for", "key_of",
+    "chunk_smem_bytes", "SM90_SHARED_BYTES",
 ]
 
 _INF = float("inf")
@@ -168,7 +169,7 @@ class ChunkConfig:
     ``num_warps`` warps, ``stages`` software-pipeline stages of its chunk loop) and the parallel output
     launch (``out_BV`` columns per (chunk, value head) program, ``out_warps`` warps)."""
 
-    BV: int = 32
+    BV: int = 16
     num_warps: int = 4
     stages: int = 1
     prep_warps: int = 4
@@ -200,6 +201,13 @@ CONFIGS = {
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
+#: The chunk launches' rows (chunk, direct and prefill launch the same kernels).
+_CHUNK_ROWS: tuple[Row, ...] = (
+    Row(dict(prep_warps=8), dtypes=(torch.float32,), capability=((9, 0), None),
+        why="fp32 inputs: the per-chunk launch's fp32 [64, 128] tiles with 3xTF32 products spill 11.5 KB per "
+            "thread on 4 warps (ptxas for sm_90, Triton 3.9), 0.5 KB on 8"),
+)
+
 TABLES: dict[str, tuple[Row, ...]] = {
     "recurrent": (),
     "decode": (
@@ -223,10 +231,39 @@ TABLES: dict[str, tuple[Row, ...]] = {
     ),
     "accept": (),
     "per_draft_state": (),
-    "chunk": (),
-    "direct": (),
-    "prefill": (),
+    "chunk": _CHUNK_ROWS,
+    "direct": _CHUNK_ROWS,
+    "prefill": _CHUNK_ROWS,
 }
+
+
+#: Shared memory per block on the devices the tables target (NVIDIA H100 / H200, sm_90: 227 KB opt-in).
+SM90_SHARED_BYTES = 232448
+
+
+def chunk_smem_bytes(launch: str, cfg, *, dtype: torch.dtype, K: int = 128, V: int = 128, BT: int = 64) -> int:
+    """Shared memory of one chunk launch ("prep", "state" or "output") for q/k dtype ``dtype`` on sm_90: the
+    operand tiles of its products staged at once (fp32 inputs take 3xTF32 products, whose split operands
+    double them; the state launch: W [BT, K] per pipeline stage, the [K, BV] state, for 16-bit inputs U).
+    Fitted to the sizes Triton 3.9 allocates when compiling for sm_90 at K = V = 128, BT = 64, where it is
+    exact: state 81920 / 98304 B (fp32, BV = 32 / 64, 1 stage), 131092 B (fp32, BV = 64, 3 stages),
+    57344 / 81920 B (bf16, BV = 32 / 64); output 98304 / 131072 B (fp32, out_BV = 32 / 64), 65536 /
+    98304 B (bf16, out_BV = 64 / 128); prep 131072 / 49152 B (fp32 / bf16, scalar gates; 98304 B for
+    fp32 per-channel gates, below the estimate)."""
+    from triton import next_power_of_2 as p2
+    BK, BVF = p2(max(16, K)), p2(max(16, V))
+    split = 2 if dtype == torch.float32 else 1
+    if launch == "prep":
+        e = 4 if dtype == torch.float32 else 2
+        return split * max(2 * BT * BK * e, (BT * BT + BT * max(BK, BVF)) * 4)
+    if launch == "state":
+        BV = max(16, min(cfg.BV, BVF))
+        return (split * BT * BK * 4 + (max(1, cfg.stages) - 1) * BT * BK * 2 + BK * BV * 4
+                + (0 if split == 2 else BT * BV * 4))
+    if launch == "output":
+        BV = max(16, min(cfg.out_BV, BVF))
+        return split * (BT * BK + BK * BV) * 4
+    raise ValueError(f"launch: expected 'prep', 'state' or 'output', got {launch!r}")
 
 
 def config_for(op: str, key: Key):

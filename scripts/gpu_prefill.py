@@ -3,23 +3,28 @@
     python3 scripts/gpu_prefill.py --out bench/results/h200_probe/prefill.json [--quick]
 
 1. Correctness, compiled, against the float64 oracle computed on the GPU (kvbuffer_ref's recurrence,
-   float64 inputs = the rounded inputs upcast): kvbuffer_fast.chunk_gated_delta_rule (fp32 and bf16
-   inputs, scalar and per-channel gates, uniform batches and cu_seqlens, an initial state),
-   direct_gated_delta_rule, and prefill followed by buffered_decode; each judged by the error table
-   (``compare``: its baseline is the plain fp32 recurrence of kvbuffer_ref).  Beside ours, the error of
-   kvbuffer_fast's fp32 recurrence and of fla's chunk_gated_delta_rule (if fla imports).
+   float64 inputs = the rounded inputs upcast) at Qwen3-Next heads (so fla's autotuning is shared with
+   the timings): kvbuffer_fast.chunk_gated_delta_rule (fp32 and bf16 inputs, scalar and per-channel
+   gates, uniform batches and cu_seqlens, an initial state), direct_gated_delta_rule, and prefill
+   followed by buffered_decode; each judged by the error table (``compare``: its baseline is the plain
+   fp32 recurrence of kvbuffer_ref).  Beside ours, the error of kvbuffer_fast's fp32 recurrence kernel
+   (per sequence for cu_seqlens) and of fla's chunk_gated_delta_rule (if fla imports).  Each check logs
+   its seconds (first calls compile).
 2. Timings at Qwen3-Next heads (H = 16, HV = 32, K = V = 128), T = 1k..32k, B = 1 and 4, bf16 and fp32
    inputs, ours and fla's in the same run: a CUDA graph of one call replayed under
    triton.testing.do_bench (L2 cleared before each replay, median; bench/gpu.py's ``device_ms``), and
    TFLOP/s of the chunk algorithm's products (chunk 64) against the H200's dense peaks (bf16 989,
-   TF32 494 TFLOP/s), plus the errors of both at T = 1k (and 4k without --quick).
+   TF32 494 TFLOP/s), plus the errors of both at T = 1k (and 4k without --quick).  Ours: the launch
+   table's config and the candidates in ``VARIANTS``, each as the whole call and launch by launch
+   (prep, state, output: where the time goes).
 
-Prints one JSON object to stdout and writes it to --out.  Under 6 minutes on an H200 (--quick: about 2).
+Prints one JSON object to stdout and writes it to --out.  About 4 minutes on an H200 (--budget-s stops the timings; --quick: about 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -30,13 +35,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--smoke" in sys.argv:  # before the kernels are decorated: the Triton interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 
 import kvbuffer_fast as fast  # noqa: E402
-from kvbuffer_fast.launch import ChunkConfig  # noqa: E402
+from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
+from kvbuffer_fast.launch import config_for, key_of  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from bench.gpu import device_ms, versions  # noqa: E402
 from kvbuffer_ref.validate import compare  # noqa: E402
@@ -120,63 +128,80 @@ def rel_err(actual, truth):
 
 
 # ----------------------------------------------------------------------------- 1. correctness
+def recurrent_kernel(x, S0, cu):
+    """kvbuffer_fast's fp32 recurrence kernel on ``x``: per sequence for offsets ``cu`` (it takes no
+    cu_seqlens), outputs concatenated along T."""
+    if cu is None:
+        return fast.recurrent_gated_delta_rule(**x, initial_state=S0)[0]
+    outs = []
+    for n, (a, b) in enumerate(zip(cu, cu[1:])):
+        if b > a:
+            outs.append(fast.recurrent_gated_delta_rule(**{m: t[:, a:b] for m, t in x.items()},
+                                                        initial_state=S0[n:n + 1])[0])
+    return torch.cat(outs, 1)
+
+
+def chunk_cases(quick):
+    """(dtype, channel, varlen) of the chunk checks: all eight, or under --quick the fp32 ones and bf16 scalar."""
+    dtypes = (torch.float32,) if SMOKE else (torch.float32, torch.bfloat16)
+    cases = [(dt, ch, vl) for dt in dtypes for ch in (False, True) for vl in (False, True)]
+    if quick:
+        cases = [c for c in cases if c[0] == torch.float32 or not c[1]]
+    return cases
+
+
 def correctness(fla_fn, quick):
     rows = []
-    shapes = dict(H=1, HV=2, K=16, V=16) if SMOKE else dict(H=4, HV=8, K=128, V=128)
+    shapes = dict(H=1, HV=2, K=16, V=16) if SMOKE else QWEN
     tscale = 10 if SMOKE else 1  # tokens divided by this under --smoke
     dtypes = (torch.float32,) if SMOKE else (torch.float32, torch.bfloat16)
-    for dtype in dtypes:
-        for channel in (False, True):
-            for varlen in (False, True):
-                tag = f"{str(dtype)[6:]} {'channel' if channel else 'scalar'} {'varlen' if varlen else 'B=2'}"
-                if varlen:
-                    cu = [c // tscale for c in (0, 100, 357, 357, 1000)]
-                    x = make_inputs(1, cu[-1], **shapes, dtype=dtype, channel=channel, seed=1)
-                    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
-                    N = len(cu) - 1
-                else:
-                    x = make_inputs(2, 300 // tscale, **shapes, dtype=dtype, channel=channel, seed=2)
-                    cu_t, N = None, 2
-                S0 = 0.5 * torch.randn(N, shapes["HV"], shapes["K"], shapes["V"], device=DEV)
-                kw = dict(cu_seqlens=None if cu_t is None else cu_t.long())
-                o64, S64 = ref.recurrent_gated_delta_rule(**up(x), initial_state=S0.double(), output_final_state=True,
-                                                          **kw)
-                xf = {n: t.float() if n in ("g", "beta") else t for n, t in x.items()}
-                ob, Sb = ref.recurrent_gated_delta_rule(**xf, initial_state=S0, output_final_state=True, **kw)
-                ob = ob.to(dtype)
-                o, S = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, cu_seqlens=cu_t)
-                row = dict(case=tag, chunk_o=judged(f"chunk {tag}.o", o, o64, ob, x["g"]),
-                           chunk_state=judged(f"chunk {tag}.state", S, S64, Sb, x["g"], head_axis=1,
-                                              dtype=torch.float32))
-                if not varlen:  # the fp32 recurrence kernel for comparison (no cu_seqlens there)
-                    orc, _ = fast.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
-                    row["recurrent_kernel_rel"] = rel_err(orc, o64)
-                row["chunk_rel"] = rel_err(o, o64)
-                ob2, Sb2 = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, cu_seqlens=cu_t,
-                                                       config=ChunkConfig(solve="blocked"))
-                row["chunk_blocked_o"] = judged(f"chunk[blocked] {tag}.o", ob2, o64, ob, x["g"])
-                row["chunk_blocked_state"] = judged(f"chunk[blocked] {tag}.state", Sb2, S64, Sb, x["g"], head_axis=1,
-                                                    dtype=torch.float32)
-                if fla_fn is not None and not channel:
-                    try:
-                        of, _ = call_fla(fla_fn, x, initial_state=S0, output_final_state=True, cu_seqlens=kw["cu_seqlens"])
-                        row["fla_rel"] = rel_err(of, o64)
-                    except Exception as e:  # noqa: BLE001
-                        row["fla_error"] = f"{type(e).__name__}: {e}"[:300]
-                log(f"[check] {tag}: chunk rel {row['chunk_rel']:.3g} "
-                    f"({'PASS' if row['chunk_o']['passed'] and row['chunk_state']['passed'] else 'FAIL'}), "
-                    f"recurrent {row.get('recurrent_kernel_rel', float('nan')):.3g}, fla {row.get('fla_rel', float('nan')):.3g}")
-                rows.append(row)
+    for dtype, channel, varlen in chunk_cases(quick):
+        t0 = time.time()
+        tag = f"{str(dtype)[6:]} {'channel' if channel else 'scalar'} {'varlen' if varlen else 'B=2'}"
+        if varlen:
+            cu = [c // tscale for c in (0, 100, 357, 357, 600)]
+            x = make_inputs(1, cu[-1], **shapes, dtype=dtype, channel=channel, seed=1)
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
+            N = len(cu) - 1
+        else:
+            x = make_inputs(2, 300 // tscale, **shapes, dtype=dtype, channel=channel, seed=2)
+            cu, cu_t, N = None, None, 2
+        S0 = 0.5 * torch.randn(N, shapes["HV"], shapes["K"], shapes["V"], device=DEV)
+        kw = dict(cu_seqlens=None if cu_t is None else cu_t.long())
+        o64, S64 = ref.recurrent_gated_delta_rule(**up(x), initial_state=S0.double(), output_final_state=True, **kw)
+        xf = {n: t.float() if n in ("g", "beta") else t for n, t in x.items()}
+        ob, Sb = ref.recurrent_gated_delta_rule(**xf, initial_state=S0, output_final_state=True, **kw)
+        ob = ob.to(dtype)
+        o, S = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, cu_seqlens=cu_t)
+        row = dict(case=tag, chunk_o=judged(f"chunk {tag}.o", o, o64, ob, x["g"]),
+                   chunk_state=judged(f"chunk {tag}.state", S, S64, Sb, x["g"], head_axis=1, dtype=torch.float32))
+        row["recurrent_kernel_rel"] = rel_err(recurrent_kernel(x, S0, cu), o64)
+        row["chunk_rel"] = rel_err(o, o64)
+        if fla_fn is not None and not channel:
+            try:
+                of, _ = call_fla(fla_fn, x, initial_state=S0, output_final_state=True, cu_seqlens=kw["cu_seqlens"])
+                row["fla_rel"] = rel_err(of, o64)
+            except Exception as e:  # noqa: BLE001
+                row["fla_error"] = f"{type(e).__name__}: {e}"[:300]
+        row["seconds"] = time.time() - t0
+        log(f"[check] {tag}: chunk rel {row['chunk_rel']:.3g} "
+            f"({'PASS' if row['chunk_o']['passed'] and row['chunk_state']['passed'] else 'FAIL'}), "
+            f"recurrent {row['recurrent_kernel_rel']:.3g}, fla {row.get('fla_rel', float('nan')):.3g} "
+            f"({row['seconds']:.1f} s)")
+        rows.append(row)
     # direct, and prefill then buffered decode, fp32 and bf16
     for dtype in dtypes:
+        t0 = time.time()
         x = make_inputs(2, 50 if not SMOKE else 30, **shapes, dtype=dtype, seed=3)
         o64, S64 = ref.recurrent_gated_delta_rule(**up(x), output_final_state=True)
         xf = {n: t.float() if n in ("g", "beta") else t for n, t in x.items()}
-        ob, _ = ref.recurrent_gated_delta_rule(**xf, output_final_state=True)
+        ob, Sb = ref.recurrent_gated_delta_rule(**xf, output_final_state=True)
         od = fast.direct_gated_delta_rule(**x)
-        rows.append(dict(case=f"direct {str(dtype)[6:]} T={x['q'].shape[1]}", direct_o=judged("direct.o", od, o64, ob.to(dtype), x["g"])))
+        rows.append(dict(case=f"direct {str(dtype)[6:]} T={x['q'].shape[1]}",
+                         direct_o=judged("direct.o", od, o64, ob.to(dtype), x["g"])))
         T_all = x["q"].shape[1]
-        for prompt, C in ((T_all - 10, 16), (T_all - 5, 64), (10, 16)):
+        plans = ((T_all - 10, 16), (T_all - 5, 64), (10, 16))
+        for prompt, C in plans[:1] if quick else plans:
             sl = lambda a, b: {n: t[:, a:b] for n, t in x.items()}  # noqa: E731
             o, buf = fast.prefill(**sl(0, prompt), capacity=C)
             outs = [o]
@@ -186,30 +211,38 @@ def correctness(fla_fn, quick):
             S = fast.materialize_state(buf)
             rows.append(dict(case=f"prefill {str(dtype)[6:]} prompt={prompt} C={C} + decode to {T_all}",
                              prefill_o=judged("prefill.o", torch.cat(outs, 1), o64, ob.to(dtype), x["g"]),
-                             prefill_state=judged("prefill.state", S, S64, None if dtype != torch.float32 else
-                                                  ref.recurrent_gated_delta_rule(**xf, output_final_state=True)[1],
+                             prefill_state=judged("prefill.state", S, S64, Sb if dtype == torch.float32 else None,
                                                   x["g"], head_axis=1, dtype=torch.float32)))
-        # ragged prompts in one launch, then decode
+        if quick and dtype != torch.float32:
+            log(f"[check] direct, prefill {str(dtype)[6:]} ({time.time() - t0:.1f} s)")
+            continue
+        # ragged prompts in one launch, then decode; the oracle once per prompt over all its tokens
         lens = [0, 17, 30, 21] if SMOKE else [0, 17, 100, 70]
+        steps = 3
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        xr = make_inputs(len(lens), max(lens) + 3, **shapes, dtype=dtype, seed=4)
+        xr = make_inputs(len(lens), max(lens) + steps, **shapes, dtype=dtype, seed=4)
         flat = {n: torch.cat([t[b:b + 1, :lens[b]] for b in range(len(lens))], 1) for n, t in xr.items()}
         o, buf = fast.prefill(**flat, capacity=16, cu_seqlens=torch.tensor(cu, device=DEV))
-        ok = True
-        worst = 0.0
-        for step in range(3):
+        truth = []
+        for b in range(len(lens)):
+            xs = {n: t[b:b + 1, :lens[b] + steps] for n, t in xr.items()}
+            t64, _ = ref.recurrent_gated_delta_rule(**up(xs))
+            tb, _ = ref.recurrent_gated_delta_rule(**{n: t.float() if n in ("g", "beta") else t for n, t in xs.items()})
+            truth.append((t64, tb.to(dtype), xs["g"]))
+        ok, worst = True, 0.0
+        for step in range(steps):
             tok = {n: torch.stack([t[b, lens[b] + step] for b in range(len(lens))])[:, None] for n, t in xr.items()}
             ot, buf = fast.buffered_decode(**tok, buffer=buf)
-            for b in range(len(lens)):
-                xs = {n: t[b:b + 1, :lens[b] + step + 1] for n, t in xr.items()}
-                t64, _ = ref.recurrent_gated_delta_rule(**up(xs))
-                tb, _ = ref.recurrent_gated_delta_rule(**{n: t.float() if n in ("g", "beta") else t for n, t in xs.items()})
-                j = judged("ragged prefill + decode", ot[b:b + 1], t64[:, -1:], tb[:, -1:].to(dtype), xs["g"])
+            for b, (t64, tb, gs) in enumerate(truth):
+                i = lens[b] + step
+                j = judged("ragged prefill + decode", ot[b:b + 1], t64[:, i:i + 1], tb[:, i:i + 1], gs[:, :i + 1])
                 ok &= j["passed"]
                 worst = max(worst, j["rel"])
-        rows.append(dict(case=f"ragged prefill {str(dtype)[6:]} lens={lens} C=16 + 3 decode steps", passed=ok, rel=worst))
+        rows.append(dict(case=f"ragged prefill {str(dtype)[6:]} lens={lens} C=16 + {steps} decode steps", passed=ok,
+                         rel=worst))
+        log(f"[check] direct, prefill, ragged prefill {str(dtype)[6:]} ({time.time() - t0:.1f} s)")
     if DEV == "cuda":
         torch.cuda.synchronize()
     return rows
@@ -224,10 +257,31 @@ def chunk_flops(B, T, HV, K, V, BT=64):
     return B * HV * nc * per_chunk
 
 
-#: The launches timed: the table's default ("ours") and the variants beside it.
-VARIANTS = (("ours", None), ("blocked", ChunkConfig(solve="blocked")),
-            ("blocked_w8", ChunkConfig(solve="blocked", num_warps=8)),
-            ("blocked_bv128_w8", ChunkConfig(solve="blocked", BV=128, num_warps=8)))
+#: The launches timed: the table's config ("ours") and the candidates beside it, each changing one launch
+#: (None: the table's; a dict: fields replaced in the table's config for those inputs; a candidate equal
+#: to the table's config is skipped).  state_bv32: half the state programs, each with twice the columns
+#: (fewer loads of W and K per state column; ptxas for sm_90 reports spills of 520 B per thread for fp32
+#: and 104 B for bf16 against 200 B and none at BV = 16).  prep_w8: the per-chunk launch on 8 warps
+#: (the table's choice for fp32; for bf16: 184 registers against 255, neither spills).
+VARIANTS = (("ours", None), ("state_bv32", dict(BV=32)), ("prep_w8", dict(prep_warps=8)))
+
+
+def variant_config(x, change):
+    """The table's ChunkConfig for inputs ``x`` with ``change`` applied (None: the table's own, None)."""
+    if change is None:
+        return None
+    d = x["v"]
+    key = key_of(x["q"], B=x["q"].shape[0], HV=d.shape[2], V=d.shape[3], channel=x["g"].dim() == 4)
+    return dataclasses.replace(config_for("chunk", key), **change)
+
+
+def launch_us(x, cfg):
+    """Microseconds of each launch of the chunk path alone (prep, state, output), each replayed as its own
+    CUDA graph over scratch the launches before it filled."""
+    _, _, launches = chunk_launches_for(**x, output_final_state=True, config=cfg)
+    for _, launch in launches:
+        launch()
+    return {name: device_ms(launch, False)[0] * 1e3 for name, launch in launches}
 
 
 def timings(fla_fn, quick, deadline):
@@ -235,17 +289,24 @@ def timings(fla_fn, quick, deadline):
     Ts = (1024, 4096) if quick else (1024, 4096, 16384, 32768)
     Bs = (1,) if quick else (1, 4)
     err_Ts = (1024,) if quick else (1024, 4096)
-    for dtype in (torch.bfloat16, torch.float32):
-        for B in Bs:
-            for T in Ts:
+    nan = float("nan")
+    for B in Bs:
+        for T in Ts:
+            for dtype in (torch.bfloat16, torch.float32):
                 if time.time() > deadline:
                     log("[time] deadline reached, skipping the rest")
                     return rows
+                t0 = time.time()
                 x = make_inputs(B, T, **QWEN, dtype=dtype, seed=T + B)
                 row = dict(dtype=str(dtype)[6:], B=B, T=T, **QWEN)
                 flops = chunk_flops(B, T, QWEN["HV"], QWEN["K"], QWEN["V"])
                 peak = PEAK_TFLOPS[row["dtype"]]
-                for label, cfg in VARIANTS:
+                row["ours_config"] = str(variant_config(x, {}))
+                for label, change in VARIANTS:
+                    cfg = variant_config(x, change)
+                    if change is not None and cfg == variant_config(x, {}):
+                        row[f"{label}_same_as"] = "ours"
+                        continue
                     try:
                         ms, method = device_ms(lambda: fast.chunk_gated_delta_rule(**x, output_final_state=True,
                                                                                    config=cfg), False)
@@ -253,8 +314,10 @@ def timings(fla_fn, quick, deadline):
                         row[f"{label}_method"] = method
                         row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
                         row[f"{label}_of_peak"] = row[f"{label}_tflops"] / peak
+                        row[f"{label}_launch_us"] = launch_us(x, cfg)
                     except Exception as e:  # noqa: BLE001
-                        row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+                        row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:400]
+                        log(f"[time] {label}: {row[f'{label}_error']}")
                 if fla_fn is not None:
                     try:
                         ms, method = device_ms(lambda: call_fla(fla_fn, x, output_final_state=True), False)
@@ -272,12 +335,15 @@ def timings(fla_fn, quick, deadline):
                     if fla_fn is not None and "fla_error" not in row:
                         row["fla_rel"] = rel_err(call_fla(fla_fn, x)[0], o64)
                     del o64
-                nan = float("nan")
-                log(f"[time] {row['dtype']} B={B} T={T}: ours {row.get('ours_us', nan):.1f} us "
-                    f"({row.get('ours_tflops', nan):.1f} TFLOP/s), blocked {row.get('blocked_us', nan):.1f} us, "
-                    f"fla {row.get('fla_us', nan):.1f} us, ratio {row.get('ours_over_fla', nan):.3f} / "
-                    f"{row.get('blocked_over_fla', nan):.3f}; err ours {row.get('ours_rel', nan):.3g} "
-                    f"fla {row.get('fla_rel', float('nan')):.3g} rec {row.get('recurrent_kernel_rel', float('nan')):.3g}")
+                row["seconds"] = time.time() - t0
+                parts = " ".join(
+                    f"{label} {row.get(f'{label}_us', nan):.1f} us ["
+                    + "/".join(f"{v:.1f}" for v in row.get(f"{label}_launch_us", {}).values()) + "]"
+                    for label, _ in VARIANTS)
+                log(f"[time] {row['dtype']} B={B} T={T}: {parts} (prep/state/output); fla {row.get('fla_us', nan):.1f} us, "
+                    f"ours/fla {row.get('ours_over_fla', nan):.3f}; err ours {row.get('ours_rel', nan):.3g} "
+                    f"fla {row.get('fla_rel', nan):.3g} rec {row.get('recurrent_kernel_rel', nan):.3g} "
+                    f"({row['seconds']:.1f} s)")
                 rows.append(row)
                 del x
                 torch.cuda.empty_cache()
@@ -290,7 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (T = 1k, 4k at B = 1), about 2 minutes")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: the correctness part only, "
                     "tiny shapes, on the Triton interpreter")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="stop timing new shapes after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing new shapes after this many seconds")
     args = ap.parse_args(argv)
     global DEV, SMOKE
     if args.smoke:

@@ -17,7 +17,8 @@ import pytest  # noqa: E402
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
-from kvbuffer_fast.launch import ChunkConfig, DirectConfig  # noqa: E402
+from kvbuffer_fast.launch import (  # noqa: E402
+    SM90_SHARED_BYTES, TABLES, ChunkConfig, DirectConfig, Key, chunk_smem_bytes, config_for)
 from kvbuffer_ref.validate import Case, assert_matches  # noqa: E402
 from kvbuffer_ref.validate import properties as P  # noqa: E402
 
@@ -71,6 +72,31 @@ def test_chunk_launches_run_in_order_are_the_call():
     for _, launch in launches:
         launch()
     assert torch.equal(o, o2) and torch.equal(S, S2)
+
+
+@pytest.mark.parametrize("op", ["chunk", "direct", "prefill"])
+def test_chunk_launch_table_fits_sm90_shared_memory(op):
+    """Every launch the table picks at Qwen3-Next heads (K = V = 128, chunk 64) on sm_90, and every row
+    applied alone to the defaults, fits the 227 KB of shared memory per block by the fitted estimate."""
+    cls = type(config_for(op, Key()))
+    configs = [cls(**row.set) for row in TABLES[op]]
+    configs += [config_for(op, Key(columns=B * 32 * 128, dtype=dt, channel=ch, capability=(9, 0)))
+                for B in (1, 4, 64) for dt in (torch.float32, torch.bfloat16) for ch in (False, True)]
+    for cfg in configs:
+        for dt in (torch.float32, torch.bfloat16):
+            for launch in ("prep", "state", "output"):
+                need = chunk_smem_bytes(launch, cfg, dtype=dt)
+                assert 0 < need <= SM90_SHARED_BYTES, (launch, cfg, dt, need)
+
+
+def test_chunk_smem_estimate_rejects_what_cannot_fit():
+    """The estimate grows with the tiles: 256-wide heads with a 256-column output tile cannot fit."""
+    big = chunk_smem_bytes("output", ChunkConfig(out_BV=256), dtype=torch.float32, K=256, V=256)
+    assert big > SM90_SHARED_BYTES
+    assert chunk_smem_bytes("state", ChunkConfig(BV=64), dtype=torch.float32) > chunk_smem_bytes(
+        "state", ChunkConfig(BV=16), dtype=torch.float32)
+    with pytest.raises(ValueError, match="launch"):
+        chunk_smem_bytes("fold", ChunkConfig(), dtype=torch.float32)
 
 
 def test_bad_arguments_are_named():
