@@ -1,9 +1,10 @@
 """Direct mode: the outputs of short prompts from their tokens alone, with no state (S0 = 0).
 
-The chunk launches of ``kvbuffer_fast.chunk`` with no initial state and no state written: the per-chunk
-launch forms U~ = (I + A)^-1 diag(beta) V and the decayed Q K^T; the state launch, from a zero state,
-computes O = (causal D * Q K^T) U and, for prompts longer than one chunk, carries the (register-only)
-state between chunks.  A prompt of T <= ``chunk_size`` tokens is one chunk: U = U~ and no state is formed.
+The chunk launches of ``kvbuffer_fast.chunk`` with no initial state and no final state written: the
+per-chunk launch forms U~ = (I + A)^-1 diag(beta) V and the decayed Q K^T; the state launch, from a zero
+state, forms U and, for prompts longer than one chunk, carries the state between chunks; the output
+launch computes O = exp(G) Q h + (causal D * Q K^T) U.  A prompt of T <= ``chunk_size`` tokens is one
+chunk: h = 0 and U = U~.
 """
 
 from __future__ import annotations

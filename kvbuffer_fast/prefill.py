@@ -3,11 +3,11 @@ pass over the state.
 
 The chunk launches of ``kvbuffer_fast.chunk`` over a chunk table in which each prompt's last ``tail``
 tokens form one chunk of their own.  The state launch walks a prompt's head chunks with the state tile in
-registers (outputs stored, chunks folded), then reaches the tail chunk: its innovations
-U = U~ - W S on the state after the head are exactly the buffer's u-cache rows (u_i relative to the
-stale state, G_i the cumulative gate since the buffer's start), so it stores the tail's outputs, U, G and
-keys into the buffer's rows 0..tail-1 and does not fold it; the state tile it holds is the buffer's stale
-state.  The buffer is the one ``kvbuffer_ref.prefill`` builds (u-cache form, fp32 u, G, keys and state,
+registers (chunks folded), then reaches the tail chunk: its innovations U = U~ - W S on the state after
+the head are exactly the buffer's u-cache rows (u_i relative to the stale state, G_i the cumulative gate
+since the buffer's start), so it stores the tail's U, G and keys into the buffer's rows 0..tail-1 and does
+not fold it; the state tile it holds is the buffer's stale state.  The output launch forms every chunk's
+outputs, the tail's included.  The buffer is the one ``kvbuffer_ref.prefill`` builds (u-cache form, fp32 u, G, keys and state,
 rows past the length 0), so ``kvbuffer_fast.buffered_decode`` continues from it.  Ragged prompts
 (``cu_seqlens``) go in one launch, one buffer request per prompt.
 """
