@@ -244,10 +244,11 @@ SM90_SHARED_BYTES = 232448
 def chunk_smem_bytes(launch: str, cfg, *, dtype: torch.dtype, K: int = 128, V: int = 128, BT: int = 64) -> int:
     """Shared memory of one chunk launch ("prep", "state" or "output") for q/k dtype ``dtype`` on sm_90: the
     operand tiles of its products staged at once (fp32 inputs take 3xTF32 products, whose split operands
-    double them; the state launch: W [BT, K] per pipeline stage, the [K, BV] state, for 16-bit inputs U).
-    Fitted to the sizes Triton 3.9 allocates when compiling for sm_90 at K = V = 128, BT = 64, where it is
-    exact: state 81920 / 98304 B (fp32, BV = 32 / 64, 1 stage), 131092 B (fp32, BV = 64, 3 stages),
-    57344 / 81920 B (bf16, BV = 32 / 64); output 98304 / 131072 B (fp32, out_BV = 32 / 64), 65536 /
+    double them; the state launch: W [BT, K], the [K, BV] state, for 16-bit inputs U, and with a pipelined
+    chunk loop (stages > 1) a bound: every stage holding a chunk's W, K and U~).  Fitted to the sizes
+    Triton 3.9 allocates when compiling for sm_90 at K = V = 128, BT = 64, where it is exact with one
+    stage: state 73728 / 81920 / 98304 B (fp32, BV = 16 / 32 / 64), 45056 / 57344 / 81920 B (bf16); with
+    2 stages 106496 / 102400 B (fp32 / bf16, BV = 16) against bounds of 212992 / 151552 B; output 98304 / 131072 B (fp32, out_BV = 32 / 64), 65536 /
     98304 B (bf16, out_BV = 64 / 128); prep 131072 / 49152 B (fp32 / bf16, scalar gates; 98304 B for
     fp32 per-channel gates, below the estimate)."""
     from triton import next_power_of_2 as p2
@@ -258,8 +259,11 @@ def chunk_smem_bytes(launch: str, cfg, *, dtype: torch.dtype, K: int = 128, V: i
         return split * max(2 * BT * BK * e, (BT * BT + BT * max(BK, BVF)) * 4)
     if launch == "state":
         BV = max(16, min(cfg.BV, BVF))
-        return (split * BT * BK * 4 + (max(1, cfg.stages) - 1) * BT * BK * 2 + BK * BV * 4
-                + (0 if split == 2 else BT * BV * 4))
+        one = split * BT * BK * 4 + BK * BV * 4 + (0 if split == 2 else BT * BV * 4)
+        if cfg.stages <= 1:
+            return one
+        e = 4 if dtype == torch.float32 else 2
+        return one + cfg.stages * (BT * BK * 4 + BT * BK * e + BT * BV * 4)  # per stage: W, K, U~ of a chunk
     if launch == "output":
         BV = max(16, min(cfg.out_BV, BVF))
         return split * (BT * BK + BK * BV) * 4

@@ -257,13 +257,13 @@ def chunk_flops(B, T, HV, K, V, BT=64):
     return B * HV * nc * per_chunk
 
 
-#: The launches timed: the table's config ("ours") and the candidates beside it, each changing one launch
-#: (None: the table's; a dict: fields replaced in the table's config for those inputs; a candidate equal
-#: to the table's config is skipped).  state_bv32: half the state programs, each with twice the columns
-#: (fewer loads of W and K per state column; ptxas for sm_90 reports spills of 520 B per thread for fp32
-#: and 104 B for bf16 against 200 B and none at BV = 16).  prep_w8: the per-chunk launch on 8 warps
-#: (the table's choice for fp32; for bf16: 184 registers against 255, neither spills).
-VARIANTS = (("ours", None), ("state_bv32", dict(BV=32)), ("prep_w8", dict(prep_warps=8)))
+#: The launches timed: the table's config ("ours") and the candidates beside it, each changing the state
+#: launch, the sequential part (None: the table's; a dict: fields replaced in the table's config for those
+#: inputs; a candidate equal to the table's config is skipped).  state_bv32: half the state programs, each
+#: with twice the columns (fewer loads of W and K per state column; ptxas for sm_90 reports spills of 520 B
+#: per thread for fp32 and 104 B for bf16, against 200 B and none at BV = 16).  state_stages2: the chunk
+#: loop software-pipelined, the next chunk's W and K loaded during this one's products (spills 872 / 344 B).
+VARIANTS = (("ours", None), ("state_bv32", dict(BV=32)), ("state_stages2", dict(stages=2)))
 
 
 def variant_config(x, change):
@@ -281,7 +281,7 @@ def launch_us(x, cfg):
     _, _, launches = chunk_launches_for(**x, output_final_state=True, config=cfg)
     for _, launch in launches:
         launch()
-    return {name: device_ms(launch, False)[0] * 1e3 for name, launch in launches}
+    return {name: device_ms(launch, SMOKE)[0] * 1e3 for name, launch in launches}
 
 
 def timings(fla_fn, quick, deadline):
@@ -289,17 +289,20 @@ def timings(fla_fn, quick, deadline):
     Ts = (1024, 4096) if quick else (1024, 4096, 16384, 32768)
     Bs = (1,) if quick else (1, 4)
     err_Ts = (1024,) if quick else (1024, 4096)
+    heads, dtypes = QWEN, (torch.bfloat16, torch.float32)
+    if SMOKE:  # the code paths on the interpreter: one tiny shape, fp32, wall clock
+        Ts, Bs, err_Ts, heads, dtypes = (40,), (1,), (40,), dict(H=1, HV=2, K=16, V=16), (torch.float32,)
     nan = float("nan")
     for B in Bs:
         for T in Ts:
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype in dtypes:
                 if time.time() > deadline:
                     log("[time] deadline reached, skipping the rest")
                     return rows
                 t0 = time.time()
-                x = make_inputs(B, T, **QWEN, dtype=dtype, seed=T + B)
-                row = dict(dtype=str(dtype)[6:], B=B, T=T, **QWEN)
-                flops = chunk_flops(B, T, QWEN["HV"], QWEN["K"], QWEN["V"])
+                x = make_inputs(B, T, **heads, dtype=dtype, seed=T + B)
+                row = dict(dtype=str(dtype)[6:], B=B, T=T, **heads)
+                flops = chunk_flops(B, T, heads["HV"], heads["K"], heads["V"])
                 peak = PEAK_TFLOPS[row["dtype"]]
                 row["ours_config"] = str(variant_config(x, {}))
                 for label, change in VARIANTS:
@@ -309,7 +312,7 @@ def timings(fla_fn, quick, deadline):
                         continue
                     try:
                         ms, method = device_ms(lambda: fast.chunk_gated_delta_rule(**x, output_final_state=True,
-                                                                                   config=cfg), False)
+                                                                                   config=cfg), SMOKE)
                         row[f"{label}_us"] = ms * 1e3
                         row[f"{label}_method"] = method
                         row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
@@ -320,7 +323,7 @@ def timings(fla_fn, quick, deadline):
                         log(f"[time] {label}: {row[f'{label}_error']}")
                 if fla_fn is not None:
                     try:
-                        ms, method = device_ms(lambda: call_fla(fla_fn, x, output_final_state=True), False)
+                        ms, method = device_ms(lambda: call_fla(fla_fn, x, output_final_state=True), SMOKE)
                         row.update(fla_us=ms * 1e3, fla_method=method, fla_tflops=flops / (ms * 1e-3) / 1e12)
                         row["fla_of_peak"] = row["fla_tflops"] / peak
                         for label, _ in VARIANTS:
@@ -346,7 +349,8 @@ def timings(fla_fn, quick, deadline):
                     f"({row['seconds']:.1f} s)")
                 rows.append(row)
                 del x
-                torch.cuda.empty_cache()
+                if DEV == "cuda":
+                    torch.cuda.empty_cache()
     return rows
 
 
@@ -354,8 +358,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="where to write the JSON")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (T = 1k, 4k at B = 1), about 2 minutes")
-    ap.add_argument("--smoke", action="store_true", help="CPU check of this script: the correctness part only, "
-                    "tiny shapes, on the Triton interpreter")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of this script on the Triton interpreter: "
+                    "tiny shapes, the timings' code on one shape by the wall clock, no fla")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing new shapes after this many seconds")
     args = ap.parse_args(argv)
     global DEV, SMOKE
@@ -367,7 +371,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("KVBUFFER_POISON", "0")
     torch.backends.cuda.matmul.allow_tf32 = False  # the oracle's and the baseline's products stay fp32 / fp64
     t0 = time.time()
-    fla_fn, fla_version = fla_chunk()
+    fla_fn, fla_version = (None, None) if SMOKE else fla_chunk()
     out = dict(script="scripts/gpu_prefill.py", quick=args.quick, versions=versions(), fla=fla_version,
                device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
                peaks_tflops=PEAK_TFLOPS)
@@ -382,7 +386,7 @@ def main(argv=None) -> int:
         for r in checks)
     log(f"[check] all passed: {out['all_passed']} ({time.time() - t0:.0f} s)")
     try:
-        out["timings"] = [] if SMOKE else timings(fla_fn, args.quick, t0 + args.budget_s)
+        out["timings"] = timings(fla_fn, args.quick, t0 + args.budget_s)
     except Exception:  # noqa: BLE001
         out["timings_error"] = traceback.format_exc()[-2000:]
         log(out["timings_error"])
