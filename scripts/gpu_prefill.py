@@ -360,8 +360,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (T = 1k, 4k at B = 1), about 2 minutes")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script on the Triton interpreter: "
                     "tiny shapes, the timings' code on one shape by the wall clock, no fla")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing new shapes after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=None, help="stop timing new shapes after this many seconds "
+                    "from the start (default 200, --quick 100)")
     args = ap.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 100.0 if args.quick else 200.0
     global DEV, SMOKE
     if args.smoke:
         DEV, SMOKE = "cpu", True
