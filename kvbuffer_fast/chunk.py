@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state, check_tokens
 from kvbuffer_ref.recurrent import check_cu_seqlens
@@ -406,7 +407,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
             try:
                 with device_guard(q):
                     launch()
-            except triton.runtime.errors.OutOfResources as e:
+            except OutOfResources as e:
                 raise ValueError(f"config: the chunk {name} launch ({fields}) does not fit the device: {e}; "
                                  f"lower those fields") from None
         return run

@@ -99,6 +99,25 @@ def test_chunk_smem_estimate_rejects_what_cannot_fit():
         chunk_smem_bytes("fold", ChunkConfig(), dtype=torch.float32)
 
 
+def test_launch_out_of_resources_names_the_launch(monkeypatch):
+    """A launch that does not fit the device raises a ValueError naming the launch and its fields, not
+    Triton's OutOfResources from inside the launch."""
+    from triton.runtime.errors import OutOfResources
+
+    import kvbuffer_fast.chunk as chunk
+
+    class TooBig:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                raise OutOfResources(262164, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(chunk, "_chunk_output_kernel", TooBig())
+    x = Case(B=1, T=8, H=1, HV=2, K=8, V=8, seed=1).inputs(torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="output launch .*out_BV"):
+        fast.chunk_gated_delta_rule(**x)
+
+
 def test_bad_arguments_are_named():
     x = Case(B=2, T=8, H=1, HV=2, K=8, V=8, seed=1).inputs(torch.float32, DEVICE)
     x1 = {n: t[:1] for n, t in x.items()}
