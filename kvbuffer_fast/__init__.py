@@ -10,6 +10,9 @@ from .decode import buffered_decode
 from .flush import flush, materialize_state
 from .recurrent import recurrent_gated_delta_rule
 from .accept import accept
+from .chunk import chunk_gated_delta_rule
+from .direct import direct_gated_delta_rule
+from .prefill import prefill
 from .verify import verify
 
 #: The buffer capacity to use when nothing else decides: on the H200 at Qwen3-Next shapes, C = 16
@@ -20,5 +23,5 @@ DEFAULT_CAPACITY = 16
 
 __all__ = [
     "recurrent_gated_delta_rule", "buffered_decode", "flush", "materialize_state", "verify", "accept",
-    "DEFAULT_CAPACITY",
+    "chunk_gated_delta_rule", "direct_gated_delta_rule", "prefill", "DEFAULT_CAPACITY",
 ]

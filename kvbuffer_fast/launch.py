@@ -21,7 +21,8 @@ import torch
 
 __all__ = [
     "Key", "Row", "RecurrentConfig", "DecodeConfig", "FlushConfig", "VerifyConfig", "AcceptConfig",
-    "PerDraftStateConfig", "CONFIGS", "TABLES", "config_for", "key_of",
+    "PerDraftStateConfig", "ChunkConfig", "DirectConfig", "PrefillConfig", "CONFIGS", "TABLES", "config_for", "key_of",
+    "chunk_smem_bytes", "SM90_SHARED_BYTES",
 ]
 
 _INF = float("inf")
@@ -161,6 +162,31 @@ class PerDraftStateConfig:
     accept_warps: int = 4
 
 
+@dataclass(frozen=True)
+class ChunkConfig:
+    """chunk_gated_delta_rule's three launches: the per-chunk prep (``prep_warps`` warps per (chunk,
+    value head)), the sequential state pass (``BV`` state columns per (sequence, value head) program,
+    ``num_warps`` warps, ``stages`` software-pipeline stages of its chunk loop) and the parallel output
+    launch (``out_BV`` columns per (chunk, value head) program, ``out_warps`` warps)."""
+
+    BV: int = 16
+    num_warps: int = 4
+    stages: int = 1
+    prep_warps: int = 4
+    out_BV: int = 64
+    out_warps: int = 4
+
+
+@dataclass(frozen=True)
+class DirectConfig(ChunkConfig):
+    """direct_gated_delta_rule: the chunk launches from a zero state (fields as :class:`ChunkConfig`)."""
+
+
+@dataclass(frozen=True)
+class PrefillConfig(ChunkConfig):
+    """prefill: the chunk launches with the tail written into the buffer (fields as :class:`ChunkConfig`)."""
+
+
 CONFIGS = {
     "recurrent": RecurrentConfig,
     "decode": DecodeConfig,
@@ -168,9 +194,19 @@ CONFIGS = {
     "verify": VerifyConfig,
     "accept": AcceptConfig,
     "per_draft_state": PerDraftStateConfig,
+    "chunk": ChunkConfig,
+    "direct": DirectConfig,
+    "prefill": PrefillConfig,
 }
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+#: The chunk launches' rows (chunk, direct and prefill launch the same kernels).
+_CHUNK_ROWS: tuple[Row, ...] = (
+    Row(dict(prep_warps=8), dtypes=(torch.float32,), capability=((9, 0), None),
+        why="fp32 inputs: the per-chunk launch's fp32 [64, 128] tiles with 3xTF32 products spill 11.5 KB per "
+            "thread on 4 warps (ptxas for sm_90, Triton 3.9), 0.5 KB on 8"),
+)
 
 TABLES: dict[str, tuple[Row, ...]] = {
     "recurrent": (),
@@ -195,7 +231,43 @@ TABLES: dict[str, tuple[Row, ...]] = {
     ),
     "accept": (),
     "per_draft_state": (),
+    "chunk": _CHUNK_ROWS,
+    "direct": _CHUNK_ROWS,
+    "prefill": _CHUNK_ROWS,
 }
+
+
+#: Shared memory per block on the devices the tables target (NVIDIA H100 / H200, sm_90: 227 KB opt-in).
+SM90_SHARED_BYTES = 232448
+
+
+def chunk_smem_bytes(launch: str, cfg, *, dtype: torch.dtype, K: int = 128, V: int = 128, BT: int = 64) -> int:
+    """Shared memory of one chunk launch ("prep", "state" or "output") for q/k dtype ``dtype`` on sm_90: the
+    operand tiles of its products staged at once (fp32 inputs take 3xTF32 products, whose split operands
+    double them; the state launch: W [BT, K], the [K, BV] state, for 16-bit inputs U, and with a pipelined
+    chunk loop (stages > 1) a bound: every stage holding a chunk's W, K and U~).  Fitted to the sizes
+    Triton 3.9 allocates when compiling for sm_90 at K = V = 128, BT = 64, where it is exact with one
+    stage: state 73728 / 81920 / 98304 B (fp32, BV = 16 / 32 / 64), 45056 / 57344 / 81920 B (bf16); with
+    2 stages 106496 / 102400 B (fp32 / bf16, BV = 16) against bounds of 212992 / 151552 B; output 98304 / 131072 B (fp32, out_BV = 32 / 64), 65536 /
+    98304 B (bf16, out_BV = 64 / 128); prep 131072 / 49152 B (fp32 / bf16, scalar gates; 98304 B for
+    fp32 per-channel gates, below the estimate)."""
+    from triton import next_power_of_2 as p2
+    BK, BVF = p2(max(16, K)), p2(max(16, V))
+    split = 2 if dtype == torch.float32 else 1
+    if launch == "prep":
+        e = 4 if dtype == torch.float32 else 2
+        return split * max(2 * BT * BK * e, (BT * BT + BT * max(BK, BVF)) * 4)
+    if launch == "state":
+        BV = max(16, min(cfg.BV, BVF))
+        one = split * BT * BK * 4 + BK * BV * 4 + (0 if split == 2 else BT * BV * 4)
+        if cfg.stages <= 1:
+            return one
+        e = 4 if dtype == torch.float32 else 2
+        return one + cfg.stages * (BT * BK * 4 + BT * BK * e + BT * BV * 4)  # per stage: W, K, U~ of a chunk
+    if launch == "output":
+        BV = max(16, min(cfg.out_BV, BVF))
+        return split * (BT * BK + BK * BV) * 4
+    raise ValueError(f"launch: expected 'prep', 'state' or 'output', got {launch!r}")
 
 
 def config_for(op: str, key: Key):
@@ -212,7 +284,7 @@ def config_for(op: str, key: Key):
 def check_config(op: str, config):
     """``config`` if it is ``op``'s config class, else a TypeError naming the expected class."""
     cls = CONFIGS[op]
-    if not isinstance(config, cls):
+    if type(config) is not cls:
         raise TypeError(f"config: expected a kvbuffer_fast.launch.{cls.__name__} (or None for the launch "
                         f"table's choice), got {type(config).__name__}")
     return config

@@ -9,6 +9,7 @@ import torch
 from .core import decay_rows, decayed_dot, fold_state, read_state
 from .inputs import prepare_tokens
 from .checks import check_chunk_size, check_state
+from .recurrent import per_sequence
 
 __all__ = ["chunk_gated_delta_rule"]
 
@@ -48,13 +49,21 @@ def chunk_gated_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunkwise gated delta rule; same signature and results as ``recurrent_gated_delta_rule``.
 
     The sequence is cut into chunks of ``chunk_size`` tokens (the last may be shorter).  Inside a
     chunk the innovations come from the UT transform (``_wy_chunk``); between chunks the state is
     folded once: ``S <- diag(exp(G_L)) S + sum_j (exp(G_L - G_j) * k_j) u_j^T``.
+    ``cu_seqlens`` ([N + 1] int offsets, B = 1): N sequences concatenated along T, each chunked alone
+    (states [N, HV, K, V]).
     """
+    if cu_seqlens is not None:
+        check_chunk_size(chunk_size)
+        return per_sequence(chunk_gated_delta_rule, q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens, scale=scale,
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            chunk_size=chunk_size)
     x = prepare_tokens(q, k, v, g, beta, scale)
     d = x.dims
     check_state("initial_state", initial_state, d, q.device)

@@ -10,6 +10,7 @@ from .buffer import KVBuffer
 from .chunk import chunk_gated_delta_rule
 from .speculative import accept, verify
 from .checks import check_capacity, check_state, check_tokens
+from .recurrent import check_cu_seqlens
 
 __all__ = ["prefill", "default_tail"]
 
@@ -33,6 +34,7 @@ def prefill(
     initial_state: Optional[torch.Tensor] = None,
     form: str = "u",
     chunk_size: int = 64,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, KVBuffer]:
     """Process a prompt and hand it off to buffered decoding; returns (o [B, T, HV, V], buffer).
 
@@ -41,7 +43,14 @@ def prefill(
     buffer's entries, their u computed by the buffered form.  A request whose prompt is entirely
     buffered and that has no ``initial_state`` owns no state (direct mode); state storage is
     allocated all the same, so later decodes can fold.
+
+    ``cu_seqlens`` ([N + 1] int offsets, B = 1): N prompts concatenated along T, each prefilled alone
+    into request n of one buffer of N requests (``tail`` None: each prompt's default tail; an int: the
+    same tail for every prompt); ``initial_state`` is then [N, HV, K, V].
     """
+    if cu_seqlens is not None:
+        return _prefill_ragged(q, k, v, g=g, beta=beta, capacity=capacity, tail=tail, scale=scale,
+                               initial_state=initial_state, form=form, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
     d = check_tokens(q, k, v, g, beta)
     check_capacity(capacity)
     check_state("initial_state", initial_state, d, q.device)
@@ -64,3 +73,23 @@ def prefill(
     tl = slice(head, d.T)
     o_tail, drafts = verify(q[:, tl], k[:, tl], v[:, tl], g=g[:, tl], beta=beta[:, tl], buffer=buffer, scale=scale)
     return torch.cat([o_head, o_tail], dim=1), accept(buffer, drafts, counts=tail)
+
+
+def _prefill_ragged(q, k, v, *, g, beta, capacity, tail, scale, initial_state, form, chunk_size, cu_seqlens):
+    """``prefill`` of each prompt of a variable-length batch alone; the buffers side by side (dim 0)."""
+    check_tokens(q, k, v, g, beta)
+    check_capacity(capacity)
+    cu = check_cu_seqlens(cu_seqlens, q, initial_state)
+    outs, bufs = [], []
+    for n, (a, b) in enumerate(zip(cu, cu[1:])):
+        sl = slice(a, b)
+        s0 = None if initial_state is None else initial_state[n:n + 1]
+        o, buf = prefill(q[:, sl], k[:, sl], v[:, sl], g=g[:, sl], beta=beta[:, sl], capacity=capacity, tail=tail,
+                         scale=scale, initial_state=s0, form=form, chunk_size=chunk_size)
+        outs.append(o)
+        bufs.append(buf)
+    if not bufs:
+        raise ValueError("cu_seqlens: expected at least one sequence (N >= 1)")
+    fields = {name: None if x is None else torch.cat([getattr(bf, name) for bf in bufs], dim=0)
+              for name, x in bufs[0].tensors().items()}
+    return torch.cat(outs, dim=1), KVBuffer(**fields)

@@ -1,0 +1,470 @@
+"""The chunkwise gated delta rule (prefill): chunks in parallel, then one sequential pass over the state.
+
+Tokens are handled flat, ``[N_tok, heads, dim]`` (a batch of B requests of T tokens is the N = B
+sequences at offsets b * T; a variable-length batch gives its ``cu_seqlens``), cut into a table of
+chunks: chunk c is tokens ``start[c] .. start[c] + len[c] - 1`` of one sequence, ``len[c] <= BT``.
+Per value head, with G the chunk-local cumulative gate and D_ij = exp(G_i - G_j) (per channel: inside
+the inner products):
+
+    A_ij  = beta_i D_ij (k_i . k_j)  (i > j),   T = (I + A)^-1   (unit lower triangular)
+    W     = T diag(beta) (exp(G) * K),          U~ = T diag(beta) V
+    U     = U~ - W S,                           O  = exp(G) S^T q + (causal D * Q K^T) U
+    S'    = diag(exp(G_L)) S + sum_j (exp(G_L - G_j) * k_j) u_j^T
+
+Three launches:
+
+1. ``_chunk_prep_kernel``, one program per (chunk, value head), all chunks in parallel: G, A, T, W,
+   U~ and the masked, decayed Q K^T (fp32 scratch).  T in 16 x 16 blocks: the diagonal blocks'
+   inverses by forward substitution, all at once (15 steps), then the block rows by products.
+2. ``_chunk_state_kernel``, grid (V / BV, N * HV): one program per (sequence, value head, V-tile)
+   walks the sequence's chunks in order with its [K, BV] state tile in registers; per chunk it stores
+   the state before the chunk (h [NC, HV, K, V] fp32) and U (fp32), then folds the chunk: the
+   sequential part is two products per chunk.  With ``TAIL`` (the prefill hand-off,
+   kvbuffer_fast.prefill) the last chunk of every sequence is its buffered tail: its U, G and keys are
+   written into the buffer's rows and it is not folded.
+3. ``_chunk_output_kernel``, one program per (chunk, value head, V-tile), all in parallel:
+   O = exp(G) Q h + (causal D * Q K^T) U.
+
+Precision: the scalar-gate scores of 16-bit q and k on CUDA are 16-bit products (exact, fp32
+accumulation); every other product is fp32 with ``input_precision`` PREC: "tf32x3" on CUDA for fp32 inputs (three TF32
+products, about fp32 accuracy), "tf32" for 16-bit inputs (within the bf16 / fp16 budget), "ieee" (FMA)
+under the interpreter.  Gates below ``-RESET_GATE[float32]`` (-inf included) are clamped as the
+reference does; decays are formed only for pairs in causal order, masked before the exp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state, check_tokens
+from kvbuffer_ref.recurrent import check_cu_seqlens
+
+from ._common import as_input, block, checked_tokens, device_guard, new_output
+from .launch import ChunkConfig, check_config, chunk_smem_bytes, config_for, key_of
+
+__all__ = ["chunk_gated_delta_rule", "chunk_launches_for", "chunk_table", "precision_for"]
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _row(x, o_r, i):
+    """Row i of the [R, n] tile x as an [n] vector (zero if i is not a row)."""
+    return tl.sum(tl.where(o_r[:, None] == i, x, 0.0), 0)
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for A [BT, BT] strictly lower triangular, in blocks of 16: the inverses of the BT / 16
+    diagonal blocks at once by forward substitution (15 steps on [BT / 16, 16, 16]), then the block rows
+    in order, X_b = T_bb (E_b - A_{b,<b} X_{<b}), two products each."""
+    BS: tl.constexpr = 16
+    NB: tl.constexpr = BT // BS
+    o_b = tl.arange(0, NB)
+    o_s = tl.arange(0, BS)
+    o_t = tl.arange(0, BT)
+    A4 = tl.reshape(A, [NB, BS, NB, BS])
+    D = tl.sum(tl.where((o_b[:, None, None, None] == o_b[None, None, :, None]), A4, 0.0), 2)  # [NB, BS, BS]
+    eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    Ti = tl.zeros([NB, BS, BS], dtype=tl.float32) + eye[None, :, :]
+    for i in range(1, BS):
+        a_i = tl.sum(tl.where(o_s[None, :, None] == i, D, 0.0), 1)  # [NB, BS]: row i of each block
+        new = tl.where(o_s[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * Ti, 1)
+        Ti = tl.where(o_s[None, :, None] == i, new[:, None, :], Ti)
+    A3 = tl.reshape(A, [NB, BS, BT])
+    X = tl.zeros([NB, BS, BT], dtype=tl.float32)
+    for b in tl.static_range(NB):
+        Ab = tl.sum(tl.where(o_b[:, None, None] == b, A3, 0.0), 0)  # [BS, BT]: block row b of A
+        Ab = tl.where(o_t[None, :] < b * BS, Ab, 0.0)
+        R = tl.where(o_s[:, None] + b * BS == o_t[None, :], 1.0, 0.0)
+        if b > 0:
+            R -= tl.dot(Ab, tl.reshape(X, [BT, BT]), input_precision=PREC)
+        Tbb = tl.sum(tl.where(o_b[:, None, None] == b, Ti, 0.0), 0)  # [BS, BS]
+        Xb = tl.dot(Tbb, R, input_precision=PREC)
+        X = tl.where(o_b[:, None, None] == b, Xb[None, :, :], X)
+    return tl.reshape(X, [BT, BT])
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, len_ptr,
+    w_ptr, ut_ptr, gc_ptr, aqk_ptr, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+    MMA16: tl.constexpr,
+):
+    """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
+    row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT])."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start = tl.load(start_ptr + i_c).to(tl.int64)
+    L = tl.load(len_ptr + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BVF)
+    m_t = o_t < L
+    m_k = o_k < K
+    m_v = o_v < V
+    tok = start + o_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    b_beta = tl.load(beta_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    lower = o_t[:, None] > o_t[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    # loads sit next to their use and every result is stored as soon as it is final, so that few
+    # [BT, BK] tiles are live at once (the fp32 tiles alone would fill the registers)
+    if CHANNEL:
+        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+        p_g = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
+        G = tl.cumsum(tl.load(g_ptr + p_g, mask=m_tk, other=0.0).to(tl.float32), 0)  # [BT, BK]
+        tl.store(gc_ptr + p_g, G, mask=m_tk)
+        A = tl.zeros([BT, BT], dtype=tl.float32)
+        QK = tl.zeros([BT, BT], dtype=tl.float32)
+        for j in range(0, L):
+            k_j = _row(b_k, o_t, j)
+            G_j = _row(G, o_t, j)
+            dec = tl.exp(tl.where((o_t >= j)[:, None], G - G_j[None, :], float("-inf")))  # [BT, BK], <= 1
+            kk = tl.sum(b_k * dec * k_j[None, :], 1)
+            qk = tl.sum(b_q * dec * k_j[None, :], 1)
+            A = tl.where(o_t[None, :] == j, kk[:, None], A)
+            QK = tl.where(o_t[None, :] == j, qk[:, None], QK)
+        A = tl.where(lower, A, 0.0) * b_beta[:, None]
+        QK = tl.where(causal, QK, 0.0)
+        eg = tl.exp(G)  # [BT, BK]
+    else:
+        G = tl.cumsum(tl.load(g_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32), 0)  # [BT]
+        tl.store(gc_ptr + tok * HV + i_hv, G, mask=m_t)
+        diff = G[:, None] - G[None, :]
+        if MMA16:  # the raw 16-bit rows: exact products, fp32 accumulation
+            kt16 = tl.trans(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0))
+            A = tl.dot(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0), kt16)
+            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0), kt16) * scale
+        else:
+            kt = tl.trans(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32))
+            A = tl.dot(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32), kt, input_precision=PREC)
+            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale, kt, input_precision=PREC)
+        A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
+        QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
+        eg = tl.exp(G)[:, None]  # [BT, 1]
+    tl.store(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], QK, mask=m_t[:, None])
+    Tb = _unit_lower_inverse(A, BT, PREC) * b_beta[None, :]  # T diag(beta)
+    b_v = tl.load(v_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                  other=0.0).to(tl.float32)
+    ut = tl.dot(Tb, b_v, input_precision=PREC)
+    tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
+    kg = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * eg
+    w = tl.dot(Tb, kg, input_precision=PREC)
+    tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w, mask=m_tk)
+
+
+@triton.jit
+def _chunk_state_kernel(
+    k_ptr, w_ptr, ut_ptr, gc_ptr, start_ptr, len_ptr, coff_ptr, fend_ptr,
+    u_ptr, h_ptr, s0_ptr, sf_ptr, bk_ptr, bu_ptr, bg_ptr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+    INITIAL: tl.constexpr, FINAL: tl.constexpr, TAIL: tl.constexpr,
+):
+    """One (sequence, value head, V-tile): the sequence's chunks in order, the [K, BV] state tile in
+    registers; per chunk c the state before it goes to h[c] [K, BV] and U = U~ - W S to u, then the
+    state is folded.  Chunks from ``fend[n]`` on (the sequence's last one or none) are its buffered tail:
+    not folded, and with TAIL their U, G and keys written into buffer request n; the final state is the
+    state before them."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    if INITIAL:
+        s = tl.load(s0_ptr + i_nh * K * V + p_kv, mask=m_s, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    c0 = tl.load(coff_ptr + i_n)
+    c1 = tl.load(coff_ptr + i_n + 1)
+    c_fold = tl.load(fend_ptr + i_n)
+    for c in range(c0, c1):
+        start = tl.load(start_ptr + c).to(tl.int64)
+        L = tl.load(len_ptr + c)
+        tl.store(h_ptr + (c * HV + i_hv) * K * V + p_kv, s, mask=m_s)  # i_hv int64
+        m_t = o_t < L
+        tok = start + o_t
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+        w = tl.load(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - tl.dot(w, s, input_precision=PREC)
+        u = tl.where(m_tv, u, 0.0)
+        tl.store(u_ptr + p_tv, u, mask=m_tv)
+        p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+        if CHANNEL:
+            G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        else:
+            G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
+        if c >= c_fold:
+            if TAIL:
+                p_b = i_n * C + o_t  # buffer rows of request n
+                tl.store(bu_ptr + (p_b[:, None] * HV + i_hv) * V + o_v[None, :], u.to(bu_ptr.dtype.element_ty),
+                         mask=m_tv)
+                if i_v == 0:
+                    if CHANNEL:
+                        tl.store(bg_ptr + (p_b[:, None] * HV + i_hv) * K + o_k[None, :], G.to(bg_ptr.dtype.element_ty),
+                                 mask=m_tk)
+                    else:
+                        tl.store(bg_ptr + p_b * HV + i_hv, G.to(bg_ptr.dtype.element_ty), mask=m_t)
+                    if i_hv % (HV // H) == 0:
+                        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0)
+                        tl.store(bk_ptr + (p_b[:, None] * H + i_h) * K + o_k[None, :], b_k.to(bk_ptr.dtype.element_ty),
+                                 mask=m_tk)
+        else:
+            b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+            if CHANNEL:
+                G_L = _row(G, o_t, L - 1)  # [BK]
+                kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, G_L[None, :] - G, 0.0)), 0.0)
+                s = s * tl.exp(G_L)[:, None]
+            else:
+                G_L = tl.sum(tl.where(o_t == L - 1, G, 0.0), 0)
+                kd = b_k * tl.where(m_t, tl.exp(tl.where(m_t, G_L - G, 0.0)), 0.0)[:, None]
+                s = s * tl.exp(G_L)
+            s = tl.dot(tl.trans(kd), u, s, input_precision=PREC)
+    if FINAL:
+        tl.store(sf_ptr + i_nh * K * V + p_kv, s, mask=m_s)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, u_ptr, h_ptr, gc_ptr, aqk_ptr, start_ptr, len_ptr, o_ptr, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+):
+    """One (chunk, value head, V-tile), all in parallel: O = exp(G) (Q h[c]) + (causal D * Q K^T) U, with
+    h[c] the state before the chunk and U its innovations (both from the state launch)."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    start = tl.load(start_ptr + i_c).to(tl.int64)
+    L = tl.load(len_ptr + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = o_t < L
+    m_k = o_k < K
+    m_v = o_v < V
+    tok = start + o_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+    h = tl.load(h_ptr + (i_c * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
+                mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_q = tl.load(q_ptr + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+    if CHANNEL:
+        G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        o = tl.dot(b_q * tl.exp(G), h, input_precision=PREC)
+    else:
+        G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
+        o = tl.dot(b_q, h, input_precision=PREC) * tl.exp(G)[:, None]
+    u = tl.load(u_ptr + p_tv, mask=m_tv, other=0.0)
+    aqk = tl.load(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    o = tl.dot(aqk, u, o, input_precision=PREC)
+    tl.store(o_ptr + p_tv, o.to(o_ptr.dtype.element_ty), mask=m_tv)
+
+
+def precision_for(x: torch.Tensor) -> str:
+    """The products' precision for inputs like ``x``: "ieee" under the interpreter, "tf32x3" for fp32
+    inputs on CUDA (fp32 accuracy), "tf32" for 16-bit inputs on CUDA."""
+    if not x.is_cuda:
+        return "ieee"
+    return "tf32" if x.dtype in _SIXTEEN_BIT else "tf32x3"
+
+
+#: Chunk tables already on a device, by (offsets, chunk size, tails, device): a repeated call makes no
+#: host-to-device copy (which would wait for the stream, and cannot be captured in a CUDA graph).
+_TABLES: dict = {}
+_MAX_TABLES = 256
+
+
+def chunk_table(cu: list[int], chunk_size: int, tails: Optional[list[int]] = None, device=None):
+    """The chunks of sequences at offsets ``cu`` [N + 1]: (start [NC] int32, len [NC] int32, offsets
+    [N + 1] int32 of each sequence's first chunk, fold ends [N] int32: each sequence's first chunk that
+    is not folded, the longest chunk).  ``tails`` [N]: the last ``tails[n]`` tokens of sequence n form
+    one chunk of their own (the prefill tail; 0 for none), which is not folded.  Cached per device."""
+    key = (tuple(cu), chunk_size, None if tails is None else tuple(tails), str(torch.device(device or "cpu")))
+    hit = _TABLES.get(key)
+    if hit is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        hit = _TABLES[key] = _make_table(cu, chunk_size, tails, device)
+    return hit
+
+
+def _make_table(cu: list[int], chunk_size: int, tails: Optional[list[int]], device):
+    """``chunk_table``'s tensors, made on the host and copied to ``device``."""
+    starts, lens, offs = [], [], [0]
+    for n, (a, b) in enumerate(zip(cu, cu[1:])):
+        t = 0 if tails is None else tails[n]
+        for s in range(a, b - t, chunk_size):
+            starts.append(s)
+            lens.append(min(chunk_size, b - t - s))
+        if t > 0:
+            starts.append(b - t)
+            lens.append(t)
+        offs.append(len(starts))
+    fend = [offs[n + 1] - (0 if tails is None else int(tails[n] > 0)) for n in range(len(cu) - 1)]
+    longest = max(lens, default=1)
+    mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return mk(starts), mk(lens), mk(offs), mk(fend), longest
+
+
+def run_chunks(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: int, initial_state, final,
+               cfg: ChunkConfig, tails: Optional[list[int]] = None, buffer=None):
+    """The three launches over the flat tokens of ``q`` .. ``beta`` ([B, T, ...], the sequences at offsets
+    ``cu``).  Returns (o [B, T, HV, V] in v's dtype, the final states [N, HV, K, V] fp32 or None); with
+    ``tails``, the tails' U, G and keys go into ``buffer`` (KVBuffer of N requests) and are not folded."""
+    o, S, launches = chunk_launches(q, k, v, g, beta, d, cu, s, chunk_size, initial_state, final, cfg, tails, buffer)
+    for _, launch in launches:
+        launch()
+    return o, S
+
+
+def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_size: int, initial_state, final,
+                   cfg: ChunkConfig, tails: Optional[list[int]] = None, buffer=None):
+    """``run_chunks``'s outputs (allocated, not yet written) and its launches, in order, as
+    [("prep" | "state" | "output", callable)] over scratch allocated here (a benchmark times each
+    alone; each reads only what the ones before it wrote).  Shared-memory overflows are reported as
+    ValueError naming the launch and the config field to lower."""
+    N = len(cu) - 1
+    o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
+    S = new_output((N, d.HV, d.K, d.V), torch.float32, q.device) if final else None
+    if N == 0 or d.T == 0:
+        if final:
+            S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
+        return o, S, []
+    starts, lens, offs, fend, longest = chunk_table(cu, chunk_size, tails, q.device)
+    BT = block(longest)
+    BK, BVF = block(d.K), block(d.V)
+    BV = max(16, min(cfg.BV, BVF))
+    BVO = max(16, min(cfg.out_BV, BVF))
+    prec = precision_for(q)
+    NT, NC = d.B * d.T, starts.numel()
+    dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    w = torch.empty(NT, d.HV, d.K, **f32)
+    ut = torch.empty(NT, d.HV, d.V, **f32)
+    u = torch.empty(NT, d.HV, d.V, **f32)
+    h = torch.empty(NC, d.HV, d.K, d.V, **f32)
+    gc = torch.empty((NT, d.HV, d.K) if d.channel_gate else (NT, d.HV), **f32)
+    aqk = torch.empty(NT, d.HV, BT, **f32)
+    q, k, v, g, beta = (as_input(x) for x in (q, k, v, g, beta))
+    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    tail = buffer is not None
+    dummy = w
+    mma16 = q.is_cuda and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT
+    common = dict(H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, CHANNEL=d.channel_gate, PREC=prec)
+
+    def prep():
+        _chunk_prep_kernel[(NC, d.HV)](
+            q, k, v, g, beta, starts, lens, w, ut, gc, aqk, s, **common, BVF=BVF, MMA16=mma16,
+            num_warps=cfg.prep_warps)
+
+    def state():
+        _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](
+            k, w, ut, gc, starts, lens, offs, fend, u, h,
+            dummy if s0 is None else s0, dummy if S is None else S,
+            buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy,
+            **common, C=buffer.capacity if tail else 1, BV=BV, INITIAL=s0 is not None, FINAL=S is not None,
+            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.stages)
+
+    def output():
+        _chunk_output_kernel[(NC, d.HV, triton.cdiv(d.V, BVO))](
+            q, u, h, gc, aqk, starts, lens, o, s, **common, BV=BVO, num_warps=cfg.out_warps)
+
+    if q.is_cuda:
+        limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", None)
+        as_dtype = torch.float32 if prec == "tf32x3" else torch.bfloat16
+        for name in ("prep", "state", "output"):
+            need = chunk_smem_bytes(name, cfg, dtype=as_dtype, K=d.K, V=d.V, BT=BT)
+            if limit is not None and need > limit:
+                raise ValueError(f"config: the chunk {name} launch needs about {need} B of shared memory at K = {d.K}, "
+                                 f"V = {d.V}, chunk {BT} ({cfg}), the device has {limit} B per block; lower BV, "
+                                 f"stages or out_BV")
+
+    def guarded(name, fields, launch):
+        def run():
+            try:
+                with device_guard(q):
+                    launch()
+            except OutOfResources as e:
+                raise ValueError(f"config: the chunk {name} launch ({fields}) does not fit the device: {e}; "
+                                 f"lower those fields") from None
+        return run
+
+    return o, S, [
+        ("prep", guarded("prep", f"prep_warps={cfg.prep_warps}", prep)),
+        ("state", guarded("state", f"BV={BV}, num_warps={cfg.num_warps}, stages={cfg.stages}", state)),
+        ("output", guarded("output", f"out_BV={BVO}, out_warps={cfg.out_warps}", output)),
+    ]
+
+
+def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, cu_seqlens, config):
+    """``chunk_gated_delta_rule``'s checks; returns ``run_chunks``'s arguments."""
+    d, g = checked_tokens(q, k, v, g, beta)
+    check_chunk_size(chunk_size)
+    s = check_scale(scale, d.K)
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, q, initial_state)
+        N = len(cu) - 1
+        check_state("initial_state", initial_state, Dims(**{**d.__dict__, "B": N}), q.device)
+    else:
+        check_state("initial_state", initial_state, d, q.device)
+        cu = [b * d.T for b in range(d.B + 1)]
+    cfg = check_config("chunk", config) if config is not None else config_for(
+        "chunk", key_of(q, B=len(cu) - 1, HV=d.HV, V=d.V, channel=d.channel_gate))
+    return (q, k, v, g, beta, d, cu, s, chunk_size, initial_state, output_final_state, cfg)
+
+
+def chunk_launches_for(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                       chunk_size: int = 64, cu_seqlens=None, config: Optional[ChunkConfig] = None):
+    """``chunk_gated_delta_rule``'s launches, not run: (o, final state or None, [(name, callable)]) as
+    :func:`chunk_launches` (for timing each launch alone; running them in order fills o and the state)."""
+    return chunk_launches(*_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
+                                       cu_seqlens, config))
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    config: Optional[ChunkConfig] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``kvbuffer_ref.chunk_gated_delta_rule`` on the chunk kernels (module docstring); inputs are not modified.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] or [B, T, HV, K]; beta: [B, T, HV];
+    initial_state: [B, HV, K, V] or None (zeros).  ``cu_seqlens`` (int32 / int64 [N + 1], B = 1): N
+    sequences concatenated along T, each computed alone; states are then [N, HV, K, V].
+    Returns o [B, T, HV, V] in v's dtype and, if ``output_final_state``, the final fp32 state.
+    ``config``: a :class:`kvbuffer_fast.launch.ChunkConfig`, None for the table's.
+    """
+    return run_chunks(*_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
+                                   cu_seqlens, config))

@@ -1,0 +1,142 @@
+"""kvbuffer_fast.chunk_gated_delta_rule and direct_gated_delta_rule against the float64 recurrence, judged
+by the error table (``compare``), on shapes that cross chunk boundaries (chunk_size 16, T past two chunks):
+scalar and per-channel gates, grouped value heads, K and V not powers of two, initial state or none,
+variable-length batches (cu_seqlens), reset gates (-inf).  On a CPU they run through the Triton interpreter
+in float32; bfloat16 runs on CUDA only.  Outputs are NaN-poisoned (``KVBUFFER_POISON=1``).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels are decorated at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import kvbuffer_fast as fast  # noqa: E402
+import kvbuffer_ref as ref  # noqa: E402
+from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
+from kvbuffer_fast.launch import (  # noqa: E402
+    SM90_SHARED_BYTES, TABLES, ChunkConfig, DirectConfig, Key, chunk_smem_bytes, config_for)
+from kvbuffer_ref.validate import Case, assert_matches  # noqa: E402
+from kvbuffer_ref.validate import properties as P  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic; bf16 runs on CUDA only"))]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setenv("KVBUFFER_POISON", "1")
+
+
+def _assert_all(results):
+    assert results
+    for r in results:
+        assert r.passed, str(r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,channel,gate,initial", [
+    ((2, 37, 1, 2, 8, 12), False, "mild", True),      # B = 2, a group of 2, V not a power of two
+    ((1, 40, 2, 4, 5, 16), True, "strong", False),    # per-channel gates, K = 5, no initial state
+    ((1, 33, 1, 1, 16, 7), False, "mixed", True),     # every gate regime, underflowing decays included
+    ((1, 35, 1, 3, 8, 8), True, "mixed", True),
+], ids=["scalar-groups", "channel-K5", "scalar-mixed", "channel-mixed"])
+def test_chunk_matches_oracle(dtype, shape, channel, gate, initial):
+    B, T, H, HV, K, V = shape
+    case = Case(B=B, T=T, H=H, HV=HV, K=K, V=V, channel_gate=channel, gate=gate, seed=sum(shape))
+    _assert_all(P.check_chunk(fast, case, dtype, chunk_size=16, device=DEVICE, with_initial_state=initial))
+
+
+@pytest.mark.parametrize("T,chunk_size,channel", [(70, 64, False), (50, 32, True)], ids=["64-scalar", "32-channel"])
+def test_chunk_tiles(T, chunk_size, channel):
+    """Chunks of 4 and 2 inverse blocks, a short last chunk, from an initial state, with V = 40 cut into
+    16-column tiles by the state and the output launches (three state tiles, the last one partly masked)."""
+    case = Case(B=1, T=T, H=1, HV=2, K=8, V=40, channel_gate=channel, gate="strong", seed=T)
+    cfg = ChunkConfig(BV=16, out_BV=16)
+    impl = type("Impl", (), {"chunk_gated_delta_rule": staticmethod(
+        lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=cfg))})
+    _assert_all(P.check_chunk(impl, case, torch.float32, chunk_size=chunk_size, device=DEVICE))
+
+
+def test_chunk_launches_run_in_order_are_the_call():
+    """The launches a benchmark times one by one, run in order, give the call's outputs exactly."""
+    x = Case(B=2, T=40, H=1, HV=2, K=8, V=8, seed=5).inputs(torch.float32, DEVICE)
+    S0 = torch.randn(2, 2, 8, 8, device=DEVICE)
+    o, S = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, chunk_size=16)
+    o2, S2, launches = chunk_launches_for(**x, initial_state=S0, output_final_state=True, chunk_size=16)
+    assert [n for n, _ in launches] == ["prep", "state", "output"]
+    for _, launch in launches:
+        launch()
+    assert torch.equal(o, o2) and torch.equal(S, S2)
+
+
+@pytest.mark.parametrize("op", ["chunk", "direct", "prefill"])
+def test_chunk_launch_table_fits_sm90_shared_memory(op):
+    """Every launch the table picks at Qwen3-Next heads (K = V = 128, chunk 64) on sm_90, and every row
+    applied alone to the defaults, fits the 227 KB of shared memory per block by the fitted estimate."""
+    cls = type(config_for(op, Key()))
+    configs = [cls(**row.set) for row in TABLES[op]]
+    configs += [config_for(op, Key(columns=B * 32 * 128, dtype=dt, channel=ch, capability=(9, 0)))
+                for B in (1, 4, 64) for dt in (torch.float32, torch.bfloat16) for ch in (False, True)]
+    for cfg in configs:
+        for dt in (torch.float32, torch.bfloat16):
+            for launch in ("prep", "state", "output"):
+                need = chunk_smem_bytes(launch, cfg, dtype=dt)
+                assert 0 < need <= SM90_SHARED_BYTES, (launch, cfg, dt, need)
+
+
+def test_chunk_smem_estimate_rejects_what_cannot_fit():
+    """The estimate grows with the tiles: 256-wide heads with a 256-column output tile cannot fit."""
+    big = chunk_smem_bytes("output", ChunkConfig(out_BV=256), dtype=torch.float32, K=256, V=256)
+    assert big > SM90_SHARED_BYTES
+    assert chunk_smem_bytes("state", ChunkConfig(BV=64), dtype=torch.float32) > chunk_smem_bytes(
+        "state", ChunkConfig(BV=16), dtype=torch.float32)
+    with pytest.raises(ValueError, match="launch"):
+        chunk_smem_bytes("fold", ChunkConfig(), dtype=torch.float32)
+
+
+def test_launch_out_of_resources_names_the_launch(monkeypatch):
+    """A launch that does not fit the device raises a ValueError naming the launch and its fields, not
+    Triton's OutOfResources from inside the launch."""
+    from triton.runtime.errors import OutOfResources
+
+    import kvbuffer_fast.chunk as chunk
+
+    class TooBig:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                raise OutOfResources(262164, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(chunk, "_chunk_output_kernel", TooBig())
+    x = Case(B=1, T=8, H=1, HV=2, K=8, V=8, seed=1).inputs(torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="output launch .*out_BV"):
+        fast.chunk_gated_delta_rule(**x)
+
+
+def test_bad_arguments_are_named():
+    x = Case(B=2, T=8, H=1, HV=2, K=8, V=8, seed=1).inputs(torch.float32, DEVICE)
+    x1 = {n: t[:1] for n, t in x.items()}
+    with pytest.raises(ValueError, match="q: with cu_seqlens"):
+        fast.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 8], device=DEVICE))
+    with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing"):
+        fast.chunk_gated_delta_rule(**x1, cu_seqlens=torch.tensor([0, 5, 4, 8], device=DEVICE))
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        fast.chunk_gated_delta_rule(**x1, cu_seqlens=torch.tensor([0.0, 8.0], device=DEVICE))
+    with pytest.raises(ValueError, match="initial_state"):
+        fast.chunk_gated_delta_rule(**x1, cu_seqlens=torch.tensor([0, 3, 8], device=DEVICE),
+                                    initial_state=torch.zeros(1, 2, 8, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="chunk_size"):
+        fast.chunk_gated_delta_rule(**x, chunk_size=0)
+    with pytest.raises(TypeError, match="ChunkConfig"):
+        fast.chunk_gated_delta_rule(**x, config=DirectConfig())
+    with pytest.raises(TypeError, match="DirectConfig"):
+        fast.direct_gated_delta_rule(**x, config=ChunkConfig())
+    bad = dict(x, g=x["g"].clone())
+    bad["g"][0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="g: entry"):
+        fast.chunk_gated_delta_rule(**bad)
