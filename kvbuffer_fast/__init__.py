@@ -14,6 +14,7 @@ from .chunk import chunk_gated_delta_rule
 from .direct import direct_gated_delta_rule
 from .prefill import prefill
 from .verify import verify
+from .pool import KVPool
 
 #: The buffer capacity to use when nothing else decides: on the H200 at Qwen3-Next shapes, C = 16
 #: gave the fastest buffered decode step at every batch (0.74-0.79x fla's per-token time, against
@@ -23,5 +24,5 @@ DEFAULT_CAPACITY = 16
 
 __all__ = [
     "recurrent_gated_delta_rule", "buffered_decode", "flush", "materialize_state", "verify", "accept",
-    "chunk_gated_delta_rule", "direct_gated_delta_rule", "prefill", "DEFAULT_CAPACITY",
+    "chunk_gated_delta_rule", "direct_gated_delta_rule", "prefill", "KVPool", "DEFAULT_CAPACITY",
 ]

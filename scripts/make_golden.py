@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Rebuild the golden vectors in tests/golden/ (deterministically: same files, bit for bit).
+"""Rebuild the golden vectors in kvbuffer_ref/validate/golden/data/ (deterministically: same files, bit for bit).
 
-    PYTHONPATH=. python scripts/make_golden.py [--out tests/golden] [--only ID ...] [--check]
+    PYTHONPATH=. python scripts/make_golden.py [--out kvbuffer_ref/validate/golden/data] [--only ID ...] [--check]
 
 Inputs come from numpy's PCG64 generator seeded per case, using only exactly rounded operations
 (+, *, /, sqrt), so they do not depend on the platform's libm.  Expected outputs are computed on the
@@ -386,7 +386,7 @@ def build_all(only=None) -> list[tuple[dict, dict]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "golden")
+    ap.add_argument("--out", type=Path, default=ROOT / "kvbuffer_ref" / "validate" / "golden" / "data")
     ap.add_argument("--only", nargs="*", help="rebuild only these case ids (the index is rewritten in full)")
     ap.add_argument("--check", action="store_true", help="compare with the stored files; write nothing")
     a = ap.parse_args(argv)

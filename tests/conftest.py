@@ -14,6 +14,7 @@ Before drawing, each test replays the failing examples kept in the committed dat
 """
 
 import os
+import tempfile
 import random
 from pathlib import Path
 
@@ -26,6 +27,8 @@ except Exception:  # pragma: no cover - torch is a hard dependency
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KVBUFFER_POISON", "1")
+# `kvbuffer validate` keeps its last report in the cache dir: tests write to a temporary one, not ~/.cache
+os.environ.setdefault("KVBUFFER_CACHE_DIR", tempfile.mkdtemp(prefix="kvbuffer-tests-"))
 
 import pytest  # noqa: E402
 

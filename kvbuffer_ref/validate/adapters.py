@@ -292,7 +292,7 @@ class FlaAdapter:
                 import fla  # noqa: F401
                 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         except ImportError as e:
-            raise AdapterError(f"the fla adapter needs flash-linear-attention (pip install flash-linear-attention): {e}") \
+            raise AdapterError(f"the fla adapter needs fla-core 0.6.0 (pip install 'kvbuffer[crosscheck]', or pip install fla-core==0.6.0): {e}") \
                 from None
         self._fused = fused_recurrent_gated_delta_rule
         self._chunk = chunk_gated_delta_rule

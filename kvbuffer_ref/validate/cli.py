@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .profiles import PROFILES
+
 USAGE_EXAMPLES = """\
 examples:
   kvbuffer validate                                   # the reference's forms and the bundled Triton kernels
@@ -71,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--impl", action="append", metavar="MODULE:ATTR",
                    help="an adapter to validate (repeatable); also the ready ones: reference, fast, fla. "
                         "Default: reference and fast")
-    v.add_argument("--profile", choices=("ci", "thorough"), default=None,
-                   help="hypothesis profile: ci (bounded, default) or thorough (many examples)")
+    v.add_argument("--profile", choices=PROFILES, default=None,
+                   help="hypothesis profile: ci (bounded, default), thorough (many examples) or gpu "
+                        "(production-sized cases, few examples; with --device cuda)")
     v.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where inputs are created (default: cuda when available, else cpu with the Triton interpreter)")
     v.add_argument("--dtype", metavar="DTYPES",
@@ -163,20 +166,14 @@ def _validate(args) -> int:
                 impls.append(impl)
                 specs[impl.name] = spec
         else:
-            impls.append(adapters.reference())
-            specs[impls[-1].name] = "reference"
-            try:
-                import triton  # noqa: F401
-                impls.append(adapters.fast())
-                specs[impls[-1].name] = "fast"
-            except ImportError as e:
-                print(f"note: kvbuffer_fast (Triton kernels) skipped: triton is not installed ({e})")
+            impls = adapters.default_implementations()
+            specs.update({impls[0].name: "reference", impls[1].name: "fast"})
     except (adapters.AdapterError, lanes.ValidationError) as e:
         return _bad(str(e))
 
     profile = args.profile or os.environ.get("HYPOTHESIS_PROFILE", "ci")
-    if profile not in ("ci", "thorough"):
-        return _bad(f"HYPOTHESIS_PROFILE: expected ci or thorough, got {profile!r}")
+    if profile not in PROFILES:
+        return _bad(f"HYPOTHESIS_PROFILE: expected one of {', '.join(PROFILES)}, got {profile!r}")
 
     def show(r):
         if not args.quiet or r.failed:
@@ -206,10 +203,8 @@ def _validate(args) -> int:
         cmd = rep.replay_command(r, specs.get(r.implementation), report.seed, profile, device)
         print()
         print(rep.format_failure(r, cmd))
-    s = report.to_json()["summary"]
     print()
-    print(f"{'FAILED' if failures else 'PASSED'}: {s['PASS']} passed, {s['FAIL'] + s['ERROR']} failed, "
-          f"{s['NOT PROVIDED']} not provided, {s['SKIP']} skipped in {report.seconds:.1f}s (seed {report.seed})")
+    print(report.summary_line())
     _keep_last(report)
     if args.json:
         try:

@@ -242,6 +242,9 @@ def test_the_readme_names_the_rows_validate_reports_not_provided_for_kvbuffer_fa
     impl = adapters.fast()
     missing = sorted(op.key for op in lanes.OPS if any(a in impl.not_provided for a in op.needs))
     readme = " ".join((ROOT / "README.md").read_text().split())
+    if not missing:  # every operation has a kernel: the README must not say otherwise
+        assert "NOT PROVIDED for `kvbuffer_fast`" not in readme
+        return
     said = "`kvbuffer validate` lists " + ", ".join(f"`{m}`" for m in missing[:-1]) + f" and `{missing[-1]}` " \
         "as NOT PROVIDED for `kvbuffer_fast`"
     assert said in readme, (missing, said)
