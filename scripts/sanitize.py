@@ -5,7 +5,9 @@
 
 Edge shapes: one request, C = 1, full buffers (a fold on the next token), direct-mode requests (no
 state), odd K and V (masked tiles), grouped heads, channel gates, trees of one node and a forest,
-accept of 0 / all drafts.  Each call's outputs are compared with the float64 reference so that a
+accept of 0 / all drafts, prompts of one token, shorter than a chunk and past several chunks, ragged
+prompts packed by cu_seqlens.  The serving pool's kernels run under the sanitizer through
+tests/pool/test_pool_gpu.py.  Each call's outputs are compared with the float64 reference so that a
 kernel that runs clean but computes garbage is still reported.  Prints one JSON line: the number of
 calls, the worst error ratio (error / budget of the error table) and the failures.  Runs on a CPU too
 (under the Triton interpreter), where it is a smoke test of the script itself.
@@ -125,6 +127,36 @@ def baseline_cases(run: Run, shapes):
         run.check(f"per_draft_state_accept B={B} K={K} V={V}", state, S64, S_r, head_axis=1)
 
 
+def prefill_cases(run: Run, shapes):
+    """chunk (uniform and cu_seqlens), direct and prefill-then-decode over short, ragged and odd shapes."""
+    for B, H, HV, K, V, T, channel, chunk in shapes:
+        x32, x64 = tokens(B, T, H, HV, K, V, channel=channel, seed=T + K)
+        S0 = torch.randn(B, HV, K, V, device=DEVICE, dtype=torch.float64) * 0.1
+        o64, S64 = ref.recurrent_gated_delta_rule(**x64, initial_state=S0, output_final_state=True)
+        o_r, S_r = ref.recurrent_gated_delta_rule(**x32, initial_state=S0.float(), output_final_state=True)
+        o_f, S_f = fast.chunk_gated_delta_rule(**x32, initial_state=S0.float(), output_final_state=True,
+                                               chunk_size=chunk)
+        run.check(f"chunk B={B} T={T} K={K} V={V} ch={channel} chunk={chunk}", o_f, o64, o_r)
+        run.check(f"chunk state B={B} T={T} K={K} V={V}", S_f, S64, S_r, head_axis=1)
+        run.check(f"direct B={B} T={T} K={K} V={V}", fast.direct_gated_delta_rule(**x32),
+                  ref.direct_gated_delta_rule(**x64), ref.direct_gated_delta_rule(**x32))
+        lens = [max(1, T - 3 * i) for i in range(B)]  # ragged prompts, one sequence per request, B = 1 packed
+        cu = torch.tensor([0] + lens, device=DEVICE).cumsum(0)
+        packed = {n: torch.cat([t[i, :lens[i]] for i in range(B)])[None] for n, t in x32.items()}
+        packed64 = {n: torch.cat([t[i, :lens[i]] for i in range(B)])[None] for n, t in x64.items()}
+        o_f, _ = fast.chunk_gated_delta_rule(**packed, cu_seqlens=cu, chunk_size=chunk)
+        o64, _ = ref.chunk_gated_delta_rule(**packed64, cu_seqlens=cu)
+        o_r, _ = ref.chunk_gated_delta_rule(**packed, cu_seqlens=cu)
+        run.check(f"chunk varlen lens={lens} K={K} V={V}", o_f, o64, o_r)
+        C = 4
+        o_f, buf = fast.prefill(**x32, capacity=C)
+        o64, b64 = ref.prefill(**x64, capacity=C)
+        o_r, b_r = ref.prefill(**x32, capacity=C)
+        run.check(f"prefill B={B} T={T} C={C}", o_f, o64, o_r)
+        run.check(f"prefill state B={B} T={T} C={C}", fast.materialize_state(buf), ref.materialize_state(b64),
+                  ref.materialize_state(b_r), head_axis=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes (racecheck is slow)")
@@ -138,11 +170,15 @@ def main(argv=None) -> int:
     ver = [(1, 1, 1, 16, 16, 1, False, 1, [-1]), (2, 1, 2, 7, 5, 4, False, 4, [-1, 0, 1, 2]),
            (3, 2, 4, 33, 17, 4, True, 2, [-1, 0, 0, 1, -1]), (2, 1, 2, 128, 128, 16, False, 16, list(range(-1, 15)))]
     base = [(1, 1, 1, 16, 16), (2, 1, 2, 7, 5), (2, 2, 4, 128, 128)]
+    # (B, H, HV, K, V, T, channel gate, chunk size)
+    pre = [(1, 1, 1, 16, 16, 1, False, 16), (2, 1, 2, 7, 5, 17, False, 16), (3, 2, 4, 33, 17, 40, True, 32),
+           (2, 1, 2, 128, 128, 70, False, 64)]
     if args.quick:
-        dec, ver, base = dec[:3], ver[:3], base[:2]
+        dec, ver, base, pre = dec[:3], ver[:3], base[:2], pre[:3]
     decode_cases(run, dec)
     verify_cases(run, ver)
     baseline_cases(run, base)
+    prefill_cases(run, pre)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print(json.dumps(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,

@@ -281,13 +281,19 @@ def _buffered(op, dtype):
                                            **{n: kw[n] for n in ("parents", "num_drafts") if n in kw})
 
 
-def _prefill_check(x, kw, pre):
-    def check(result):
-        o, buf = result
-        o64, S64 = ref.recurrent_gated_delta_rule(**f64(x), output_final_state=True, scale=kw.get("scale"))
-        return [_cmp(o, o64, None, F64, x["g"], name="o"),
-                _cmp(ref.materialize_state(buf), S64, None, F64, x["g"], name="state", head_axis=1)]
-    return check
+def _prefill_check(dtype, materialize):
+    """prefill's outputs and its buffer's state (``materialize``: kvbuffer_ref's or kvbuffer_fast's)
+    against the float64 recurrence; for float32, the float32 recurrence is the baseline."""
+    def make(x, kw, pre):
+        def check(result):
+            o, buf = result
+            o64, S64 = ref.recurrent_gated_delta_rule(**f64(x), output_final_state=True, scale=kw.get("scale"))
+            ob, Sb = ref.recurrent_gated_delta_rule(**{n: a.to(dtype) for n, a in x.items()}, output_final_state=True,
+                                                    scale=kw.get("scale"))
+            return [_cmp(o, o64, ob, dtype, x["g"], name="o"),
+                    _cmp(materialize(buf), S64, Sb, dtype, x["g"], name="state", head_axis=1)]
+        return check
+    return make
 
 
 #: name -> (function, dtype, tokens per request (None: any), extra kwargs (x -> dict), check, in-place kwargs)
@@ -301,7 +307,7 @@ TOKEN_OPS = {
     "ref.buffered_decode": (ref.buffered_decode, F64, 1, lambda x: dict(buffer=buffer(F64)),
                             _buffered("buffered_decode", F64), ()),
     "ref.verify": (ref.verify, F64, None, lambda x: dict(buffer=buffer(F64)), _buffered("verify", F64), ()),
-    "ref.prefill": (ref.prefill, F64, None, lambda x: dict(capacity=C), _prefill_check, ()),
+    "ref.prefill": (ref.prefill, F64, None, lambda x: dict(capacity=C), _prefill_check(F64, ref.materialize_state), ()),
     "fast.recurrent_gated_delta_rule": (fast.recurrent_gated_delta_rule, F32, None,
                                         lambda x: dict(output_final_state=True), _recurrence(F32, lambda r: r[1]), ()),
     "fast.baselines.recurrent_decode": (base.recurrent_decode, F32, None,
@@ -311,6 +317,12 @@ TOKEN_OPS = {
     "fast.buffered_decode": (fast.buffered_decode, F32, 1, lambda x: dict(buffer=buffer(F32)),
                              _buffered("buffered_decode", F32), ("buffer",)),
     "fast.verify": (fast.verify, F32, None, lambda x: dict(buffer=buffer(F32)), _buffered("verify", F32), ()),
+    "fast.chunk_gated_delta_rule": (fast.chunk_gated_delta_rule, F32, None,
+                                    lambda x: dict(output_final_state=True, chunk_size=16),
+                                    _recurrence(F32, lambda r: r[1]), ()),
+    "fast.direct_gated_delta_rule": (fast.direct_gated_delta_rule, F32, None, lambda x: {}, _recurrence(F32), ()),
+    "fast.prefill": (fast.prefill, F32, None, lambda x: dict(capacity=C),
+                     _prefill_check(F32, fast.materialize_state), ()),
 }
 
 
@@ -490,7 +502,7 @@ def token_probes() -> list:
             out.append(token_probe(op, "T=0", "error", "q", x_fn=_dims(T=0)))
         else:
             out.append(token_probe(op, "T=0", "exact", x_fn=_dims(T=0)))
-        if op != "ref.direct_gated_delta_rule" and not buffered and "baselines" not in op and op != "ref.prefill":
+        if not op.endswith((".direct_gated_delta_rule", ".prefill")) and not buffered and "baselines" not in op:
             out += [
                 token_probe(op, "initial_state/shape", "error", "initial_state",
                             over=_set("initial_state", torch.zeros(B, HV, V, K))),
