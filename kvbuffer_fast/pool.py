@@ -13,8 +13,10 @@ rows' buffer entries, gathered).  ``state_of`` and decode at C > 32 (the tile fo
 ``KVBuffer``.
 
 State slots are taken on the device: a row that folds into no state slot, or into one it shares with
-a fork (copy-on-write), gets the lowest free slot (``refs == 0``) in its rank among such rows; the
-fold reads the old slot and writes the new one, and the references move with it.  The checks that
+a fork (copy-on-write), gets the lowest free slot (``refs == 0``) in its rank among such rows, and the
+references move with it.  A row leaving a shared slot has that state copied to its fresh slot by one
+launch before the fold (``_copy_slots_kernel``) and folds there in place: the sharer that keeps the
+slot (every sharer folds in the call) folds it in place in the same launch, so no fold may read it.  The checks that
 read device values (slot ranges, duplicates, live and pending requests, counts, free state slots) run
 unless a CUDA graph is being captured (``_common.values_checked``); inside a capture out-of-range
 values are undefined behaviour, and a fold that finds no free state slot writes the sink (its result
@@ -29,6 +31,7 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import check_counts, check_flush_count, check_nodes, check_scale, require_tensor
@@ -171,9 +174,10 @@ class KVPool:
                              f"{layer}; accept them (accept(counts=0) rejects all) before {op}")
 
     def _claims(self, layer: int, bs: torch.Tensor, folds: torch.Tensor, checked: bool):
-        """(read slot, write slot, need) per row for rows that ``folds``: a row without a state slot, or
-        sharing one with a request that does not fold in this call, gets a fresh slot (``need``) for its
-        fold's result; the others write their own."""
+        """(current slot, write slot, need) per row for rows that ``folds``: a row without a state slot, or
+        sharing one, gets a fresh slot (``need``) for its fold's result, except that of a slot all of whose
+        sharers fold in this call the first row keeps it; the others write their own (non-folding rows:
+        the sink).  The rows that take a slot from a sharer read it through ``_copy_on_write``."""
         t, S = self._t, self.num_state_slots
         cur = t["state_slot"][layer, bs]
         # a slot all of whose sharers fold in this call stays with one of them (the first row): exactly the
@@ -194,6 +198,20 @@ class KVPool:
         fresh = torch.searchsorted(free.to(torch.int64).cumsum(0), rank).clamp(max=S)  # the rank-th free slot
         write = torch.where(need, fresh, torch.where(folds, cur, S))
         return cur, write, need
+
+    def _copy_on_write(self, layer: int, cur: torch.Tensor, write: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+        """[B] int64: the slot each row's fold reads.  A row leaving a shared slot (``need`` with a slot)
+        has its state copied to its fresh slot first (one launch; the other rows' programs copy nothing)
+        and folds there in place: its fold must not read the old slot, which the sharer that keeps it
+        (``_claims``: when every sharer folds in this call) folds in place in the same launch.  The other
+        rows read their own slot (-1: none, S0 = 0)."""
+        src = torch.where(need & (cur >= 0), cur, -1)
+        E = self.num_value_heads * self.head_k_dim * self.head_v_dim
+        BLOCK = min(4096, block(E))
+        with device_guard(src):
+            _copy_slots_kernel[(triton.cdiv(E, BLOCK), src.shape[0])](self._t["state"][layer], src, write, E=E,
+                                                                      BLOCK=BLOCK)
+        return torch.where(src >= 0, write, cur)
 
     def _rebind(self, layer: int, bs: torch.Tensor, cur: torch.Tensor, write: torch.Tensor,
                 need: torch.Tensor) -> None:
@@ -275,6 +293,7 @@ class KVPool:
         o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
         if d.B == 0:
             return o
+        read = self._copy_on_write(layer, cur, write, need)
         pdl = pdl_launch(q, cfg.pdl)
         tokens = dict(q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v), g_ptr=as_input(g),
                       beta_ptr=as_input(beta), o_ptr=o, scale=sc)
@@ -285,7 +304,7 @@ class KVPool:
             BV = _decode._columns(cfg.fold_BV, V)
             FH = math.gcd(HV, cfg.fold_FH)
             _decode._fold_group_slots_kernel[(triton.cdiv(V, BV), d.B * HV // FH)](
-                *pool, **tokens, bslot_ptr=s, sread_ptr=cur, swrite_ptr=write, C=C, H=H, HV=HV, K=K, V=V,
+                *pool, **tokens, bslot_ptr=s, sread_ptr=read, swrite_ptr=write, C=C, H=H, HV=HV, K=K, V=V,
                 CB=block(C), KB=_decode._rows(cfg.fold_KB, K), BV=BV, FH=FH, NS=cfg.fold_NS, CHANNEL=d.channel_gate,
                 num_warps=cfg.fold_warps, **pdl)
             BV = _decode._columns(cfg.BV, V)
@@ -386,9 +405,10 @@ class KVPool:
             buf = (t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]))
             room = (t["dk"][layer], t["du"][layer], t["dG"][layer], t["parents"][layer], node, D)
             consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), BK=block(K), CHANNEL=self.channel_gate)
+            read = self._copy_on_write(layer, cur, write, need)
             with device_guard(s):
                 _accept_fold_slots_kernel[(triton.cdiv(V, fold_BV), B * HV)](
-                    *buf, t["state"][layer], *room, s, cur, write, BV=fold_BV, num_warps=cfg.fold_warps, **consts)
+                    *buf, t["state"][layer], *room, s, read, write, BV=fold_BV, num_warps=cfg.fold_warps, **consts)
                 _accept_slots_kernel[(NV, B * HV)](*buf, ticket_counters(B, s.device), *room, s, BV=BV, NV=NV,
                                                    num_warps=cfg.num_warps, **consts)
         self._rebind(layer, bs, cur, write, need)
@@ -415,10 +435,11 @@ class KVPool:
         if B == 0:
             return
         BV = max(16, min(cfg.BV, block(V)))
+        read = self._copy_on_write(layer, cur, write, need)
         with device_guard(s):
             _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
                 t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]),
-                t["state"][layer], c, s, cur, write, C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
+                t["state"][layer], c, s, read, write, C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
                 CHANNEL=self.channel_gate, num_warps=cfg.num_warps)
         rows = SimpleNamespace(k=t["k"][layer, bs], G=t["G"][layer, bs])  # keys and G: small, moved in torch
         _shift_keys_and_gates(rows, c)
@@ -474,6 +495,19 @@ class KVPool:
         s, bs, _ = self._rows("slots", slots)
         S = fast_materialize(self._gather(layer, bs))
         return torch.where((s >= 0).view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
+
+
+@triton.jit
+def _copy_slots_kernel(state_ptr, src_ptr, dst_ptr, E: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy state slot ``src[i]`` to slot ``dst[i]`` (E = HV K V elements each; BLOCK of them per
+    program, int64 offsets) for each row i with ``src[i] >= 0``; the other rows' programs copy nothing."""
+    i = tl.program_id(1)
+    s = tl.load(src_ptr + i).to(tl.int64)
+    if s >= 0:
+        d = tl.load(dst_ptr + i).to(tl.int64)
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < E
+        tl.store(state_ptr + d * E + o, tl.load(state_ptr + s * E + o, mask=m), mask=m)
 
 
 def _path_lengths(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:

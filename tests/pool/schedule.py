@@ -327,3 +327,55 @@ def run_schedule(make_pool, data, *, layers: int, N: int, C: int, D: int, H: int
         for i, s in enumerate(live):
             chk.check_state(S[i], hist[s][layer], f"state_of layer {layer} slot {s}")
     return chk
+
+
+def sharers_fold_in_one_call(pool, op: str, *, dtype: torch.dtype, device) -> Checker:
+    """Request a (a state, no entries) and its fork b share a's state slot; a third request c holds a state
+    of its own.  All three fold in ONE call of ``op`` (decode, accept or flush), addressed as rows
+    [b, pad, a, c]: one of a and b keeps the shared slot and folds it in place while the other folds the
+    same state into a fresh slot.  Every output and the three final states are checked against the
+    recurrence over each request's own tokens.  ``pool``: capacity 1, max_drafts >= 2, layer 0 used."""
+    assert pool.capacity == 1 and pool.max_drafts >= 2
+    tok = Tokens(7, pool.num_heads, pool.num_value_heads, pool.head_k_dim, pool.head_v_dim, dtype, "cpu")
+    chk = Checker(dtype)
+    dev = lambda x: {f: t.to(device) for f, t in x.items()}  # noqa: E731
+    a, c = pool.acquire(2).tolist()
+    x = tok.draw(2, 3)
+    pool.admit(**dev(x), layer=0, slots=torch.tensor([a, c], device=device), tail=0)  # states, no entries
+    b = int(pool.acquire(1))
+    pool.fork(src=torch.tensor([a], device=device), dst=torch.tensor([b], device=device), keep=0)
+    assert int(pool.tensors()["state_slot"][0, a]) == int(pool.tensors()["state_slot"][0, b]) >= 0
+    hist = {a: _rows(x, 0), b: _rows(x, 0), c: _rows(x, 1)}
+    rows = [b, -1, a, c]
+    slots = torch.tensor(rows, device=device)
+
+    def decode(entries):
+        new = _padded(tok.draw(sum(s >= 0 for s in entries), 1), entries)
+        o = pool.decode(**dev(new), layer=0, slots=torch.tensor(entries, device=device))
+        for i, s in enumerate(entries):
+            if s >= 0:
+                chk.check(o[i], hist[s], {f: t[i] for f, t in new.items()}, f"{op}: decode row {i} (slot {s})")
+                hist[s] = _cat(hist[s], {f: t[i] for f, t in new.items()})
+
+    if op == "decode":
+        decode([a, b, c])              # one entry each: full at C = 1
+        decode(rows)                   # all three fold, then take the token
+    elif op == "accept":
+        D = 2                          # length 0 + 2 accepted > C: all three fold
+        d = _padded(tok.draw(3, D), rows)
+        pool.verify(**dev(d), layer=0, slots=slots)
+        pool.accept(layer=0, slots=slots, counts=torch.tensor([D, 0, D, D], device=device))
+        for i, s in enumerate(rows):
+            if s >= 0:
+                hist[s] = _cat(hist[s], _rows(d, i))
+    elif op == "flush":
+        decode([a, b, c])
+        pool.flush(layer=0, slots=slots)
+    else:
+        raise ValueError(f"op: expected decode, accept or flush, got {op!r}")
+    ids = [a, b, c]
+    assert len({int(pool.tensors()["state_slot"][0, s]) for s in ids}) == 3, "each request folded into its own slot"
+    S = pool.state_of(layer=0, slots=torch.tensor(ids, device=device))
+    for i, s in enumerate(ids):
+        chk.check_state(S[i], hist[s], f"{op}: state of slot {s}")
+    return chk

@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvbuffer_fast.pool import KVPool  # noqa: E402
 
-from .schedule import assert_untouched, run_schedule, snapshot  # noqa: E402
+from .schedule import assert_untouched, run_schedule, sharers_fold_in_one_call, snapshot  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FEW = settings(max_examples=4, deadline=None) if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else \
@@ -63,6 +63,15 @@ def test_fast_folds_take_their_own_slots():
     S = p.state_of(layer=0, slots=torch.tensor([int(s[0]), int(s[1]), int(f)], device=DEVICE))
     for i, q in enumerate((0, 1, 2)):
         chk.check_state(S[i].cpu(), hist[q], f"state of request {q}")
+
+
+@pytest.mark.parametrize("op", ["decode", "accept", "flush"])
+def test_fast_sharers_fold_in_one_call(op):
+    """A request and its fork fold their shared state slot in one call: the sharer that keeps the slot
+    folds it in place in the same launch as the other's fold into a fresh slot, so that fold must read a
+    copy (a drawn schedule found it: C=1; admit 2 requests (prompt 2); fork 0 -> 2 keep=0; decode [0, 2];
+    decode [2, 0])."""
+    sharers_fold_in_one_call(_pool(**dict(SHAPES, C=1)), op, dtype=torch.float32, device=DEVICE)
 
 
 def _tok(B, T=1, seed=0):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvbuffer_ref.pool import KVPool, head_layout
 
-from .schedule import assert_untouched, run_schedule, snapshot
+from .schedule import assert_untouched, run_schedule, sharers_fold_in_one_call, snapshot
 
 SHAPES = dict(layers=2, N=5, C=3, D=3, H=1, HV=2, K=4, V=4)
 
@@ -50,6 +50,13 @@ def test_head_layout():
         head_layout(2, 4, (0, 5))
     with pytest.raises(TypeError, match="head_range"):
         head_layout(2, 4, (0.0, 2))
+
+
+@pytest.mark.parametrize("op", ["decode", "accept", "flush"])
+def test_sharers_fold_in_one_call(op):
+    """A request and its fork fold their shared state slot in one call: each ends in a slot of its own,
+    both exact."""
+    sharers_fold_in_one_call(_pool(**dict(SHAPES, layers=1, C=1)), op, dtype=torch.float64, device="cpu")
 
 
 def _token(B, T=1, H=1, HV=2, K=4, V=4, seed=0):
