@@ -160,6 +160,8 @@ def prefill_cases(run: Run, shapes):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes (racecheck is slow)")
+    ap.add_argument("--ops", default="decode,verify,baselines,prefill",
+                    help="comma list of the groups to run: decode, verify, baselines, prefill (default: all)")
     args = ap.parse_args(argv)
     t0 = time.time()
     run = Run()
@@ -175,10 +177,13 @@ def main(argv=None) -> int:
            (2, 1, 2, 128, 128, 70, False, 64)]
     if args.quick:
         dec, ver, base, pre = dec[:3], ver[:3], base[:2], pre[:3]
-    decode_cases(run, dec)
-    verify_cases(run, ver)
-    baseline_cases(run, base)
-    prefill_cases(run, pre)
+    groups = dict(decode=(decode_cases, dec), verify=(verify_cases, ver), baselines=(baseline_cases, base),
+                  prefill=(prefill_cases, pre))
+    for name in args.ops.split(","):
+        if name not in groups:
+            ap.error(f"--ops: expected names from {', '.join(groups)}, got {name!r}")
+        fn, shapes = groups[name]
+        fn(run, shapes)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print(json.dumps(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
