@@ -93,8 +93,19 @@ def require_dim(name: str, x: torch.Tensor, axis: int, expected: int, what: str)
         )
 
 
+def same_device(a, b) -> bool:
+    """torch.device('cuda') and torch.device('cuda:0') are the same device when 0 is the current one."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda" and (a.index is None or b.index is None):
+        current = torch.cuda.current_device()
+        return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+    return a.index == b.index
+
+
 def require_device(name: str, x: torch.Tensor, device: torch.device) -> None:
-    if x.device != device:
+    if not same_device(x.device, device):
         raise ValueError(f"{name}: expected a tensor on device {device} (the device of q), got one on {x.device}")
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .inputs import prepare_tokens
-from .checks import check_state, check_tokens, require_int_tensor, require_rank, require_tensor
+from .checks import check_state, check_tokens, require_int_tensor, require_rank, require_tensor, same_device
 
 __all__ = ["recurrent_gated_delta_rule", "check_cu_seqlens", "per_sequence"]
 
@@ -25,7 +25,7 @@ def check_cu_seqlens(cu_seqlens, q: torch.Tensor, initial_state=None) -> list[in
     require_rank("cu_seqlens", cu_seqlens, 1, "[N + 1]")
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens: expected [N + 1] offsets (at least the leading 0), got an empty tensor")
-    if cu_seqlens.device != q.device:
+    if not same_device(cu_seqlens.device, q.device):
         raise ValueError(f"cu_seqlens: expected a tensor on device {q.device} (the device of q), "
                          f"got one on {cu_seqlens.device}")
     if q.dim() != 4 or q.shape[0] != 1:

@@ -236,6 +236,9 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
         raise ValueError(f"head_axis: {head_axis} is out of range for a {actual.dim()}-d tensor")
     head_axis %= actual.dim()
     dtype = dtype or actual.dtype
+    # the budget is computed on the host in float64, whatever device the tensors are on
+    cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
+    actual, expected, baseline, valid, g = cpu(actual), cpu(expected), cpu(baseline), cpu(valid), cpu(g)
     tol = tolerance_for(dtype)
     compute = compute_dtype(dtype)
     rel = rel_rms_slices(actual, expected, head_axis, valid)
