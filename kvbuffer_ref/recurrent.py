@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .inputs import prepare_tokens
-from .checks import check_state, check_tokens, require_int_tensor, require_rank, require_tensor, same_device
+from .checks import check_state, check_tokens, require_device, require_int_tensor, require_rank, require_tensor
 
 __all__ = ["recurrent_gated_delta_rule", "check_cu_seqlens", "per_sequence"]
 
@@ -25,9 +25,7 @@ def check_cu_seqlens(cu_seqlens, q: torch.Tensor, initial_state=None) -> list[in
     require_rank("cu_seqlens", cu_seqlens, 1, "[N + 1]")
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens: expected [N + 1] offsets (at least the leading 0), got an empty tensor")
-    if not same_device(cu_seqlens.device, q.device):
-        raise ValueError(f"cu_seqlens: expected a tensor on device {q.device} (the device of q), "
-                         f"got one on {cu_seqlens.device}")
+    require_device("cu_seqlens", cu_seqlens, q.device)
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q: with cu_seqlens the sequences are concatenated along T in a batch of B = 1, "
                          f"got shape {list(q.shape)}")
