@@ -25,10 +25,13 @@ Three launches:
 3. ``_chunk_output_kernel``, one program per (chunk, value head, V-tile), all in parallel:
    O = exp(G) Q h + (causal D * Q K^T) U.
 
-Precision: the scalar-gate scores of 16-bit q and k on CUDA are 16-bit products (exact, fp32
-accumulation); every other product is fp32 with ``input_precision`` PREC: "tf32x3" on CUDA for fp32 inputs (three TF32
-products, about fp32 accuracy), "tf32" for 16-bit inputs (within the bf16 / fp16 budget), "ieee" (FMA)
-under the interpreter.  Gates below ``-RESET_GATE[float32]`` (-inf included) are clamped as the
+Precision: for fp32 inputs on CUDA every product is "tf32x3" (three TF32 products, about fp32
+accuracy; "ieee", FMA, under the interpreter).  For 16-bit inputs on CUDA the contract is 16-bit
+products with fp32 accumulation, as fla's chunk kernel keeps: the scalar-gate scores of 16-bit q and k
+are 16-bit products (exact), the state pass's two products take operands rounded to the keys' dtype
+(W is stored in it; the state stays fp32 in registers and in h), the other products are "tf32".  The
+final state of a 16-bit call is therefore about as exact as 16-bit products allow (~2e-3 relative),
+not as the fp32 recurrence's: cast the inputs to fp32 for an fp32-exact state.  Gates below ``-RESET_GATE[float32]`` (-inf included) are clamped as the
 reference does; decays are formed only for pairs in causal order, masked before the exp.
 """
 
@@ -161,7 +164,7 @@ def _chunk_prep_kernel(
     tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
     kg = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * eg
     w = tl.dot(Tb, kg, input_precision=PREC)
-    tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w, mask=m_tk)
+    tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w.to(w_ptr.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit
@@ -170,11 +173,12 @@ def _chunk_state_kernel(
     u_ptr, h_ptr, s0_ptr, sf_ptr, bk_ptr, bu_ptr, bg_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
-    INITIAL: tl.constexpr, FINAL: tl.constexpr, TAIL: tl.constexpr,
+    INITIAL: tl.constexpr, FINAL: tl.constexpr, TAIL: tl.constexpr, LOWP: tl.constexpr = False,
 ):
     """One (sequence, value head, V-tile): the sequence's chunks in order, the [K, BV] state tile in
     registers; per chunk c the state before it goes to h[c] [K, BV] and U = U~ - W S to u, then the
-    state is folded.  Chunks from ``fend[n]`` on (the sequence's last one or none) are its buffered tail:
+    state is folded.  LOWP: the two products' operands are rounded to the keys' 16-bit dtype (fp32
+    accumulation, the state kept in fp32).  Chunks from ``fend[n]`` on (the sequence's last one or none) are its buffered tail:
     not folded, and with TAIL their U, G and keys written into buffer request n; the final state is the
     state before them."""
     i_v = tl.program_id(0)
@@ -206,7 +210,11 @@ def _chunk_state_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
         w = tl.load(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - tl.dot(w, s, input_precision=PREC)
+        if LOWP:  # w is stored in the keys' dtype
+            ws = tl.dot(w, s.to(k_ptr.dtype.element_ty))
+        else:
+            ws = tl.dot(w, s, input_precision=PREC)
+        u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - ws
         u = tl.where(m_tv, u, 0.0)
         tl.store(u_ptr + p_tv, u, mask=m_tv)
         p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
@@ -239,7 +247,10 @@ def _chunk_state_kernel(
                 G_L = tl.sum(tl.where(o_t == L - 1, G, 0.0), 0)
                 kd = b_k * tl.where(m_t, tl.exp(tl.where(m_t, G_L - G, 0.0)), 0.0)[:, None]
                 s = s * tl.exp(G_L)
-            s = tl.dot(tl.trans(kd), u, s, input_precision=PREC)
+            if LOWP:
+                s = tl.dot(tl.trans(kd.to(k_ptr.dtype.element_ty)), u.to(k_ptr.dtype.element_ty), s)
+            else:
+                s = tl.dot(tl.trans(kd), u, s, input_precision=PREC)
     if FINAL:
         tl.store(sf_ptr + i_nh * K * V + p_kv, s, mask=m_s)
 
@@ -362,7 +373,8 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     NT, NC = d.B * d.T, starts.numel()
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
-    w = torch.empty(NT, d.HV, d.K, **f32)
+    lowp = k.is_cuda and k.dtype in _SIXTEEN_BIT  # the state pass's products in the keys' dtype
+    w = torch.empty(NT, d.HV, d.K, dtype=k.dtype if lowp else torch.float32, device=dev)
     ut = torch.empty(NT, d.HV, d.V, **f32)
     u = torch.empty(NT, d.HV, d.V, **f32)
     h = torch.empty(NC, d.HV, d.K, d.V, **f32)
@@ -371,7 +383,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     q, k, v, g, beta = (as_input(x) for x in (q, k, v, g, beta))
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     tail = buffer is not None
-    dummy = w
+    dummy = u
     mma16 = q.is_cuda and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT
     common = dict(H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, CHANNEL=d.channel_gate, PREC=prec)
 
@@ -386,7 +398,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
             dummy if s0 is None else s0, dummy if S is None else S,
             buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy,
             **common, C=buffer.capacity if tail else 1, BV=BV, INITIAL=s0 is not None, FINAL=S is not None,
-            TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.stages)
+            TAIL=tail, LOWP=lowp, num_warps=cfg.num_warps, num_stages=cfg.stages)
 
     def output():
         _chunk_output_kernel[(NC, d.HV, triton.cdiv(d.V, BVO))](

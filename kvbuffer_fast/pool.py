@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.checks import check_counts, check_flush_count, check_nodes, check_scale, require_tensor
+from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_tensor,
+                                 same_device)
 from kvbuffer_ref.pool import check_slots, per_row, set_layout
 from kvbuffer_ref.prefill import prefill as ref_prefill
 
@@ -126,11 +127,9 @@ class KVPool:
 
     def _reset(self, b: torch.Tensor) -> None:
         t = self._t
-        t["lengths"][:, b] = 0
-        t["has_state"][:, b] = False
-        t["state_slot"][:, b] = -1
-        t["num_drafts"][:, b] = 0
-        t["pending"][:, b] = False
+        for name, value in (("lengths", 0), ("has_state", False), ("state_slot", -1), ("num_drafts", 0),
+                            ("pending", False)):
+            t[name].index_fill_(1, b, value)
 
     def _layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layers:
@@ -153,6 +152,8 @@ class KVPool:
         """The token checks over the valid rows; their heads and dims must be the pool's.  Returns g."""
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             require_tensor(name, x)
+            if not same_device(x.device, self.device):
+                raise ValueError(f"{name}: expected a tensor on the pool's device {self.device}, got one on {x.device}")
             if x.dim() < 2 or x.shape[0] != s.shape[0]:
                 raise ValueError(f"{name}: expected {s.shape[0]} rows (one per entry of slots), got shape "
                                  f"{list(x.shape)}")
@@ -361,7 +362,7 @@ class KVPool:
         par[:, :Dn] = drafts.parents
         t["parents"][layer, bs] = par
         t["num_drafts"][layer, bs] = drafts.num_drafts.to(torch.int64)
-        t["pending"][layer, bs] = True
+        t["pending"][layer].index_fill_(0, bs, True)
         return o
 
     def accept(self, *, layer: int, slots: torch.Tensor, counts=None, nodes=None, config=None) -> None:
@@ -412,8 +413,8 @@ class KVPool:
                 _accept_slots_kernel[(NV, B * HV)](*buf, ticket_counters(B, s.device), *room, s, BV=BV, NV=NV,
                                                    num_warps=cfg.num_warps, **consts)
         self._rebind(layer, bs, cur, write, need)
-        t["pending"][layer, bs] = False
-        t["num_drafts"][layer, bs] = 0
+        t["pending"][layer].index_fill_(0, bs, False)
+        t["num_drafts"][layer].index_fill_(0, bs, 0)
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): one launch on the pool
@@ -487,7 +488,7 @@ class KVPool:
         slot = t["state_slot"][:, bs]
         t["refs"].scatter_add_(1, torch.where((slot >= 0) & (s >= 0), slot, S), -torch.ones_like(slot))
         self._reset(bs)
-        t["live"][bs] = False
+        t["live"].index_fill_(0, bs, False)
 
     def state_of(self, *, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """As ``kvbuffer_ref.pool.KVPool.state_of`` (pad rows: zeros)."""

@@ -580,8 +580,8 @@ def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
 
 def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o, drafts: Drafts, d,
             cfg: VerifyConfig, pool_state=None) -> None:
-    """Phase 1 then phase 2 (module docstring).  fp32 products: tf32x3 on CUDA, FMA ("ieee") in the
-    interpreter; phase 2's X S0 splits only the state for 16-bit q and k (exact in TF32).  ``pool_state``:
+    """Phase 1 then phase 2 (module docstring).  Phase 1's products: FMA ("ieee"); phase 2's fp32
+    products: tf32x3 on CUDA, FMA in the interpreter; phase 2's X S0 splits only the state for 16-bit q and k (exact in TF32).  ``pool_state``:
     as ``_verify``'s (phase 2 then reads the pool's state slots)."""
     storage = buffer.state is not None or pool_state is not None
     BD = block(d.T, 8)
@@ -596,7 +596,9 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
     pk = torch.empty(d.B * d.HV, R, R if zp else d.K, dtype=torch.float32, device=q.device)
     KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
-    prep = dict(C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC, PREC=prec,
+    # phase 1's products are small (R x R, R x C per (request, head)) and form the scores and their
+    # solves, where cancellation is common (nearly orthogonal q and k): FMA ("ieee") everywhere
+    prep = dict(C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC, PREC="ieee",
                 num_warps=cfg.prep_warps, **({"maxnreg": cfg.prep_maxnreg} if cfg.prep_maxnreg else {}), **pdl)
     args = (as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, drafts.G, drafts.k,
             buffer.k, buffer.G, buffer.lengths, pk, lw, s, d.T)

@@ -263,7 +263,7 @@ def chunk_flops(B, T, HV, K, V, BT=64):
 #: with twice the columns (fewer loads of W and K per state column; ptxas for sm_90 reports spills of 520 B
 #: per thread for fp32 and 104 B for bf16, against 200 B and none at BV = 16).  state_stages2: the chunk
 #: loop software-pipelined, the next chunk's W and K loaded during this one's products (spills 872 / 344 B).
-VARIANTS = (("ours", None), ("state_bv32", dict(BV=32)), ("state_stages2", dict(stages=2)))
+VARIANTS = (("ours", None), ("state_bv32", dict(BV=32)), ("state_bv64", dict(BV=64)), ("state_stages2", dict(stages=2)))
 
 
 def variant_config(x, change):

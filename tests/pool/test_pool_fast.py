@@ -43,8 +43,9 @@ def test_fast_folds_take_their_own_slots():
     tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
     s = p.acquire(2)
     x = tok.draw(2, 4)                                        # request 1: C + 1 tokens, a state; 0: 2, direct
-    p.admit(**_rows(x, (slice(0, 1), slice(0, 2))), layer=0, slots=s[:1].to(DEVICE))
-    p.admit(**_rows(x, slice(1, 2)), layer=0, slots=s[1:].to(DEVICE))
+    dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
+    p.admit(**dev(_rows(x, (slice(0, 1), slice(0, 2)))), layer=0, slots=s[:1].to(DEVICE))
+    p.admit(**dev(_rows(x, slice(1, 2))), layer=0, slots=s[1:].to(DEVICE))
     f = p.acquire(1)
     p.fork(src=s[1:].to(DEVICE), dst=f.to(DEVICE), keep=0)    # shares request 1's state slot
     hist = {0: _rows(x, (0, slice(0, 2))), 1: _rows(x, 1), 2: _rows(x, (1, slice(0, 3)))}
@@ -121,7 +122,9 @@ def test_fast_state_rules():
     before = snapshot(p)
     for call, match in [(lambda: p.decode(**_tok(1), layer=0, slots=s[1:]), "only 0 of 1 state slots are free"),
                         (lambda: p.accept(layer=0, slots=s, counts=0), "no verified drafts pending"),
-                        (lambda: p.decode(**_tok(3), layer=0, slots=s), "q: expected 2 rows")]:
+                        (lambda: p.decode(**_tok(3), layer=0, slots=s), "q: expected 2 rows"),
+                        (lambda: p.decode(**{n: t.to("meta") for n, t in _tok(1).items()}, layer=0, slots=s[:1]),
+                         "q: expected a tensor on the pool's device")]:
         with pytest.raises(ValueError, match=match):
             call()
         assert_untouched(p, before, [], f"rejected call ({match})")

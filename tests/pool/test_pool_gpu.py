@@ -235,8 +235,8 @@ def test_state_slots_past_2_31_elements():
     for step in range(3 * C):
         t = tok.draw(2, 1)
         o = p.decode(**{n: v.cuda() for n, v in t.items()}, layer=0, slots=s.flip(0))
-        for i in range(2):
-            new = _rows(t, i)
+        for i in range(2):  # request i is slot s[i], token row 1 - i of the flipped call
+            new = _rows(t, 1 - i)
             chk.check(o[1 - i].cpu(), hist[i], new, f"decode {step} request {i}")
             hist[i] = _cat(hist[i], new)
     d = tok.draw(2, 3)
