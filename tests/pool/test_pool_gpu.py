@@ -35,8 +35,8 @@ def _pool(device, *, layers=2, N=8, S=8, C=4, D=3, H=2, HV=4, K=32, V=32, **kw):
 
 
 class CudaCapture:
-    """Capture ``fn`` once in a CUDA graph (after a warm-up on a scratch pool: compiles, caches) and return
-    a replay function."""
+    """Capture ``fn`` once in a CUDA graph (after a warm-up on a scratch pool: compiles, caches; the warm-up
+    calls take counts and keeps of 0, valid whatever the scratch pool holds) and return a replay function."""
 
     def __call__(self, fn, warm):
         stream = torch.cuda.Stream()
@@ -168,7 +168,8 @@ def graph_schedule(capture, device, replays: int = 3, seed: int = 0) -> int:
             key = ("flush", layer, dtype)
             if key not in static:
                 static[key] = capture(lambda layer=layer: A.flush(layer=layer, slots=sf, count=sc),
-                                      lambda layer=layer: scratch.flush(layer=layer, slots=sf, count=sc))
+                                      lambda layer=layer: scratch.flush(layer=layer, slots=sf,
+                                                                        count=torch.zeros_like(sc)))
             static[key]()
             B.flush(layer=layer, slots=sl.to(device), count=cnt.to(device))
             _assert_same_pools(A, B, f"flush replay {r} layer {layer}")
@@ -183,7 +184,7 @@ def graph_schedule(capture, device, replays: int = 3, seed: int = 0) -> int:
         if "fork" not in static:
             dS = scratch.acquire(2)
             static["fork"] = capture(lambda: A.fork(src=s1, dst=s2, keep=s3),
-                                     lambda: scratch.fork(src=s1, dst=torch.cat([dS, s2[2:]]), keep=s3))
+                                     lambda: scratch.fork(src=s1, dst=torch.cat([dS, s2[2:]]), keep=torch.zeros_like(s3)))
         static["fork"]()
         B.fork(src=src.to(device), dst=dst.to(device), keep=keep.to(device))
         _assert_same_pools(A, B, f"fork replay {r}")
