@@ -37,7 +37,6 @@ from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_tensor,
                                  same_device)
 from kvbuffer_ref.pool import check_slots, per_row, set_layout
-from kvbuffer_ref.prefill import prefill as ref_prefill
 
 from . import decode as _decode
 from ._common import (as_input, block, checked_tokens, device_guard, flag_view, new_output, pdl_launch,
@@ -45,6 +44,7 @@ from ._common import (as_input, block, checked_tokens, device_guard, flag_view, 
 from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
+from .prefill import prefill as fast_prefill
 from .launch import Key, check_config, config_for, key_of
 from .verify import _verify
 
@@ -249,8 +249,9 @@ class KVPool:
     # ------------------------------------------------------------------ operations
     def admit(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None, tail=None,
               initial_state=None, chunk_size: int = 64) -> torch.Tensor:
-        """As ``kvbuffer_ref.pool.KVPool.admit`` (the prompt through ``kvbuffer_ref.prefill`` on the pool's
-        device, in the tokens' dtype; not capturable in a CUDA graph: prompts vary in length)."""
+        """As ``kvbuffer_ref.pool.KVPool.admit``: the prompts through ``kvbuffer_fast.prefill`` (the chunk
+        kernels; the tail written into the buffer rows in the u-cache form), then scattered into the slots
+        (not capturable in a CUDA graph: prompts vary in length)."""
         layer = self._layer(layer)
         s, bs, _ = self._rows("slots", slots)
         rows = (s >= 0).nonzero().flatten()
@@ -263,8 +264,8 @@ class KVPool:
             raise ValueError(f"slots: entry [{i}] is slot {int(s[i])}, which already holds entries or a state in "
                              f"layer {layer}; admit takes freshly acquired slots")
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        o_rows, buf = ref_prefill(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], capacity=self.capacity,
-                                  tail=tail, scale=scale, initial_state=pick(initial_state), chunk_size=chunk_size)
+        o_rows, buf = fast_prefill(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], capacity=self.capacity,
+                                   tail=tail, scale=scale, initial_state=pick(initial_state), chunk_size=chunk_size)
         buf = buf.replace(state=buf.state.float(), u=buf.u.to(t["u"].dtype), G=buf.G.to(t["G"].dtype),
                           k=buf.k.to(t["k"].dtype))
         cur, write, need = self._claims(layer, sv, buf.has_state, True)
