@@ -126,7 +126,7 @@ def _heads(name: str, x: torch.Tensor, head_axis: int, expected: int, what: str)
                          f"(shape {list(x.shape)})")
     axis = head_axis % x.dim()
     if x.shape[axis] != expected:
-        raise ValueError(f"{name}: expected the model's {expected} {what} on axis {axis}, got shape {list(x.shape)}")
+        raise ValueError(f"{name}: expected {expected} {what} on axis {axis}, got shape {list(x.shape)}")
     return axis
 
 
@@ -145,7 +145,8 @@ def shard_tokens(shard: HeadShard, *, head_axis: int = 2, **tensors) -> dict:
             continue
         key = known[name] == "key"
         n, (a, b) = (shard.num_heads, shard.key_heads) if key else (shard.num_value_heads, shard.value_heads)
-        axis = _heads(name, x, 1 if name == "initial_state" else head_axis, n, "q/k heads" if key else "value heads")
+        axis = _heads(name, x, 1 if name == "initial_state" else head_axis, n,
+                      "q/k heads (the model's)" if key else "value heads (the model's)")
         out[name] = x.narrow(axis, a, b - a).contiguous()
     return out
 
@@ -164,7 +165,7 @@ def gather_heads(parts: Sequence[torch.Tensor], shards: Sequence[HeadShard], *, 
                          f"{[s.rank for s in shards]}")
     order = sorted(range(len(shards)), key=lambda i: shards[i].value_heads[0])
     for i in order:
-        _heads(f"parts[{i}]", parts[i], head_axis, shards[i].local_value_heads, "local value heads")
+        _heads(f"parts[{i}]", parts[i], head_axis, shards[i].local_value_heads, "value heads (the shard's)")
     return torch.cat([parts[i] for i in order], dim=head_axis)
 
 
@@ -179,7 +180,7 @@ def all_gather_heads(local: torch.Tensor, shard: HeadShard, *, group=None, head_
     if size != shard.world_size or me != shard.rank:
         raise ValueError(f"shard: rank {shard.rank} of {shard.world_size}, but this process is rank {me} of the "
                          f"{size} ranks of the process group")
-    _heads("local", local, head_axis, shard.local_value_heads, "local value heads")
+    _heads("local", local, head_axis, shard.local_value_heads, "value heads (the shard's)")
     local = local.contiguous()
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local, group=group)
