@@ -100,3 +100,29 @@ def test_tp_shards_of_the_fast_pool(workers, data):
     pool within the error table (one short schedule: every kernel launch is interpreted)."""
     pool = _run(workers, data, "fast", torch.float32, steps=4, shapes=dict(SHAPES, layers=1, N=4))
     assert all(n > 0 for n in pool.compared.values()), pool.compared
+
+
+def _script():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "tp_nccl.py")
+    spec = importlib.util.spec_from_file_location("tp_nccl", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_nccl_script_cpu_pieces(capsys):
+    """scripts/tp_nccl.py without GPUs: the NCCL run is skipped (exit 0, one JSON object), and the shards
+    simulated side by side on the CPU (the reference pool, float64) equal the single pool bit for bit."""
+    import json
+    mod = _script()
+    if not torch.cuda.is_available():
+        assert mod.main([]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert "skipped" in out and out["torch"] == torch.__version__
+    assert mod.main(["--cpu", "--simulate", "--steps", "2", "--warmup", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["correctness"]["passed"] and out["correctness"]["all_bit_identical"], out["correctness"]
+    assert out["correctness"]["compared"] > 0 and len(out["decode_ms_per_layer"]["per_rank"]) == 2
+    assert mod.main(["--cpu", "--tp", "3"]) == 1
+    assert "world_size: 3 ranks" in json.loads(capsys.readouterr().out)["error"]
