@@ -100,7 +100,8 @@ def tp_shard(num_heads: int, num_value_heads: int, world_size: int, rank: int, *
                              f"num_k_heads % tp == 0), or pass replicate_key_heads=True to replicate each q/k head "
                              f"on world_size / num_heads ranks")
         if tp % H or HV % tp:
-            raise ValueError(f"world_size: {tp} ranks for {H} q/k heads of {group} value heads each replicate q/k heads "
+            raise ValueError(f"world_size: {tp} ranks for {H} q/k heads of {group} value heads each replicate q/k "
+                             f"heads "
                              f"only when world_size is a multiple of num_heads={H} and divides num_value_heads={HV} "
                              f"(each rank then holds num_value_heads / world_size value heads of one group); got {tp}")
         replicas = tp // H

@@ -303,7 +303,8 @@ def rank_main(rank: int, a, init: str, result_path: str, local_rank=None) -> Non
         names = [None] * a.tp
         dist.all_gather_object(names, device_name(dev))
         if rank == 0:
-            res = dict(mode="cpu-gloo" if a.cpu else "nccl", backend=backend, impl=a.impl, devices=names, device=names[0],
+            res = dict(mode="cpu-gloo" if a.cpu else "nccl", backend=backend, impl=a.impl, devices=names,
+                       device=names[0],
                        **versions(), shapes=shapes_of(a),
                        shards=[dict(rank=r, **{k: list(v) for k, v in (("value_heads", s.value_heads),
                                                                        ("key_heads", s.key_heads))})
@@ -391,7 +392,8 @@ def main(argv=None) -> int:
         result_path = os.path.join(tmp, "result.json")
         if torchrun:                          # every rank runs main(); rank 0 prints
             rank = int(os.environ["RANK"])
-            result_path = os.path.join(tempfile.gettempdir(), f"kvbuffer-tp-nccl-{os.environ.get('MASTER_PORT', 0)}.json")
+            port = os.environ.get("MASTER_PORT", 0)
+            result_path = os.path.join(tempfile.gettempdir(), f"kvbuffer-tp-nccl-{port}.json")
             rank_main(rank, a, "env://", result_path, local_rank=int(os.environ["LOCAL_RANK"]))
             if rank != 0:
                 return 0

@@ -210,7 +210,8 @@ class TPPool:
                 assert got.shape == out.shape, f"{what}: gathered shape {list(got.shape)}, unsharded {list(out.shape)}"
                 a, b = got[rows], out[rows]
                 if self.dtype == torch.float64:
-                    assert _same(a, b), f"{what}: not bit-identical to the unsharded pool at {_first_bad_head(a, b, axis)}"
+                    assert _same(a, b), \
+                        f"{what}: not bit-identical to the unsharded pool at {_first_bad_head(a, b, axis)}"
                 else:
                     c = compare(a, truth[rows], b, name=what, dtype=self.dtype, head_axis=axis)
                     assert c.passed, str(c)
