@@ -13,6 +13,7 @@ from .pool import KVPool, head_layout
 from .prefill import default_tail, prefill
 from .recurrent import recurrent_gated_delta_rule
 from .speculative import accept, path_to, verify
+from .tp import HeadShard, all_gather_heads, check_pool_shard, gather_heads, shard_tokens, tp_shard, tp_shards
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,13 @@ __all__ = [
     "Drafts",
     "KVPool",
     "head_layout",
+    "HeadShard",
+    "tp_shard",
+    "tp_shards",
+    "shard_tokens",
+    "gather_heads",
+    "all_gather_heads",
+    "check_pool_shard",
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule",
     "direct_gated_delta_rule",
