@@ -51,7 +51,7 @@ import torch
 
 from kvbuffer_ref.checks import RESET_GATE
 
-__all__ = ["Tolerance", "TOLERANCES", "tolerance_for", "compute_dtype", "Comparison", "gate_span", "gate_spans",
+__all__ = ["Tolerance", "TOLERANCES", "ContractTerm", "CONTRACT_TERMS", "active_contract", "current_contract", "tolerance_for", "compute_dtype", "Comparison", "gate_span", "gate_spans",
            "rel_rms_slices", "compare", "assert_matches"]
 
 
@@ -78,6 +78,60 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0),
     torch.bfloat16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0),
 }
+
+
+@dataclass(frozen=True)
+class ContractTerm:
+    """The budget term of a declared arithmetic contract (kvbuffer_ref.validate.contracts): per slice,
+    ``coef x unit x growth(T) x max(1, scale / ||ref[s]||)``, added to the dtype's budget.  ``unit`` is the
+    unit roundoff of the contract's rounding (TF32: 2^-11, bfloat16: 2^-8), ``growth`` how the error
+    grows with the T tokens behind the compared values ("none", or "sqrt": sqrt(T), a rounding of the
+    state at every token), ``coef`` the calibrated coefficient (docs/testing.md, "Calibration")."""
+
+    unit: float
+    coef: float
+    growth: str = "none"
+
+
+#: The contract terms, keyed by contract (``contracts.CONTRACTS``).  ``ieee`` adds nothing: the table
+#: above is its budget.  Calibrated on the reference's recurrent and chunked forms run under each
+#: emulated contract (``python3 -m kvbuffer_ref.validate.contracts``): the largest coefficient a slice
+#: needed, times a margin of three or more (docs/testing.md, "Calibration").
+CONTRACT_TERMS: dict[str, ContractTerm] = {
+    "ieee": ContractTerm(unit=0.0, coef=0.0),
+    "tf32": ContractTerm(unit=2.0 ** -11, coef=8.0),
+    "bf16": ContractTerm(unit=2.0 ** -8, coef=8.0),
+    "bf16-state": ContractTerm(unit=2.0 ** -8, coef=8.0, growth="sqrt"),
+}
+
+_ACTIVE = ["ieee"]
+
+
+def current_contract() -> str:
+    """The contract ``compare`` judges by when none is passed (``active_contract``; default "ieee")."""
+    return _ACTIVE[-1]
+
+
+class active_contract:
+    """``with active_contract("tf32"):`` every ``compare`` inside judges by that contract (the runner
+    sets the lane's declared contract this way)."""
+
+    def __init__(self, contract: str):
+        if contract not in CONTRACT_TERMS:
+            raise ValueError(f"contract: expected one of {', '.join(CONTRACT_TERMS)}, got {contract!r}")
+        self.contract = contract
+
+    def __enter__(self):
+        _ACTIVE.append(self.contract)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+        return False
+
+
+def _contract_growth(contract: str, T: int) -> float:
+    return math.sqrt(max(1, T)) if CONTRACT_TERMS[contract].growth == "sqrt" else 1.0
 
 
 def tolerance_for(dtype: torch.dtype) -> Tolerance:
@@ -186,6 +240,17 @@ class Comparison:
     gate_span: Optional[float] = None
     range_term: float = 0.0
     gate_scale: float = 1.0
+    contract: str = "ieee"  # the contract judged by (budget includes its term)
+    contract_term: float = 0.0  # that term at the deciding slice
+    ratios: Optional[dict] = None  # {contract: the largest error / budget over the slices under it}
+
+    def passes_as(self, contract: str) -> bool:
+        """Would this comparison pass under ``contract``?"""
+        if self.nonfinite:
+            return False
+        if self.ratios is None or contract not in self.ratios:
+            return self.passed if contract == self.contract else False
+        return self.ratios[contract] <= 1.0
 
     @property
     def passed(self) -> bool:
@@ -200,6 +265,11 @@ class Comparison:
             terms += f" + {tol.gate_floor:g} x gate span {self.gate_span:.3g} x eps {eps_c:.2e}"
             if self.gate_scale > 1.0:
                 terms += f" x {self.gate_scale:.3g} (the comparison's RMS slice norm / this slice's)"
+        if self.contract_term:
+            ct = CONTRACT_TERMS[self.contract]
+            terms += (f" + {self.contract} {ct.coef:g} x u {ct.unit:.2e}"
+                      + (" x sqrt(T)" if ct.growth == "sqrt" else "")
+                      + (f" x {self.gate_scale:.3g}" if self.gate_scale > 1.0 else "") + f" = {self.contract_term:.3e}")
         if self.range_term > 1e-3 * self.budget:
             terms += f" + tiny / rms(ref) {self.range_term:.3e}"
         return terms
@@ -217,8 +287,14 @@ class Comparison:
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[torch.Tensor] = None, *,
             name: str = "output", dtype: Optional[torch.dtype] = None, head_axis: int = 2,
-            valid: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None) -> Comparison:
+            valid: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None,
+            contract: Optional[str] = None, tokens: Optional[int] = None) -> Comparison:
     """Compare ``actual`` with the float64 truth ``expected`` under the calibrated budget.
+
+    contract: the arithmetic contract judged by (default ``current_contract()``: the lane's declared
+    one): its term (``CONTRACT_TERMS``) is added to every slice's budget; the verdict under every
+    other contract is kept too (``Comparison.ratios``, ``passes_as``).  tokens: the T tokens behind
+    the compared values, for a contract whose error grows with T (default: ``g.shape[1]``, else 1).
 
     baseline: the plain recurrent reference's output in the implementation's compute dtype (None
     when the comparison is float64 against float64: only the floors count).  dtype: whose row of
@@ -250,6 +326,14 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     ranges, amp = _range_terms(expected, head_axis, valid, dtype)
     span_term = 0.0 if spans is None else tol.gate_floor * spans * torch.finfo(compute).eps * amp
     budgets = tol.kappa * base + tol.floor * torch.finfo(dtype).eps + span_term + ranges
+    contract = current_contract() if contract is None else contract
+    if contract not in CONTRACT_TERMS:
+        raise ValueError(f"contract: expected one of {', '.join(CONTRACT_TERMS)}, got {contract!r}")
+    if tokens is None:
+        tokens = int(g.shape[1]) if g is not None and g.dim() >= 2 else 1
+    extra = {c: t.coef * t.unit * _contract_growth(c, tokens) * amp for c, t in CONTRACT_TERMS.items()}
+    all_budgets = {c: budgets + e for c, e in extra.items()}
+    budgets = all_budgets[contract]
     a = actual.detach().to(torch.float64)
     finite = torch.isfinite(a)
     v = torch.ones_like(finite) if valid is None else valid.expand(a.shape)
@@ -259,15 +343,19 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     if rel.numel() == 0:  # nothing to compare (B = 0 or no heads)
         return Comparison(name=name, dtype=dtype, worst_rel=0.0, worst_slice=(0, 0), max_abs=max_abs,
                           baseline_rel=0.0, budget=tol.floor * torch.finfo(dtype).eps, nonfinite=nonfinite,
-                          gate_span=None if spans is None else 0.0)
+                          gate_span=None if spans is None else 0.0, contract=contract,
+                          ratios={c: 0.0 for c in CONTRACT_TERMS})
     # the slice that comes closest to (or goes furthest past) its own budget decides
     idx = int((rel / budgets).nan_to_num(nan=float("inf")).argmax())
     H = rel.shape[1]
     at = lambda t: float(t.reshape(-1)[idx])  # noqa: E731
+    ratios = {c: float((rel / b).nan_to_num(nan=float("inf")).max()) if not nonfinite else float("inf")
+              for c, b in all_budgets.items()}
     return Comparison(
         name=name, dtype=dtype, worst_rel=at(rel), worst_slice=(idx // H, idx % H), max_abs=max_abs,
         baseline_rel=at(base), budget=at(budgets), nonfinite=nonfinite,
         gate_span=None if spans is None else at(spans), range_term=at(ranges), gate_scale=at(amp),
+        contract=contract, contract_term=at(extra[contract]) if contract != "ieee" else 0.0, ratios=ratios,
     )
 
 
