@@ -28,7 +28,9 @@ from .cases import GPU
 from .lanes import ANCHORS, INTERPRETED_EXAMPLES, Lane, ValidationError, dtype_name, edge_params, op_params, plan
 from .lanes import _with_layout as with_layout
 from .profiles import PROFILES, register_profiles
+from .contracts import CONTRACTS, CONTRACT_TEXT
 from .report import LaneResult, Report, severity
+from .tolerances import active_contract
 
 __all__ = ["lane_seed", "run_lane", "run_validation", "NothingToRun", "CLASSES", "call_sequence", "attribute",
            "lane_sizes", "Progress"]
@@ -178,7 +180,43 @@ class Progress:
 
 
 def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: Optional[int], shrink: bool,
-             replay: Optional[str], progress=None, edge_part: tuple = (0, 1)) -> LaneResult:
+             replay: Optional[str], progress=None, edge_part: tuple = (0, 1), explain: bool = True) -> LaneResult:
+    """One lane under the implementation's declared arithmetic contract (``_run_lane``).  A lane that fails
+    its comparisons is run once more under the tightest looser contract its failing comparisons pass
+    (``explain``): the report then says both verdicts ("FAIL as fp32; PASS as tf32: error consistent with
+    TF32 products"); the lane's status stays the declared contract's."""
+    with active_contract(lane.impl.contract):
+        res = _run_lane(lane, device=device, profile=profile, seed=seed, max_examples=max_examples, shrink=shrink,
+                        replay=replay, progress=progress, edge_part=edge_part)
+    res.contract = lane.impl.contract
+    failing = res.failure.get("_comparisons") if res.failure else None
+    if res.failure:
+        res.failure.pop("_comparisons", None)
+    if not explain or res.status != "FAIL" or not failing:
+        return res
+    later = CONTRACTS[CONTRACTS.index(lane.impl.contract) + 1:]
+    bad = [c for c in failing if not c.passed]
+    fit = next((c for c in later if bad and all(x.passes_as(c) for x in bad)), None)
+    if fit is None:
+        res.also = dict(contract=None, text=f"FAIL as {CONTRACT_TEXT[res.contract][0]}; the failing comparison "
+                        f"fails under every looser contract too ({', '.join(later)}): not a precision effect")
+        return res
+    from dataclasses import replace as _replace
+    again = run_lane(Lane(lane.op, _replace(lane.impl, contract=fit), lane.dtype), device=device, profile=profile,
+                     seed=seed, max_examples=max_examples, shrink=shrink, replay=replay, progress=progress,
+                     edge_part=edge_part, explain=False)
+    name, what = CONTRACT_TEXT[fit]
+    verdict = "PASS" if again.status == "PASS" else f"{again.status} [{again.klass}]"
+    text = f"FAIL as {CONTRACT_TEXT[res.contract][0]}; {verdict} as {name}"
+    if again.status == "PASS":
+        text += f": error consistent with {what}"
+    res.also = dict(contract=fit, status=again.status, klass=again.klass, worst_rel=again.worst_rel,
+                    budget=again.budget, cases=again.cases, text=text)
+    return res
+
+
+def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: Optional[int], shrink: bool,
+              replay: Optional[str], progress=None, edge_part: tuple = (0, 1)) -> LaneResult:
     """One lane as a hypothesis run: its anchors (each a sequence of calls, ``call_sequence``), its
     boundary cases (``edge_params``; part ``edge_part = (i, n)`` of them: interpreted implementations share
     them between the dtypes of an operation), then fresh examples.  progress: a stream for ``Progress``."""
@@ -190,6 +228,8 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     sizes = lane_sizes(impl, profile)
     case_kw = {} if impl.supports_channel_gate(op.needs) else {"channel_gate": False}
     case_kw["beta_max"] = impl.beta_max
+    if impl.unit_qk:
+        case_kw["norms"] = ("unit",)
     base = settings.get_profile(profile)
     n = max_examples or (INTERPRETED_EXAMPLES.get(profile, base.max_examples) if impl.interpreted
                          else base.max_examples)
@@ -198,7 +238,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
                    report_multiple_bugs=False, phases=phases, suppress_health_check=list(HealthCheck),
                    verbosity=Verbosity.quiet)
     lseed = lane_seed(seed, impl.name, op.name, dtype_name(dt))
-    state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None)
+    state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None, ratios={})
     channel_ok = case_kw.get("channel_gate") is not False
     anchors = []
     for a in ANCHORS.get(op.key, []):
@@ -210,11 +250,12 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     if anchors:  # every lane: the first anchor with every read-only input a strided view, and in the wide domain
         a0 = anchors[0]
         anchors.append(dict(a0, layout="strided"))
-        anchors.append(dict(a0, case=replace(a0["case"], gate="reset", norm="any",
+        anchors.append(dict(a0, case=replace(a0["case"], gate="reset", norm="unit" if impl.unit_qk else "any",
                                              beta="uniform" if impl.beta_max > 1 else a0["case"].beta)))
     i_part, n_part = edge_part
     edges = edge_params(op.key, sizes, seed=lseed, channel=channel_ok)[i_part::n_part]
-    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max)) for e in edges]
+    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max,
+                                  **({"norm": "unit"} if impl.unit_qk else {}))) for e in edges]
     prog = Progress(f"{op.name} / {impl.name} / {dtype_name(dt)}", len(anchors) + len(edges) + n, stream=progress)
 
     def fail(params, what, i, klass=None, error=None, comps=(), worst=None, exc=None):
@@ -262,6 +303,8 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
             for c in comps:
                 if state["worst"] is None or severity(c) > severity(state["worst"]):
                     state["worst"] = c
+                for k, r in (c.ratios or {}).items():
+                    state["ratios"][k] = max(state["ratios"].get(k, 0.0), r)
         state["checks"] += informative
         state["vacuous"] += informative == 0
         prog.tick(state["cases"])
@@ -324,6 +367,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
                 edge=f["params"].get("edge"),
                 layout=bool(f["params"].get("layout")),
                 notes=notes,
+                _comparisons=list(f["comparisons"]),
             )
     res.cases = state["cases"]
     res.calls, res.checks, res.vacuous, res.sizes = state["calls"], state["checks"], state["vacuous"], sizes.name
@@ -334,6 +378,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     if res.status == "PASS" and state["worst"] is not None:
         w = state["worst"]
         res.worst_rel, res.budget, res.worst_comparison = w.worst_rel, w.budget, w.name
+    res.ratios = dict(state["ratios"]) if res.status == "PASS" else None
     res.seconds = time.perf_counter() - t0
     return res
 
