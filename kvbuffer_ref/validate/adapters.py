@@ -357,12 +357,18 @@ def fla() -> Implementation:
     return describe(FlaAdapter())
 
 
+def replayssm() -> Implementation:
+    """ReplaySSM's decode kernel, loaded from the checkout in $KVBUFFER_PEER_PATH (``peers.replayssm``)."""
+    from .peers import replayssm as load
+    return load()
+
+
 _BUILTIN = {"reference": reference, "ref": reference, "kvbuffer_ref": reference,
-            "fast": fast, "kvbuffer_fast": fast, "fla": fla}
+            "fast": fast, "kvbuffer_fast": fast, "fla": fla, "replayssm": replayssm}
 
 
 def builtin_names() -> list[str]:
-    return ["reference", "fast", "fla"]
+    return ["reference", "fast", "fla", "replayssm"]
 
 
 def resolve(spec: str) -> Implementation:
