@@ -497,9 +497,10 @@ def _worker() -> int:
         try:
             sys.path.insert(0, t["dest"])
             impl = importlib.import_module(t["module"]).impl()
+            impl.contract = t.get("contract", "ieee")
             rep = runner.run_validation([impl], ops=lanes.select_ops(t["ops"]), dtypes=[lanes.DTYPES[t["dtype"]]],
                                         profile="ci", device="cpu", seed=t["seed"], shrink=False, fail_fast=True,
-                                        progress=None)
+                                        progress=None, explain=False)
             bad = [r for r in rep.lanes if r.failed]
             out.update(passed=not bad, klass=bad[0].klass if bad else None, lane=bad[0].operation if bad else None,
                        why=(bad[0].why or "") if bad else "", ran=rep.ran)
@@ -584,11 +585,20 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print every validation's output")
     ap.add_argument("--rev", metavar="REV", help="mutate the packages as of this git revision (default: the "
                                                  "working tree)")
+    ap.add_argument("--contracts", default="ieee,tf32,bf16,bf16-state",
+                    help="the arithmetic contracts each mutant is validated under (comma list; default all four): "
+                         "a mutant must be killed under every one")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker()
 
+    contracts = [c.strip() for c in args.contracts.split(",") if c.strip()]
+    from kvbuffer_ref.validate.contracts import CONTRACTS
+    bad = [c for c in contracts if c not in CONTRACTS]
+    if bad or not contracts:
+        print(f"--contracts: expected a comma list of {', '.join(CONTRACTS)}, got {args.contracts!r}", file=sys.stderr)
+        return 2
     chosen = [m for m in MUTANTS if (not args.quick or m.quick) and (not args.only or m.id in args.only)]
     if args.only and len(chosen) != len(set(args.only)):
         known = {m.id for m in MUTANTS}
@@ -633,10 +643,13 @@ def main(argv=None) -> int:
                     baselines[tid] = op
                     tasks.append(dict(id=tid, dest=str(work / name), module=f"{name}_adapter", ops=op,
                                       dtype=mine[0].dtype, seed=args.seed))
-        for m in chosen:
-            tasks.append(dict(id=m.id, dest=str(work / m.id), module=f"{copy_name(m)}_adapter", ops=m.ops,
-                              dtype=m.dtype, seed=args.seed))
+        for c in contracts:
+            for m in chosen:
+                tasks.append(dict(id=m.id if c == "ieee" else f"{m.id}@{c}", dest=str(work / m.id),
+                                  module=f"{copy_name(m)}_adapter", ops=m.ops, dtype=m.dtype, seed=args.seed,
+                                  contract=c))
         by_id = {m.id: m for m in chosen}
+        by_id.update({f"{m.id}@{c}": m for m in chosen for c in contracts})
         results, bad_base = [], []
 
         def on_result(r):
@@ -649,10 +662,13 @@ def main(argv=None) -> int:
                 return
             m = by_id[r["id"]]
             verdict = {True: "SURVIVED", False: "killed"}.get(r["passed"], "ERROR")
+            contract = r["id"].split("@")[1] if "@" in r["id"] else "ieee"
+            r["contract"] = contract
             results.append((m, verdict, r))
             where = m.package if m.package == PT else f"{m.package}/{m.file}"
             by = f"[{r['klass']}]" if r["passed"] is False else "-"
-            print(f"{m.id}  {verdict:<8} {r['seconds']:5.1f}s  by {by:<17} {where}: {m.what}", flush=True)
+            tag = m.id if contract == "ieee" else f"{m.id}@{contract}"
+            print(f"{tag}  {verdict:<8} {r['seconds']:5.1f}s  by {by:<17} {where}: {m.what}", flush=True)
             if args.verbose or r["passed"] is None:
                 print(f"    {r.get('lane') or ''} {r.get('why') or ''}")
 
@@ -663,7 +679,10 @@ def main(argv=None) -> int:
             print("the unmutated copy does not pass: fix that first, the mutation score would mean nothing",
                   file=sys.stderr)
             return 2
-        results.sort(key=lambda x: MUTANTS.index(x[0]))
+        results.sort(key=lambda x: (contracts.index(x[2]["contract"]), MUTANTS.index(x[0])))
+        everything = results
+        results = [x for x in everything if x[2]["contract"] == "ieee"] if "ieee" in contracts else \
+            [x for x in everything if x[2]["contract"] == contracts[0]]
         killed = sum(v == "killed" for _, v, _ in results)
         total = time.perf_counter() - t_all
         times = [r["seconds"] for _, _, r in results]
@@ -677,9 +696,13 @@ def main(argv=None) -> int:
         print(f"mutation score: {killed}/{len(results)} killed ({100.0 * killed / max(1, len(results)):.0f}%); "
               f"{total:.0f}s in all, {sum(times) / max(1, len(times)):.1f}s per mutant on average "
               f"(max {max(times, default=0):.1f}s), {args.jobs} worker processes, seed {args.seed}")
-        survivors = [m for m, v, _ in results if v != "killed"]
+        print("mutation score per arithmetic contract (each mutant validated as if its code declared it):")
+        for c in contracts:
+            mine = [x for x in everything if x[2]["contract"] == c]
+            print(f"  {c:<11} {sum(v == 'killed' for _, v, _ in mine)}/{len(mine)} killed")
+        survivors = [(m, r["contract"]) for m, v, r in everything if v != "killed"]
         if survivors:
-            print("not killed: " + ", ".join(f"{m.id} ({m.what})" for m in survivors))
+            print("not killed: " + ", ".join(f"{m.id}@{c} ({m.what})" for m, c in survivors))
             return 1
         return 0
     finally:

@@ -36,6 +36,12 @@ every other one as "not provided", with the reason.  Optional attributes describ
     in_place       dict        {attribute: argument names it updates IN PLACE by contract}; every other
                                tensor argument (and field of a buffer or drafts argument) must be left
                                bit for bit as it was (default: ``{"recurrent_decode": ("state",)}``)
+    contract       str         the arithmetic it keeps (kvbuffer_ref.validate.contracts): "ieee" (IEEE float32,
+                               the default), "tf32" (TF32 products), "bf16" (bfloat16 products, float32
+                               accumulation), "bf16-state" (a bfloat16 recurrent state); the budget gains
+                               the contract's calibrated term, and the verdict follows it
+    convention     dict        an engine kernel's calling convention (kvbuffer_ref.validate.engine): the
+                               validator converts to it; see ``engine.engine_adapter``
     beta_max       float       the top of its beta domain (default 1.0; 2.0 for kernels that allow
                                negative eigenvalues): beta is drawn in [0, beta_max]
     not_provided   dict        {attribute: reason} for operations it deliberately leaves out
@@ -106,6 +112,8 @@ class Implementation:
     in_place: dict = field(default_factory=lambda: dict(DEFAULT_IN_PLACE))
     beta_max: float = 1.0
     unavailable: str = ""  # why it cannot run here at all (e.g. triton missing): every lane is NOT RUN
+    contract: str = "ieee"  # the arithmetic contract it declares (contracts.CONTRACTS)
+    unit_qk: bool = False  # q and k must have unit norm (a kernel that L2-normalises them itself)
 
     def has(self, attr: str) -> bool:
         return callable(getattr(self.obj, attr, None))
@@ -171,12 +179,18 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
     beta_max = float(getattr(obj, "beta_max", 1.0))
     if not beta_max > 0:
         raise AdapterError(f"adapter {label}: beta_max must be positive, got {beta_max}")
+    from .contracts import check_contract
+    try:
+        contract = check_contract(getattr(obj, "contract", "ieee"), f"adapter {label}: contract")
+    except ValueError as e:
+        raise AdapterError(str(e)) from None
     return Implementation(name=label, obj=obj, dtypes=dtypes, forms=forms, channel_gate=cg,
                           interpreted=interpreted,
                           not_provided=dict(getattr(obj, "not_provided", {}) or {}),
                           is_truth=bool(getattr(obj, "is_truth", False)),
                           sizes=_sizes(getattr(obj, "sizes", "small" if interpreted else "normal"), label),
-                          in_place=in_place, beta_max=beta_max)
+                          in_place=in_place, beta_max=beta_max, contract=contract,
+                          unit_qk=bool(getattr(obj, "unit_qk", False)))
 
 
 # ----------------------------------------------------------------------------- ready adapters
@@ -343,12 +357,18 @@ def fla() -> Implementation:
     return describe(FlaAdapter())
 
 
+def replayssm() -> Implementation:
+    """ReplaySSM's decode kernel, loaded from the checkout in $KVBUFFER_PEER_PATH (``peers.replayssm``)."""
+    from .peers import replayssm as load
+    return load()
+
+
 _BUILTIN = {"reference": reference, "ref": reference, "kvbuffer_ref": reference,
-            "fast": fast, "kvbuffer_fast": fast, "fla": fla}
+            "fast": fast, "kvbuffer_fast": fast, "fla": fla, "replayssm": replayssm}
 
 
 def builtin_names() -> list[str]:
-    return ["reference", "fast", "fla"]
+    return ["reference", "fast", "fla", "replayssm"]
 
 
 def resolve(spec: str) -> Implementation:

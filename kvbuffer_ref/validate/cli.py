@@ -84,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--ops", metavar="OPS",
                    help="comma list of operations (default all): recurrent, recurrent_decode, chunk, direct, decode, "
                         "flush, materialize, verify_chain, verify_tree, prefill; a form may be named: decode[u]")
+    v.add_argument("--contract", metavar="CONTRACT",
+                   help="judge every --impl by this arithmetic contract instead of the one its adapter declares: "
+                        "ieee (IEEE float32, the default), tf32 (TF32 products), bf16 (bfloat16 products, float32 "
+                        "accumulation), bf16-state (a bfloat16 recurrent state); the exit status follows it")
+    v.add_argument("--peer-path", metavar="CHECKOUT",
+                   help="the checkout a peer adapter loads its kernels from (--impl replayssm); also "
+                        "$KVBUFFER_PEER_PATH")
     v.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     v.add_argument("--seed", type=int, help="seed of the random cases (default: a fresh one each run, printed)")
     v.add_argument("--max-examples", type=int, metavar="N", help="examples per lane (overrides the profile)")
@@ -160,6 +167,8 @@ def _validate(args) -> int:
         ops = lanes.select_ops(args.ops)
         dtypes = lanes.parse_dtypes(args.dtype)
         impls, specs = [], {}
+        if args.peer_path:
+            os.environ["KVBUFFER_PEER_PATH"] = args.peer_path
         if args.impl:
             for spec in args.impl:
                 impl = adapters.resolve(spec)
@@ -170,6 +179,14 @@ def _validate(args) -> int:
             specs.update({impls[0].name: "reference", impls[1].name: "fast"})
     except (adapters.AdapterError, lanes.ValidationError) as e:
         return _bad(str(e))
+    if args.contract is not None:
+        from .contracts import check_contract
+        try:
+            contract = check_contract(args.contract, "--contract")
+        except ValueError as e:
+            return _bad(str(e))
+        for impl in impls:
+            impl.contract = contract
 
     profile = args.profile or os.environ.get("HYPOTHESIS_PROFILE", "ci")
     if profile not in PROFILES:
@@ -179,7 +196,8 @@ def _validate(args) -> int:
         if not args.quiet or r.failed:
             print(rep.table_row(r), flush=True)
 
-    names = ", ".join(f"{i.name}{' (Triton interpreter)' if i.interpreted else ''}" for i in impls)
+    names = ", ".join(f"{i.name}{' (Triton interpreter)' if i.interpreted else ''}"
+                      f"{'' if i.contract == 'ieee' else f' [contract {i.contract}]'}" for i in impls)
     seed = args.seed
     if seed is None:
         import random
@@ -201,6 +219,10 @@ def _validate(args) -> int:
     failures = [r for r in report.lanes if r.failed]
     for r in failures:
         cmd = rep.replay_command(r, specs.get(r.implementation), report.seed, profile, device)
+        if args.contract is not None:
+            cmd += f" --contract {args.contract}"
+        if args.peer_path:
+            cmd += f" --peer-path {args.peer_path}"
         print()
         print(rep.format_failure(r, cmd))
     print()

@@ -85,8 +85,10 @@ SCALES = (0.37, None, 1.6)
 
 
 def _case_kw(s: Sizes, kw: dict) -> dict:
-    return dict(max_H=s.max_H, max_group=s.max_group, dims=s.dims, gates=GATES, betas=BETAS, norms=NORMS,
-                v_scales=V_SCALES, scales=SCALES, **kw)
+    out = dict(max_H=s.max_H, max_group=s.max_group, dims=s.dims, gates=GATES, betas=BETAS, norms=NORMS,
+               v_scales=V_SCALES, scales=SCALES)
+    out.update(kw)  # the implementation's restrictions (e.g. unit-norm q and k) win
+    return out
 
 
 def _with_layout(strategy):

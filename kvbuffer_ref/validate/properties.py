@@ -25,7 +25,8 @@ from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, upcast_inputs
-from .tolerances import Comparison, compare
+from .contracts import baseline_recurrent
+from .tolerances import Comparison, compare, current_contract
 
 __all__ = [
     "buffer_to",
@@ -158,11 +159,13 @@ def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = No
     x64 = upcast_inputs(x_dtype, device=None)
     s64 = None if initial_state is None else initial_state.detach().to(torch.float64)
     truth = ref.recurrent_gated_delta_rule(**x64, initial_state=s64, output_final_state=True, scale=scale)
-    if not compute_baseline or x_dtype["q"].dtype == torch.float64:
+    contract = current_contract()
+    if not compute_baseline or (x_dtype["q"].dtype == torch.float64 and contract == "ieee"):
         return truth, None
+    # the baseline: the plain recurrence in the compute dtype, under the lane's arithmetic contract
     xc = {n: t.detach() for n, t in x_dtype.items()}
-    sc = None if initial_state is None else initial_state.detach().float()
-    base = ref.recurrent_gated_delta_rule(**xc, initial_state=sc, output_final_state=True, scale=scale)
+    sc = None if initial_state is None else initial_state.detach().to(torch.promote_types(xc["q"].dtype, torch.float32))
+    base = baseline_recurrent(**xc, initial_state=sc, output_final_state=True, scale=scale)
     return truth, (base[0].to(x_dtype["v"].dtype), base[1])
 
 
@@ -262,14 +265,15 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     return res
 
 
-def _path_truth(nodes_x: dict, b: int, path: list[int], S_hist: torch.Tensor, scale=None) -> torch.Tensor:
+def _path_truth(nodes_x: dict, b: int, path: list[int], S_hist: torch.Tensor, scale=None,
+                contract: str = "ieee") -> torch.Tensor:
     """Recurrent outputs [len(path), HV, V] along one root-to-node path of request b, starting from the
     history's final state ``S_hist`` [B, HV, K, V]; computed in the dtype of ``nodes_x``."""
     idx = torch.tensor(path, dtype=torch.long)
     toks = {n: t[b : b + 1, idx.to(t.device)] for n, t in nodes_x.items()}
     state_dtype = torch.promote_types(toks["q"].dtype, torch.float32)
-    o, _ = ref.recurrent_gated_delta_rule(**toks, initial_state=S_hist[b : b + 1].to(toks["q"].device, state_dtype),
-                                          scale=scale)
+    o, _ = baseline_recurrent(**toks, initial_state=S_hist[b : b + 1].to(toks["q"].device, state_dtype), scale=scale,
+                              contract=contract)
     return o[0]
 
 
@@ -293,9 +297,8 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     nodes_x = _sl(x64, slice(P, P + D))
     _, S_hist = ref.recurrent_gated_delta_rule(**hist, output_final_state=True)
     S_hist_c = None
-    if dtype != torch.float64:
-        _, S_hist_c = ref.recurrent_gated_delta_rule(**_sl(x, slice(0, P)),
-                                                     output_final_state=True)
+    if dtype != torch.float64 or current_contract() != "ieee":
+        _, S_hist_c = baseline_recurrent(**_sl(x, slice(0, P)), output_final_state=True)
     buf = buffer_to(ragged_buffer(hist, lengths, capacity, form), dtype=xd, device=device, key_dtype=dtype)
     if poison:
         buf = poison_unused(buf)
@@ -310,8 +313,8 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
             p = path_to(par[b].cpu(), i)
             exp[b, i] = _path_truth(nodes_x, b, p, S_hist, case.scale)[-1].cpu()
             if bas is not None:
-                bas[b, i] = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale)[-1].to("cpu",
-                                                                                                    torch.float64)
+                bas[b, i] = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale,
+                                        current_contract())[-1].to("cpu", torch.float64)
     valid = (torch.arange(D)[None, :] < nd.cpu()[:, None])[:, :, None, None]
     res = [_cmp(f"verify[C={capacity},{form}].o", o, exp, bas, dtype, valid=valid, g=x["g"])]
     # accept, then decode the remaining tokens; truth per request over its own committed history

@@ -38,6 +38,14 @@ class LaneResult:
     checks: int = 0  # informative comparisons that passed (a truth of all zeros or a constant is not one)
     vacuous: int = 0  # examples with no informative comparison
     sizes: Optional[str] = None  # the size budget the lane ran under (the implementation declares it)
+    contract: str = "ieee"  # the arithmetic contract the lane was judged by (the adapter declares it)
+    also: Optional[dict] = None  # a failing lane run again under the tightest looser contract: its verdict
+    ratios: Optional[dict] = None  # a passing lane: {contract: worst error / budget under it}
+
+    def contract_note(self) -> str:
+        """Both verdicts when they differ ("FAIL as fp32; PASS as tf32: error consistent with TF32
+        products"), each from a complete run of the lane (``runner.run_lane``)."""
+        return (self.also or {}).get("text", "")
 
     @property
     def failed(self) -> bool:
@@ -145,8 +153,10 @@ def table_row(r: LaneResult) -> str:
             f"   ({r.reason})"
     f = (lambda x: "-" if x is None else (f"{x:.2e}" if x == x and x != float("inf") else str(x)))
     status = f"{r.status} [{r.klass}]" if r.failed and r.klass else r.status
-    return _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), status,
-                     f"{r.seconds:.1f}s", r.checks])
+    row = _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), status,
+                    f"{r.seconds:.1f}s", r.checks])
+    note = r.contract_note()
+    return row + (f"   ({note})" if note else "")
 
 
 def format_table(report: Report) -> str:
@@ -168,8 +178,12 @@ def format_failure(r: LaneResult, replay_cmd: str) -> str:
     f = r.failure or {}
     lines = [f"{r.status} [{r.klass or 'wrong-result'}]: {r.operation} / {r.implementation} / {r.dtype}"
              + (f" (size budget {r.sizes})" if r.sizes else "")]
+    if r.contract != "ieee":
+        lines.append(f"  judged by the declared contract {r.contract!r}")
     if r.why:
         lines.append(f"  caught by [{r.klass}]: {r.why}")
+    if r.contract_note():
+        lines.append(f"  {r.contract_note()}")
     if f.get("case") is not None:
         lines.append(f"  smallest failing case: {f['case']!r}")
         if f.get("params"):

@@ -28,7 +28,9 @@ from .cases import GPU
 from .lanes import ANCHORS, INTERPRETED_EXAMPLES, Lane, ValidationError, dtype_name, edge_params, op_params, plan
 from .lanes import _with_layout as with_layout
 from .profiles import PROFILES, register_profiles
+from .contracts import CONTRACTS, CONTRACT_TEXT
 from .report import LaneResult, Report, severity
+from .tolerances import active_contract
 
 __all__ = ["lane_seed", "run_lane", "run_validation", "NothingToRun", "CLASSES", "call_sequence", "attribute",
            "lane_sizes", "Progress"]
@@ -50,6 +52,8 @@ CLASSES = {
     "memory-layout": "fails with strided / transposed-back / sliced / storage-offset inputs and passes with "
                      "contiguous ones",
     "partial-flush": "fails with flushes of part of the buffer and passes when each flush takes all of it",
+    "pool-slots": "an engine kernel changed a state-pool slot that no request of the batch owns (a pad's, a "
+                  "neighbour's)",
     "wrong-result": "differs from the float64 truth",
     "raised": "the implementation raised",
     "vacuous": "no example had an informative comparison",
@@ -178,7 +182,58 @@ class Progress:
 
 
 def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: Optional[int], shrink: bool,
-             replay: Optional[str], progress=None, edge_part: tuple = (0, 1)) -> LaneResult:
+             replay: Optional[str], progress=None, edge_part: tuple = (0, 1), explain: bool = True) -> LaneResult:
+    """One lane under the implementation's declared arithmetic contract (``_run_lane``), and, with
+    ``explain``, the verdicts under the other contracts that tell the kernel author what the error is
+    consistent with, each a complete run of the lane: a lane that fails its comparisons is run again
+    under each looser contract in turn until one passes ("FAIL as fp32; PASS as tf32: error consistent
+    with TF32 products", or "not a precision effect" when none does); a lane that passes under a
+    declared contract other than IEEE is run again as fp32 ("FAIL as fp32; PASS as tf32").  The lane's
+    status, and the exit code, stay the declared contract's."""
+    from dataclasses import replace as _replace
+
+    def under(contract, ex):
+        with active_contract(contract):
+            r = _run_lane(Lane(lane.op, _replace(lane.impl, contract=contract), lane.dtype), device=device,
+                          profile=profile, seed=seed, max_examples=max_examples, shrink=shrink and not ex,
+                          replay=replay, progress=progress, edge_part=edge_part)
+        r.contract = contract
+        if r.failure:
+            r.failure.pop("_comparisons", None)
+        return r
+
+    declared = lane.impl.contract
+    res = under(declared, False)
+    if not explain:
+        return res
+    name = lambda c: CONTRACT_TEXT[c][0]  # noqa: E731
+    if res.status == "PASS" and declared != "ieee":
+        strict = under("ieee", True)
+        verdict = "PASS" if strict.status == "PASS" else f"{strict.status} [{strict.klass}]"
+        res.also = dict(contract="ieee", status=strict.status, klass=strict.klass, worst_rel=strict.worst_rel,
+                        budget=strict.budget, text=f"{verdict} as fp32; PASS as {name(declared)}"
+                        + ("" if strict.status == "PASS" else f": error consistent with {CONTRACT_TEXT[declared][1]}"))
+        return res
+    if res.status != "FAIL" or res.klass in ("inputs-changed", "raised", "vacuous", "state-leak", "arguments") \
+            or not (res.failure or {}).get("comparisons"):
+        return res
+    tried = []
+    for c in CONTRACTS[CONTRACTS.index(declared) + 1:]:
+        again = under(c, True)
+        tried.append(c)
+        if again.status == "PASS":
+            res.also = dict(contract=c, status="PASS", worst_rel=again.worst_rel, budget=again.budget,
+                            text=f"FAIL as {name(declared)}; PASS as {name(c)}: error consistent with "
+                                 f"{CONTRACT_TEXT[c][1]}")
+            return res
+    if tried:
+        res.also = dict(contract=None, text=f"FAIL as {name(declared)}; FAIL as {', '.join(map(name, tried))} too: "
+                                            f"not a precision effect")
+    return res
+
+
+def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: Optional[int], shrink: bool,
+              replay: Optional[str], progress=None, edge_part: tuple = (0, 1)) -> LaneResult:
     """One lane as a hypothesis run: its anchors (each a sequence of calls, ``call_sequence``), its
     boundary cases (``edge_params``; part ``edge_part = (i, n)`` of them: interpreted implementations share
     them between the dtypes of an operation), then fresh examples.  progress: a stream for ``Progress``."""
@@ -190,6 +245,8 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     sizes = lane_sizes(impl, profile)
     case_kw = {} if impl.supports_channel_gate(op.needs) else {"channel_gate": False}
     case_kw["beta_max"] = impl.beta_max
+    if impl.unit_qk:
+        case_kw["norms"] = ("unit",)
     base = settings.get_profile(profile)
     n = max_examples or (INTERPRETED_EXAMPLES.get(profile, base.max_examples) if impl.interpreted
                          else base.max_examples)
@@ -198,7 +255,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
                    report_multiple_bugs=False, phases=phases, suppress_health_check=list(HealthCheck),
                    verbosity=Verbosity.quiet)
     lseed = lane_seed(seed, impl.name, op.name, dtype_name(dt))
-    state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None)
+    state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None, ratios={})
     channel_ok = case_kw.get("channel_gate") is not False
     anchors = []
     for a in ANCHORS.get(op.key, []):
@@ -210,11 +267,12 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     if anchors:  # every lane: the first anchor with every read-only input a strided view, and in the wide domain
         a0 = anchors[0]
         anchors.append(dict(a0, layout="strided"))
-        anchors.append(dict(a0, case=replace(a0["case"], gate="reset", norm="any",
+        anchors.append(dict(a0, case=replace(a0["case"], gate="reset", norm="unit" if impl.unit_qk else "any",
                                              beta="uniform" if impl.beta_max > 1 else a0["case"].beta)))
     i_part, n_part = edge_part
     edges = edge_params(op.key, sizes, seed=lseed, channel=channel_ok)[i_part::n_part]
-    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max)) for e in edges]
+    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max,
+                                  **({"norm": "unit"} if impl.unit_qk else {}))) for e in edges]
     prog = Progress(f"{op.name} / {impl.name} / {dtype_name(dt)}", len(anchors) + len(edges) + n, stream=progress)
 
     def fail(params, what, i, klass=None, error=None, comps=(), worst=None, exc=None):
@@ -262,6 +320,8 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
             for c in comps:
                 if state["worst"] is None or severity(c) > severity(state["worst"]):
                     state["worst"] = c
+                for k, r in (c.ratios or {}).items():
+                    state["ratios"][k] = max(state["ratios"].get(k, 0.0), r)
         state["checks"] += informative
         state["vacuous"] += informative == 0
         prog.tick(state["cases"])
@@ -324,6 +384,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
                 edge=f["params"].get("edge"),
                 layout=bool(f["params"].get("layout")),
                 notes=notes,
+                _comparisons=list(f["comparisons"]),
             )
     res.cases = state["cases"]
     res.calls, res.checks, res.vacuous, res.sizes = state["calls"], state["checks"], state["vacuous"], sizes.name
@@ -334,6 +395,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     if res.status == "PASS" and state["worst"] is not None:
         w = state["worst"]
         res.worst_rel, res.budget, res.worst_comparison = w.worst_rel, w.budget, w.name
+    res.ratios = dict(state["ratios"]) if res.status == "PASS" else None
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -353,12 +415,14 @@ def _hypothesis_version() -> str:
 def run_validation(impls: Sequence[Implementation], *, ops=None, dtypes=None, profile: str = "ci",
                    device: str = "cpu", seed: Optional[int] = None, max_examples: Optional[int] = None,
                    shrink: bool = True, fail_fast: bool = False, replay: Optional[str] = None,
-                   on_result: Optional[Callable[[LaneResult], None]] = None, progress=sys.stderr) -> Report:
+                   on_result: Optional[Callable[[LaneResult], None]] = None, progress=sys.stderr,
+                   explain: bool = True) -> Report:
     """Run every lane of ``plan(impls, ops, dtypes)``; return the ``Report``.
 
     seed: None draws a fresh one (printed in the report; pass it back to replay the run).
     on_result: called with each ``LaneResult`` as soon as it is known (the CLI prints rows with it).
     progress: where a long lane reports cases done / total every few seconds (None: nowhere).
+    explain: state the verdicts under the other arithmetic contracts too (``run_lane``; more lane runs).
     """
     if profile not in PROFILES:
         raise ValidationError(f"--profile: expected one of {PROFILES}, got {profile!r}")
@@ -386,7 +450,7 @@ def run_validation(impls: Sequence[Implementation], *, ops=None, dtypes=None, pr
     try:
         _run_lanes(lanes, report, device=device, profile=profile, seed=seed, max_examples=max_examples,
                    shrink=shrink, replay=replay, fail_fast=fail_fast, on_result=on_result, progress=progress,
-                   prepared=prepared)
+                   prepared=prepared, explain=explain)
     finally:
         torch.set_num_threads(threads)
     report.seconds = time.perf_counter() - t0
@@ -394,7 +458,7 @@ def run_validation(impls: Sequence[Implementation], *, ops=None, dtypes=None, pr
 
 
 def _run_lanes(lanes, report, *, device, profile, seed, max_examples, shrink, replay, fail_fast, on_result,
-               progress, prepared):
+               progress, prepared, explain=True):
     stop = False
     for lane in lanes:
         if lane.status != "RUN":
@@ -408,7 +472,7 @@ def _run_lanes(lanes, report, *, device, profile, seed, max_examples, shrink, re
                 lane.impl.prepare()
                 prepared.add(id(lane.impl))
             r = run_lane(lane, device=device, profile=profile, seed=seed, max_examples=max_examples, shrink=shrink,
-                         replay=replay, progress=progress, edge_part=_edge_part(lane, lanes))
+                         replay=replay, progress=progress, edge_part=_edge_part(lane, lanes), explain=explain)
             stop = fail_fast and r.failed
         report.lanes.append(r)
         if on_result:

@@ -14,7 +14,9 @@ budget of the others).  The report names the slice closest to, or furthest past,
 
 *baseline* is the plain recurrent reference run in the implementation's own compute dtype
 (float32 accumulation for float32/float16/bfloat16 inputs, cast to the output dtype) on the same
-inputs, ``eps(dtype)`` is the machine epsilon of the output dtype and ``eps(compute)`` that of the
+inputs, under the implementation's declared arithmetic contract (``contracts``: IEEE by default; TF32
+or bf16 products, a bf16 state: emulated), plus, for a contract other than IEEE, the contract term
+``coef x unit x growth(T) x max(1, scale / ||ref[s]||)`` (``CONTRACT_TERMS``); ``eps(dtype)`` is the machine epsilon of the output dtype and ``eps(compute)`` that of the
 dtype the decays are computed in (float64 for float64, float32 for everything narrower: the
 cumulative gates live in float32 even when the output is bf16).  NaN or Inf never passes.
 
@@ -51,7 +53,7 @@ import torch
 
 from kvbuffer_ref.checks import RESET_GATE
 
-__all__ = ["Tolerance", "TOLERANCES", "tolerance_for", "compute_dtype", "Comparison", "gate_span", "gate_spans",
+__all__ = ["Tolerance", "TOLERANCES", "ContractTerm", "CONTRACT_TERMS", "active_contract", "current_contract", "tolerance_for", "compute_dtype", "Comparison", "gate_span", "gate_spans",
            "rel_rms_slices", "compare", "assert_matches"]
 
 
@@ -78,6 +80,62 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0),
     torch.bfloat16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0),
 }
+
+
+@dataclass(frozen=True)
+class ContractTerm:
+    """The budget term of a declared arithmetic contract (kvbuffer_ref.validate.contracts): per slice,
+    ``coef x unit x growth(T) x max(1, scale / ||ref[s]||)``, added to the dtype's budget.  ``unit`` is the
+    unit roundoff of the contract's rounding (TF32: 2^-11, bfloat16: 2^-8), ``growth`` how the error
+    grows with the T tokens behind the compared values ("none", or "sqrt": sqrt(T), a rounding of the
+    state at every token), ``coef`` the calibrated coefficient (docs/testing.md, "Calibration")."""
+
+    unit: float
+    coef: float
+    growth: str = "none"
+
+
+#: The contract terms, keyed by contract (``contracts.CONTRACTS``).  ``ieee`` adds nothing: the table
+#: above is its budget.  Calibrated on the reference's recurrent and chunked forms run under each
+#: emulated contract (``python3 -m kvbuffer_ref.validate.contracts``), with kappa x the contract's own
+#: baseline (the recurrence under the emulated contract) in the budget: the largest coefficient a slice
+#: needed (tf32 24.9, bf16 20.5: the chunked form's triangular solve over 64 nearly collinear keys of
+#: K = 2..3; bf16-state 0: kappa x its baseline covers it), times three (bf16-state: a floor of 1).
+CONTRACT_TERMS: dict[str, ContractTerm] = {
+    "ieee": ContractTerm(unit=0.0, coef=0.0),
+    "tf32": ContractTerm(unit=2.0 ** -11, coef=75.0),
+    "bf16": ContractTerm(unit=2.0 ** -8, coef=62.0),
+    "bf16-state": ContractTerm(unit=2.0 ** -8, coef=1.0, growth="sqrt"),
+}
+
+_ACTIVE = ["ieee"]
+
+
+def current_contract() -> str:
+    """The contract ``compare`` judges by when none is passed (``active_contract``; default "ieee")."""
+    return _ACTIVE[-1]
+
+
+class active_contract:
+    """``with active_contract("tf32"):`` every ``compare`` inside judges by that contract (the runner
+    sets the lane's declared contract this way)."""
+
+    def __init__(self, contract: str):
+        if contract not in CONTRACT_TERMS:
+            raise ValueError(f"contract: expected one of {', '.join(CONTRACT_TERMS)}, got {contract!r}")
+        self.contract = contract
+
+    def __enter__(self):
+        _ACTIVE.append(self.contract)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+        return False
+
+
+def _contract_growth(contract: str, T: int) -> float:
+    return math.sqrt(max(1, T)) if CONTRACT_TERMS[contract].growth == "sqrt" else 1.0
 
 
 def tolerance_for(dtype: torch.dtype) -> Tolerance:
@@ -186,6 +244,9 @@ class Comparison:
     gate_span: Optional[float] = None
     range_term: float = 0.0
     gate_scale: float = 1.0
+    contract: str = "ieee"  # the contract judged by (budget includes its term)
+    contract_term: float = 0.0  # that term at the deciding slice
+    ratios: Optional[dict] = None  # {contract: the largest error / budget over the slices}
 
     @property
     def passed(self) -> bool:
@@ -200,6 +261,11 @@ class Comparison:
             terms += f" + {tol.gate_floor:g} x gate span {self.gate_span:.3g} x eps {eps_c:.2e}"
             if self.gate_scale > 1.0:
                 terms += f" x {self.gate_scale:.3g} (the comparison's RMS slice norm / this slice's)"
+        if self.contract_term:
+            ct = CONTRACT_TERMS[self.contract]
+            terms += (f" + {self.contract} {ct.coef:g} x u {ct.unit:.2e}"
+                      + (" x sqrt(T)" if ct.growth == "sqrt" else "")
+                      + (f" x {self.gate_scale:.3g}" if self.gate_scale > 1.0 else "") + f" = {self.contract_term:.3e}")
         if self.range_term > 1e-3 * self.budget:
             terms += f" + tiny / rms(ref) {self.range_term:.3e}"
         return terms
@@ -217,8 +283,15 @@ class Comparison:
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[torch.Tensor] = None, *,
             name: str = "output", dtype: Optional[torch.dtype] = None, head_axis: int = 2,
-            valid: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None) -> Comparison:
+            valid: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None,
+            contract: Optional[str] = None, tokens: Optional[int] = None) -> Comparison:
     """Compare ``actual`` with the float64 truth ``expected`` under the calibrated budget.
+
+    contract: the arithmetic contract judged by (default ``current_contract()``: the lane's declared
+    one): its term (``CONTRACT_TERMS``) is added to every slice's budget, and ``baseline`` must then be
+    the plain recurrence run under that contract (``contracts.baseline_recurrent``): the properties
+    compute it so.  tokens: the T tokens behind
+    the compared values, for a contract whose error grows with T (default: ``g.shape[1]``, else 1).
 
     baseline: the plain recurrent reference's output in the implementation's compute dtype (None
     when the comparison is float64 against float64: only the floors count).  dtype: whose row of
@@ -250,6 +323,14 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     ranges, amp = _range_terms(expected, head_axis, valid, dtype)
     span_term = 0.0 if spans is None else tol.gate_floor * spans * torch.finfo(compute).eps * amp
     budgets = tol.kappa * base + tol.floor * torch.finfo(dtype).eps + span_term + ranges
+    contract = current_contract() if contract is None else contract
+    if contract not in CONTRACT_TERMS:
+        raise ValueError(f"contract: expected one of {', '.join(CONTRACT_TERMS)}, got {contract!r}")
+    if tokens is None:
+        tokens = int(g.shape[1]) if g is not None and g.dim() >= 2 else 1
+    ct = CONTRACT_TERMS[contract]
+    extra = ct.coef * ct.unit * _contract_growth(contract, tokens) * amp
+    budgets = budgets + extra
     a = actual.detach().to(torch.float64)
     finite = torch.isfinite(a)
     v = torch.ones_like(finite) if valid is None else valid.expand(a.shape)
@@ -259,15 +340,18 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     if rel.numel() == 0:  # nothing to compare (B = 0 or no heads)
         return Comparison(name=name, dtype=dtype, worst_rel=0.0, worst_slice=(0, 0), max_abs=max_abs,
                           baseline_rel=0.0, budget=tol.floor * torch.finfo(dtype).eps, nonfinite=nonfinite,
-                          gate_span=None if spans is None else 0.0)
+                          gate_span=None if spans is None else 0.0, contract=contract,
+                          ratios={contract: 0.0})
     # the slice that comes closest to (or goes furthest past) its own budget decides
     idx = int((rel / budgets).nan_to_num(nan=float("inf")).argmax())
     H = rel.shape[1]
     at = lambda t: float(t.reshape(-1)[idx])  # noqa: E731
+    ratios = {contract: float((rel / budgets).nan_to_num(nan=float("inf")).max()) if not nonfinite else float("inf")}
     return Comparison(
         name=name, dtype=dtype, worst_rel=at(rel), worst_slice=(idx // H, idx % H), max_abs=max_abs,
         baseline_rel=at(base), budget=at(budgets), nonfinite=nonfinite,
         gate_span=None if spans is None else at(spans), range_term=at(ranges), gate_scale=at(amp),
+        contract=contract, contract_term=at(extra) if contract != "ieee" else 0.0, ratios=ratios,
     )
 
 

@@ -41,3 +41,50 @@ empty = types.SimpleNamespace(name="empty")
 def factory():
     """A factory: called with no arguments, returns the adapter."""
     return good
+
+
+# ----------------------------------------------------------------------------- arithmetic contracts
+def _emulated(contract, fn):
+    from kvbuffer_ref.validate.contracts import emulate
+
+    def call(*a, **kw):
+        with emulate(contract):
+            return fn(*a, **kw)
+    return call
+
+
+def _tf32_recurrent(q, k, v, **kw):
+    return _emulated("tf32", ref.recurrent_gated_delta_rule)(q, k, v, **kw)
+
+
+def _tf32_chunk(q, k, v, **kw):
+    return _emulated("tf32", ref.chunk_gated_delta_rule)(q, k, v, **kw)
+
+
+#: A kernel that multiplies in TF32 (emulated: every product's operands rounded to TF32), declaring the
+#: default contract (IEEE float32): it must FAIL, and the report must say it passes as tf32.
+tf32_undeclared = types.SimpleNamespace(name="tf32-undeclared", dtypes=(torch.float32,),
+                                        recurrent_gated_delta_rule=_tf32_recurrent,
+                                        chunk_gated_delta_rule=_tf32_chunk)
+#: The same kernel declaring what it keeps: it passes.
+tf32_declared = types.SimpleNamespace(name="tf32-declared", dtypes=(torch.float32,), contract="tf32",
+                                      recurrent_gated_delta_rule=_tf32_recurrent,
+                                      chunk_gated_delta_rule=_tf32_chunk)
+
+
+def _bf16_recurrent(q, k, v, **kw):
+    return _emulated("bf16", ref.recurrent_gated_delta_rule)(q, k, v, **kw)
+
+
+#: bf16 products declared as tf32: too coarse for the tf32 budget (FAIL), passes as bf16.
+bf16_as_tf32 = types.SimpleNamespace(name="bf16-as-tf32", dtypes=(torch.float32,), contract="tf32",
+                                     recurrent_gated_delta_rule=_bf16_recurrent)
+
+
+def _tf32_wrong_beta(q, k, v, *, beta, **kw):
+    """TF32 products and a real bug (beta squared): no contract explains it."""
+    return _tf32_recurrent(q, k, v, beta=beta * beta, **kw)
+
+
+tf32_buggy = types.SimpleNamespace(name="tf32-buggy", dtypes=(torch.float32,), contract="tf32",
+                                   recurrent_gated_delta_rule=_tf32_wrong_beta)

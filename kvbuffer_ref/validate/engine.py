@@ -1,0 +1,295 @@
+"""Engine conventions: validate a serving engine's kernel in its own calling convention.
+
+The kernels SGLang, vLLM, TensorRT-LLM and FlashInfer run for Qwen3-Next / Qwen3.5 / Kimi Linear do not
+take the oracle's signature.  An adapter states, as data, which convention its kernel follows, and the
+validator converts the oracle's cases to it (``engine_adapter``)::
+
+    from kvbuffer_ref.validate.engine import engine_adapter
+
+    def step(*, q, k, v, A_log, dt_bias, a, b, state, slots, cu_seqlens, scale):
+        return my_kernel(A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q, k=k, v=v, scale=scale,
+                         initial_state=state, cu_seqlens=cu_seqlens, ssm_state_indices=slots,
+                         use_qk_l2norm_in_kernel=True)
+
+    adapter = engine_adapter(step, name="my-engine-decode", gating="raw", qk_l2norm=True, state_layout="VK",
+                             pool=True, pad_slot=0, reserved_slots=(0,), varlen=True)
+
+The convention (``Convention``; every field has the oracle's meaning as its default):
+
+    tokens         "decode": one token per sequence per call (validated as ``recurrent_decode``), or
+                   "sequence": T tokens per sequence per call, the state updated in place at the end
+                   (validated as ``recurrent``, with and without an initial state)
+    qkv            "separate": q [.., H, K], k [.., H, K], v [.., HV, V]; or "packed": ``mixed_qkv``
+                   [.., 2 H K + HV V] (q | k | v, heads flattened)
+    gating         "log": g [.., HV] (log decay) and beta [.., HV]; or "raw": ``A_log`` [HV], ``dt_bias`` [HV]
+                   (float32), ``a`` [.., HV], ``b`` [.., HV] with g = -exp(A_log) softplus(a + dt_bias) and
+                   beta = sigmoid(b) (scalar gates, beta in [0, 1])
+    qk_l2norm      the kernel L2-normalises q and k itself: the validator passes them scaled by a random
+                   factor per row (1..4) and draws unit-norm truths
+    state_layout   "KV" ([.., K, V], the oracle's) or "VK" ([.., V, K], vLLM's and fla's ``state_v_first``)
+    state_dtype    the dtype the state is stored in (bfloat16: judged by the "bf16-state" contract unless
+                   the adapter declares another)
+    pool           the states live in a pool [slots, HV, ., .] addressed by ``slots`` [N] (int32):
+                   requests get random slots among more than they need (the rest NaN: never to be read),
+                   padded rows carry ``pad_slot`` (-1; vLLM and SGLang: 0, the null block) and finite
+                   garbage inputs; ``reserved_slots`` are never given to a request (vLLM: (0,))
+    varlen         tokens flattened to [1, total, ..] with ``cu_seqlens`` [N + 1] (int32); in "sequence"
+                   mode empty sequences are mixed in
+    index_dtype    the dtype of ``slots`` and ``cu_seqlens`` (default int32)
+
+What the validator checks besides the oracle's properties: after every call, every slot of the pool that
+no request of the batch owns (the pads' too) is bit for bit unchanged ([pool-slots]: a pad written to
+slot -1, i.e. the pool's last slot, a state stored into a neighbour's slot), and the owned slots hold the
+new state in the kernel's layout and dtype.  Reports name the engine's own arguments (``mixed_qkv``,
+``a``, ``slots``, ...).  A "sequence" call without an initial state gives the kernel a reused slot holding
+the previous occupant's (finite) state and ``has_initial_state`` False per sequence (a kernel that reads
+it leaks one request's state into the next: [state-leak] or a wrong result).
+"""
+
+from __future__ import annotations
+
+import random
+import types
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .adapters import AdapterError, ContractViolation
+
+__all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates"]
+
+
+@dataclass(frozen=True)
+class Convention:
+    tokens: str = "decode"
+    qkv: str = "separate"
+    gating: str = "log"
+    qk_l2norm: bool = False
+    state_layout: str = "KV"
+    state_dtype: torch.dtype = torch.float32
+    pool: bool = False
+    pad_slot: int = -1
+    reserved_slots: tuple = ()
+    varlen: bool = False
+    index_dtype: torch.dtype = torch.int32
+
+    def __post_init__(self):
+        for name, ok in (("tokens", ("decode", "sequence")), ("qkv", ("separate", "packed")),
+                         ("gating", ("log", "raw")), ("state_layout", ("KV", "VK"))):
+            if getattr(self, name) not in ok:
+                raise AdapterError(f"convention {name}: expected one of {', '.join(ok)}, got {getattr(self, name)!r}")
+        if not isinstance(self.state_dtype, torch.dtype) or not self.state_dtype.is_floating_point:
+            raise AdapterError(f"convention state_dtype: expected a floating torch dtype, got {self.state_dtype!r}")
+        if self.pad_slot >= 0 and self.pad_slot not in self.reserved_slots:
+            raise AdapterError(f"convention pad_slot: {self.pad_slot} is a real slot; reserve it (reserved_slots="
+                               f"({self.pad_slot},)) or use -1")
+
+
+def _softplus_inv(y: torch.Tensor) -> torch.Tensor:
+    """x with softplus(x) = y (y >= 0; 0 -> -inf, inf -> inf), in float64."""
+    y = y.to(torch.float64)
+    big = y > 30
+    safe = torch.where(big | (y <= 0), torch.ones_like(y), y)
+    x = torch.where(big, y, safe + torch.log(-torch.expm1(-safe)))
+    return torch.where(y <= 0, torch.full_like(y, float("-inf")), x)
+
+
+def to_raw_gates(g: torch.Tensor, beta: torch.Tensor, rng: random.Random):
+    """Engine gating inputs for log-gates ``g`` [.., HV] and ``beta`` [.., HV]: A_log, dt_bias [HV] (float32,
+    drawn in [-1, 1] or [-4, -2]), a, b [.., HV] (float32) with -exp(A_log) softplus(a + dt_bias) = g and sigmoid(b) = beta."""
+    if g.dim() != beta.dim():
+        raise AdapterError("gating='raw' takes scalar gates only (per-channel gates are not raw-gated here)")
+    HV = g.shape[-1]
+    # half the heads with a small exp(A_log): a + dt_bias then often lies past the softplus threshold (20),
+    # the branch engine kernels take separately
+    A_log = torch.tensor([rng.uniform(-1, 1) if rng.random() < 0.5 else rng.uniform(-4, -2) for _ in range(HV)],
+                         dtype=torch.float32)
+    dt_bias = torch.tensor([rng.uniform(-1, 1) for _ in range(HV)], dtype=torch.float32)
+    sp = -g.detach().to(torch.float64).cpu() / A_log.double().exp()
+    a = (_softplus_inv(sp) - dt_bias.double()).float()
+    bb = beta.detach().to(torch.float64).cpu()
+    b = torch.where(bb >= 1, torch.full_like(bb, float("inf")), torch.log(bb) - torch.log1p(-bb)).float()
+    dev = g.device
+    return A_log.to(dev), dt_bias.to(dev), a.to(dev), b.to(dev)
+
+
+def from_raw_gates(A_log, dt_bias, a, b, threshold: float = 20.0):
+    """(g, beta) of raw gating inputs, the way engine kernels compute them (float32, softplus threshold)."""
+    x = a.float() + dt_bias.float()
+    sp = torch.where(x <= threshold, torch.log1p(torch.exp(x)), x)
+    return -torch.exp(A_log.float()) * sp, torch.sigmoid(b.float())
+
+
+class _Engine:
+    """The oracle-side adapter ``engine_adapter`` returns."""
+
+    def __init__(self, fn: Callable, conv: Convention, name: str, contract: str, seed: int):
+        self._fn, self.conv, self.name, self.contract = fn, conv, name, contract
+        self._seed = seed
+        self._rng = random.Random(seed)
+        self._previous = None  # the last pool (its finite states: what a reused slot holds)
+        self.unit_qk = conv.qk_l2norm
+        self.channel_gate = conv.gating == "log"
+        self.dtypes = (torch.float32, torch.float16)
+        self.in_place = {"recurrent_decode": ("state",)}
+        if conv.tokens == "decode":
+            self.recurrent_decode = self._decode
+            self.not_provided = {"recurrent_gated_delta_rule": "the kernel is a decode step (tokens='decode')"}
+        else:
+            self.recurrent_gated_delta_rule = self._sequence
+            self.not_provided = {"recurrent_decode": "the kernel takes whole sequences (tokens='sequence')"}
+
+    # -- state layout and pool
+    def _to_kernel(self, S: torch.Tensor) -> torch.Tensor:
+        S = S.transpose(-1, -2) if self.conv.state_layout == "VK" else S
+        return S.to(self.conv.state_dtype).contiguous()
+
+    def _from_kernel(self, S: torch.Tensor) -> torch.Tensor:
+        S = S.transpose(-1, -2) if self.conv.state_layout == "VK" else S
+        return S.float()
+
+    def _slots(self, B: int):
+        """(slot per request, pool size): distinct random slots, never a reserved one, among B + 3."""
+        n = B + 3 + len(self.conv.reserved_slots)
+        free = [s for s in range(n) if s not in self.conv.reserved_slots]
+        self._rng.shuffle(free)
+        return free[:B], n
+
+    def _rows(self, B: int) -> list:
+        """The batch rows: request index, or None for a pad row (one or two pads mixed in when pooled)."""
+        rows = list(range(B))
+        if self.conv.pool:
+            for _ in range(self._rng.randint(1, 2)):
+                rows.insert(self._rng.randint(0, len(rows)), None)
+        return rows
+
+    def _call(self, q, k, v, g, beta, states, initial, scale, T):
+        """One kernel call in the engine's terms for requests b = 0..B-1 with T tokens each; returns
+        (o [B, T, HV, V], the new states [B, HV, K, V] in float32)."""
+        c = self.conv
+        # the slots, pads and raw gates are drawn from the call's own inputs: the same call, replayed (as the
+        # runner does to attribute a failure), gets the same slots
+        self._rng = random.Random(hash((self._seed, tuple(q.shape), float(q.detach().double().sum()),
+                                        float(v.detach().double().sum()))))
+        B, _, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        dev = q.device
+        rows = self._rows(B)
+        slot_of, n_slots = self._slots(B) if c.pool else (list(range(B)), B)
+        if c.qk_l2norm:  # rows of any norm: the kernel normalises them
+            f = lambda x: x * (1 + 3 * torch.rand(x.shape[:-1] + (1,), generator=self._gen(), dtype=torch.float64)  # noqa
+                               ).to(x.device, x.dtype)
+            q, k = f(q), f(k)
+        # per row: the tokens of its request; a pad row: finite garbage (decode: one token; a varlen
+        # sequence call: an empty sequence; otherwise T tokens)
+        pad_len = 1 if c.tokens == "decode" else (0 if c.varlen else T)
+        lens = [T if r is not None else pad_len for r in rows]
+        garbage = dict(q=0.5, k=0.5, v=0.5, g=-0.1, beta=0.5)
+
+        def per_row(name, x):
+            return [x[r] if r is not None else torch.full_like(x[0, :1], garbage[name]).expand(
+                pad_len, *x.shape[2:]).contiguous() for r in rows]
+        xs = {n: per_row(n, t) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+        cat = (lambda parts: torch.cat(parts).unsqueeze(0)) if c.varlen else torch.stack
+        xs = {n: cat(parts) for n, parts in xs.items()}  # [N, T, ..] or [1, total, ..]
+        call = {}
+        if c.gating == "raw":
+            A_log, dt_bias, a, b = to_raw_gates(xs["g"], xs["beta"], self._rng)
+            call.update(A_log=A_log, dt_bias=dt_bias, a=a, b=b)
+        else:
+            call.update(g=xs["g"], beta=xs["beta"])
+        N = len(rows)
+        if c.qkv == "packed":
+            call["mixed_qkv"] = torch.cat([xs["q"].flatten(-2), xs["k"].flatten(-2), xs["v"].flatten(-2)], -1)
+        else:
+            call.update(q=xs["q"], k=xs["k"], v=xs["v"])
+        token_keys = [n for n in ("q", "k", "v", "mixed_qkv", "g", "beta", "a", "b") if n in call]
+        if c.varlen:
+            offs = [0]
+            for n_ in lens:
+                offs.append(offs[-1] + n_)
+            call["cu_seqlens"] = torch.tensor(offs, dtype=c.index_dtype, device=dev)
+        elif c.tokens == "decode":  # [N, 1, ...] -> [N, ...]: one token per row
+            for n in token_keys:
+                call[n] = call[n][:, 0]
+        # the states
+        if c.pool:
+            pool = torch.full((n_slots, HV, *((V, K) if c.state_layout == "VK" else (K, V))), float("nan"),
+                              dtype=c.state_dtype, device=dev)
+            prev = self._previous
+            for b in range(B):
+                if initial is not None:
+                    pool[slot_of[b]] = self._to_kernel(initial[b])
+                elif prev is not None and prev.shape[1:] == pool.shape[1:]:  # a reused slot: its last occupant's state
+                    pool[slot_of[b]] = torch.nan_to_num(prev[slot_of[b] % prev.shape[0]], nan=0.25)
+                else:
+                    pool[slot_of[b]] = 0.25
+            call["state"] = pool
+            call["slots"] = torch.tensor([slot_of[r] if r is not None else c.pad_slot for r in rows],
+                                         dtype=c.index_dtype, device=dev)
+        else:
+            S0 = initial if initial is not None else torch.zeros(B, HV, K, V, device=dev)
+            call["state"] = self._to_kernel(S0)
+        if c.tokens == "sequence":
+            call["has_initial_state"] = torch.tensor([initial is not None] * N, dtype=torch.bool, device=dev)
+        call["scale"] = K ** -0.5 if scale is None else float(scale)
+        before = call["state"].clone()
+        o = self._fn(**call)
+        if isinstance(o, tuple):
+            o = o[0]
+        if not isinstance(o, torch.Tensor):
+            raise AdapterError(f"{self.name}: the kernel must return the output tensor, got {type(o).__name__}")
+        if c.varlen:
+            o = o.reshape(-1, HV, V)
+            o = torch.stack([o[offs[i]:offs[i] + T] for i, r in enumerate(rows) if r is not None]) if B else \
+                o.new_zeros(0, T, HV, V)
+        else:
+            o = o.reshape(N, T, HV, V)
+            keep = [i for i, r in enumerate(rows) if r is not None]
+            o = o[keep] if keep else o[:0]
+        after = call["state"]
+        if c.pool:
+            owned = set(slot_of)
+            for s in range(n_slots):
+                if s not in owned and not torch.equal(torch.nan_to_num(after[s], nan=7.0),
+                                                      torch.nan_to_num(before[s], nan=7.0)):
+                    who = "the pad slot" if s == c.pad_slot % n_slots else "a slot no request of the batch owns"
+                    raise ContractViolation("pool-slots", f"state pool slot {s} ({who}) changed by the call (slots "
+                                            f"{call['slots'].tolist()}, pad_slot {c.pad_slot})")
+            new = torch.stack([self._from_kernel(after[s]) for s in slot_of]) if B else after[:0].float()
+            self._previous = after.detach().clone()
+        else:
+            new = self._from_kernel(after)
+        return o, new
+
+    def _gen(self):
+        return torch.Generator().manual_seed(self._rng.randrange(2**31))
+
+    def _decode(self, q, k, v, *, g, beta, state, scale=None):
+        if g.dim() == 4 and self.conv.gating == "raw":
+            raise NotImplementedError("raw gating: scalar gates only")
+        o, new = self._call(q, k, v, g, beta, state, state, scale, T=1)
+        state.copy_(new.to(state.dtype))
+        return o.to(v.dtype)
+
+    def _sequence(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False):
+        o, new = self._call(q, k, v, g, beta, None, initial_state, scale, T=q.shape[1])
+        return o.to(v.dtype), (new if output_final_state else None)
+
+
+def engine_adapter(fn: Callable, *, name: str = "engine-kernel", contract: Optional[str] = None, seed: int = 0,
+                   **convention) -> types.SimpleNamespace:
+    """An adapter for ``fn``, an engine kernel called with keyword arguments in its own convention
+    (``Convention``: the keywords it takes are those of ``convention``; see the module docstring).  ``fn``
+    returns the output ([N, HV, V], [N, T, HV, V] or [1, N * T, HV, V]) and updates ``state`` in place.
+    contract: its arithmetic contract (default: "bf16-state" for a bfloat16 state, else "ieee")."""
+    known = {f.name for f in fields(Convention)}
+    bad = sorted(set(convention) - known)
+    if bad:
+        raise AdapterError(f"engine_adapter: unknown convention field(s) {bad}; known: {sorted(known)}")
+    conv = Convention(**convention)
+    if contract is None:
+        contract = "bf16-state" if conv.state_dtype == torch.bfloat16 else "ieee"
+    return _Engine(fn, conv, name, contract, seed)

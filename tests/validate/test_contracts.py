@@ -1,0 +1,92 @@
+"""Declared arithmetic contracts: the emulation, the table's terms, both verdicts in the report, the exit code."""
+
+import pytest
+import torch
+
+import kvbuffer_ref as ref
+from kvbuffer_ref.validate import adapters, cli as kcli
+from kvbuffer_ref.validate.cases import Case
+from kvbuffer_ref.validate.contracts import CONTRACTS, check_contract, emulate, round_bf16, round_tf32, run_emulated
+from kvbuffer_ref.validate.tolerances import CONTRACT_TERMS, active_contract, compare
+
+from .conftest import ADAPTERS
+
+
+def test_tf32_rounding_keeps_ten_mantissa_bits_to_nearest_even():
+    x = torch.tensor([1.0, 1.0 + 2 ** -10, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 1.0 + 2 ** -12, float("inf")])
+    y = round_tf32(x)
+    assert y.tolist() == [1.0, 1.0 + 2 ** -10, 1.0, 1.0 + 2 ** -9, 1.0, float("inf")]  # ties to even
+    assert round_bf16(torch.tensor([1.0 + 2 ** -9])).item() == 1.0
+    assert round_bf16(torch.tensor([1.0 + 2 ** -7])).item() == 1.0 + 2 ** -7
+
+
+def test_the_emulation_changes_the_products_and_nothing_else():
+    x = Case(B=1, T=6, H=1, HV=1, K=16, V=16, seed=3).inputs(torch.float32)
+    o, _ = ref.recurrent_gated_delta_rule(**x)
+    with emulate("ieee"):
+        assert torch.equal(ref.recurrent_gated_delta_rule(**x)[0], o)
+    t, _ = run_emulated("recurrent", "tf32", x)
+    b, _ = run_emulated("recurrent", "bf16", x)
+    e_t, e_b = float((t - o).norm() / o.norm()), float((b - o).norm() / o.norm())
+    assert 1e-5 < e_t < 3e-3 and 8 * e_t < e_b < 3e-2, (e_t, e_b)
+
+
+def test_every_contract_has_a_term_and_unknown_names_are_refused():
+    assert set(CONTRACT_TERMS) == set(CONTRACTS) and CONTRACT_TERMS["ieee"].coef == 0
+    assert check_contract("fp32") == "ieee"
+    with pytest.raises(ValueError, match="contract: expected one of ieee, tf32"):
+        check_contract("tf16")
+    with pytest.raises(adapters.AdapterError, match="adapter x: contract: expected one of"):
+        adapters.describe(type("A", (), dict(name="x", contract="fp8", direct_gated_delta_rule=staticmethod(
+            ref.direct_gated_delta_rule)))())
+
+
+def test_a_tf32_error_fails_as_fp32_and_passes_as_tf32():
+    case = Case(B=1, T=8, H=1, HV=2, K=32, V=16, seed=5)
+    x = case.inputs(torch.float32)
+    truth = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()})[0]
+    base = ref.recurrent_gated_delta_rule(**x)[0]
+    t, _ = run_emulated("recurrent", "tf32", x)
+    c = compare(t, truth, base, g=x["g"])
+    assert c.contract == "ieee" and not c.passed
+    with active_contract("tf32"):  # the active contract is what compare judges by
+        assert compare(t, truth, base, g=x["g"]).contract == "tf32"
+    tb, _ = run_emulated("recurrent", "tf32", x)
+    c3 = compare(t, truth, tb, g=x["g"], contract="tf32")
+    assert c3.passed and "tf32 75 x u 4.88e-04" in str(c3), str(c3)
+    wrong = t * 1.3  # no rounding of any contract explains 30 %
+    for k in CONTRACTS:
+        assert not compare(wrong, truth, run_emulated("recurrent", k, x)[0], g=x["g"], contract=k).passed
+
+
+def _main(capsys, *args):
+    rc = kcli.main(["validate", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_the_report_says_both_verdicts_and_the_exit_code_follows_the_declared_contract(capsys):
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:tf32_undeclared", "--ops", "recurrent", "--seed", "4",
+                         "--max-examples", "3", "--no-shrink")
+    assert rc == 1, out + err
+    assert "FAIL as fp32; PASS as tf32: error consistent with TF32 products" in out, out
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:tf32_declared", "--ops", "recurrent,chunk", "--seed", "4",
+                         "--max-examples", "3")
+    assert rc == 0, out + err
+    assert "[contract tf32]" in out and "FAIL [wrong-result] as fp32; PASS as tf32: error consistent" in out, out
+    # the same kernel judged as fp32 by the command line: the exit code follows the contract judged by
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:tf32_declared", "--ops", "recurrent", "--seed", "4",
+                         "--max-examples", "3", "--no-shrink", "--contract", "ieee")
+    assert rc == 1 and "FAIL as fp32; PASS as tf32" in out, out
+
+
+def test_a_looser_arithmetic_or_a_real_bug_is_not_excused_by_the_declared_contract(capsys):
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:bf16_as_tf32", "--ops", "recurrent", "--seed", "4",
+                         "--max-examples", "3", "--no-shrink")
+    # a genuine limit (docs/testing.md): the tf32 budget, calibrated on chunked forms, admits bf16 products too
+    assert rc == 0 and "PASS as tf32" in out, out
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:tf32_buggy", "--ops", "recurrent", "--seed", "4",
+                         "--max-examples", "3", "--no-shrink")
+    assert rc == 1 and "not a precision effect" in out, out
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--contract", "fp16")
+    assert rc == 2 and "--contract: expected one of" in err

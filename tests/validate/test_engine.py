@@ -1,0 +1,56 @@
+"""Engine conventions: a plain-PyTorch engine decode kernel passes in its own convention; its realistic wrong
+variants (pads not skipped, the state read as [K, V], a softplus-threshold bug, a stale state on slot reuse)
+fail, each with the class that names it."""
+
+import random
+
+import pytest
+import torch
+
+from kvbuffer_ref.validate import adapters
+from kvbuffer_ref.validate.engine import Convention, engine_adapter, from_raw_gates, to_raw_gates
+from kvbuffer_ref.validate.runner import run_validation
+
+from . import engine_kernels as ek
+
+
+def _run(adapter, seed=11, n=6):
+    rep = run_validation([adapters.describe(adapter)], ops=[("recurrent_decode", None)],
+                         dtypes=[torch.float32], seed=seed, max_examples=n, progress=None, explain=False)
+    (lane,) = [r for r in rep.lanes if r.status in ("PASS", "FAIL", "ERROR")]
+    return lane
+
+
+def test_raw_gates_round_trip_through_the_engine_formula():
+    g = torch.tensor([[0.0, -0.3, -7.5, -110.0, float("-inf")]]).T.expand(5, 3).contiguous()
+    beta = torch.tensor([0.0, 0.2, 0.5, 1.0, 0.9])[:, None].expand(5, 3).contiguous()
+    A_log, dt_bias, a, b = to_raw_gates(g, beta, random.Random(0))
+    g2, beta2 = from_raw_gates(A_log, dt_bias, a, b)
+    fin = torch.isfinite(g)
+    assert torch.allclose(g2[fin], g[fin], rtol=1e-5, atol=1e-6) and torch.all(g2[~fin] == float("-inf"))
+    assert torch.allclose(beta2, beta, atol=1e-7)
+
+
+def test_the_correct_engine_kernel_passes():
+    r = _run(ek.correct)
+    assert r.status == "PASS", r.failure
+
+
+@pytest.mark.parametrize("variant, klass", [("wrong_pads", {"pool-slots", "wrong-result", "state-leak"}),
+                                            ("transposed", {"wrong-result", "tile-boundary", "state-leak"}),
+                                            ("softplus", {"wrong-result", "domain", "tile-boundary", "state-leak"}),
+                                            ("slot_reuse", {"state-leak", "wrong-result"})])
+def test_each_wrong_engine_kernel_is_caught(variant, klass):
+    r = _run(getattr(ek, variant))
+    assert r.status == "FAIL", (variant, r.status)
+    assert r.klass in klass, (variant, r.klass, r.failure)
+
+
+def test_the_convention_refuses_bad_fields_by_name():
+    with pytest.raises(adapters.AdapterError, match="convention state_layout: expected one of KV, VK"):
+        Convention(state_layout="KVT")
+    with pytest.raises(adapters.AdapterError, match="unknown convention field"):
+        engine_adapter(lambda **kw: None, layout="VK")
+    with pytest.raises(adapters.AdapterError, match="pad_slot: 0 is a real slot"):
+        Convention(pool=True, pad_slot=0)
+    assert engine_adapter(lambda **kw: None, state_dtype=torch.bfloat16).contract == "bf16-state"
