@@ -67,16 +67,36 @@ def _accept_fold_kernel(
 
 
 @triton.jit
+def _pool_layer(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, SR, D,
+                C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                CHANNEL: tl.constexpr):
+    """The pool tensors' pointers moved to layer ``program_id(2)`` (NR buffer rows, SR state rows and D draft
+    rows per layer, the sinks included; int64 offsets)."""
+    GK: tl.constexpr = K if CHANNEL else 1
+    i_l = tl.program_id(2).to(tl.int64)
+    nr = i_l * NR
+    return (ck_ptr + nr * C * H * K, cu_ptr + nr * C * HV * V, cg_ptr + nr * C * HV * GK, len_ptr + nr,
+            own_ptr + nr, state_ptr + i_l * SR * HV * K * V, dk_ptr + nr * D * H * K, du_ptr + nr * D * HV * V,
+            dg_ptr + nr * D * HV * GK, par_ptr + nr * D, i_l)
+
+
+@triton.jit
 def _accept_fold_slots_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr, sread_ptr, swrite_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr, sread_ptr, swrite_ptr, NR, SR, B,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
 ):
-    """``_accept_fold_kernel`` on a pool: call row i_b (its node node[i_b]) on buffer row and draft room
-    ``bslot[i_b]``, the state read from slot ``sread[i_b]`` (-1: none) and written to ``swrite[i_b]``, int64
-    offsets; a pad (-1) does nothing."""
+    """``_accept_fold_kernel`` on a pool, grid (V / BV, B * HV, layers): call row i_b (its node node[i_b])
+    on buffer row and draft room ``bslot[i_b]`` of layer ``program_id(2)``, the state read from slot
+    ``sread[layer, i_b]`` (-1: none) and written to ``swrite[layer, i_b]`` ([layers, B]), int64 offsets; a
+    pad (-1) does nothing."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
+        ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, SR, D,
+        C, H, HV, K, V, CHANNEL)
+    sread_ptr += i_l * B
+    swrite_ptr += i_l * B
     c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
     if c_b >= 0:
         s_r = tl.maximum(tl.load(sread_ptr + i_b).to(tl.int64), 0)
@@ -158,13 +178,18 @@ def _accept_kernel(
 @triton.jit
 def _accept_slots_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr,
+    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr, NR, B,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
 ):
-    """``_accept_kernel`` on a pool: call row i_b on buffer row and draft room ``bslot[i_b]`` (int64
-    offsets); a pad (-1) does nothing."""
+    """``_accept_kernel`` on a pool, grid (V / BV, B * HV, layers): call row i_b on buffer row and draft
+    room ``bslot[i_b]`` of layer ``program_id(2)`` (int64 offsets; tickets [layers, B]); a pad (-1) does
+    nothing."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, _, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
+        ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, len_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, 0, D,
+        C, H, HV, K, V, CHANNEL)
+    ticket_ptr += i_l * B
     c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
     if c_b >= 0:
         _accept_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr,

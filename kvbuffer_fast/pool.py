@@ -174,55 +174,64 @@ class KVPool:
             raise ValueError(f"slots: slot {int(s[pend.nonzero()[0, 0]])} has verified drafts pending in layer "
                              f"{layer}; accept them (accept(counts=0) rejects all) before {op}")
 
-    def _claims(self, layer: int, bs: torch.Tensor, folds: torch.Tensor, checked: bool):
-        """(current slot, write slot, need) per row for rows that ``folds``: a row without a state slot, or
-        sharing one, gets a fresh slot (``need``) for its fold's result, except that of a slot all of whose
-        sharers fold in this call the first row keeps it; the others write their own (non-folding rows:
-        the sink).  The rows that take a slot from a sharer read it through ``_copy_on_write``."""
+    def _claims(self, lay: slice, bs: torch.Tensor, folds: torch.Tensor, checked: bool):
+        """(current slot, write slot, need), each [layers of ``lay``, B], for the rows that ``folds``
+        ([layers, B]): per layer, a row without a state slot, or sharing one, gets a fresh slot (``need``)
+        for its fold's result, except that of a slot all of whose sharers fold in this call the first row
+        keeps it; the others write their own (non-folding rows: the sink).  The rows that take a slot from
+        a sharer read it through ``_copy_on_write``.  With no free slot for every such row in some layer:
+        a ValueError before anything is written (checked calls)."""
         t, S = self._t, self.num_state_slots
-        cur = t["state_slot"][layer, bs]
+        NL, B = folds.shape
+        dev = bs.device
+        cur = t["state_slot"][lay][:, bs]
         # a slot all of whose sharers fold in this call stays with one of them (the first row): exactly the
         # slots the sequential rule (the reference pool's) leaves with the last of them
         at = torch.where(folds & (cur >= 0), cur, S)
-        row = torch.arange(bs.shape[0], device=bs.device)
-        folders = torch.zeros(S + 1, dtype=torch.int64, device=bs.device).scatter_add_(0, at, torch.ones_like(at))
-        first = torch.full((S + 1,), bs.shape[0], dtype=torch.int64, device=bs.device).scatter_reduce_(
-            0, at, row, "amin")
+        row = torch.arange(B, device=dev).expand(NL, B)
+        folders = torch.zeros(NL, S + 1, dtype=torch.int64, device=dev).scatter_add_(1, at, torch.ones_like(at))
+        first = torch.full((NL, S + 1), B, dtype=torch.int64, device=dev).scatter_reduce_(1, at, row, "amin")
         c = cur.clamp(min=0)
-        keeps = folds & (cur >= 0) & (t["refs"][layer, c] == folders[c]) & (first[c] == row)
+        refs = t["refs"][lay]
+        keeps = folds & (cur >= 0) & (refs.gather(1, c) == folders.gather(1, c)) & (first.gather(1, c) == row)
         need = folds & ~keeps
-        free = t["refs"][layer, :S] == 0
-        if checked and int(need.sum()) > int(free.sum()):
-            raise ValueError(f"slots: {int(need.sum())} requests fold into a state slot of their own in layer {layer}, "
-                             f"but only {int(free.sum())} of {S} state slots are free")
-        rank = need.to(torch.int64).cumsum(0)
-        fresh = torch.searchsorted(free.to(torch.int64).cumsum(0), rank).clamp(max=S)  # the rank-th free slot
+        free = refs[:, :S] == 0
+        if checked:
+            short = need.sum(1) > free.sum(1)
+            if bool(short.any()):
+                i = int(short.nonzero()[0, 0])
+                raise ValueError(f"slots: {int(need[i].sum())} requests fold into a state slot of their own in layer "
+                                 f"{lay.start + i}, but only {int(free[i].sum())} of {S} state slots are free")
+        rank = need.to(torch.int64).cumsum(1)
+        fresh = torch.searchsorted(free.to(torch.int64).cumsum(1), rank).clamp(max=S)  # the rank-th free slot
         write = torch.where(need, fresh, torch.where(folds, cur, S))
         return cur, write, need
 
-    def _copy_on_write(self, layer: int, cur: torch.Tensor, write: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-        """[B] int64: the slot each row's fold reads.  A row leaving a shared slot (``need`` with a slot)
-        has its state copied to its fresh slot first (one launch; the other rows' programs copy nothing)
-        and folds there in place: its fold must not read the old slot, which the sharer that keeps it
-        (``_claims``: when every sharer folds in this call) folds in place in the same launch.  The other
-        rows read their own slot (-1: none, S0 = 0)."""
-        src = torch.where(need & (cur >= 0), cur, -1)
+    def _copy_on_write(self, lay: slice, cur: torch.Tensor, write: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+        """[layers, B] int64: the slot each row's fold reads.  A row leaving a shared slot (``need`` with a
+        slot) has its state copied to its fresh slot first (one launch for the layers of ``lay``; the other
+        rows' programs copy nothing) and folds there in place: its fold must not read the old slot, which
+        the sharer that keeps it (``_claims``: when every sharer folds in this call) folds in place in the
+        same launch.  The other rows read their own slot (-1: none, S0 = 0)."""
+        src = torch.where(need & (cur >= 0), cur, -1).contiguous()
+        write = write.contiguous()
         E = self.num_value_heads * self.head_k_dim * self.head_v_dim
         BLOCK = min(4096, block(E))
+        NL, B = src.shape
         with device_guard(src):
-            _copy_slots_kernel[(triton.cdiv(E, BLOCK), src.shape[0])](self._t["state"][layer], src, write, E=E,
-                                                                      BLOCK=BLOCK)
+            _copy_slots_kernel[(triton.cdiv(E, BLOCK), B, NL)](self._t["state"][lay], src, write, B,
+                                                               (self.num_state_slots + 1) * E, E=E, BLOCK=BLOCK)
         return torch.where(src >= 0, write, cur)
 
-    def _rebind(self, layer: int, bs: torch.Tensor, cur: torch.Tensor, write: torch.Tensor,
+    def _rebind(self, lay: slice, bs: torch.Tensor, cur: torch.Tensor, write: torch.Tensor,
                 need: torch.Tensor) -> None:
         """After the folds: the rows that took a fresh slot move their reference from the old one."""
         t, S = self._t, self.num_state_slots
-        refs = t["refs"][layer]
+        refs = t["refs"][lay]
         one = torch.ones_like(cur)
-        refs.scatter_add_(0, torch.where(need & (cur >= 0), cur, S), -one)
-        refs.scatter_add_(0, torch.where(need, write, S), one)
-        t["state_slot"][layer].scatter_(0, bs, torch.where(need, write, cur))
+        refs.scatter_add_(1, torch.where(need & (cur >= 0), cur, S), -one)
+        refs.scatter_add_(1, torch.where(need, write, S), one)
+        t["state_slot"][lay].scatter_(1, bs.expand(cur.shape[0], -1), torch.where(need, write, cur))
 
     # ------------------------------------------------------------------ gather / scatter
     def _gather(self, layer: int, bs: torch.Tensor, cur: Optional[torch.Tensor] = None) -> KVBuffer:
@@ -268,9 +277,10 @@ class KVPool:
                                    tail=tail, scale=scale, initial_state=pick(initial_state), chunk_size=chunk_size)
         buf = buf.replace(state=buf.state.float(), u=buf.u.to(t["u"].dtype), G=buf.G.to(t["G"].dtype),
                           k=buf.k.to(t["k"].dtype))
-        cur, write, need = self._claims(layer, sv, buf.has_state, True)
-        self._scatter(layer, sv, buf, write)
-        self._rebind(layer, sv, cur, write, need)
+        lay = slice(layer, layer + 1)
+        cur, write, need = self._claims(lay, sv, buf.has_state[None], True)
+        self._scatter(layer, sv, buf, write[0])
+        self._rebind(lay, sv, cur, write, need)
         o = new_output((s.shape[0],) + tuple(o_rows.shape[1:]), v.dtype, q.device)
         o[rows] = o_rows.to(v.dtype)
         return o
@@ -285,17 +295,19 @@ class KVPool:
             self._no_pending(layer, bs, s, "decode")
         C, t = self.capacity, self._t
         folds = (s >= 0) & (t["lengths"][layer, bs] >= C)
-        cur, write, need = self._claims(layer, bs, folds, checked)
+        lay = slice(layer, layer + 1)
+        cur, write, need = self._claims(lay, bs, folds[None], checked)
         sc = check_scale(scale, d.K)
         if config is None:
             config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
         cfg = check_config("decode", config)
         if cfg.fold != "group" or C > 32:
             return self._decode_gathered(q, k, v, g, beta, layer, s, bs, cur, write, need, sc, cfg)
+        cur0, write0 = cur[0], write[0]
         o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
         if d.B == 0:
             return o
-        read = self._copy_on_write(layer, cur, write, need)
+        read = self._copy_on_write(lay, cur, write, need)[0]
         pdl = pdl_launch(q, cfg.pdl)
         tokens = dict(q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v), g_ptr=as_input(g),
                       beta_ptr=as_input(beta), o_ptr=o, scale=sc)
@@ -306,28 +318,29 @@ class KVPool:
             BV = _decode._columns(cfg.fold_BV, V)
             FH = math.gcd(HV, cfg.fold_FH)
             _decode._fold_group_slots_kernel[(triton.cdiv(V, BV), d.B * HV // FH)](
-                *pool, **tokens, bslot_ptr=s, sread_ptr=read, swrite_ptr=write, C=C, H=H, HV=HV, K=K, V=V,
+                *pool, **tokens, bslot_ptr=s, sread_ptr=read, swrite_ptr=write0, C=C, H=H, HV=HV, K=K, V=V,
                 CB=block(C), KB=_decode._rows(cfg.fold_KB, K), BV=BV, FH=FH, NS=cfg.fold_NS, CHANNEL=d.channel_gate,
                 num_warps=cfg.fold_warps, **pdl)
             BV = _decode._columns(cfg.BV, V)
             _decode._decode_slots_kernel[(triton.cdiv(V, BV), d.B * HV)](
-                *pool, **tokens, bslot_ptr=s, sslot_ptr=cur, C=C, H=H, HV=HV, K=K, V=V, CB=block(C), BV=BV,
+                *pool, **tokens, bslot_ptr=s, sslot_ptr=cur0, C=C, H=H, HV=HV, K=K, V=V, CB=block(C), BV=BV,
                 KB=_decode._rows(cfg.KB, K), NS=cfg.NS, CHANNEL=d.channel_gate, STORAGE=True, SERVED=True,
                 num_warps=cfg.num_warps, **pdl)
             _decode._book_slots_kernel[(d.B,)](
                 tokens["k_ptr"], tokens["g_ptr"], t["k"][layer], t["G"][layer], t["lengths"][layer],
                 flag_view(t["has_state"][layer]), s, C=C, H=H, HV=HV, K=K, BK=block(K), BH=block(H, 1),
                 BHV=block(HV, 1), CHANNEL=d.channel_gate, num_warps=1, **pdl)
-        self._rebind(layer, bs, cur, write, need)
+        self._rebind(lay, bs, cur, write, need)
         return o
 
     def _decode_gathered(self, q, k, v, g, beta, layer, s, bs, cur, write, need, scale, cfg):
-        """Decode through a gathered KVBuffer (capacities past the grouped fold's 32 rows)."""
-        buf = self._gather(layer, bs, cur)
+        """Decode through a gathered KVBuffer (capacities past the grouped fold's 32 rows); cur, write,
+        need: ``_claims``' [1, B]."""
+        buf = self._gather(layer, bs, cur[0])
         x = self._padded_tokens(s, q=q, k=k, v=v, g=g, beta=beta)
         o, buf = _decode.buffered_decode(x.pop("q"), x.pop("k"), x.pop("v"), **x, buffer=buf, scale=scale, config=cfg)
-        self._scatter(layer, bs, buf, write)
-        self._rebind(layer, bs, cur, write, need)
+        self._scatter(layer, bs, buf, write[0])
+        self._rebind(slice(layer, layer + 1), bs, cur, write, need)
         return o
 
     def verify(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, parents=None, num_drafts=None,
@@ -366,56 +379,64 @@ class KVPool:
         t["pending"][layer].index_fill_(0, bs, True)
         return o
 
-    def accept(self, *, layer: int, slots: torch.Tensor, counts=None, nodes=None, config=None) -> None:
+    def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
+               config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored): the fold launch and the
         copy launch of ``kvbuffer_fast.accept`` on the pool, addressed by slot index (the drafts are read
-        from the slots' draft room)."""
-        layer = self._layer(layer)
+        from the slots' draft room).  ``layer``: an int, or None for every layer at once (the same counts
+        or nodes; each launch then covers all layers, one grid axis per layer)."""
+        lay = slice(0, self.layers) if layer is None else slice(self._layer(layer), self._layer(layer) + 1)
         s, bs, checked = self._rows("slots", slots)
         t = self._t
         if checked:
-            pend = t["pending"][layer, bs] | (s < 0)
+            pend = t["pending"][lay][:, bs] | (s < 0)
             if not bool(pend.all()):
-                raise ValueError(f"slots: slot {int(s[(~pend).nonzero()[0, 0]])} has no verified drafts pending in "
-                                 f"layer {layer}; call verify first")
+                i, b = (int(v) for v in (~pend).nonzero()[0])
+                raise ValueError(f"slots: slot {int(s[b])} has no verified drafts pending in layer {lay.start + i}; "
+                                 f"call verify first")
         if (counts is None) == (nodes is None):
             raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
         name, x = ("counts", counts) if counts is not None else ("nodes", nodes)
         x = torch.where(s >= 0, per_row(name, x, s), 0 if counts is not None else -1)  # pads: accept none
-        nd = torch.where(s >= 0, t["num_drafts"][layer, bs], 0)
-        par = t["parents"][layer, bs]
+        nd = torch.where(s >= 0, t["num_drafts"][lay][:, bs], 0)         # [layers, B]
+        par = t["parents"][lay][:, bs]                                    # [layers, B, D]
         D = self.max_drafts
-        if checked:  # the counts / nodes against the verified drafts (kvbuffer_ref.checks)
-            if counts is not None:
-                chain = torch.arange(-1, D - 1, device=par.device)
-                is_chain = ((par == chain[None, :]) | (torch.arange(D, device=par.device)[None, :] >= nd[:, None])).all(1)
-                check_counts(x, nd, is_chain)
-            else:
-                check_nodes(x, nd)
+        if checked:  # the counts / nodes against each layer's verified drafts (kvbuffer_ref.checks)
+            for i in range(nd.shape[0]):
+                if counts is not None:
+                    chain = torch.arange(-1, D - 1, device=par.device)
+                    is_chain = ((par[i] == chain[None, :]) |
+                                (torch.arange(D, device=par.device)[None, :] >= nd[i][:, None])).all(1)
+                    check_counts(x, nd[i], is_chain)
+                else:
+                    check_nodes(x, nd[i])
         node = (x - 1 if counts is not None else x).contiguous()
         m = _path_lengths(par, node)
-        folds = (s >= 0) & (t["lengths"][layer, bs] + m > self.capacity)
-        cur, write, need = self._claims(layer, bs, folds, checked)
-        B, C, H, HV, K, V = s.shape[0], self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, \
-            self.head_v_dim
+        folds = (s >= 0) & (t["lengths"][lay][:, bs] + m > self.capacity)
+        cur, write, need = self._claims(lay, bs, folds, checked)
+        NL, B = folds.shape
+        C, H, HV, K, V = self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
         if B > 0 and D > 0:
             if config is None:
                 config = config_for("accept", key_of(t["k"], C=C, B=B, HV=HV, V=V, channel=self.channel_gate))
             cfg = check_config("accept", config)
             BV, fold_BV = (max(16, min(v, block(V))) for v in (cfg.BV, cfg.fold_BV))
             NV = triton.cdiv(V, BV)
-            buf = (t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]))
-            room = (t["dk"][layer], t["du"][layer], t["dG"][layer], t["parents"][layer], node, D)
+            l0 = lay.start
+            buf = (t["k"][l0], t["u"][l0], t["G"][l0], t["lengths"][l0], flag_view(t["has_state"][l0]))
+            room = (t["dk"][l0], t["du"][l0], t["dG"][l0], t["parents"][l0], node, D)
             consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), BK=block(K), CHANNEL=self.channel_gate)
-            read = self._copy_on_write(layer, cur, write, need)
+            NR, SR = self.num_buffer_slots + 1, self.num_state_slots + 1
+            read = self._copy_on_write(lay, cur, write, need).contiguous()
             with device_guard(s):
-                _accept_fold_slots_kernel[(triton.cdiv(V, fold_BV), B * HV)](
-                    *buf, t["state"][layer], *room, s, read, write, BV=fold_BV, num_warps=cfg.fold_warps, **consts)
-                _accept_slots_kernel[(NV, B * HV)](*buf, ticket_counters(B, s.device), *room, s, BV=BV, NV=NV,
-                                                   num_warps=cfg.num_warps, **consts)
-        self._rebind(layer, bs, cur, write, need)
-        t["pending"][layer].index_fill_(0, bs, False)
-        t["num_drafts"][layer].index_fill_(0, bs, 0)
+                _accept_fold_slots_kernel[(triton.cdiv(V, fold_BV), B * HV, NL)](
+                    *buf, t["state"][l0], *room, s, read, write.contiguous(), NR, SR, B, BV=fold_BV,
+                    num_warps=cfg.fold_warps, **consts)
+                _accept_slots_kernel[(NV, B * HV, NL)](*buf, ticket_counters(NL * B, s.device), *room, s, NR, B,
+                                                       BV=BV, NV=NV, num_warps=cfg.num_warps, **consts)
+        self._rebind(lay, bs, cur, write, need)
+        t["pending"][lay].index_fill_(1, bs, False)
+        t["num_drafts"][lay].index_fill_(1, bs, 0)
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): one launch on the pool
@@ -430,18 +451,19 @@ class KVPool:
         c = torch.where(s >= 0, n if count is None else per_row("count", count, s), 0)
         c = check_flush_count(c, n, checked)  # 0..lengths
         folds = (s >= 0) & (c > 0)
-        cur, write, need = self._claims(layer, bs, folds, checked)
+        lay = slice(layer, layer + 1)
+        cur, write, need = self._claims(lay, bs, folds[None], checked)
         cfg = check_config("flush", config_for("flush", Key()) if config is None else config)
         B, C, H, HV, K, V = s.shape[0], self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, \
             self.head_v_dim
         if B == 0:
             return
         BV = max(16, min(cfg.BV, block(V)))
-        read = self._copy_on_write(layer, cur, write, need)
+        read = self._copy_on_write(lay, cur, write, need)[0]
         with device_guard(s):
             _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
                 t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]),
-                t["state"][layer], c, s, read, write, C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
+                t["state"][layer], c, s, read, write[0], C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
                 CHANNEL=self.channel_gate, num_warps=cfg.num_warps)
         rows = SimpleNamespace(k=t["k"][layer, bs], G=t["G"][layer, bs])  # keys and G: small, moved in torch
         _shift_keys_and_gates(rows, c)
@@ -449,7 +471,7 @@ class KVPool:
         t["G"][layer, bs] = rows.G
         t["lengths"][layer, bs] = n - c
         t["has_state"][layer, bs] = t["has_state"][layer, bs] | (c > 0)
-        self._rebind(layer, bs, cur, write, need)
+        self._rebind(lay, bs, cur, write, need)
 
     def fork(self, *, src: torch.Tensor, dst: torch.Tensor, keep) -> None:
         """As ``kvbuffer_ref.pool.KVPool.fork``: the state slot is shared (copy-on-write), the first ``keep``
@@ -500,10 +522,13 @@ class KVPool:
 
 
 @triton.jit
-def _copy_slots_kernel(state_ptr, src_ptr, dst_ptr, E: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy state slot ``src[i]`` to slot ``dst[i]`` (E = HV K V elements each; BLOCK of them per
-    program, int64 offsets) for each row i with ``src[i] >= 0``; the other rows' programs copy nothing."""
-    i = tl.program_id(1)
+def _copy_slots_kernel(state_ptr, src_ptr, dst_ptr, B, LAYER, E: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (E / BLOCK, B, layers): in layer l (``LAYER`` state elements after the previous one), copy
+    state slot ``src[l, i]`` to slot ``dst[l, i]`` (E = HV K V elements each; BLOCK of them per program,
+    int64 offsets) for each row i with ``src[l, i] >= 0``; the other rows' programs copy nothing."""
+    i_l = tl.program_id(2).to(tl.int64)
+    i = i_l * B + tl.program_id(1)
+    state_ptr += i_l * LAYER
     s = tl.load(src_ptr + i).to(tl.int64)
     if s >= 0:
         d = tl.load(dst_ptr + i).to(tl.int64)
@@ -513,12 +538,12 @@ def _copy_slots_kernel(state_ptr, src_ptr, dst_ptr, E: tl.constexpr, BLOCK: tl.c
 
 
 def _path_lengths(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
-    """[B] int64: the length of each row's root-to-``node`` path in ``parents`` [B, D] (0 for -1); D steps
-    of static shape (graph-capturable)."""
-    m = torch.zeros_like(node)
-    cur = node.clone()
-    for _ in range(parents.shape[1]):
+    """[layers, B] int64: the length of each row's root-to-``node`` path ([B]) in each layer's ``parents``
+    [layers, B, D] (0 for -1); D steps of static shape (graph-capturable)."""
+    cur = node.expand(parents.shape[0], -1).clone()
+    m = torch.zeros_like(cur)
+    for _ in range(parents.shape[2]):
         on = cur >= 0
         m += on.to(m.dtype)
-        cur = torch.where(on, parents.gather(1, cur.clamp(min=0)[:, None])[:, 0], -1)
+        cur = torch.where(on, parents.gather(2, cur.clamp(min=0)[..., None])[..., 0], -1)
     return m

@@ -136,3 +136,34 @@ def test_fast_state_rules():
         with pytest.raises(ValueError, match=match):
             call()
         assert_untouched(p, before, [], f"rejected call ({match})")
+
+
+@pytest.mark.parametrize("how", ["counts", "nodes"])
+def test_fast_accept_of_every_layer_is_each_layer_alone(how):
+    """accept(layer=None) (one fold and one copy launch over all layers) leaves the pool bit-identical to
+    accepts layer by layer: requests that fold (a first fold from direct mode, one out of a slot shared
+    with a fork: copy-on-write) and requests that do not, a pad row, per-layer tokens."""
+    shapes = dict(SHAPES, layers=3, N=5)
+    a, b = _pool(**shapes), _pool(**shapes)
+    for p in (a, b):
+        s = p.acquire(3).to(DEVICE)
+        for layer in range(3):
+            p.admit(**_tok(1, T=2, seed=layer), layer=layer, slots=s[:1])        # direct, 2 entries
+            p.admit(**_tok(2, T=4, seed=10 + layer), layer=layer, slots=s[1:])   # a state each, 1 entry
+        f = p.acquire(1).to(DEVICE)
+        p.fork(src=s[1:2], dst=f, keep=1)                                       # shares request 1's slot
+        rows = torch.cat([s, torch.tensor([-1], device=DEVICE), f]).to(torch.int32)
+        for layer in range(3):
+            p.verify(**_tok(5, T=3, seed=20 + layer), layer=layer, slots=rows)
+    pick = torch.tensor([3, 1, 0, 99, 3], device=DEVICE)                        # C = 3: rows 0, 4 fold
+    arg = {"counts": pick} if how == "counts" else {"nodes": torch.where(pick == 99, pick, pick - 1)}
+    a.accept(slots=rows, **arg)
+    for layer in range(3):
+        b.accept(layer=layer, slots=rows, **arg)
+    for name, x in a.tensors().items():
+        y = b.tensors()[name]
+        same = (x == y) | (x.isnan() & y.isnan()) if x.dtype.is_floating_point else x == y
+        assert bool(same.all()), f"{name} differs between accept(layer=None) and accepts layer by layer"
+    assert not bool(a.tensors()["pending"].any())
+    slots = a.tensors()["state_slot"]
+    assert bool((slots[:, int(s[0])] >= 0).all()) and bool((slots[:, int(f)] != slots[:, int(s[1])]).all())
