@@ -130,7 +130,7 @@ def tiny_config(model_type: str, *, vocab_size: int = 256, layers: int = 4):
 
 
 def build_model(model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, checkpoint: Optional[str] = None,
-                device=None, **config_kw):
+                device=None, attn_implementation: str = "sdpa", **config_kw):
     """A causal LM of ``model_type``: from ``checkpoint`` (a local directory, ``from_pretrained`` with
     ``local_files_only``) or from ``tiny_config`` with random weights drawn under ``seed``; eval mode,
     eager attention (the path with the custom tree masks), ``dtype`` on ``device``."""
@@ -138,10 +138,10 @@ def build_model(model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.fl
 
     if checkpoint is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, dtype=dtype,
-                                                                  attn_implementation="eager")
+                                                                  attn_implementation=attn_implementation)
     else:
         cfg = tiny_config(model_type, **config_kw)
-        cfg._attn_implementation = "eager"
+        cfg._attn_implementation = attn_implementation
         cfg._experts_implementation = "eager"  # the per-expert loop: also runs in float64 (grouped_mm does not)
         torch.manual_seed(seed)
         model = getattr(transformers, FAMILIES[model_type].causal_lm)(cfg)
@@ -231,8 +231,11 @@ class KVBufferRunner:
     """
 
     def __init__(self, model, *, capacity: int, pool_cls=KVPool, dtype: Optional[torch.dtype] = None,
-                 device=None, max_requests: int = 8, max_drafts: int = 16, chunk_size: int = 64):
+                 device=None, max_requests: int = 8, max_drafts: int = 16, chunk_size: int = 64,
+                 oracle: bool = False):
         self.model, self.family = model, family_of(model)
+        self.oracle = oracle  # the truth: the float64 recurrence with explicit states instead of the pool
+        self._states: dict = {}
         self.modeling = self.family.modeling()
         cls = getattr(self.modeling, self.family.layer_class)
         self.layers = sorted((m for m in model.modules() if isinstance(m, cls)), key=lambda m: m.layer_idx)
@@ -247,7 +250,7 @@ class KVBufferRunner:
         self.pool = pool_cls(layers=len(self.layers), num_state_slots=max_requests, num_buffer_slots=max_requests,
                              capacity=capacity, max_drafts=max_drafts, num_heads=H, num_value_heads=HV, head_k_dim=K,
                              head_v_dim=V, channel_gate=self.family.channel_gate, dtype=self.dtype, device=self.device)
-        self._mode: Optional[str] = None  # admit / decode / verify / oracle, for the forward in progress
+        self._mode: Optional[str] = None  # admit / decode / verify, for the forward in progress
         self._layer: Optional[int] = None
         self._slots: Optional[torch.Tensor] = None
         self._lengths: Optional[list] = None   # admit: each row's prompt length (its left pads stripped)
@@ -262,8 +265,10 @@ class KVBufferRunner:
         if use_qk_l2norm_in_kernel:  # the model module's own L2 norm, as its core function applies it
             q, k = self.modeling.l2norm(q, dim=-1, eps=1e-6), self.modeling.l2norm(k, dim=-1, eps=1e-6)
         x = dict(g=g, beta=beta, layer=self._layer, scale=self.K ** -0.5)
-        if self._mode == "oracle":
-            o, _ = recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=self.K ** -0.5)
+        if self.oracle:  # pads are exact no-ops of the recurrence (zero k and v from a zero state)
+            o, self._states[self._layer] = recurrent_gated_delta_rule(
+                q, k, v, g=g, beta=beta, scale=self.K ** -0.5, initial_state=self._states.get(self._layer),
+                output_final_state=True)
         elif self._mode == "admit":
             T = q.shape[1]
             o = torch.zeros(*v.shape, dtype=dt, device=v.device)
@@ -354,6 +359,7 @@ class KVBufferRunner:
         slots = self.pool.acquire(B)
         cache = self.new_cache()
         pos = _positions(mask)
+        self._states = {}
         toks, logits = [], []
         try:
             with self._step("admit", slots=slots, lengths=lengths):
@@ -484,18 +490,17 @@ def _keep_path(cache, n_new: int, path: Sequence[int]) -> None:
 @torch.no_grad()
 def oracle_logits(model, input_ids, attention_mask, tokens) -> torch.Tensor:
     """The float64 truth of a greedy run: a float64 copy of ``model`` whose linear layers' recurrence is
-    ``kvbuffer_ref.recurrent_gated_delta_rule`` in float64 (everything else the model's own code), run once
-    over prompt + ``tokens`` (teacher forced).  Returns the logits [B, N, vocab] float64 of the steps that
-    chose ``tokens`` [B, N]."""
+    ``kvbuffer_ref.recurrent_gated_delta_rule`` in float64 with its state carried from call to call
+    (everything else the model's own code), run on the same schedule as ``KVBufferRunner.generate`` (the
+    padded prompt, then one token per step) and teacher-forced with ``tokens`` [B, N].  The same schedule
+    matters: some models' own code computes in float32 (Kimi's MoE router), and a float32 product can
+    round differently when the number of rows differs.  Returns the logits [B, N, vocab] float64 of the
+    steps that chose ``tokens``."""
     m64 = copy.deepcopy(model).double()
     m64.config._experts_implementation = "eager"  # grouped_mm takes no float64
-    runner = KVBufferRunner(m64, capacity=1, dtype=torch.float64, max_requests=1)
-    ids = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
-    mask = torch.cat([attention_mask, attention_mask.new_ones(tokens.shape)], dim=1)
-    with runner._step("oracle"):
-        out = m64(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False)
-    T, N = input_ids.shape[1], tokens.shape[1]
-    return out.logits[:, T - 1:T - 1 + N].double()
+    runner = KVBufferRunner(m64, capacity=1, dtype=torch.float64, max_requests=input_ids.shape[0], oracle=True)
+    tokens = tokens.to(input_ids.device)
+    return runner.generate(input_ids, attention_mask, tokens.shape[1], choose=lambda step, _: tokens[:, step])[1]
 
 
 # ------------------------------------------------------------------------------------------- drafters
