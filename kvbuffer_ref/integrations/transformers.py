@@ -349,10 +349,11 @@ class KVBufferRunner:
 
     # ---------------------------------------------------------------- greedy generation
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask, max_new_tokens: int, choose: Optional[Callable] = None):
+    def generate(self, input_ids, attention_mask, max_new_tokens: int, choose: Optional[Callable] = None,
+                 progress: Optional[Callable] = None):
         """Greedy generation through KVBuffer of a left-padded batch: (tokens [B, N], logits [B, N, vocab]
         float64).  ``choose(step, logits [B, vocab]) -> [B] tokens`` replaces argmax (the tests use it to
-        continue from the reference's token at a genuine tie)."""
+        continue from the reference's token at a genuine tie); ``progress(tokens done)`` after each step."""
         B = input_ids.shape[0]
         mask = attention_mask.to(input_ids.device)
         lengths = mask.sum(-1).tolist()
@@ -370,6 +371,8 @@ class KVBufferRunner:
                 nxt = last.argmax(-1) if choose is None else choose(step, last)
                 toks.append(nxt)
                 logits.append(last)
+                if progress is not None:
+                    progress(step + 1)
                 if step == max_new_tokens - 1:
                     break
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
@@ -383,26 +386,28 @@ class KVBufferRunner:
 
     # ---------------------------------------------------------------- speculative decoding
     def bytes_held(self, slots: torch.Tensor) -> list:
-        """State + buffer bytes each request of ``slots`` holds in the pool, over all layers: its state slots
-        (taken at its first fold) and its buffer slot's C entries and draft room."""
+        """What each request of ``slots`` holds in the pool, over all layers, in bytes: ``state`` (its state
+        slots, taken at its first fold), ``buffer`` (its buffer slot's C entries) and ``drafts`` (its draft
+        room), as dicts."""
         t = self.pool.tensors()
-        per_state = t["state"][0, 0].numel() * t["state"].element_size()
-        per_slot = sum(t[n][0, 0].numel() * t[n].element_size() for n in ("k", "u", "G", "dk", "du", "dG"))
+        size = lambda names: sum(t[n][0, 0].numel() * t[n].element_size() for n in names)  # noqa: E731
+        per_state, per_buf, per_draft = size(["state"]), size(["k", "u", "G"]), size(["dk", "du", "dG"])
         out = []
         for b in slots.tolist():
             held = sum(int(t["state_slot"][layer, b]) >= 0 for layer in range(self.pool.layers))
-            out.append(held * per_state + self.pool.layers * per_slot)
+            out.append(dict(state=held * per_state, buffer=self.pool.layers * per_buf,
+                            drafts=self.pool.layers * per_draft))
         return out
 
     @torch.no_grad()
     def speculative_generate(self, input_ids: torch.Tensor, max_new_tokens: int, drafter: Callable,
-                             stats: Optional[SpecStats] = None) -> torch.Tensor:
+                             stats: Optional[SpecStats] = None, progress: Optional[Callable] = None) -> torch.Tensor:
         """Greedy generation of one request (input_ids [1, T]) with drafts: ``drafter(history list) ->
         (tokens, parents)`` proposes draft tokens following the last token (parents[i] = -1 for a child of
         the last token, else an earlier draft's index).  Each round verifies [last token] + drafts through
         ``pool.verify``, accepts the longest path whose tokens equal the model's greedy choices
         (``pool.accept(nodes=...)`` and the model's cache trimmed to the path) and emits the path plus the
-        model's next token.  Returns the N generated tokens [1, N]."""
+        model's next token; ``progress(tokens done)`` after each round.  Returns the N generated tokens [1, N]."""
         stats = stats if stats is not None else SpecStats()
         slots = self.pool.acquire(1)
         cache = self.new_cache()
@@ -463,6 +468,8 @@ class KVBufferRunner:
                 stats.emitted += len(new)
                 gen.extend(new)
                 nxt = gen[-1]
+                if progress is not None:
+                    progress(min(len(gen), max_new_tokens))
             stats.bytes_per_request.extend(self.bytes_held(slots))
         finally:
             self.pool.release(slots)

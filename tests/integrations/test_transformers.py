@@ -156,8 +156,43 @@ def test_speculative_equals_greedy(model_type, drafter):
         assert torch.equal(out, ref), f"seed {seed}: speculative {out.tolist()} != greedy {ref.tolist()}"
     print(f"\n{model_type} {drafter}: acceptance {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.proposed} drafts), "
           f"{stats.tokens_per_verify:.2f} tokens per verify ({stats.emitted} tokens, {stats.verifies} verifies), "
-          f"state+buffer bytes per request {stats.bytes_per_request}")
+          f"pool bytes per request {stats.bytes_per_request}")
     assert stats.verifies > 0 and stats.emitted >= 2 * (TOKENS - 1)  # the first token comes from the prompt
+
+
+def knowing_drafter(prompt_len: int, answer: list, shape: str):
+    """A test drafter that knows the greedy answer, so that long paths get accepted: ``chain``: the next
+    three answer tokens; ``tree``: a wrong first branch, then the answer's path with a wrong sibling at
+    depth two (the accepted path is never the first child)."""
+
+    def draft(history):
+        p = len(history) - prompt_len  # tokens of the answer already in the history
+        nxt = answer[p:p + 3]
+        if len(nxt) < 3:
+            return [], []
+        wrong = [(t + 1) % 256 or 1 for t in nxt]
+        if shape == "chain":
+            return nxt, [-1, 0, 1]
+        return [wrong[0], nxt[0], wrong[1], nxt[1], nxt[2]], [-1, -1, 1, 1, 3]
+
+    return draft
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("model_type", MODELS)
+def test_speculative_accepts_long_paths(model_type, shape):
+    """Accepted paths of several drafts, in a tree off its first branch: still exactly greedy (float64),
+    with 4 tokens per verify while the drafter knows the answer."""
+    m = model(model_type, torch.float64)
+    ids = repetitive_prompt(5)
+    ref, _ = kt.greedy_reference(m, ids, torch.ones_like(ids), TOKENS)
+    runner = kt.KVBufferRunner(m, capacity=4, dtype=torch.float64, max_requests=1, max_drafts=8)
+    stats = kt.SpecStats()
+    out = runner.speculative_generate(ids, TOKENS, knowing_drafter(ids.shape[1], ref[0].tolist(), shape), stats=stats)
+    assert torch.equal(out, ref), f"speculative {out.tolist()} != greedy {ref.tolist()}"
+    print(f"\n{model_type} knowing {shape}: acceptance {stats.acceptance_rate:.2f}, "
+          f"{stats.tokens_per_verify:.2f} tokens per verify")
+    assert stats.accepted >= 3 * (stats.verifies - 3)  # every full round accepts its three answer tokens
 
 
 def test_pool_is_one_per_model_and_empty_after():
