@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 

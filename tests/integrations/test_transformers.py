@@ -217,3 +217,11 @@ def test_reference_path_is_untouched_outside_a_step():
     runner.generate(ids, mask, 2)
     assert {n: getattr(mod, n) for n in before} == before
     assert all("forward" not in vars(layer) for layer in runner.layers)
+
+
+def test_qwen3_5_moe_greedy_equals_transformers():
+    """The MoE variant of Qwen3.5 (same linear layer, its own module) at one capacity, float32."""
+    c, ties, wrong = run_equality("qwen3_5_moe", 16, torch.float32)
+    print(f"\n{c}\nqwen3_5_moe C=16 float32: {len(ties)} tie step(s)")
+    assert not wrong, "\n".join(wrong)
+    assert c.passed, str(c)
