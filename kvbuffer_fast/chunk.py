@@ -99,10 +99,11 @@ def _chunk_prep_kernel(
     w_ptr, ut_ptr, gc_ptr, aqk_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
-    MMA16: tl.constexpr,
+    MMA16: tl.constexpr, LOWP: tl.constexpr = False,
 ):
     """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
-    row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT])."""
+    row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT]).  LOWP: W and
+    U~ are products of 16-bit operands (T diag(beta) rounded to the keys' dtype)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -159,11 +160,16 @@ def _chunk_prep_kernel(
     tl.store(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], QK, mask=m_t[:, None])
     Tb = _unit_lower_inverse(A, BT, PREC) * b_beta[None, :]  # T diag(beta)
     b_v = tl.load(v_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                  other=0.0).to(tl.float32)
-    ut = tl.dot(Tb, b_v, input_precision=PREC)
-    tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
+                  other=0.0)
     kg = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * eg
-    w = tl.dot(Tb, kg, input_precision=PREC)
+    if LOWP:
+        T16 = Tb.to(k_ptr.dtype.element_ty)
+        ut = tl.dot(T16, b_v.to(k_ptr.dtype.element_ty))
+        w = tl.dot(T16, kg.to(k_ptr.dtype.element_ty))
+    else:
+        ut = tl.dot(Tb, b_v.to(tl.float32), input_precision=PREC)
+        w = tl.dot(Tb, kg, input_precision=PREC)
+    tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
     tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w.to(w_ptr.dtype.element_ty), mask=m_tk)
 
 
@@ -203,7 +209,7 @@ def _chunk_state_kernel(
     for c in range(c0, c1):
         start = tl.load(start_ptr + c).to(tl.int64)
         L = tl.load(len_ptr + c)
-        tl.store(h_ptr + (c * HV + i_hv) * K * V + p_kv, s, mask=m_s)  # i_hv int64
+        tl.store(h_ptr + (c * HV + i_hv) * K * V + p_kv, s.to(h_ptr.dtype.element_ty), mask=m_s)  # i_hv int64
         m_t = o_t < L
         tok = start + o_t
         m_tk = m_t[:, None] & m_k[None, :]
@@ -216,7 +222,7 @@ def _chunk_state_kernel(
             ws = tl.dot(w, s, input_precision=PREC)
         u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - ws
         u = tl.where(m_tv, u, 0.0)
-        tl.store(u_ptr + p_tv, u, mask=m_tv)
+        tl.store(u_ptr + p_tv, u.to(u_ptr.dtype.element_ty), mask=m_tv)
         p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
         if CHANNEL:
             G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
@@ -260,9 +266,11 @@ def _chunk_output_kernel(
     q_ptr, u_ptr, h_ptr, gc_ptr, aqk_ptr, start_ptr, len_ptr, o_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
+    LOWP: tl.constexpr = False,
 ):
     """One (chunk, value head, V-tile), all in parallel: O = exp(G) (Q h[c]) + (causal D * Q K^T) U, with
-    h[c] the state before the chunk and U its innovations (both from the state launch)."""
+    h[c] the state before the chunk and U its innovations (both from the state launch).  LOWP: h and U
+    are stored in the keys' 16-bit dtype and the two products take 16-bit operands."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -281,16 +289,26 @@ def _chunk_output_kernel(
     p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
     h = tl.load(h_ptr + (i_c * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
                 mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_q = tl.load(q_ptr + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+    b_q = tl.load(q_ptr + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     if CHANNEL:
         G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        o = tl.dot(b_q * tl.exp(G), h, input_precision=PREC)
+        qg = b_q.to(tl.float32) * tl.exp(G)
+        if LOWP:
+            o = tl.dot(qg.to(h_ptr.dtype.element_ty), h) * scale
+        else:
+            o = tl.dot(qg, h, input_precision=PREC) * scale
     else:
         G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
-        o = tl.dot(b_q, h, input_precision=PREC) * tl.exp(G)[:, None]
+        if LOWP:  # the raw 16-bit rows of q
+            o = tl.dot(b_q, h) * (scale * tl.exp(G))[:, None]
+        else:
+            o = tl.dot(b_q.to(tl.float32), h, input_precision=PREC) * (scale * tl.exp(G))[:, None]
     u = tl.load(u_ptr + p_tv, mask=m_tv, other=0.0)
     aqk = tl.load(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
-    o = tl.dot(aqk, u, o, input_precision=PREC)
+    if LOWP:
+        o = tl.dot(aqk.to(u_ptr.dtype.element_ty), u, o)
+    else:
+        o = tl.dot(aqk, u, o, input_precision=PREC)
     tl.store(o_ptr + p_tv, o.to(o_ptr.dtype.element_ty), mask=m_tv)
 
 
@@ -374,22 +392,23 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
     lowp = k.is_cuda and k.dtype in _SIXTEEN_BIT  # the state pass's products in the keys' dtype
+    fast16 = lowp and cfg.fast16 and q.dtype == k.dtype == v.dtype  # and the prep's and output's
     w = torch.empty(NT, d.HV, d.K, dtype=k.dtype if lowp else torch.float32, device=dev)
     ut = torch.empty(NT, d.HV, d.V, **f32)
-    u = torch.empty(NT, d.HV, d.V, **f32)
-    h = torch.empty(NC, d.HV, d.K, d.V, **f32)
+    u = torch.empty(NT, d.HV, d.V, dtype=k.dtype if fast16 else torch.float32, device=dev)
+    h = torch.empty(NC, d.HV, d.K, d.V, dtype=k.dtype if fast16 else torch.float32, device=dev)
     gc = torch.empty((NT, d.HV, d.K) if d.channel_gate else (NT, d.HV), **f32)
     aqk = torch.empty(NT, d.HV, BT, **f32)
     q, k, v, g, beta = (as_input(x) for x in (q, k, v, g, beta))
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     tail = buffer is not None
-    dummy = u
+    dummy = ut  # fp32
     mma16 = q.is_cuda and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT
     common = dict(H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, CHANNEL=d.channel_gate, PREC=prec)
 
     def prep():
         _chunk_prep_kernel[(NC, d.HV)](
-            q, k, v, g, beta, starts, lens, w, ut, gc, aqk, s, **common, BVF=BVF, MMA16=mma16,
+            q, k, v, g, beta, starts, lens, w, ut, gc, aqk, s, **common, BVF=BVF, MMA16=mma16, LOWP=fast16,
             num_warps=cfg.prep_warps)
 
     def state():
@@ -402,7 +421,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
 
     def output():
         _chunk_output_kernel[(NC, d.HV, triton.cdiv(d.V, BVO))](
-            q, u, h, gc, aqk, starts, lens, o, s, **common, BV=BVO, num_warps=cfg.out_warps)
+            q, u, h, gc, aqk, starts, lens, o, s, **common, BV=BVO, LOWP=fast16, num_warps=cfg.out_warps)
 
     if q.is_cuda:
         limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", None)

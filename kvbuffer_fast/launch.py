@@ -175,6 +175,9 @@ class ChunkConfig:
     prep_warps: int = 4
     out_BV: int = 64
     out_warps: int = 4
+    #: 16-bit q, k and v on CUDA: W and U~ (prep) and the output's two products also take 16-bit operands,
+    #: h and U are stored in that dtype (the state pass's products always do); False keeps those fp32
+    fast16: bool = True
 
 
 @dataclass(frozen=True)

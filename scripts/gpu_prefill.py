@@ -263,7 +263,8 @@ def chunk_flops(B, T, HV, K, V, BT=64):
 #: with twice the columns (fewer loads of W and K per state column; ptxas for sm_90 reports spills of 520 B
 #: per thread for fp32 and 104 B for bf16, against 200 B and none at BV = 16).  state_stages2: the chunk
 #: loop software-pipelined, the next chunk's W and K loaded during this one's products (spills 872 / 344 B).
-VARIANTS = (("ours", None), ("state_bv32", dict(BV=32)), ("state_bv64", dict(BV=64)), ("state_stages2", dict(stages=2)))
+VARIANTS = (("ours", None), ("fast16_off", dict(fast16=False)), ("state_bv32", dict(BV=32)),
+            ("state_stages2", dict(stages=2)), ("out_bv128", dict(out_BV=128)))
 
 
 def variant_config(x, change):
@@ -307,7 +308,8 @@ def timings(fla_fn, quick, deadline):
                 row["ours_config"] = str(variant_config(x, {}))
                 for label, change in VARIANTS:
                     cfg = variant_config(x, change)
-                    if change is not None and cfg == variant_config(x, {}):
+                    if change is not None and (cfg == variant_config(x, {}) or
+                                               ("fast16" in change and dtype == torch.float32)):
                         row[f"{label}_same_as"] = "ours"
                         continue
                     try:

@@ -21,6 +21,7 @@ from kvbuffer_fast.launch import (  # noqa: E402
     SM90_SHARED_BYTES, TABLES, ChunkConfig, DirectConfig, Key, chunk_smem_bytes, config_for)
 from kvbuffer_ref.validate import Case, assert_matches  # noqa: E402
 from kvbuffer_ref.validate import properties as P  # noqa: E402
+from kvbuffer_ref.validate.tolerances import active_contract  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -48,7 +49,10 @@ def _assert_all(results):
 def test_chunk_matches_oracle(dtype, shape, channel, gate, initial):
     B, T, H, HV, K, V = shape
     case = Case(B=B, T=T, H=H, HV=HV, K=K, V=V, channel_gate=channel, gate=gate, seed=sum(shape))
-    _assert_all(P.check_chunk(fast, case, dtype, chunk_size=16, device=DEVICE, with_initial_state=initial))
+    # 16-bit inputs: the chunk kernels' contract is 16-bit products with fp32 accumulation (docs/kernels.md,
+    # "Precision"), so the final state is judged by the "bf16" contract, the outputs by the bf16 budget
+    with active_contract("bf16" if dtype == torch.bfloat16 else "ieee"):
+        _assert_all(P.check_chunk(fast, case, dtype, chunk_size=16, device=DEVICE, with_initial_state=initial))
 
 
 @pytest.mark.parametrize("T,chunk_size,channel", [(70, 64, False), (50, 32, True)], ids=["64-scalar", "32-channel"])
