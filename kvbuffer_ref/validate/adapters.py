@@ -113,6 +113,13 @@ class Implementation:
     beta_max: float = 1.0
     unavailable: str = ""  # why it cannot run here at all (e.g. triton missing): every lane is NOT RUN
     contract: str = "ieee"  # the arithmetic contract it declares (contracts.CONTRACTS)
+    #: {(operation, dtype): contract} where a lane keeps another contract than ``contract`` (e.g. 16-bit
+    #: products in a chunk kernel's 16-bit lanes)
+    lane_contracts: dict = field(default_factory=dict)
+
+    def contract_for(self, op: str, dtype) -> str:
+        """The contract the lane (op, dtype) declares."""
+        return self.lane_contracts.get((op, dtype), self.contract)
     unit_qk: bool = False  # q and k must have unit norm (a kernel that L2-normalises them itself)
 
     def has(self, attr: str) -> bool:
@@ -250,10 +257,14 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
         os.environ[POISON_ENV] = "1"
 
     missing = {a: f"not implemented in {package}" for a in OPERATION_ATTRS if a not in ops}
+    # compiled, the chunk kernels multiply 16-bit inputs in 16-bit products (docs/kernels.md, "Precision")
+    lane_contracts = {} if interpreter_active() else {
+        (op, dt): "bf16" for op in ("chunk", "direct", "prefill") for dt in (torch.float16, torch.bfloat16)}
     return Implementation(name=package, obj=types.SimpleNamespace(prepare=prepare, **ops),
                           dtypes=(torch.float32, torch.float16), forms=("u",), channel_gate=True,
                           interpreted=interpreter_active(), not_provided=missing,
-                          sizes=SMALL if interpreter_active() else NORMAL, in_place=dict(FAST_IN_PLACE))
+                          sizes=SMALL if interpreter_active() else NORMAL, in_place=dict(FAST_IN_PLACE),
+                          lane_contracts=lane_contracts)
 
 
 def unavailable(name: str, reason: str) -> Implementation:

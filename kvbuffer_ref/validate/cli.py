@@ -186,7 +186,7 @@ def _validate(args) -> int:
         except ValueError as e:
             return _bad(str(e))
         for impl in impls:
-            impl.contract = contract
+            impl.contract, impl.lane_contracts = contract, {}
 
     profile = args.profile or os.environ.get("HYPOTHESIS_PROFILE", "ci")
     if profile not in PROFILES:

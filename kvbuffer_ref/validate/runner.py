@@ -202,7 +202,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
             r.failure.pop("_comparisons", None)
         return r
 
-    declared = lane.impl.contract
+    declared = lane.impl.contract_for(lane.op.name, lane.dtype)
     res = under(declared, False)
     if not explain:
         return res
