@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
-# The whole GPU check in one device call (docs/benchmarks.md):
+# The GPU check in named stages (docs/benchmarks.md); a device call runs the stages it names:
 #
-#   bash scripts/gpu_check.sh OUTDIR [--before DIR]     (the fla wheel in .whl/; DIR: an older package root)
+#   bash scripts/gpu_check.sh OUTDIR [STAGES] [--before DIR] [--peer-path P]
 #
-# 1. the kernel tests compiled on the GPU (tests/property/test_fast_*.py, tests/kernels; -n 8);
-# 2. kvbuffer validate --device cuda on the bundled implementations;
-# 3. compute-sanitizer (memcheck over scripts/sanitize.py's edge shapes, racecheck over its --quick set);
-# 4. the GPU runner (python3 -m bench.gpu) into OUTDIR/latest (gpu.json, report.md, latency.png).
-# Each stage has its own time limit (together under the device's 10 minutes a call; the runner under 5: it takes about 130 s for two package roots);
-# a failing stage is reported and the later ones still run.  Prints one JSON line last: the device, the
-# torch and triton versions, each stage's exit status and seconds, and the runner's JSON path.
+# STAGES: a comma list (default: tests,validate,memcheck,racecheck,runner), from
+#   tests      the kernel, pool and lowp tests compiled on the GPU (-n 8)
+#   models     examples/generate.py through kvbuffer_fast's pool for each model (token equality)
+#   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast and fla (and ReplaySSM with --peer-path)
+#   memcheck, racecheck   compute-sanitizer over scripts/sanitize.py's edge shapes (racecheck: --quick)
+#   runner     the benchmark runner (python3 -m bench.gpu) into OUTDIR/latest (--before DIR: an older root too)
+#   prefill    scripts/gpu_prefill.py --timings-only (the chunk kernels against fla)
+#   lowp       scripts/gpu_lowp.py (bf16 state and cache: time and error growth)
+#   tp         scripts/tp_nccl.py (NCCL with 2 GPUs, else --simulate on one)
+# The fla wheel is installed from .whl/ when present.  Each stage has its own time limit; a failing stage
+# is reported and the later ones still run.  Prints one JSON line last: the device, the torch and triton
+# versions, each stage's exit status and seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?give an output dir}
 shift
+STAGES=tests,validate,memcheck,racecheck,runner
+if [ $# -gt 0 ] && [[ $1 != --* ]]; then STAGES=$1; shift; fi
+BEFORE=() PEER=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --before) BEFORE=(--before "$2"); shift 2 ;;
+    --peer-path) PEER=(--peer-path "$2"); shift 2 ;;
+    *) echo "gpu_check: unknown argument $1"; exit 2 ;;
+  esac
+done
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -26,24 +41,44 @@ stage() {  # stage NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
   local s=$(date +%s)
   echo "=== $name (limit ${limit} s)"
-  timeout "$limit" "$@" 2>&1 | tee "$OUTDIR/$name.log" | tail -n 30
-  STATUS+=("\"$name\": {\"exit\": ${PIPESTATUS[0]}, \"seconds\": $(( $(date +%s) - s ))}")
+  timeout "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUTDIR/$name.log"
+  STATUS+=("\"$name\": {\"exit\": $rc, \"seconds\": $(( $(date +%s) - s ))}")
 }
-stage tests 150 python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py tests/kernels -q -p no:cacheprovider -n 8
-CLI=kvbuffer_ref.validate.cli; [ -f kvbuffer_ref/validate/cli.py ] || CLI=kvbuffer_ref.cli  # the `kvbuffer` command
-stage validate 120 python3 -m $CLI validate --device cuda --max-examples 3
-if command -v compute-sanitizer >/dev/null; then
-  stage memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py
-  stage racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py --quick
-else
-  echo "gpu_check: compute-sanitizer not on PATH: memcheck/racecheck not run"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+models() {
+  local rc=0
+  for m in qwen3_next qwen3_5 kimi_linear; do
+    python3 examples/generate.py --model "$m" --device cuda --tokens 128 --drafter tree || rc=1
+  done
+  return $rc
+}
+has tests && stage tests 200 python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py \
+  tests/kernels tests/pool -q -p no:cacheprovider -n 8 --dist loadgroup
+has models && stage models 150 models
+if has validate; then
+  IMPLS=(--impl fast --impl fla)
+  if [ ${#PEER[@]} -gt 0 ]; then IMPLS+=(--impl replayssm); export KVBUFFER_PEER_PATH=${PEER[1]}; fi
+  stage validate 280 python3 -m kvbuffer_ref.validate.cli validate --device cuda \
+    --profile gpu --max-examples 2 "${IMPLS[@]}" --json "$OUTDIR/validate.json"
 fi
-stage runner 270 python3 -m bench.gpu --out "$OUTDIR/latest" --budget-s 240 "$@"
+if has memcheck || has racecheck; then
+  if command -v compute-sanitizer >/dev/null; then
+    has memcheck && stage memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py
+    has racecheck && stage racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py --quick
+  else
+    echo "gpu_check: compute-sanitizer not on PATH: memcheck/racecheck not run"
+  fi
+fi
+has runner && stage runner 270 python3 -m bench.gpu --out "$OUTDIR/latest" --budget-s 240 "${BEFORE[@]}" "${PEER[@]}"
+has prefill && stage prefill 200 python3 scripts/gpu_prefill.py --timings-only --budget-s 170 --out "$OUTDIR/prefill.json"
+has lowp && stage lowp 170 python3 scripts/gpu_lowp.py --out "$OUTDIR/lowp.json"
+has tp && stage tp 120 bash -c 'n=$(python3 -c "import torch;print(torch.cuda.device_count())"); if [ "$n" -ge 2 ]; then python3 scripts/tp_nccl.py; else python3 scripts/tp_nccl.py --simulate; fi'
 python3 - "$OUTDIR" "{$(IFS=,; echo "${STATUS[*]}")}" <<'PY'
 import json, sys, torch, triton
 out, stages = sys.argv[1], json.loads(sys.argv[2])
 print(json.dumps(dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                      torch=torch.__version__, triton=triton.__version__, stages=stages,
-                      runner_json=f"{out}/latest/gpu.json")))
+                      torch=torch.__version__, triton=triton.__version__, stages=stages)))
 sys.exit(any(s["exit"] for s in stages.values()))
 PY
