@@ -1,22 +1,44 @@
 """Peer adapters loaded from a checkout the user points to (never copied into this repository).
 
-``replayssm``: ReplaySSM's GDN decode kernel (``fused_recurrent_gated_delta_rule_replayssm``, a ring of
-recent update vectors replayed instead of a state write per step; github.com/Johnny-Liou/ReplaySSM, a
-vLLM fork, kernels under vllm/model_executor/layers/fla/ops/), loaded from ``--peer-path CHECKOUT`` (or
-$KVBUFFER_PEER_PATH) without importing vllm: the kernel file's two vllm imports (``vllm.triton_utils``:
-triton and tl; ``...mamba.ops.replayssm_config``: the launch configuration) are served by shims written
-to a temporary folder, the checkout's own ``replayssm_config.py`` used when it imports on its own.
+``replayssm``: ReplaySSM's GDN kernels (github.com/Johnny-Liou/ReplaySSM, a vLLM fork; kernels under
+vllm/model_executor/layers/fla/ops/): a ring of recent delta-rule update vectors replayed instead of a
+state write per step.  Loaded from ``--peer-path CHECKOUT`` (or $KVBUFFER_PEER_PATH) without importing
+vllm: the kernel files' vllm imports (``vllm.triton_utils``: triton and tl; the launch table
+``...mamba.ops.replayssm_config``, itself importing ``vllm.platforms``) are served by shims written to a
+temporary folder; the launch table is the checkout's own file (its tuned configs), ``vllm.platforms``
+shimmed by the one capability query it makes.
 
     kvbuffer validate --impl replayssm --peer-path <checkout> --profile gpu --device cuda
 
-The decode kernel is validated as ``recurrent`` (T decode steps, one kernel call each, from an initial
-state or none): its convention is vLLM's (packed ``mixed_qkv`` [N, 2 H K + HV V], raw gating ``A_log``,
-``dt_bias``, ``a``, ``b``, the checkpoint pool [slots, HV, V, K] with slot 0 the null block, the ring
-caches d [slots, HV, L, V], k [slots, H, L, K], g [slots, HV, L] and the per-row cursor ``write_pos``;
-the kernel folds the ring into the checkpoint when the cursor reaches L - 1).  The final state is the
-checkpoint plus the ring replayed by this adapter in float64 (S = exp(G) S0 + sum_i exp(G - G_i) d_i k_i^T):
-what the kernel's next call would reconstruct.  The ring is 4 entries long, so the cases wrap around it.
+How each protocol operation is mapped (vLLM's convention throughout: packed ``mixed_qkv`` [tokens,
+2 H K + HV V], raw gating ``A_log``, ``dt_bias``, ``a``, ``b`` drawn so that -exp(A_log) softplus(a +
+dt_bias) = g and sigmoid(b) = beta, a reset gate (-inf) taken as -200 as this library's convention does,
+q/k normalisation in the kernel off, K and V zero-padded to the kernels' tl.dot tiles, which is exact):
+
+* ``recurrent`` -> the decode kernel ``fused_recurrent_gated_delta_rule_replayssm``: T decode steps, one
+  call each, a ring of 4 (every case wraps around it and folds at cursor 3), the per-row cursor advanced
+  as vLLM advances it.  The final state is the checkpoint plus the ring replayed in float64 (what the
+  kernel's next call reconstructs).
+* ``verify`` (chains) -> the speculative kernel ``gdn_replayssm_spec_decode`` (both launches: verify,
+  and flush for the blocks whose is_flush is set), request b's first num_drafts[b] tokens as its window
+  (vLLM's packed query_start_loc).  The buffer becomes ReplaySSM's storage: its n_b entries the ring's
+  history (d = u, k = k, g = the differences of G) from a rotated origin (so history and window wrap
+  around the ring's end), its stale state the fp32 checkpoint [slots, HV, V, K] of block B - b (block 0
+  the null block, never the identity map), every unused ring row, the null block and a spare block NaN.
+  The ring is sized as ReplaySSM's backend sizes it for a base history of C (the buffer's capacity):
+  L = C + T (T = the drafts' width), physical buf = next_pow2(L); is_flush as its cursor kernel sets it
+  (n_b + 2T > L).  A draft tree is refused (NotImplementedError): its window is one chain per request.
+* ``accept`` (counts, or nodes of a chain) -> its cursor kernel ``commit_gdn_replayssm_spec`` (num_accepted
+  = counts) on a copy of the cursors; the returned buffer is the ring read back from the new cursors (its
+  capacity grows to the accepted count where that exceeds C: ReplaySSM's ring holds L = C + T rows).
+* ``buffered_decode`` -> a round of a one-token window, committed (ReplaySSM's decode in its speculative
+  regime; the round of a full buffer is a flush round).
+* ``flush`` -> the oracle's fold of the ring's contents in float64: ReplaySSM folds only inside a round.
+* not provided: materialize_state, prefill (vLLM's chunk kernel), chunk and direct forms, trees.
+
 Its arithmetic contract is declared "tf32": ``tl.dot`` of float32 operands multiplies in TF32 on a GPU.
+``emulation()`` is a float64 PyTorch model of the three kernels as their source reads; the CPU tests
+validate the mapping through it, so a GPU run only has to show that the kernels compute what it does.
 """
 
 from __future__ import annotations
