@@ -1,11 +1,12 @@
 """The GPU runner: every benchmarked operation as a model runs it, in device time, in one call.
 
     python3 -m bench.gpu [--out DIR] [--before DIR] [--batches 64,128,256,512] [--layers 4]
-                         [--set OP.FIELD=VALUE ...] [--smoke]
+                         [--ops OP,...] [--peer-path REPLAYSSM_CHECKOUT] [--set OP.FIELD=VALUE ...] [--smoke]
 
 For each batch and each operation of ``bench/workloads.py`` (decode over a whole buffer cycle, the
 fold included; verify of d drafts; accept of m; a speculative round; with their peers: the recurrent
-baseline, the per-draft-state baseline, fla's fused_recurrent and chunk kernels), the runner
+baseline, the per-draft-state baseline, fla's fused_recurrent and chunk kernels; the serving pool
+``kvbuffer_fast.pool.KVPool``; ReplaySSM's decode and speculative kernels from ``--peer-path``), the runner
 
 1. builds ``--layers`` layers of distinct states and buffers and compares layer 0's eager result,
    compiled, with the float64 oracle: a wrong result is recorded and not timed;
@@ -147,8 +148,10 @@ def _row(case, ms: float, method: str, copy: dict) -> dict:
                                                             for c in case.checks], note=case.note)
 
 
-def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None) -> dict:
-    """Every case of ``plan`` against the kvbuffer_fast on ``sys.path``: rows, skips, failures."""
+def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None, peer_path=None) -> dict:
+    """Every case of ``plan`` against the kvbuffer_fast on ``sys.path``: rows, skips, failures.  A peer's
+    case (ReplaySSM's kernels, from ``peer_path``) is timed even where its error is past the budget: its
+    row carries the comparisons and ``within_budget: false``."""
     import torch
 
     from bench import workloads as W
@@ -156,7 +159,7 @@ def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None) -> di
     import kvbuffer_fast
 
     device = "cpu" if smoke else "cuda"
-    api = W.Api(overrides)
+    api = W.Api(overrides, peer_path=peer_path)
     package = Path(kvbuffer_fast.__file__).resolve().parent.parent
     out = dict(versions(), api=api.name, package=str(package), sources_sha256=sources_digest(package), rows=[],
                skips=[], failures=[])
@@ -178,7 +181,7 @@ def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None) -> di
                 out["failures"].append(dict(tag, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(limit=4)))
                 print(f"!! {op} B={B}: {type(e).__name__}: {e}", flush=True)
                 continue
-            if not case.passed:
+            if not case.passed and not (case.peer and case.checks):
                 bad = [c["text"] for c in case.checks if not c["passed"]]
                 out["failures"].append(dict(tag, error="wrong result, not timed: " + "; ".join(bad)))
                 print(f"!! {op} B={B}: wrong result, not timed: {bad}", flush=True)
@@ -189,6 +192,7 @@ def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None) -> di
                 out["failures"].append(dict(tag, error=f"timing: {type(e).__name__}: {e}"))
                 continue
             row = _row(case, ms, method, out["copy"])
+            row["within_budget"] = case.passed
             out["rows"].append(row)
             print(f"{op:28s} B={B:4d} {row['device_us']:10.1f} us  {row['vs_floor']:.2f}x floor", flush=True)
             del case
@@ -258,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="OP.FIELD=VALUE",
                     help="a launch-config field for this run (config API only), e.g. decode.fold_FH=4")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: tests the runner")
+    ap.add_argument("--peer-path", metavar="CHECKOUT",
+                    help="a ReplaySSM checkout (github.com/Johnny-Liou/ReplaySSM): times its kernels "
+                         "(replayssm_decode, replayssm_round), loaded from there; without it those ops are skipped")
     ap.add_argument("--budget-s", type=float, default=TIME_BUDGET_S, help="time budget of the whole run")
     ap.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # one package root, into JSON
     ap.add_argument("--package-root", help=argparse.SUPPRESS)
@@ -289,21 +296,22 @@ def main(argv=None) -> int:
         got = Path(kvbuffer_fast.__file__).resolve().parent.parent
         if args.package_root and got != Path(args.package_root).resolve():
             raise SystemExit(f"bench.gpu worker: kvbuffer_fast came from {got}, not {args.package_root}")
-        res = measure(plan, {}, args.smoke, start + args.budget_s, ops)
+        res = measure(plan, {}, args.smoke, start + args.budget_s, ops, args.peer_path)
         Path(args.worker).write_text(json.dumps(res))
         return 0
 
     result = dict(kind="kvbuffer-gpu-runner", smoke=args.smoke, started=time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                      time.gmtime()),
-                  plan=plan.as_dict(), overrides=overrides, **git_commit())
+                  plan=plan.as_dict(), overrides=overrides, peer_path=args.peer_path, **git_commit())
     trees = {}
     if args.before:  # first, while this process holds no device memory
         passthru = ["--budget-s", str(args.budget_s / 2)] + (["--smoke"] if args.smoke else [])
-        for flag, value in (("--batches", args.batches), ("--layers", args.layers), ("--ops", args.ops)):
+        for flag, value in (("--batches", args.batches), ("--layers", args.layers), ("--ops", args.ops),
+                            ("--peer-path", args.peer_path)):
             passthru += [flag, str(value)] if value else []
         trees["before"] = measure_before(Path(args.before), passthru, timeout=args.budget_s / 2 + 120)
     remaining = args.budget_s - (time.time() - start)
-    trees["after"] = measure(plan, overrides, args.smoke, time.time() + remaining, ops)
+    trees["after"] = measure(plan, overrides, args.smoke, time.time() + remaining, ops, args.peer_path)
     for tree in trees.values():
         ratios(tree["rows"])
     result.update({k: v for k, v in trees["after"].items() if k in ("device", "torch", "triton", "fla", "python",

@@ -40,24 +40,37 @@ def _x(x) -> str:
 
 # ----------------------------------------------------------------------------- the runner's JSON
 def group_table(rows: list, group: str):
-    """One row per batch: every op of the group (device µs, times its floor) and the lead op's ratios."""
+    """One row per batch: every op of the group (device µs, times its floor), then every ratio of an op of
+    the group to each of its peers present (``vs_<peer>``: ours to the baselines, to fla, to ReplaySSM)."""
     from bench.workloads import OPS, PEERS
 
     ops = [o for o in OPS if OPS[o] == group and any(r["op"] == o for r in rows)]
-    lead = next((o for o in ops if o in PEERS), None)
-    peers = [p for p in PEERS.get(lead, ()) if p in ops]
-    header = ["B"] + [f"{o} µs (x floor)" for o in ops] + [f"{lead} / {p}" for p in peers]
+    present = {r["op"] for r in rows}
+    pairs = [(o, p) for o in ops for p in PEERS.get(o, ()) if p in present]
+    header = ["B"] + [f"{o} µs (x floor)" for o in ops] + [f"{o} / {p}" for o, p in pairs]
     by = {(r["op"], r["B"]): r for r in rows}
     out = []
     for B in sorted({r["B"] for r in rows if r["op"] in ops}):
         line = [B]
         for o in ops:
             r = by.get((o, B))
-            line.append(f"{_us(r['device_us'])} ({r['vs_floor']:.2f})" if r else "–")
-        lr = by.get((lead, B), {})
-        line += [_x(lr.get(f"vs_{p}")) for p in peers]
+            line.append(f"{_us(r['device_us'])} ({r['vs_floor']:.2f})" + ("" if r.get("within_budget", True)
+                                                                         else " [past budget]") if r else "–")
+        line += [_x(by.get((o, B), {}).get(f"vs_{p}")) for o, p in pairs]
         out.append(line)
     return header, out
+
+
+def peer_errors(rows: list) -> list:
+    """[op, B, comparison, worst rel, budget, within] of every peer row (ReplaySSM's): its error against the
+    float64 oracle beside its time."""
+    out = []
+    for r in rows:
+        if r["op"].startswith("replayssm"):
+            for c in r.get("checks", []):
+                out.append([r["op"], r["B"], c.get("name"), f"{c.get('worst_rel', float('nan')):.2e}",
+                            f"{c.get('budget', float('nan')):.2e}", "yes" if c.get("passed") else "NO"])
+    return out
 
 
 def _meta_lines(result: dict) -> list:
@@ -100,6 +113,12 @@ def runner_markdown(result: dict) -> str:
         h, rows = group_table(after.get("rows", []), group)
         if rows:
             md += [f"## {title}", "", _table(h, rows), ""]
+    perr = peer_errors(after.get("rows", []))
+    if perr:
+        md += ["## ReplaySSM against the float64 oracle", "",
+               f"Its kernels from `{result.get('peer_path')}`, layer 0's comparisons (requests 0 and B - 1) under the "
+               "tolerance table of the token dtype; a peer is timed even past the budget.", "",
+               _table(["op", "B", "comparison", "worst rel-RMS", "budget", "within"], perr), ""]
     if result.get("before_after"):
         rows = [[r["op"], r["B"], _us(r["before_us"]), _us(r["after_us"]), _x(r["ratio"])]
                 for r in result["before_after"]]

@@ -116,10 +116,12 @@ class Api:
     never written.
     """
 
-    def __init__(self, overrides: Optional[dict] = None):
+    def __init__(self, overrides: Optional[dict] = None, peer_path: Optional[str] = None):
         import kvbuffer_fast as fast
 
         self.fast = fast
+        self.peer_path = peer_path
+        self._replayssm = None
         here = os.path.dirname(fast.__file__)  # not find_spec: an editable install maps names to its own tree
         self.config_api = os.path.exists(os.path.join(here, "baselines.py"))
         self.overrides = overrides or {}
@@ -142,6 +144,31 @@ class Api:
     @property
     def name(self) -> str:
         return "config" if self.config_api else "keyword"
+
+    def pool_class(self):
+        """kvbuffer_fast.pool.KVPool, the serving pool engines call (Skip where this package has none)."""
+        try:
+            return importlib.import_module("kvbuffer_fast.pool").KVPool
+        except (ImportError, AttributeError) as e:
+            raise Skip(f"this kvbuffer_fast has no serving pool (kvbuffer_fast.pool.KVPool): {e}") from None
+
+    def replayssm(self, device: str):
+        """(decode module, speculative module) of ReplaySSM's kernels from ``--peer-path`` (Skip: none given,
+        or the Triton interpreter, which rejects their masks)."""
+        if device == "cpu":
+            raise Skip("ReplaySSM's kernels do not run under the Triton interpreter (triton 3.9: 'mask has "
+                       "unsupported dtype'): run bench.gpu on the GPU with --peer-path <checkout>")
+        if not self.peer_path:
+            raise Skip("no --peer-path: give a ReplaySSM checkout (github.com/Johnny-Liou/ReplaySSM) to time its "
+                       "kernels; they are loaded from there, never copied here")
+        if self._replayssm is None:
+            from bench import replayssm as R
+            from kvbuffer_ref.validate.adapters import AdapterError
+            try:
+                self._replayssm = R.load(self.peer_path)
+            except AdapterError as e:
+                raise Skip(str(e)) from None
+        return self._replayssm
 
     def kwargs(self, op: str, fn: Callable, x: dict, C: int = 0) -> dict:
         """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x``:
@@ -299,6 +326,7 @@ class Case:
     checks: list
     info: dict = field(default_factory=dict)
     note: str = ""
+    peer: bool = False  # another project's kernel: timed even where its error is past our budget (recorded)
 
     @property
     def passed(self) -> bool:
@@ -553,22 +581,239 @@ class _Builder:
         return self.case("per_draft_state_round", "round", run, self.L,
                          io.per_draft_verify(self.s, self.B, d) + io.per_draft_accept(self.s, self.B), checks, d=d, m=m)
 
+    # ------------------------------------------------------------------ the serving pool (kvbuffer_fast.pool)
+    def _pool(self, buffered: int):
+        """A KVPool of every layer holding the batch after the history (prompts admitted, the last
+        ``buffered`` tokens buffered), and the slots as an engine passes them: int32, in the batch's order
+        (a permutation of the acquired slots, not 0..B-1)."""
+        KVPool = self.api.pool_class()
+        s, B, dev = self.s, self.B, self.wl.device
+        pool = KVPool(layers=self.L, num_state_slots=B, num_buffer_slots=B, capacity=self.p.C,
+                      max_drafts=self.p.drafts, num_heads=s.H, num_value_heads=s.HV, head_k_dim=s.K, head_v_dim=s.V,
+                      dtype=torch.float32, key_dtype=self.wl.dtype, device=dev)
+        got = pool.acquire(B)
+        perm = torch.randperm(B, generator=torch.Generator().manual_seed(5)).to(got.device)
+        slots = got[perm].to(torch.int32)
+        hist = self.wl.history(buffered=buffered)
+        rows = torch.arange(B) % 2
+        x = {n: t.index_select(0, rows).to(dev) for n, t in hist.x.items()}
+        for layer in range(self.L):
+            pool.admit(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], layer=layer, slots=slots, tail=buffered)
+        return pool, slots, hist
+
+    def pool_decode(self) -> Case:
+        C = self.p.C
+        pool, slots, hist = self._pool(buffered=C)
+        xs = self._tokens(C, seed=2)
+        steps = [self.wl.steps(x) for x in xs]
+        truth = self.wl.truth(xs[0], hist)
+
+        def step(layer, st):
+            return pool.decode(st["q"], st["k"], st["v"], g=st["g"], beta=st["beta"], layer=layer, slots=slots)
+        outs = [step(0, st) for st in steps[0]]
+        checks = [self.wl.compare(f"pool_decode[C={C}] cycle.o", torch.cat(outs, dim=1), truth)]
+        lengths = pool.tensors()["lengths"][0].index_select(0, slots.long())
+        if not bool((lengths == C).all()):
+            checks.append(dict(name="pool_decode: every buffer full again after a cycle", passed=False,
+                               text=f"lengths {lengths.tolist()} after a cycle, expected all {C}"))
+
+        def run():
+            for t in range(C):
+                for layer in range(self.L):
+                    step(layer, steps[layer][t])
+        return self.case("pool_decode", "decode", run, self.L * C, io.buffered_cycle_step(self.s, self.B, C), checks,
+                         C=C)
+
+    def _pool_round(self, op: str, per_layer: bool) -> Case:
+        n, d, m, B, dev = self.p.fill, self.p.drafts, self.p.accepted, self.B, self.wl.device
+        pool, slots, hist = self._pool(buffered=n)
+        xs = self._tokens(d, seed=9)
+        parents = torch.arange(-1, d - 1, device=dev, dtype=torch.int32).expand(B, d).contiguous()
+        num_drafts = torch.full((B,), d, device=dev, dtype=torch.int32)
+        counts = torch.full((B,), m, device=dev, dtype=torch.int32)
+        lengths, s64 = pool.tensors()["lengths"], slots.long()
+
+        def verify_all():
+            return [pool.verify(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], layer=layer, slots=slots,
+                                parents=parents, num_drafts=num_drafts) for layer, x in enumerate(xs)]
+
+        def accept_all():
+            if per_layer:
+                for layer in range(self.L):
+                    pool.accept(slots=slots, counts=counts, layer=layer)
+            else:
+                pool.accept(slots=slots, counts=counts)  # every layer in one launch (layer=None)
+        o = verify_all()[0]
+        accept_all()
+        truth_m = self.wl.truth(xs[0], hist, upto=m)
+        checks = [self.wl.compare(f"{op}[d={d}].o", o, self.wl.truth(xs[0], hist)),
+                  self.wl.compare(f"{op}[d={d}, m={m}].state_after_accept", pool.state_of(layer=0, slots=slots),
+                                  truth_m, state=True)]
+
+        def run():
+            lengths.index_fill_(1, s64, n)  # every layer back to n entries
+            verify_all()
+            accept_all()
+        c = self.case(op, "round", run, self.L, io.buffered_verify(self.s, B, n, d) + io.buffered_accept(self.s, B, m),
+                      checks, C=self.p.C, n=n, d=d, m=m)
+        c.note = ("one fill of every layer's lengths back to n per replay (one tiny kernel); accept "
+                  + ("per layer (layer=l)" if per_layer else "of every layer in one call (layer=None)"))
+        return c
+
+    def pool_round(self) -> Case:
+        return self._pool_round("pool_round", per_layer=False)
+
+    def pool_round_per_layer(self) -> Case:
+        return self._pool_round("pool_round_per_layer", per_layer=True)
+
+    # ------------------------------------------------------------------ ReplaySSM (--peer-path)
+    def _blocks(self) -> torch.Tensor:
+        """vLLM's state indices: a block per request, 1..B in a shuffled order (block 0 is the null block)."""
+        perm = torch.randperm(self.B, generator=torch.Generator().manual_seed(7)) + 1
+        return perm.to(device=self.wl.device, dtype=torch.int32)
+
+    def replayssm_decode(self) -> Case:
+        from bench import replayssm as R
+
+        dec, _ = self.api.replayssm(self.wl.device)
+        fn = dec.fused_recurrent_gated_delta_rule_replayssm
+        s, B, dev, dt, Lr = self.s, self.B, self.wl.device, self.wl.dtype, 16
+        hist = self.wl.history(buffered=0)
+        xs = self._tokens(Lr, seed=2)
+        blocks = self._blocks()
+        bl = blocks.long()
+        layers = []
+        for layer, x in enumerate(xs):
+            h = torch.zeros(B + 1, s.HV, s.V, s.K, device=dev)
+            h[bl] = hist.buffer.state.float().transpose(-1, -2)
+            ring = dict(h=h, d=torch.zeros(B + 1, s.HV, Lr, s.V, device=dev, dtype=dt),
+                        k=torch.zeros(B + 1, s.H, Lr, s.K, device=dev, dtype=dt),
+                        g=torch.zeros(B + 1, s.HV, Lr, device=dev))
+            steps = []
+            for t, st in enumerate(self.wl.steps(x)):
+                A_log, dt_bias, a, b = R.raw_gates(st["g"][:, 0], st["beta"][:, 0], seed=100 + layer)
+                steps.append(dict(mixed=R.pack(st), a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                                  out=torch.empty(B, s.HV, s.V, device=dev, dtype=dt),
+                                  pos=torch.full((B,), t, device=dev, dtype=torch.int32)))
+            layers.append((ring, steps))
+        scale = s.K ** -0.5
+
+        def step(ring, st):
+            fn(st["mixed"], st["a"], st["b"], st["A_log"], st["dt_bias"], scale, ring["h"], ring["d"], ring["k"],
+               ring["g"], st["out"], blocks, st["pos"], use_qk_l2norm_in_kernel=False)
+        ring0, steps0 = layers[0]
+        for st in steps0:
+            step(ring0, st)
+        truth = self.wl.truth(xs[0], hist)
+        o = torch.stack([st["out"] for st in steps0], 1)
+        S = R.ring_state(ring0["h"], ring0["d"], ring0["k"], ring0["g"], blocks, [0] * B)
+        checks = [self.wl.compare(f"replayssm_decode[L={Lr}] cycle.o", o, truth),
+                  self.wl.compare(f"replayssm_decode[L={Lr}] cycle.state", S, truth, state=True)]
+
+        def run():
+            for t in range(Lr):
+                for ring, steps in layers:
+                    step(ring, steps[t])
+        ent = R.entry_bytes(s, B)
+        nbytes = io.state_bytes(s, B) * (1 + 1 / Lr) + ent * (sum(range(Lr)) / Lr + (Lr - 1) / Lr)
+        c = self.case("replayssm_decode", "decode", run, self.L * Lr, nbytes, checks, C=Lr)
+        c.peer, c.note = True, (f"ReplaySSM's fused_recurrent_gated_delta_rule_replayssm, a cycle of its ring of {Lr} "
+                                f"(the fold at cursor {Lr - 1}), cursors per row as vLLM passes them")
+        return c
+
+    def replayssm_round(self) -> Case:
+        from bench import replayssm as R
+
+        _, spec = self.api.replayssm(self.wl.device)
+        s, B, dev, dt = self.s, self.B, self.wl.device, self.wl.dtype
+        n, T, m, C = self.p.fill, self.p.drafts, self.p.accepted, self.p.C
+        Lc = C + T  # vLLM: max_cache_len = replayssm_buffer_len + max_spec_len
+        Rb = 1 << (Lc - 1).bit_length()  # its physical ring, next_pow2(L)
+        hist = self.wl.history(buffered=n)
+        hb = hist.buffer
+        blocks = self._blocks()
+        bl = blocks.long()
+        base0 = (Rb - n // 2) % Rb  # the history wraps around the ring's end, as a running ring's does
+        pos = (base0 + torch.arange(n, device=dev)) % Rb
+        gg = torch.diff(hb.G[:, :n].double(), dim=1, prepend=torch.zeros_like(hb.G[:, :1].double())).float()
+        xs = self._tokens(T, seed=9)
+        layers = []
+        for layer, x in enumerate(xs):
+            h = torch.zeros(B + 1, s.HV, s.V, s.K, device=dev)
+            h[bl] = hb.state.float().transpose(-1, -2)
+            d = torch.zeros(B + 1, s.HV, Rb, s.V, device=dev, dtype=dt)
+            k = torch.zeros(B + 1, s.H, Rb, s.K, device=dev, dtype=dt)
+            g = torch.zeros(B + 1, s.HV, Rb, device=dev)
+            d[bl[:, None], :, pos[None, :]] = hb.u[:, :n].to(dt)  # [B, n, HV, V] into [.., HV, pos, V]
+            k[bl[:, None], :, pos[None, :]] = hb.k[:, :n].to(dt)
+            g[bl[:, None], :, pos[None, :]] = gg
+            A_log, dt_bias, a, b = R.raw_gates(x["g"].reshape(B * T, s.HV), x["beta"].reshape(B * T, s.HV),
+                                               seed=200 + layer)
+            layers.append(dict(h=h, d=d, k=k, g=g, mixed=R.pack(x), a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                               out=torch.empty(B * T, s.HV, s.V, device=dev, dtype=dt)))
+        cur0 = dict(write_pos=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+                    cache_base=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+                    is_flush=torch.zeros(B + 1, dtype=torch.int8, device=dev))
+        cur0["write_pos"][bl] = n
+        cur0["cache_base"][bl] = base0
+        cur0["is_flush"][bl] = int(n + 2 * T > Lc)  # as its cursor kernel sets it
+        cur = {name: t.clone() for name, t in cur0.items()}
+        qsl = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
+        accepted = torch.full((B,), m, device=dev, dtype=torch.int32)
+        scale = s.K ** -0.5
+
+        def round_():
+            for ly in layers:
+                spec.gdn_replayssm_spec_decode(ly["mixed"], ly["a"], ly["b"], ly["A_log"], ly["dt_bias"], ly["h"],
+                                               ly["d"], ly["k"], ly["g"], ly["out"], qsl, blocks, cur["write_pos"],
+                                               cur["cache_base"], cur["is_flush"], max_cache_len=Lc, max_spec_len=T,
+                                               scale=scale, use_qk_l2norm_in_kernel=False)
+            spec.commit_gdn_replayssm_spec(cur["write_pos"], cur["cache_base"], cur["is_flush"], accepted, blocks,
+                                           max_cache_len=Lc, max_spec_len=T, cache_buf_len=Rb)
+        round_()
+        ly0 = layers[0]
+        S = R.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
+                         cur["cache_base"][bl].tolist())
+        checks = [self.wl.compare(f"replayssm_round[T={T}].o", ly0["out"].view(B, T, s.HV, s.V),
+                                  self.wl.truth(xs[0], hist)),
+                  self.wl.compare(f"replayssm_round[T={T}, m={m}].state_after_commit", S,
+                                  self.wl.truth(xs[0], hist, upto=m), state=True)]
+
+        def run():
+            for name, t in cur.items():  # back to n entries of history (three tiny copies)
+                t.copy_(cur0[name])
+            round_()
+        ent = R.entry_bytes(s, B)
+        c = self.case("replayssm_round", "round", run, self.L, io.state_bytes(s, B) + (n + T) * ent, checks, C=C, n=n,
+                      d=T, m=m)
+        c.peer, c.note = True, (f"ReplaySSM's gdn_replayssm_spec_decode on every layer (L = C + T = {Lc}, ring "
+                                f"{Rb}), then one commit_gdn_replayssm_spec for all layers; each replay first "
+                                "restores the cursors to n entries (three tiny copies), so no round folds")
+        return c
+
 
 #: op -> group, in the order the runner measures them.
 OPS = {
     "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
+    "pool_decode": "decode", "replayssm_decode": "decode",
     "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
     "fla_chunk_tokens": "verify",
     "accept": "accept", "per_draft_state_accept": "accept",
-    "round": "round", "per_draft_state_round": "round",
+    "round": "round", "pool_round": "round", "pool_round_per_layer": "round", "per_draft_state_round": "round",
+    "replayssm_round": "round",
 }
 GROUPS = ("decode", "verify", "accept", "round")
 #: The op each group is about, and the peers its ratios are taken against (same run, same batch).
 PEERS = {
-    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent"),
+    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode"),
+    "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode"),
     "verify": ("per_draft_state_verify", "fla_fused_recurrent_tokens", "fla_chunk_tokens"),
     "accept": ("per_draft_state_accept",),
-    "round": ("per_draft_state_round", "fla_fused_recurrent_tokens"),
+    "round": ("per_draft_state_round", "fla_fused_recurrent_tokens", "replayssm_round"),
+    "pool_round": ("round", "per_draft_state_round", "replayssm_round"),
+    "pool_round_per_layer": ("pool_round", "replayssm_round"),
+    "replayssm_decode": ("recurrent_decode",),
+    "replayssm_round": ("per_draft_state_round",),
 }
 
 

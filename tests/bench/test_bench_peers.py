@@ -1,0 +1,85 @@
+"""The peers in the benchmark: the serving pool's ops run end to end under --smoke (CPU, Triton interpreter),
+ReplaySSM's ops skip there with the reason, and their cases (ring layout, cursors, the state the kernels
+would reconstruct) match the oracle when driven through the PyTorch model of ReplaySSM's kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton not installed: the benchmarks time the Triton kernels")
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL_OPS = "buffered_decode,pool_decode,round,pool_round,pool_round_per_layer"
+
+
+def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for name in [n for n in env if n.startswith("PYTEST_")]:
+        env.pop(name)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out), "--peer-path", "/nonexistent",
+                        "--ops", POOL_OPS + ",replayssm_decode,replayssm_round"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "gpu.json").read_text())
+    tree = data["trees"]["after"]
+    assert not tree["failures"], tree["failures"]
+    rows = {row["op"]: row for row in tree["rows"]}
+    assert set(rows) == set(POOL_OPS.split(","))
+    for row in rows.values():
+        assert row["checks"] and all(c["passed"] for c in row["checks"]) and row["within_budget"], row
+    assert rows["pool_decode"]["ops_per_replay"] == 2 * 4  # layers x a cycle of C steps
+    assert rows["pool_round"]["vs_round"] > 0 and rows["pool_round_per_layer"]["vs_pool_round"] > 0
+    skipped = {s["op"]: s["reason"] for s in tree["skips"]}
+    assert set(skipped) == {"replayssm_decode", "replayssm_round"}
+    assert all("Triton interpreter" in why for why in skipped.values())
+    md = (out / "report.md").read_text()
+    assert "pool_round / round" in md and "pool_round_per_layer / pool_round" in md and "replayssm_round" in md
+
+
+def _replayssm_api(**replace):
+    from bench import workloads as W
+    from kvbuffer_ref.validate.peers import emulation
+
+    em = emulation(**replace)
+    api = W.Api()
+    api.replayssm = lambda device: (types.SimpleNamespace(
+        fused_recurrent_gated_delta_rule_replayssm=em.fused_recurrent_gated_delta_rule_replayssm),
+        types.SimpleNamespace(gdn_replayssm_spec_decode=em.gdn_replayssm_spec_decode,
+                              commit_gdn_replayssm_spec=em.commit_gdn_replayssm_spec))
+    return W, api
+
+
+@pytest.mark.parametrize("op", ["replayssm_decode", "replayssm_round"])
+def test_replayssm_cases_match_the_oracle_through_the_kernel_model(op):
+    W, api = _replayssm_api()
+    case = W.build(op, api, W.Workload(W.SMOKE, 3, "cpu"))
+    assert case.peer and case.passed, [c["text"] for c in case.checks]
+    assert len(case.checks) == 2 and case.io_bytes > 0
+    case.run()  # a replay: the cursors restored (round) or a whole ring cycle (decode)
+
+
+def test_a_wrong_cursor_model_fails_the_round_check():
+    from kvbuffer_ref.validate.peers import _em_commit
+
+    def no_advance(write_pos, cache_base, is_flush, num_accepted, state_batch_indices, **kw):
+        _em_commit(write_pos, cache_base, is_flush, num_accepted * 0, state_batch_indices, **kw)
+    W, api = _replayssm_api(commit_gdn_replayssm_spec=no_advance)
+    case = W.build("replayssm_round", api, W.Workload(W.SMOKE, 3, "cpu"))
+    assert not case.passed and "state_after_commit" in next(c["name"] for c in case.checks if not c["passed"])
+
+
+def test_replayssm_ops_say_how_to_give_a_checkout():
+    from bench import workloads as W
+
+    with pytest.raises(W.Skip, match="--peer-path"):
+        W.Api(peer_path=None).replayssm("cuda")
+    with pytest.raises(W.Skip, match="no vllm/model_executor/layers/fla/ops"):
+        W.Api(peer_path="/nonexistent").replayssm("cuda")
