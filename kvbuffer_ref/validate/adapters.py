@@ -44,7 +44,8 @@ every other one as "not provided", with the reason.  Optional attributes describ
                                validator converts to it; see ``engine.engine_adapter``
     beta_max       float       the top of its beta domain (default 1.0; 2.0 for kernels that allow
                                negative eigenvalues): beta is drawn in [0, beta_max]
-    not_provided   dict        {attribute: reason} for operations it deliberately leaves out
+    not_provided   dict        {attribute or lane name: reason} for operations (or lanes, such as
+                               "verify_tree") it deliberately leaves out
     prepare()      callable    called once before the validation (e.g. to turn on NaN-filled outputs)
 
 Every call the validator makes goes through ``Guarded``: it clones every tensor argument (and every field

@@ -374,6 +374,8 @@ def plan(impls: Sequence[Implementation], ops=None, dtypes: Optional[Sequence[to
                 lanes.append(Lane(op, impl, None, "NOT RUN", impl.unavailable))
                 continue
             missing = [a for a in op.needs if not impl.has(a) or a in impl.not_provided]
+            if op.name in impl.not_provided:  # the lane itself left out (e.g. verify_tree of a chain kernel)
+                missing = [op.name]
             if missing:
                 reasons = [impl.not_provided[a] for a in missing if a in impl.not_provided]
                 why = reasons[0] if reasons else f"the adapter has no {', '.join(missing)}"
