@@ -11,6 +11,8 @@ and 3 were released: live {0, 2}, released {1, 3} (a case that needs a fresh slo
 never acquired {4}.  Another device is the ``meta`` device (no second device is needed to be wrong).
 """
 
+import copy
+import functools
 import os
 
 import torch
@@ -30,7 +32,8 @@ OTHER = "meta"  # a device that is not the pool's
 LIVE, RELEASED, NEVER, N = (0, 2), 3, 4, 5
 
 
-def _busy(kind: str, S: int = 4):
+@functools.lru_cache(maxsize=None)
+def _template(kind: str, S: int):
     P, dtype = (RefPool, torch.float64) if kind == "ref" else (FastPool, torch.float32)
     p = P(layers=2, num_state_slots=S, num_buffer_slots=N, capacity=3, max_drafts=3, num_heads=1, num_value_heads=2,
           head_k_dim=4, head_v_dim=4, dtype=dtype, device=DEVICE)
@@ -39,7 +42,13 @@ def _busy(kind: str, S: int = 4):
     p.admit(**_dev(tok.draw(4, 4)), layer=0, slots=s)
     p.admit(**_dev(tok.draw(4, 2)), layer=1, slots=s)
     p.release(torch.tensor([1, RELEASED], device=DEVICE))
-    return p, tok
+    return p, dtype
+
+
+def _busy(kind: str, S: int = 4):
+    """A copy of the busy pool (module docstring) and a token source of its dtype."""
+    p, dtype = _template(kind, S)
+    return copy.deepcopy(p), Tokens(1, 1, 2, 4, 4, dtype, "cpu")
 
 
 def _dev(x: dict, device=DEVICE) -> dict:
