@@ -283,7 +283,8 @@ class KVPool:
         d = check_tokens(q, k, v, g, beta)
         for name, what, got, want in (("q", "q/k heads H", d.H, self.num_heads),
                                       ("v", "value heads HV", d.HV, self.num_value_heads),
-                                      ("q", "key dim K", d.K, self.head_k_dim), ("v", "value dim V", d.V, self.head_v_dim)):
+                                      ("q", "key dim K", d.K, self.head_k_dim),
+                                      ("v", "value dim V", d.V, self.head_v_dim)):
             if got != want:
                 raise ValueError(f"{name}: the pool holds {what} = {want}, got {got}")
         if d.channel_gate != self.channel_gate:

@@ -56,7 +56,7 @@ CUDA = torch.cuda.is_available()
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 JUNK = 10 ** 6  # a pad row's per-row argument: never read
 
-#: (examples, steps per example) per hypothesis profile: ci keeps the file near 40 s on one core
+#: (examples, steps per example) per hypothesis profile: ci keeps the file near 25 s of CPU
 RUNS = {"ci": (6, 25), "thorough": (60, 40), "gpu": (4, 30)}
 
 
