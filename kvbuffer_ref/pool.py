@@ -49,7 +49,7 @@ from .entries import fold_count
 from .prefill import prefill
 from .speculative import accept, path_to, verify
 
-__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row"]
+__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device"]
 
 
 def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int, max_drafts: int,
