@@ -43,13 +43,13 @@ from typing import Optional
 import torch
 
 from .buffer import Drafts, KVBuffer
-from .checks import check_capacity, require_device, require_tensor
+from .checks import check_capacity, check_tokens, require_tensor, same_device
 from .decode import buffered_decode, flush, materialize_state
 from .entries import fold_count
 from .prefill import prefill
 from .speculative import accept, path_to, verify
 
-__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row"]
+__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device"]
 
 
 def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int, max_drafts: int,
@@ -72,15 +72,22 @@ def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int
     pool.device = torch.device(device) if device is not None else torch.device("cpu")
 
 
+def on_device(name: str, x: torch.Tensor, device) -> None:
+    """ValueError naming ``name`` unless ``x`` is on the pool's ``device``."""
+    if not same_device(x.device, torch.device(device)):
+        raise ValueError(f"{name}: expected a tensor on the pool's device {device}, got one on {x.device}")
+
+
 def per_row(name: str, x, slots: torch.Tensor) -> torch.Tensor:
     """A per-request argument (an int for every row, or an integer tensor [B] with one entry per entry of
-    ``slots``) as an int64 tensor [B] on the slots' device."""
+    ``slots``, on the slots' device) as an int64 tensor [B] on the slots' device."""
     if isinstance(x, torch.Tensor):
         if tuple(x.shape) != tuple(slots.shape):
             raise ValueError(f"{name}: expected [B] = [{slots.shape[0]}] (one per entry of slots), got "
                              f"{list(x.shape)}")
         if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
             raise TypeError(f"{name}: expected an integer tensor, got {x.dtype}")
+        on_device(name, x, slots.device)
         return x.to(torch.int64)
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{name}: expected an int or an integer tensor [B], got {type(x).__name__}")
@@ -137,7 +144,7 @@ def check_slots(name: str, slots, num_slots: int, device, live: Optional[torch.T
         raise TypeError(f"{name}: expected an int32 or int64 tensor of slot indices, got {slots.dtype}")
     if slots.dim() != 1:
         raise ValueError(f"{name}: expected a [B] tensor of slot indices, got shape {list(slots.shape)}")
-    require_device(name, slots, torch.device(device))
+    on_device(name, slots, device)
     s = slots.to(torch.int64)
     bad = (s < -1) | (s >= num_slots)
     if bool(bad.any()):
@@ -266,6 +273,23 @@ class KVPool:
         require_tensor(name, x)
         if x.dim() < 1 or x.shape[0] != B:
             raise ValueError(f"{name}: expected {B} rows (one per entry of slots), got shape {list(x.shape)}")
+        on_device(name, x, self.device)
+
+    def _check_tokens(self, q, k, v, g, beta, B: int) -> None:
+        """The token tensors of a call on B rows: B rows each, on the pool's device, of the pool's heads,
+        dims and gate kind (``kvbuffer_ref.checks.check_tokens`` for the rest), before anything is read."""
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            self._tokens(name, x, B)
+        d = check_tokens(q, k, v, g, beta)
+        for name, what, got, want in (("q", "q/k heads H", d.H, self.num_heads),
+                                      ("v", "value heads HV", d.HV, self.num_value_heads),
+                                      ("q", "key dim K", d.K, self.head_k_dim),
+                                      ("v", "value dim V", d.V, self.head_v_dim)):
+            if got != want:
+                raise ValueError(f"{name}: the pool holds {what} = {want}, got {got}")
+        if d.channel_gate != self.channel_gate:
+            kind = "per-channel [B, T, HV, K]" if self.channel_gate else "scalar [B, T, HV]"
+            raise ValueError(f"g: the pool holds {kind} gates, got shape {list(g.shape)}")
 
     def _check_free_states(self, layer: int, s: torch.Tensor, folds: torch.Tensor) -> None:
         """Enough free state slots for the requests of ``s`` that fold (``folds`` [n] bool) and need one."""
@@ -329,8 +353,7 @@ class KVPool:
         """
         layer, s, rows = self._addressed(slots, layer)
         B = s.shape[0]
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            self._tokens(name, x, B)
+        self._check_tokens(q, k, v, g, beta, B)
         busy = (self.lengths[layer, s[rows]] > 0) | self.has_state[layer, s[rows]] | self.pending[layer, s[rows]]
         if bool(busy.any()):
             raise ValueError(f"slots: entry [{int(rows[busy.nonzero()[0, 0]])}] is slot "
@@ -356,8 +379,7 @@ class KVPool:
         beta [B, 1, HV].  Returns o [B, 1, HV, V] (pad rows: zeros).  A full request folds first (into a
         state slot of its own)."""
         layer, s, rows = self._addressed(slots, layer)
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            self._tokens(name, x, s.shape[0])
+        self._check_tokens(q, k, v, g, beta, s.shape[0])
         sv = s[rows]
         self._no_pending(layer, sv, "decode")
         buf = self._gather(layer, sv)
@@ -376,8 +398,7 @@ class KVPool:
         the slots' draft room (pending) for ``accept``.  Returns o [B, D', HV, V] (pad rows: zeros)."""
         layer, s, rows = self._addressed(slots, layer)
         B = s.shape[0]
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            self._tokens(name, x, B)
+        self._check_tokens(q, k, v, g, beta, B)
         Dn = q.shape[1]
         if Dn > self.max_drafts:
             raise ValueError(f"q: {Dn} drafts per request, but the pool's draft room holds max_drafts="
