@@ -9,7 +9,7 @@ import torch
 from .buffer import KVBuffer
 from .checks import check_buffer, check_flush_count
 from .core import innovations, outputs
-from .entries import Entries, append, entries_of, memory_of, stale_state, store, tail_gate
+from .entries import Entries, append, entries_of, fold_dtype, memory_of, stale_state, store, tail_gate
 from .inputs import prepare_tokens
 
 __all__ = ["buffered_decode", "flush", "materialize_state"]
@@ -39,7 +39,9 @@ def buffered_decode(
     x = prepare_tokens(q, k, v, g, beta, scale)
     d = x.dims
     check_buffer(buffer, d, q.device)
-    dt, kept = x.v.dtype, buffer.values.dtype  # computed in dt; stored and folded in the buffer's dtype, as accept
+    # the token is computed in dt from the state and entries as stored; the fold of a full buffer in the
+    # buffer's fold dtype (entries.fold_dtype: at least float32), the state and u rounded when written
+    dt, kept = x.v.dtype, fold_dtype(buffer)
     alone = torch.zeros(1, 1, dtype=torch.bool, device=q.device)  # the token has no ancestor among new tokens
     o = torch.zeros(d.B, 1, d.HV, d.V, dtype=dt, device=q.device)
     fields = buffer.cloned()
@@ -67,11 +69,12 @@ def flush(buffer: KVBuffer, *, count=None) -> KVBuffer:
     check_buffer(buffer)
     B = buffer.batch
     count = check_flush_count(count, buffer.lengths)
-    dt = buffer.values.dtype
+    dt = fold_dtype(buffer)
     fields = buffer.cloned()
     if fields["state"] is None:
         K, V = buffer.head_k_dim, buffer.head_v_dim
-        fields["state"] = torch.zeros(B, buffer.num_value_heads, K, V, dtype=torch.promote_types(dt, torch.float32),
+        fields["state"] = torch.zeros(B, buffer.num_value_heads, K, V,
+                                      dtype=torch.promote_types(buffer.values.dtype, torch.float32),
                                       device=buffer.k.device)
     for b in range(B):
         m = int(count[b])
