@@ -20,7 +20,7 @@ from .buffer import KVBuffer
 from .core import Memory, expand_heads, fold_state, innovations
 
 __all__ = ["Entries", "fold_dtype", "entries_of", "concat_entries", "memory_of", "stale_state", "tail_gate", "fold_count", "store",
-           "append"]
+           "require_storage", "append"]
 
 _SLOTS = KVBuffer.slot_fields()
 
@@ -139,6 +139,16 @@ def store(fields: dict, b: int, e: Entries, S0: Optional[torch.Tensor], fold: in
     fields["lengths"][b] = n
 
 
+def require_storage(buffer: KVBuffer, b: int, n_old: int, n_new: int) -> None:
+    """A fold needs state storage: ValueError when ``buffer.state`` is None."""
+    if buffer.state is None:
+        raise ValueError(
+            f"buffer: request {b} has {n_old} entries and gets {n_new} more, past the capacity "
+            f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
+            f"call flush() first (it allocates the state) or use a larger capacity"
+        )
+
+
 def append(fields: dict, buffer: KVBuffer, b: int, old: Entries, new: Entries, S0: Optional[torch.Tensor]) -> None:
     """Append entries ``new`` after request b's entries ``old`` (its stale state S0) in ``fields``, the
     working copies of ``buffer``'s tensors; when they pass the capacity C, fold by ``fold_count`` first.
@@ -146,10 +156,6 @@ def append(fields: dict, buffer: KVBuffer, b: int, old: Entries, new: Entries, S
     Raises ValueError when a fold is needed and the buffer has no state storage (``state is None``).
     """
     fold = fold_count(old.n, new.n, buffer.capacity)
-    if fold and buffer.state is None:
-        raise ValueError(
-            f"buffer: request {b} has {old.n} entries and gets {new.n} more, past the capacity "
-            f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
-            f"call flush() first (it allocates the state) or use a larger capacity"
-        )
+    if fold:
+        require_storage(buffer, b, old.n, new.n)
     store(fields, b, concat_entries(old, new), S0, fold, buffer.num_value_heads)
