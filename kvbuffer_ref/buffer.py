@@ -215,8 +215,8 @@ class KVBuffer(_Slots):
             lengths=torch.zeros(B, dtype=torch.long, **kw),
             state=torch.zeros(B, HV, K, V, dtype=state_dtype, **kw) if with_state else None,
             has_state=torch.zeros(B, dtype=torch.bool, **kw),
-            **{name: torch.zeros(shapes[name], dtype=(gate_dtype or dtype) if name in ("G", "g") else dtype, **kw)
-               for name in form_names},
+            **{name: torch.zeros(shapes[name], dtype=(gate_dtype or dtype) if name in ("G", "g") else dtype,
+                                 **kw) for name in form_names},
         )
 
     # ------------------------------------------------------------ invariants

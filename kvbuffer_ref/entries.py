@@ -19,8 +19,8 @@ import torch
 from .buffer import KVBuffer
 from .core import Memory, expand_heads, fold_state, innovations
 
-__all__ = ["Entries", "fold_dtype", "entries_of", "concat_entries", "memory_of", "stale_state", "tail_gate", "fold_count", "store",
-           "require_storage", "append"]
+__all__ = ["Entries", "fold_dtype", "entries_of", "concat_entries", "memory_of", "stale_state", "tail_gate",
+           "fold_count", "store", "require_storage", "append"]
 
 _SLOTS = KVBuffer.slot_fields()
 
