@@ -37,6 +37,10 @@ __all__ = [
     "checked_buffer",
     "checked_tokens",
     "require_fp32_state",
+    "STATE_DTYPES",
+    "CACHE_DTYPES",
+    "require_state_dtype",
+    "require_cache_dtypes",
     "pdl_launch",
 ]
 
@@ -126,14 +130,47 @@ def check_u_form(buffer: KVBuffer, op: str) -> None:
 
 
 def require_fp32_state(name: str, x: Optional[torch.Tensor]) -> None:
-    """State storage the kernels read and write (a buffer's state, recurrent_decode's state, the per-draft
-    intermediate states) must be float32: the kernels accumulate in float32 and a 16-bit state would
-    silently round every update (a float64 one would silently lose its precision)."""
+    """The states the recurrent kernels update at every token (recurrent_decode's state, the per-draft
+    intermediate states) must be float32: a 16-bit state there would round every token's update (a
+    float64 one would silently lose its precision).  A buffer's state, written once per fold, may be
+    16-bit: ``require_state_dtype``."""
     if x is not None:
         require_tensor(name, x)
         if x.dtype != torch.float32:
             raise TypeError(f"{name}: kvbuffer_fast keeps states in float32, got {x.dtype} (shape {list(x.shape)}); "
                             f"convert it with .float() (kvbuffer_ref takes any floating dtype)")
+
+
+#: The dtypes a buffer's (or a pool's) state may be stored in.  Every load converts to float32, the
+#: arithmetic is float32, and every store rounds once to the storage dtype (round to nearest even, the
+#: conversion Triton's ``.to()`` compiles to); docs/kernels.md, "Reduced-precision state and cache".
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The dtypes of the u-cache (``buffer.u``, ``drafts.u``): rounded the same way when stored.
+CACHE_DTYPES = STATE_DTYPES
+
+
+def require_state_dtype(name: str, x: Optional[torch.Tensor]) -> None:
+    """A buffer's state storage (folded into in place): float32, bfloat16 or float16 (``STATE_DTYPES``).
+    float64 is refused: the kernels compute in float32 and would silently drop its precision."""
+    if x is not None:
+        require_tensor(name, x)
+        if x.dtype not in STATE_DTYPES:
+            raise TypeError(f"{name}: kvbuffer_fast stores buffer states in float32, bfloat16 or float16, got "
+                            f"{x.dtype} (shape {list(x.shape)}); convert it with .float() (kvbuffer_ref takes any "
+                            f"floating dtype)")
+
+
+def require_cache_dtypes(buffer: KVBuffer) -> None:
+    """The u-cache kvbuffer_fast updates: ``u`` in float32, bfloat16 or float16 (``CACHE_DTYPES``); ``G``
+    in float32 (cumulative log-gates: a 16-bit G would carry an absolute error of |G| * 2^-8 into every
+    decay exp(G_i - G_j), about 1e-2 relative at a gate span of a few units)."""
+    if buffer.u is not None and buffer.u.dtype not in CACHE_DTYPES:
+        raise TypeError(f"buffer.u: kvbuffer_fast caches innovations in float32, bfloat16 or float16, got "
+                        f"{buffer.u.dtype}")
+    if buffer.G is not None and buffer.G.dtype != torch.float32:
+        raise TypeError(f"buffer.G: kvbuffer_fast keeps the cumulative log-gates in float32 (a 16-bit G "
+                        f"rounds every decay exp(G_i - G_j) by |G| x its epsilon), got {buffer.G.dtype}; "
+                        f"convert it with .float()")
 
 
 def checked_tokens(q, k, v, g, beta, valid=None):
@@ -162,7 +199,8 @@ def checked_buffer(buffer: KVBuffer, op: str, dims=None, device=None) -> bool:
     if checked:
         check_buffer(buffer, dims, device)
     check_u_form(buffer, op)
-    require_fp32_state("buffer.state", buffer.state)
+    require_state_dtype("buffer.state", buffer.state)
+    require_cache_dtypes(buffer)
     return checked
 
 

@@ -435,7 +435,9 @@ def _fold_group_program(
                     kf = kf * w[None, :]
                     st = st * tl.exp(g_end)
                 st = tl.dot(kf, uf, st, input_precision="ieee")
-                tl.store(p_s, st.to(state_ptr.dtype.element_ty), mask=m_s)
+                st = st.to(state_ptr.dtype.element_ty)  # rounded once (a no-op for an fp32 state) ...
+                tl.store(p_s, st, mask=m_s)
+                st = st.to(tl.float32)  # ... and the token is served from the state as stored
                 sk, sq, qk = _serve_sums(st, k_ptr, q_ptr, g_ptr, i_b, i_h, i_bhv, o_k, m_k, sk, sq, qk,
                                          H, K, CHANNEL)
             _serve_folded(v_ptr, beta_ptr, g_ptr, o_ptr, cu_ptr, c_b, i_hv, i_bhv, sk, sq, qk, scale,

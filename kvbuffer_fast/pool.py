@@ -39,8 +39,8 @@ from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, c
 from kvbuffer_ref.pool import check_slots, per_row, set_layout
 
 from . import decode as _decode
-from ._common import (as_input, block, checked_tokens, device_guard, flag_view, new_output, pdl_launch,
-                      ticket_counters, values_checked)
+from ._common import (CACHE_DTYPES, STATE_DTYPES, as_input, block, checked_tokens, device_guard, flag_view,
+                      new_output, pdl_launch, ticket_counters, values_checked)
 from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
@@ -55,15 +55,19 @@ _VIEWS = ("state", "k", "u", "G", "lengths", "has_state", "state_slot", "refs", 
 
 
 class KVPool:
-    """The fast serving pool; arguments as ``kvbuffer_ref.pool.KVPool`` (states are float32; ``dtype`` is
-    the u-cache's, default float32).  Slot index tensors are int32 or int64 on the pool's device."""
+    """The fast serving pool; arguments as ``kvbuffer_ref.pool.KVPool``.  ``state_dtype``: float32 (the
+    default), bfloat16 or float16 (stored rounded once per fold, docs/kernels.md "Reduced-precision state
+    and cache"); ``dtype``: the u-cache's, float32 (default), bfloat16 or float16; the cumulative gates
+    ``G`` (and the drafts' ``dG``) are always float32.  Slot index tensors are int32 or int64 on the pool's
+    device."""
 
     def __init__(self, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int,
                  max_drafts: int, num_heads: int, num_value_heads: int, head_k_dim: int, head_v_dim: int,
                  head_range: Optional[tuple] = None, channel_gate: bool = False, dtype: torch.dtype = torch.float32,
                  key_dtype: Optional[torch.dtype] = None, state_dtype: torch.dtype = torch.float32, device=None):
-        if state_dtype != torch.float32:
-            raise TypeError(f"state_dtype: kvbuffer_fast keeps states in float32, got {state_dtype}")
+        for name, dt, allowed in (("state_dtype", state_dtype, STATE_DTYPES), ("dtype", dtype, CACHE_DTYPES)):
+            if dt not in allowed:
+                raise TypeError(f"{name}: kvbuffer_fast stores it in one of {[str(a) for a in allowed]}, got {dt}")
         set_layout(self, layers=layers, num_state_slots=num_state_slots, num_buffer_slots=num_buffer_slots,
                    capacity=capacity, max_drafts=max_drafts, num_heads=num_heads, num_value_heads=num_value_heads,
                    head_k_dim=head_k_dim, head_v_dim=head_v_dim, head_range=head_range, channel_gate=channel_gate,
@@ -75,17 +79,17 @@ class KVPool:
         gk = (K,) if channel_gate else ()
         key_dtype = key_dtype or dtype
         self._t = dict(  # one sink row behind the slots of every per-slot tensor
-            state=torch.zeros(L, S + 1, HV, K, V, dtype=torch.float32, **kw),
+            state=torch.zeros(L, S + 1, HV, K, V, dtype=state_dtype, **kw),
             k=torch.zeros(L, N + 1, C, H, K, dtype=key_dtype, **kw),
             u=torch.zeros(L, N + 1, C, HV, V, dtype=dtype, **kw),
-            G=torch.zeros(L, N + 1, C, HV, *gk, dtype=dtype, **kw),
+            G=torch.zeros(L, N + 1, C, HV, *gk, dtype=torch.float32, **kw),  # cumulative gates: always fp32
             lengths=torch.zeros(L, N + 1, dtype=torch.int64, **kw),
             has_state=torch.zeros(L, N + 1, dtype=torch.bool, **kw),
             state_slot=torch.full((L, N + 1), -1, dtype=torch.int64, **kw),
             refs=torch.zeros(L, S + 1, dtype=torch.int64, **kw),
             dk=torch.zeros(L, N + 1, D, H, K, dtype=key_dtype, **kw),
             du=torch.zeros(L, N + 1, D, HV, V, dtype=dtype, **kw),
-            dG=torch.zeros(L, N + 1, D, HV, *gk, dtype=dtype, **kw),
+            dG=torch.zeros(L, N + 1, D, HV, *gk, dtype=torch.float32, **kw),
             parents=torch.full((L, N + 1, D), -1, dtype=torch.int64, **kw),
             num_drafts=torch.zeros(L, N + 1, dtype=torch.int64, **kw),
             pending=torch.zeros(L, N + 1, dtype=torch.bool, **kw),
@@ -275,7 +279,7 @@ class KVPool:
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
         o_rows, buf = fast_prefill(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], capacity=self.capacity,
                                    tail=tail, scale=scale, initial_state=pick(initial_state), chunk_size=chunk_size)
-        buf = buf.replace(state=buf.state.float(), u=buf.u.to(t["u"].dtype), G=buf.G.to(t["G"].dtype),
+        buf = buf.replace(state=buf.state.to(t["state"].dtype), u=buf.u.to(t["u"].dtype), G=buf.G.to(t["G"].dtype),
                           k=buf.k.to(t["k"].dtype))
         lay = slice(layer, layer + 1)
         cur, write, need = self._claims(lay, sv, buf.has_state[None], True)

@@ -175,13 +175,18 @@ class KVBuffer(_Slots):
         dtype: torch.dtype = torch.float64,
         key_dtype: Optional[torch.dtype] = None,
         state_dtype: Optional[torch.dtype] = None,
+        gate_dtype: Optional[torch.dtype] = None,
         device=None,
     ) -> "KVBuffer":
         """An empty buffer (every length 0, no request owning a state yet).
 
-        ``dtype`` is the dtype of the cached u / v, G / g and beta; ``key_dtype`` of the keys
-        (default ``dtype``); ``state_dtype`` of the state storage (default ``dtype``).
-        ``with_state=False`` allocates no state storage at all (a direct-only buffer).
+        ``dtype`` is the dtype of the cached u / v and beta; ``gate_dtype`` of the gates G / g (default
+        ``dtype``); ``key_dtype`` of the keys (default ``dtype``); ``state_dtype`` of the state storage
+        (default ``dtype``).  ``with_state=False`` allocates no state storage at all (a direct-only
+        buffer).  A field narrower than float32 is a stored precision: the reference reads it exactly,
+        computes at least in float32 and rounds what it writes there once (``entries.store``).
+        kvbuffer_fast takes a state and u in float32, bfloat16 or float16 and G in float32, e.g.
+        ``KVBuffer.empty(..., dtype=torch.bfloat16, gate_dtype=torch.float32, state_dtype=torch.bfloat16)``.
         """
         check_capacity(capacity)
         form_names = cls.form_fields(form)
@@ -195,7 +200,8 @@ class KVBuffer(_Slots):
             raise ValueError(
                 f"num_value_heads: expected a positive multiple of num_heads={num_heads}, got {num_value_heads}"
             )
-        for name, dt in (("dtype", dtype), ("key_dtype", key_dtype), ("state_dtype", state_dtype)):
+        for name, dt in (("dtype", dtype), ("key_dtype", key_dtype), ("state_dtype", state_dtype),
+                         ("gate_dtype", gate_dtype)):
             if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
                 raise TypeError(f"{name}: expected a floating-point torch.dtype, got {dt}")
         B, C, H, HV, K, V = batch, capacity, num_heads, num_value_heads, head_k_dim, head_v_dim
@@ -209,7 +215,8 @@ class KVBuffer(_Slots):
             lengths=torch.zeros(B, dtype=torch.long, **kw),
             state=torch.zeros(B, HV, K, V, dtype=state_dtype, **kw) if with_state else None,
             has_state=torch.zeros(B, dtype=torch.bool, **kw),
-            **{name: torch.zeros(shapes[name], dtype=dtype, **kw) for name in form_names},
+            **{name: torch.zeros(shapes[name], dtype=(gate_dtype or dtype) if name in ("G", "g") else dtype,
+                                 **kw) for name in form_names},
         )
 
     # ------------------------------------------------------------ invariants

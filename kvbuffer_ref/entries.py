@@ -19,8 +19,8 @@ import torch
 from .buffer import KVBuffer
 from .core import Memory, expand_heads, fold_state, innovations
 
-__all__ = ["Entries", "entries_of", "concat_entries", "memory_of", "stale_state", "tail_gate", "fold_count", "store",
-           "append"]
+__all__ = ["Entries", "fold_dtype", "entries_of", "concat_entries", "memory_of", "stale_state", "tail_gate",
+           "fold_count", "store", "require_storage", "append"]
 
 _SLOTS = KVBuffer.slot_fields()
 
@@ -41,8 +41,29 @@ class Entries(namedtuple("_Entries", _SLOTS, defaults=(None,) * (len(_SLOTS) - 1
         return self.k.shape[0]
 
 
+def fold_dtype(buffer: KVBuffer) -> torch.dtype:
+    """The dtype the buffer's folds compute in: the widest of its floating fields (keys, u / v, G / g,
+    beta, state), at least float32.  A 16-bit field is a *stored* precision, never an arithmetic one:
+    reading it converts exactly, and what a fold writes is rounded once to each field's dtype
+    (``store``), so a buffer with a bfloat16 state and float64 everything else is the float64 oracle of a
+    kernel that rounds its state at every fold."""
+    dt = torch.float32
+    for name, x in buffer.tensors().items():
+        if x is not None and x.dtype.is_floating_point:
+            dt = torch.promote_types(dt, x.dtype)
+    return dt
+
+
+def _read_dtype(buffer: KVBuffer, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or ``fold_dtype(buffer)`` where ``dtype`` is narrower than float32 (a 16-bit field's own
+    dtype asked for as the working dtype: the 16-bit values are read exactly, the arithmetic stays wide)."""
+    return dtype if torch.finfo(dtype).bits >= 32 else fold_dtype(buffer)
+
+
 def entries_of(buffer: KVBuffer, b: int, dtype: torch.dtype) -> Entries:
-    """Request b's buffered entries (the first ``lengths[b]`` slots) in ``dtype``."""
+    """Request b's buffered entries (the first ``lengths[b]`` slots) in ``dtype`` (a 16-bit ``dtype``
+    reads in ``fold_dtype(buffer)``)."""
+    dtype = _read_dtype(buffer, dtype)
     n = int(buffer.lengths[b])
     return Entries(**{f: None if getattr(buffer, f) is None else getattr(buffer, f)[b, :n].to(dtype) for f in _SLOTS})
 
@@ -53,10 +74,11 @@ def concat_entries(a: Entries, b: Entries) -> Entries:
 
 
 def stale_state(buffer: KVBuffer, b: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """Request b's stale state S0 [HV, K, V], or None in direct mode (S0 = 0)."""
+    """Request b's stale state S0 [HV, K, V] in ``dtype`` (a 16-bit ``dtype`` reads in
+    ``fold_dtype(buffer)``), or None in direct mode (S0 = 0)."""
     if buffer.state is None or not bool(buffer.has_state[b]):
         return None
-    return buffer.state[b].to(dtype)
+    return buffer.state[b].to(_read_dtype(buffer, dtype))
 
 
 def _cumulative(e: Entries) -> torch.Tensor:
@@ -97,7 +119,9 @@ def store(fields: dict, b: int, e: Entries, S0: Optional[torch.Tensor], fold: in
 
     ``fields`` maps KVBuffer field names to tensors this call may modify (clones of the caller's).
     The folded entries go into ``fields['state'][b]`` (which must exist); the rest keep their u,
-    and u-form gates are rebased on the last folded entry (``G_i - G_fold``).
+    and u-form gates are rebased on the last folded entry (``G_i - G_fold``).  Every value is computed
+    in the dtype of ``e`` and ``S0`` and rounded once, by ``.to()`` (round to nearest even), to the dtype
+    of the field it is written to: the folded state to the state's, each u to the u-cache's.
     """
     if fold > 0:
         mem = memory_of(e.take(slice(0, fold)), S0, num_value_heads)
@@ -115,6 +139,16 @@ def store(fields: dict, b: int, e: Entries, S0: Optional[torch.Tensor], fold: in
     fields["lengths"][b] = n
 
 
+def require_storage(buffer: KVBuffer, b: int, n_old: int, n_new: int) -> None:
+    """A fold needs state storage: ValueError when ``buffer.state`` is None."""
+    if buffer.state is None:
+        raise ValueError(
+            f"buffer: request {b} has {n_old} entries and gets {n_new} more, past the capacity "
+            f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
+            f"call flush() first (it allocates the state) or use a larger capacity"
+        )
+
+
 def append(fields: dict, buffer: KVBuffer, b: int, old: Entries, new: Entries, S0: Optional[torch.Tensor]) -> None:
     """Append entries ``new`` after request b's entries ``old`` (its stale state S0) in ``fields``, the
     working copies of ``buffer``'s tensors; when they pass the capacity C, fold by ``fold_count`` first.
@@ -122,10 +156,6 @@ def append(fields: dict, buffer: KVBuffer, b: int, old: Entries, new: Entries, S
     Raises ValueError when a fold is needed and the buffer has no state storage (``state is None``).
     """
     fold = fold_count(old.n, new.n, buffer.capacity)
-    if fold and buffer.state is None:
-        raise ValueError(
-            f"buffer: request {b} has {old.n} entries and gets {new.n} more, past the capacity "
-            f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
-            f"call flush() first (it allocates the state) or use a larger capacity"
-        )
+    if fold:
+        require_storage(buffer, b, old.n, new.n)
     store(fields, b, concat_entries(old, new), S0, fold, buffer.num_value_heads)

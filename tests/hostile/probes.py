@@ -174,6 +174,9 @@ def run_probe(p: Probe) -> tuple[bool, str]:
 # --------------------------------------------------------------------------------- exact answers
 def _cmp(actual, truth, baseline, dtype, g, **kw):
     assert tuple(actual.shape) == tuple(truth.shape), f"shape {list(actual.shape)}, expected {list(truth.shape)}"
+    truth = truth.to(F64)  # a 16-bit stored state's truth is its float64 value
+    if baseline is not None and torch.finfo(baseline.dtype).bits == 16:
+        baseline = baseline.float()
     if actual.numel() == 0:  # an empty answer (B = 0 or T = 0) is exact when its shape is
         return compare(actual.new_zeros(1, 1, 1, 1).double(), truth.new_zeros(1, 1, 1, 1), dtype=F64)
     return compare(actual, truth, None if dtype == F64 else baseline, dtype=dtype,
@@ -204,9 +207,14 @@ def buffer_check(x: Optional[dict], buf_before: KVBuffer, op: str, dtype, **op_k
     if buf_before.state is not None and torch.finfo(buf_before.state.dtype).eps > torch.finfo(sdt).eps:
         sdt = buf_before.state.dtype
 
+    # a 16-bit state is a stored precision: the oracle keeps it (and so rounds it where it folds), and the
+    # outputs too are judged by the state's row (one stored element may land an ulp apart)
+    low = None if buf_before.state is None or torch.finfo(buf_before.state.dtype).bits > 16 else buf_before.state.dtype
+    odt = dtype if low is None else low
+
     def check(result):
-        b64 = buffer_to(buf_before, dtype=F64)
-        bb = buffer_to(buf_before, dtype=F32 if dtype != F64 else F64)
+        b64 = buffer_to(buf_before, dtype=F64, state_dtype=low)
+        bb = buffer_to(buf_before, dtype=F32 if dtype != F64 else F64, state_dtype=low)
         comps = []
         if op == "materialize_state":
             want, base_ = ref.materialize_state(b64), ref.materialize_state(bb)
@@ -225,7 +233,7 @@ def buffer_check(x: Optional[dict], buf_before: KVBuffer, op: str, dtype, **op_k
                 nd = op_kw.get("num_drafts")
                 if nd is not None:
                     valid = (torch.arange(x["q"].shape[1])[None, :] < nd[:, None])[:, :, None, None]
-            comps.append(_cmp(o, o64, ob, dtype, x["g"], name="o", valid=valid))
+            comps.append(_cmp(o, o64, ob, odt, x["g"], name="o", valid=valid))
         if got is not None:
             assert torch.equal(got.lengths, want.lengths), f"lengths {got.lengths.tolist()}, expected {want.lengths.tolist()}"
             comps.append(_cmp(ref.materialize_state(buffer_to(got, dtype=F64)), ref.materialize_state(want),
@@ -578,9 +586,15 @@ def buffer_variants(is_fast: bool, dtype) -> list:
          "buffer.has_state", False, False),
         ("buffer/k-int64", _buf_edit(dtype, lambda b: b.replace(k=(4 * b.k.nan_to_num()).long())), "error",
          "buffer.k", False, False),
-        ("buffer/state-float16", _buf_edit(dtype, lambda b: b.replace(state=b.state.half())), exact_ref,
+        # a 16-bit state is stored precision in both packages (docs/kernels.md, "Reduced-precision state and
+        # cache"); kvbuffer_fast's bfloat16 is checked only compiled (the Triton interpreter's bfloat16 is wrong)
+        ("buffer/state-float16", _buf_edit(dtype, lambda b: b.replace(state=b.state.half())), "exact",
          "buffer.state", False, False),
-        ("buffer/state-bfloat16", _buf_edit(dtype, lambda b: b.replace(state=b.state.bfloat16())), exact_ref,
+    ] + ([] if is_fast and os.environ.get("TRITON_INTERPRET") == "1" else [
+        ("buffer/state-bfloat16", _buf_edit(dtype, lambda b: b.replace(state=b.state.bfloat16())), "exact",
+         "buffer.state", False, False),
+    ]) + [
+        ("buffer/state-float64", _buf_edit(dtype, lambda b: b.replace(state=b.state.double())), exact_ref,
          "buffer.state", False, False),
         ("buffer/state-noncontiguous", _buf_edit(dtype, lambda b: b.replace(state=_strided(b.state))), exact_ref,
          "buffer.state", False, False),
@@ -589,7 +603,8 @@ def buffer_variants(is_fast: bool, dtype) -> list:
         ("buffer/raw-form", lambda: buffer(dtype, form="raw"), exact_ref, "buffer", False, is_fast),
         ("buffer/partial-form", _buf_edit(dtype, lambda b: b.replace(G=None)), "error", "buffer", False, False),
         ("buffer/both-forms", _buf_edit(dtype, _raw_both), "error", "buffer", False, False),
-    ]
+    ] + ([("buffer/G-float16", _buf_edit(dtype, lambda b: b.replace(G=b.G.half())), "error", "buffer.G", False,
+           False)] if is_fast else [])  # kvbuffer_fast keeps cumulative gates in float32
 
 
 def buffer_probes(op: str, is_fast: bool, dtype) -> list:
