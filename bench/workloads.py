@@ -596,7 +596,9 @@ class _Builder:
         slots = got[perm].to(torch.int32)
         hist = self.wl.history(buffered=buffered)
         rows = torch.arange(B) % 2
-        x = {n: t.index_select(0, rows).to(dev) for n, t in hist.x.items()}
+        # the prompts admitted as fp32 (exact for bf16 values): the prefill then keeps fp32 products and the
+        # state is as exact as the other ops' histories (16-bit prompts would take 16-bit products)
+        x = {n: t.index_select(0, rows).to(dev).float() for n, t in hist.x.items()}
         for layer in range(self.L):
             pool.admit(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], layer=layer, slots=slots, tail=buffered)
         return pool, slots, hist

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_tensor,
-                                 same_device)
+from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_int_tensor,
+                                 require_tensor, same_device)
 from kvbuffer_ref.pool import check_slots, per_row, set_layout
 
 from . import decode as _decode
@@ -359,6 +359,10 @@ class KVPool:
             raise ValueError(f"q: {d.T} drafts per request, but the pool's draft room holds max_drafts="
                              f"{self.max_drafts}")
         B, Dn = d.B, d.T
+        if parents is not None:
+            require_int_tensor("parents", parents, (B, Dn), "[B, D]", self.device)
+        if num_drafts is not None:
+            require_int_tensor("num_drafts", num_drafts, (B,), "[B]", self.device)
         if num_drafts is None:
             num_drafts = torch.full((B,), Dn, dtype=torch.int64, device=q.device)
         num_drafts = torch.where(s >= 0, num_drafts.to(torch.int64), 0)  # pads verify nothing

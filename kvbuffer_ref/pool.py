@@ -426,11 +426,21 @@ class KVPool:
         return Drafts(k=self.dk[layer, s], u=self.du[layer, s], G=self.dG[layer, s],
                       parents=self.parents[layer, s], num_drafts=self.num_drafts[layer, s])
 
-    def accept(self, *, layer: int, slots: torch.Tensor, counts=None, nodes=None) -> None:
+    def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None) -> None:
         """Commit the drafts ``verify`` left pending in ``slots``: ``counts`` (int or [B] int tensor: the first
         m drafts of a chain) or ``nodes`` (int or [B]: the accepted node, -1 for none), as
         ``kvbuffer_ref.accept``; entries of pad rows are ignored.  A request that passes the capacity folds
-        (into a state slot of its own)."""
+        (into a state slot of its own).  ``layer``: an int, or None for every layer (the same counts or
+        nodes in each; every layer is checked before any is written)."""
+        layers = range(self.layers) if layer is None else [self._layer(layer)]
+        plans = [self._accept_plan(l, slots, counts, nodes) for l in layers]  # checks; writes nothing
+        for l, (sv, new, folds) in zip(layers, plans):
+            self._scatter(l, sv, new, folds)
+            self.pending[l, sv] = False
+            self.num_drafts[l, sv] = 0
+
+    def _accept_plan(self, layer: int, slots, counts, nodes):
+        """accept's checks and results in one layer, nothing written: (valid slots, new buffer, folds)."""
         layer, s, rows = self._addressed(slots, layer)
         sv = s[rows]
         if not bool(self.pending[layer, sv].all()):
@@ -446,9 +456,7 @@ class KVPool:
                               for n, m in zip(buf.lengths.tolist(), _accepted_lengths(drafts, counts, nodes, rows))],
                              dtype=torch.bool, device=self.device)
         self._check_free_states(layer, sv, folds)
-        self._scatter(layer, sv, new, folds)
-        self.pending[layer, sv] = False
-        self.num_drafts[layer, sv] = 0
+        return sv, new, folds
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None) -> None:
         """Fold the first ``count`` entries (None: all; int or [B] int tensor) of each request in ``slots``
