@@ -58,7 +58,8 @@ import kvbuffer_ref as ref  # noqa: E402
 from bench.gpu import copy_bandwidth, device_ms, versions  # noqa: E402
 from kvbuffer_fast.baselines import recurrent_decode  # noqa: E402
 from kvbuffer_ref.buffer import KVBuffer  # noqa: E402
-from kvbuffer_ref.validate import compare  # noqa: E402
+from kvbuffer_ref.validate import compare
+from kvbuffer_ref.validate.tolerances import tolerance_for  # noqa: E402
 
 F32 = torch.float32
 
@@ -155,7 +156,10 @@ def check_storage(p: Plan, buf: KVBuffer, x: dict) -> dict:
     if torch.finfo(got.dtype).bits == 16:
         inf = torch.tensor(float("inf"), dtype=want.dtype, device=want.device)
         ulp = (torch.nextafter(want.abs(), inf) - want.abs()).double()
-        far = int(((a - w).abs() > ulp * 1.0001).sum())
+        # plus the fp32 rounding of the sums behind each element (the table's fp32 floor x eps at the
+        # slice's scale): an element that came out small by cancellation has an ulp below that
+        slack = tolerance_for(F32).floor * torch.finfo(F32).eps * w.pow(2).mean(dim=(-1, -2), keepdim=True).sqrt()
+        far = int(((a - w).abs() > ulp * 1.0001 + slack).sum())
         apart = float(((a - w).abs() > 0).double().mean())
         if far or apart > 0.05:
             return dict(passed=False, what=f"state: {far} elements more than one ulp from the oracle's rounding, "

@@ -261,6 +261,9 @@ class KVBufferRunner:
         """Stands in for the model's core function: same arguments, (o, placeholder state) back."""
         dt = self.dtype
         q, k, v, g, beta = (x.to(dt) for x in (query, key, value, g, beta))
+        group = self.HV // self.H
+        if group > 1 and q.shape[2] == self.HV:  # q and k repeated to the value heads by the caller (some
+            q, k = q[:, :, ::group], k[:, :, ::group]  # transformers versions do): each group's one head
         if use_qk_l2norm_in_kernel:  # the model module's own L2 norm, as its core function applies it
             q, k = self.modeling.l2norm(q, dim=-1, eps=1e-6), self.modeling.l2norm(k, dim=-1, eps=1e-6)
         x = dict(g=g, beta=beta, layer=self._layer, scale=self.K ** -0.5)

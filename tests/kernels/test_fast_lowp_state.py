@@ -32,6 +32,8 @@ if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels ar
 
 import pytest  # noqa: E402
 
+from kvbuffer_ref.validate.tolerances import tolerance_for  # noqa: E402
+
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.launch import config_for, key_of  # noqa: E402
@@ -95,7 +97,10 @@ def _assert_rounded(name: str, got: torch.Tensor, want: torch.Tensor, mask=None)
     assert torch.isfinite(a).all(), f"{name}: non-finite stored values"
     ulp = (torch.nextafter(w.abs(), torch.tensor(float("inf"), dtype=low, device=w.device)) - w.abs()).double()
     diff = (a - r).abs()
-    far = diff > ulp * 1.0001
+    # plus the fp32 rounding of the sums behind an element (the table's fp32 floor x eps at the tensor's
+    # scale): an element that came out small by cancellation has an ulp below that
+    slack = tolerance_for(torch.float32).floor * torch.finfo(torch.float32).eps * float(r.pow(2).mean().sqrt())
+    far = diff > ulp * 1.0001 + slack
     assert not bool(far.any()), (f"{name}: {int(far.sum())} of {a.numel()} elements more than one {low} ulp from "
                                  f"the reference's rounding (worst {float(diff.max()):.3e})")
     frac = float((diff > 0).double().mean())
