@@ -460,8 +460,7 @@ class KVBufferRunner:
                         break
                     node = kids[0]
                     path.append(node)
-                for layer in range(self.pool.layers):
-                    self.pool.accept(layer=layer, slots=slots, nodes=torch.tensor([node], device=self.device))
+                self.pool.accept(slots=slots, nodes=torch.tensor([node], device=self.device))  # every layer
                 _keep_path(cache, n, path)
                 stats.verifies += 1
                 stats.proposed += n - 1
