@@ -159,8 +159,10 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
                 state_dtype=str(state_dtype).replace("torch.", ""), cache_dtype=str(cache_dtype).replace("torch.", ""),
                 capacity=capacity, shape=dict(B=B, H=H, HV=HV, K=K, V=V), seed=seed, gate_min=gate_min,
                 series=series, notes=notes,
-                ratio_to_fp32={name: [None if b in (None, 0) or a is None else a / b for a, b in zip(s["o"], base["o"])]
-                               for name, s in series.items() if name != "fp32 recurrence"})
+                ratio_to_fp32={key: {name: [None if b in (None, 0) or a is None else a / b
+                                            for a, b in zip(s[key], base[key])]
+                                     for name, s in series.items() if name != "fp32 recurrence"}
+                               for key in ("o", "state")})
 
 
 def _e(x) -> str:
@@ -168,8 +170,8 @@ def _e(x) -> str:
 
 
 def precision_markdown(rep: dict, plot: Optional[str] = None) -> str:
-    """The report as Markdown: the settings, then one row per checkpoint with each series' output and state
-    error, and each series' output error relative to the fp32 recurrence's."""
+    """The report as Markdown: the settings, then two tables (outputs, states) of one row per checkpoint with
+    each series' error and its ratio to the fp32 recurrence's."""
     s = rep["shape"]
     names = list(rep["series"])
     md = [f"# Precision report: {rep.get('implementation') or 'the reference points'}", "",
@@ -183,12 +185,13 @@ def precision_markdown(rep: dict, plot: Optional[str] = None) -> str:
     md += [f"- {n}" for n in rep.get("notes", [])] + ([""] if rep.get("notes") else [])
     for what, key in (("Output error", "o"), ("State error", "state")):
         cols = [n for n in names if any(v is not None for v in rep["series"][n][key])]
-        ratios = [n for n in cols if key == "o" and n != "fp32 recurrence"]
+        ratios = [n for n in cols if n != "fp32 recurrence"]
         head = ["steps"] + cols + [f"{n} / fp32" for n in ratios]
         md += [f"**{what}** (`{key}`)", "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
         for i, n in enumerate(rep["steps"]):
             row = [str(n)] + [_e(rep["series"][k][key][i]) for k in cols]
-            row += ["–" if rep["ratio_to_fp32"][k][i] is None else f"{rep['ratio_to_fp32'][k][i]:.3g}" for k in ratios]
+            row += ["–" if rep["ratio_to_fp32"][key][k][i] is None else f"{rep['ratio_to_fp32'][key][k][i]:.3g}"
+                    for k in ratios]
             md.append("| " + " | ".join(row) + " |")
         md.append("")
     if plot:
