@@ -177,8 +177,8 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
     """The coefficient of each contract's term that the emulated kernels need over ``n`` random cases, with
     the budget's other terms as the table has them (kappa x the contract baseline's error, floor, gate
     span): {contract: (worst coefficient, where, worst error / kappa x baseline)}.  Per slice, the need is
-    ``(rel - kappa x rel(baseline) - floor x eps - gate term) / (unit x growth x amp x (1 + slope x (cond - 1)))``
-    with ``cond`` the slice's chunk conditioning (``tolerances.chunk_conditioning``) and ``slope`` the table's."""
+    ``(rel - kappa x rel(baseline) - floor x eps - gate term) / (unit x growth x amp x cond ** power)``
+    with ``cond`` the slice's chunk conditioning (``tolerances.chunk_conditioning``) and ``power`` the table's."""
     import random
 
     import kvbuffer_ref as ref
@@ -219,7 +219,7 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
                     ranges, amp = _range_terms(e, ax, None, torch.float32)
                     spans = gate_spans(x["g"], torch.float32)
                     rest = tol.kappa * base + tol.floor * eps + tol.gate_floor * spans * eps * amp + ranges
-                    shape = 1.0 + term.slope * (cond - 1.0)  # the term's conditioning factor
+                    shape = cond ** term.power  # the term's conditioning factor
                     need = float(((rel - rest) / (term.unit * _contract_growth(c, T) * amp * shape)).max())
                     ratio = float((rel / (tol.kappa * base).clamp_min(1e-300)).max())
                     worst[c][2] = max(worst[c][2], ratio)

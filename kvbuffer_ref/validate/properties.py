@@ -191,7 +191,7 @@ def _cmp(name, actual, truth, base, dtype, g=None, x=None, **kw) -> Comparison:
     (their gates give the gate span, their keys, betas and gates the chunk conditioning of a contract)."""
     if x is not None:
         g = x["g"] if g is None else g
-        if CONTRACT_TERMS[current_contract()].slope and "conditioning" not in kw:
+        if CONTRACT_TERMS[current_contract()].power and "conditioning" not in kw:
             kw["conditioning"] = _conditioning(x)
     if actual is None:
         raise AssertionError(f"[arguments] {name}: the implementation returned None (expected a tensor of shape "
