@@ -9,7 +9,9 @@ The implementations are correct by construction, so every FAIL or ERROR is a fal
 validator (a budget too tight, or a bug of the harness): ``reference`` (kvbuffer_ref's forms in float64
 and float32, both buffer forms), ``fast`` (kvbuffer_fast: compiled on CUDA, the Triton interpreter on a
 CPU) and ``stepwise`` (kvbuffer_ref's recurrence called one token at a time as an in-place decode step,
-in float64 and float32, through the ``recurrent_decode`` lane).
+in float64 and float32, through the ``recurrent_decode`` lane) and ``emulated`` (kvbuffer_ref's forms
+computed with TF32 or bf16 products, emulated, declaring that contract: only under ``--contracts`` tf32
+and bf16).
 
 Each seed runs one operation in turn (seed i: operation i mod the number of operations), so a run of N
 seeds covers every operation N / 10 times at the cost of N lanes per implementation, with fresh random
@@ -35,7 +37,28 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-IMPLS = ("reference", "fast", "stepwise")
+IMPLS = ("reference", "fast", "stepwise", "emulated")
+
+
+def emulated_reference(contract: str):
+    """kvbuffer_ref's forms (float32, both buffer forms) computed under the emulated product contract
+    ``contract`` ("tf32" or "bf16": every einsum's operands rounded) and declaring it: an implementation
+    that keeps that contract exactly, so every failure under it is a false one."""
+    import torch
+
+    import kvbuffer_ref as ref
+    from kvbuffer_ref.validate.adapters import OPERATION_ATTRS, describe
+    from kvbuffer_ref.validate.contracts import emulate
+
+    def wrap(fn):
+        def call(*a, **kw):
+            with emulate(contract):
+                return fn(*a, **kw)
+        return call
+
+    ops = {a: wrap(getattr(ref, a)) for a in OPERATION_ATTRS if callable(getattr(ref, a, None))}
+    return describe(types.SimpleNamespace(name=f"kvbuffer_ref {contract}-emulated", dtypes=(torch.float32,),
+                                          forms=("u", "raw"), contract=contract, **ops))
 
 
 def stepwise_reference():
@@ -109,6 +132,10 @@ def main(argv=None) -> int:
     impls = {}
     for n in names:
         for c in contracts:
+            if n == "emulated":
+                if c in ("tf32", "bf16"):
+                    impls[f"{n}@{c}"] = emulated_reference(c)
+                continue
             impl = copy.copy(_impl(n))
             impl.contract = c
             impls[n if c == "ieee" else f"{n}@{c}"] = impl
