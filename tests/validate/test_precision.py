@@ -4,7 +4,6 @@ import json
 import sys
 
 import pytest
-import torch
 
 from kvbuffer_ref.validate import adapters, cli as kcli, precision as prec
 
