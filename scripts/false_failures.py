@@ -3,22 +3,28 @@
     python3 scripts/false_failures.py                 # 200 seeds, every bundled implementation
     python3 scripts/false_failures.py --quick         # 20 seeds, fewer examples: a smoke run of a few minutes
     python3 scripts/false_failures.py --impl reference,stepwise --seeds 200 --json ff.json
+    python3 scripts/false_failures.py --seeds 50 --contracts tf32,bf16,bf16-state   # as if each were declared
 
 The implementations are correct by construction, so every FAIL or ERROR is a false verdict of the
 validator (a budget too tight, or a bug of the harness): ``reference`` (kvbuffer_ref's forms in float64
 and float32, both buffer forms), ``fast`` (kvbuffer_fast: compiled on CUDA, the Triton interpreter on a
 CPU) and ``stepwise`` (kvbuffer_ref's recurrence called one token at a time as an in-place decode step,
-in float64 and float32, through the ``recurrent_decode`` lane).
+in float64 and float32, through the ``recurrent_decode`` lane) and ``emulated`` (kvbuffer_ref's forms
+computed with TF32 or bf16 products, emulated, declaring that contract: only under ``--contracts`` tf32
+and bf16).
 
 Each seed runs one operation in turn (seed i: operation i mod the number of operations), so a run of N
 seeds covers every operation N / 10 times at the cost of N lanes per implementation, with fresh random
-cases each seed (the anchor cases repeat).  Prints, per operation and implementation, the lanes run, the
+cases each seed (the anchor cases repeat).  ``--contracts`` judges every implementation as if it declared
+each contract in turn (default ``ieee``): a correct IEEE implementation must pass under every looser
+contract too, since each contract's baseline is its own emulated recurrence.  Prints, per operation and implementation, the lanes run, the
 false failures and the worst error / budget ratio seen; exits 1 when any lane failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -31,7 +37,28 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-IMPLS = ("reference", "fast", "stepwise")
+IMPLS = ("reference", "fast", "stepwise", "emulated")
+
+
+def emulated_reference(contract: str):
+    """kvbuffer_ref's forms (float32, both buffer forms) computed under the emulated product contract
+    ``contract`` ("tf32" or "bf16": every einsum's operands rounded) and declaring it: an implementation
+    that keeps that contract exactly, so every failure under it is a false one."""
+    import torch
+
+    import kvbuffer_ref as ref
+    from kvbuffer_ref.validate.adapters import OPERATION_ATTRS, describe
+    from kvbuffer_ref.validate.contracts import emulate
+
+    def wrap(fn):
+        def call(*a, **kw):
+            with emulate(contract):
+                return fn(*a, **kw)
+        return call
+
+    ops = {a: wrap(getattr(ref, a)) for a in OPERATION_ATTRS if callable(getattr(ref, a, None))}
+    return describe(types.SimpleNamespace(name=f"kvbuffer_ref {contract}-emulated", dtypes=(torch.float32,),
+                                          forms=("u", "raw"), contract=contract, **ops))
 
 
 def stepwise_reference():
@@ -76,6 +103,9 @@ def main(argv=None) -> int:
                     help="examples per lane (default: the ci profile's, 30 on the interpreter; --quick: 3)")
     ap.add_argument("--quick", action="store_true", help="20 seeds, 3 examples per lane")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    ap.add_argument("--contracts", default="ieee",
+                    help="comma list of the arithmetic contracts each implementation is judged as declaring "
+                         "(default ieee; e.g. ieee,tf32,bf16,bf16-state)")
     ap.add_argument("--json", metavar="PATH", help="write every lane's verdict and the summary as JSON")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every lane")
     args = ap.parse_args(argv)
@@ -93,7 +123,22 @@ def main(argv=None) -> int:
     bad = [n for n in names if n not in IMPLS]
     if bad:
         ap.error(f"--impl: unknown {bad}; known: {', '.join(IMPLS)}")
-    impls = {n: _impl(n) for n in names}
+    from kvbuffer_ref.validate.contracts import check_contract
+
+    try:
+        contracts = [check_contract(c.strip(), "--contracts") for c in args.contracts.split(",") if c.strip()]
+    except ValueError as e:
+        ap.error(str(e))
+    impls = {}
+    for n in names:
+        for c in contracts:
+            if n == "emulated":
+                if c in ("tf32", "bf16"):
+                    impls[f"{n}@{c}"] = emulated_reference(c)
+                continue
+            impl = copy.copy(_impl(n))
+            impl.contract = c
+            impls[n if c == "ieee" else f"{n}@{c}"] = impl
     ops = [k for k, _ in lanes.select_ops(args.ops)]
     stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))
     rows, t0 = [], time.perf_counter()
@@ -103,19 +148,20 @@ def main(argv=None) -> int:
         for name, impl in impls.items():
             try:
                 rep = runner.run_validation([impl], ops=[(op, None)], seed=seed, device=device,
-                                            max_examples=args.examples, shrink=False)
+                                            max_examples=args.examples, shrink=False, explain=False)
             except runner.NothingToRun:
                 continue
             for r in rep.lanes:
                 if r.status not in ("PASS", "FAIL", "ERROR"):
                     continue
-                key = (r.operation, r.implementation, r.dtype)
+                key = (r.operation, r.implementation if impl.contract == "ieee" else f"{r.implementation} [{impl.contract}]",
+                       r.dtype)
                 s = stats[key]
                 s["lanes"] += 1
                 ratio = float("inf") if r.status == "ERROR" else _ratio(r)
                 if r.failed:
                     s["failed"] += 1
-                    print(f"FALSE FAILURE seed {seed}: {r.operation} / {r.implementation} / {r.dtype}: {r.status}",
+                    print(f"FALSE FAILURE seed {seed}: {key[0]} / {key[1]} / {key[2]}: {r.status}",
                           flush=True)
                     for c in (r.failure or {}).get("comparisons") or [(r.failure or {}).get("error")]:
                         print(f"    {c}", flush=True)
@@ -124,6 +170,7 @@ def main(argv=None) -> int:
                 if ratio >= s["worst"]:
                     s.update(worst=ratio, worst_seed=seed, worst_name=r.worst_comparison)
                 rows.append(dict(seed=seed, operation=r.operation, implementation=r.implementation, dtype=r.dtype,
+                                 contract=impl.contract,
                                  status=r.status, cases=r.cases, ratio=ratio, worst=r.worst_comparison))
                 if args.verbose:
                     print(f"seed {seed} {r.operation} {r.implementation} {r.dtype} {r.status} {r.cases} cases "
@@ -133,10 +180,10 @@ def main(argv=None) -> int:
     total = sum(s["lanes"] for s in stats.values())
     failed = sum(s["failed"] for s in stats.values())
     print()
-    print(f"{'operation':18s}  {'implementation':22s}  {'dtype':8s}  {'lanes':>5s}  {'false':>5s}  {'worst ratio':>11s}  "
+    print(f"{'operation':18s}  {'implementation':34s}  {'dtype':8s}  {'lanes':>5s}  {'false':>5s}  {'worst ratio':>11s}  "
           f"worst at")
     for (op, impl, dt), s in sorted(stats.items()):
-        print(f"{op:18s}  {impl:22s}  {dt:8s}  {s['lanes']:5d}  {s['failed']:5d}  {s['worst']:11.3g}  "
+        print(f"{op:18s}  {impl:34s}  {dt:8s}  {s['lanes']:5d}  {s['failed']:5d}  {s['worst']:11.3g}  "
               f"seed {s['worst_seed']} {s['worst_name'] or ''}")
     rate = failed / total if total else 0.0
     print(f"\n{args.seeds} seeds (first {args.first_seed}), {total} lanes, {failed} false failures "

@@ -17,7 +17,8 @@ once and validating one mutant after another; a worker that crashes or times out
 counts as killed when a lane fails.  The unmutated copies are validated the same way, one task per
 operation, and must pass (else the score would mean nothing).  Prints, per mutant, the class that
 killed it, then the score per planted class and in all; exits 1 if any mutant survives (a gap in the
-properties or strategies, to close there), 2 if a mutant no longer applies (the code it patches
+properties or strategies, to close there; a mutant listed as below a contract's rounding, ``below_rounding``,
+may survive under that contract: it is printed as a genuine limit), 2 if a mutant no longer applies (the code it patches
 changed) or the unmutated copies fail.
 
     python scripts/mutate.py            # all mutants, 2 worker processes
@@ -65,6 +66,9 @@ class Mutant:
     quick: bool = False  # part of the --quick selection
     dtype: str = "float32"
     klass: str = ""  # the class of bug it plants (runner.CLASSES); the report names the class that killed it
+    #: the contracts under which its error is below the contract's rounding allowance (docs/testing.md): it
+    #: may survive there without failing the run (it is still validated and listed, as a genuine limit)
+    below_rounding: tuple = ()
 
 
 def _m(id, package, file, old, new, ops, what, quick=False):
@@ -249,8 +253,8 @@ def contiguous_strides(shape):
 '''
 
 
-def _p(id, klass, ops, what, code):
-    return Mutant(id, PT, "", "", code, ops, what, False, "float64", klass)
+def _p(id, klass, ops, what, code, below_rounding=()):
+    return Mutant(id, PT, "", "", code, ops, what, False, "float64", klass, tuple(below_rounding))
 
 
 PT_MUTANTS = [
@@ -351,7 +355,9 @@ PT_MUTANTS = [
        "def rec(q, k, v, **kw):\n    return _rec(q, F.normalize(k, dim=-1), v, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
     _p("P29", "domain", "direct", "direct: per-token gates clamped at -20 (an exp underflow guard)",
        "def d(q, k, v, *, g, **kw):\n    return _direct(q, k, v, g=g.clamp(min=-20.0), **kw)\n"
-       "def impl():\n    return make(direct_gated_delta_rule=d)\n"),
+       "def impl():\n    return make(direct_gated_delta_rule=d)\n",
+       # exp(-20) = 2e-9 of the history leaks through: an error of about 1e-6, far below 16-bit rounding
+       below_rounding=("tf32", "bf16", "bf16-state")),
     # memory layout
     _p("P30", "memory-layout", "direct", "direct: assumes contiguous inputs (reads the storage with contiguous strides)",
        "def fix(x):\n    return torch.as_strided(x, x.shape, contiguous_strides(x.shape), x.storage_offset())\n"
@@ -701,8 +707,13 @@ def main(argv=None) -> int:
             mine = [x for x in everything if x[2]["contract"] == c]
             print(f"  {c:<11} {sum(v == 'killed' for _, v, _ in mine)}/{len(mine)} killed")
         survivors = [(m, r["contract"]) for m, v, r in everything if v != "killed"]
-        if survivors:
-            print("not killed: " + ", ".join(f"{m.id}@{c} ({m.what})" for m, c in survivors))
+        limits = [(m, c) for m, c in survivors if c in m.below_rounding]
+        gaps = [(m, c) for m, c in survivors if c not in m.below_rounding]
+        if limits:
+            print("not killed, a genuine limit (the bug's error is below the contract's rounding; docs/testing.md): "
+                  + ", ".join(f"{m.id}@{c} ({m.what})" for m, c in limits))
+        if gaps:
+            print("not killed: " + ", ".join(f"{m.id}@{c} ({m.what})" for m, c in gaps))
             return 1
         return 0
     finally:

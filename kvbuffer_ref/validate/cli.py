@@ -30,6 +30,8 @@ examples:
   kvbuffer validate --impl mypkg.kvb:adapter --json report.json
   kvbuffer validate --impl fast --ops decode --seed 123 --profile thorough
   kvbuffer report                                     # the last run as Markdown
+  kvbuffer validate --report precision --impl fast --json prec.json --plot prec.png
+                                                      # error growth over decode length, 16-bit inputs
 
 An adapter (module:attr) is an object or module with some of the attributes recurrent_gated_delta_rule,
 recurrent_decode, chunk_gated_delta_rule, direct_gated_delta_rule, buffered_decode, flush,
@@ -99,6 +101,18 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--replay", metavar="BLOB", help="replay one failure from its @reproduce_failure blob "
                                                     "(select its single lane with --impl/--ops/--dtype)")
     v.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
+    v.add_argument("--report", choices=("precision",),
+                   help="instead of the lanes: 'precision', the error growth of each --impl's recurrent_decode and "
+                        "buffered_decode (decode + folds) over 1, 2, 4, ... --steps decode steps with 16-bit inputs "
+                        "(--dtype: float16 by default on the CPU, bfloat16 on CUDA) against the float64 recurrence, "
+                        "beside the fp32 and bf16-state recurrences' (Markdown on stdout; --json, --plot)")
+    v.add_argument("--steps", type=int, metavar="N",
+                   help="--report precision: decode steps (default 256 on the CPU, 4096 on CUDA)")
+    v.add_argument("--state-dtype", metavar="DTYPE", default="float32",
+                   help="--report precision: the dtype of recurrent_decode's state (default float32)")
+    v.add_argument("--cache-dtype", metavar="DTYPE", default="float32",
+                   help="--report precision: the dtype of buffered_decode's u / v cache (default float32)")
+    v.add_argument("--plot", metavar="PNG", help="--report precision: also plot the errors to PNG (needs matplotlib)")
     r = sub.add_parser(
         "report", help="render validation and benchmark JSON as Markdown (and plots, with matplotlib)",
         description="Render JSON reports as Markdown: the last `kvbuffer validate` run (kept as "
@@ -188,6 +202,12 @@ def _validate(args) -> int:
         for impl in impls:
             impl.contract, impl.lane_contracts = contract, {}
 
+    if args.report == "precision":
+        return _precision(args, impls, device)
+    for opt in ("steps", "plot"):
+        if getattr(args, opt) is not None:
+            return _bad(f"--{opt}: only with --report precision")
+
     profile = args.profile or os.environ.get("HYPOTHESIS_PROFILE", "ci")
     if profile not in PROFILES:
         return _bad(f"HYPOTHESIS_PROFILE: expected one of {', '.join(PROFILES)}, got {profile!r}")
@@ -235,6 +255,72 @@ def _validate(args) -> int:
             print(f"kvbuffer validate: error: --json {args.json}: {e}", file=sys.stderr)
             return 2
     return 1 if failures else 0
+
+
+_DTYPES = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float32": "float32", "fp32": "float32"}
+
+
+def _precision(args, impls, device: str) -> int:
+    """``kvbuffer validate --report precision``: the error growth table of every implementation."""
+    import torch
+
+    from . import precision as prec
+
+    def dtype_of(text, label, allowed):
+        name = _DTYPES.get(str(text).strip())
+        if name not in allowed:
+            raise ValueError(f"{label}: expected one of {', '.join(allowed)}, got {text!r}")
+        return getattr(torch, name)
+
+    try:
+        dtype = dtype_of(args.dtype or ("bfloat16" if device == "cuda" else "float16"), "--dtype",
+                         ("float16", "bfloat16", "float32"))
+        state_dtype = dtype_of(args.state_dtype, "--state-dtype", ("float32", "float16", "bfloat16"))
+        cache_dtype = dtype_of(args.cache_dtype, "--cache-dtype", ("float32", "float16", "bfloat16"))
+    except ValueError as e:
+        return _bad(str(e))
+    steps = args.steps if args.steps is not None else (4096 if device == "cuda" else 256)
+    if steps < 1:
+        return _bad(f"--steps: expected a positive integer, got {steps}")
+    interpreted = [i.name for i in impls if i.interpreted]
+    if interpreted and torch.bfloat16 in (dtype, state_dtype, cache_dtype):
+        return _bad(f"bfloat16 under the Triton interpreter ({', '.join(interpreted)}) is computed wrongly on the "
+                    f"CPU: use float16 here, bfloat16 with --device cuda")
+    reports, texts = [], []
+    for impl in impls:
+        if impl.unavailable:
+            texts.append(f"# Precision report: {impl.name}\n\nNOT RUN: {impl.unavailable}\n")
+            continue
+        if not (impl.has("recurrent_decode") or impl.has("buffered_decode")):
+            texts.append(f"# Precision report: {impl.name}\n\nNOT PROVIDED: neither recurrent_decode nor "
+                         f"buffered_decode\n")
+            continue
+        rep = prec.precision_report(impl, steps=steps, dtype=dtype, device=device, state_dtype=state_dtype,
+                                    cache_dtype=cache_dtype, seed=0 if args.seed is None else args.seed)
+        if dtype not in impl.dtypes:
+            rep["notes"].append(f"{impl.name} does not declare {str(dtype).replace('torch.', '')} inputs "
+                                f"(it declares {', '.join(str(d).replace('torch.', '') for d in impl.dtypes)}): "
+                                f"measured anyway")
+        reports.append(rep)
+        texts.append(prec.precision_markdown(rep, args.plot if args.plot and len(impls) == 1 else None))
+    print("\n".join(texts))
+    if args.plot and reports:
+        for i, rep in enumerate(reports):
+            path = args.plot if len(reports) == 1 else str(Path(args.plot).with_suffix("")) + f"-{i}.png"
+            if not prec.plot_precision(rep, path):
+                print("kvbuffer validate: no plot: matplotlib is not installed (pip install matplotlib)",
+                      file=sys.stderr)
+                break
+            print(f"kvbuffer validate: wrote {path}", file=sys.stderr)
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(dict(tool="kvbuffer validate --report precision", reports=reports), f, indent=1)
+                f.write("\n")
+        except OSError as e:
+            return _bad(f"--json {args.json}: {e}")
+    return 0
 
 
 def _keep_last(report) -> None:

@@ -177,13 +177,15 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
     """The coefficient of each contract's term that the emulated kernels need over ``n`` random cases, with
     the budget's other terms as the table has them (kappa x the contract baseline's error, floor, gate
     span): {contract: (worst coefficient, where, worst error / kappa x baseline)}.  Per slice, the need is
-    ``(rel - kappa x rel(baseline) - floor x eps - gate term) / (unit x growth x amp)``."""
+    ``(rel - kappa x rel(baseline) - floor x eps - gate term) / (unit x growth x amp x cond ** power)``
+    with ``cond`` the slice's chunk conditioning (``tolerances.chunk_conditioning``) and ``power`` the table's."""
     import random
 
     import kvbuffer_ref as ref
 
     from .cases import Case
-    from .tolerances import CONTRACT_TERMS, TOLERANCES, _contract_growth, _range_terms, gate_spans, rel_rms_slices
+    from .tolerances import (CONTRACT_TERMS, TOLERANCES, _contract_growth, _range_terms, chunk_conditioning, gate_spans,
+                             rel_rms_slices)
 
     tol = TOLERANCES[torch.float32]
     eps = torch.finfo(torch.float32).eps
@@ -206,6 +208,7 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
         S0 = (0.5 * S0).float() if rng.random() < 0.7 else None
         o64, S64 = ref.recurrent_gated_delta_rule(**x64, initial_state=None if S0 is None else S0.double(),
                                                   output_final_state=True)
+        cond = chunk_conditioning(x["k"], x["beta"], x["g"])
         for c in contracts:
             term = CONTRACT_TERMS[c]
             ob, Sb = baseline_recurrent(**x, initial_state=S0, contract=c)
@@ -216,11 +219,12 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
                     ranges, amp = _range_terms(e, ax, None, torch.float32)
                     spans = gate_spans(x["g"], torch.float32)
                     rest = tol.kappa * base + tol.floor * eps + tol.gate_floor * spans * eps * amp + ranges
-                    need = float(((rel - rest) / (term.unit * _contract_growth(c, T) * amp)).max())
+                    shape = cond ** term.power  # the term's conditioning factor
+                    need = float(((rel - rest) / (term.unit * _contract_growth(c, T) * amp * shape)).max())
                     ratio = float((rel / (tol.kappa * base).clamp_min(1e-300)).max())
                     worst[c][2] = max(worst[c][2], ratio)
                     if need > worst[c][0]:
-                        worst[c][:2] = need, f"{kname}.{name} {case}"
+                        worst[c][:2] = need, f"{kname}.{name} {case} (conditioning {float(cond.max()):.3g})"
                         if verbose:
                             print(f"  {c}: {need:.3f} at {worst[c][1]} (rel {float(rel.max()):.2e})", flush=True)
         if verbose and (i + 1) % 100 == 0:
@@ -242,7 +246,8 @@ def main(argv=None) -> int:
     print(f"{args.n} cases in {time.perf_counter() - t0:.0f}s (seed {args.seed}, T up to {args.max_T})")
     for c, (w, where, ratio) in worst.items():
         coef = CONTRACT_TERMS[c].coef
-        print(f"{c:<11} needs coef {w:.3f} (the table has {coef:g}: margin {coef / max(w, 1e-30):.1f}x) at {where}; "
+        margin = f"margin {coef / w:.1f}x" if w > 0 else "kappa x the baseline covers every slice"
+        print(f"{c:<11} needs coef {w:.3f} (the table has {coef:g}: {margin}) at {where}; "
               f"largest error / (kappa x contract baseline) {ratio:.3g}")
     return 0
 

@@ -88,3 +88,27 @@ def _tf32_wrong_beta(q, k, v, *, beta, **kw):
 
 tf32_buggy = types.SimpleNamespace(name="tf32-buggy", dtypes=(torch.float32,), contract="tf32",
                                    recurrent_gated_delta_rule=_tf32_wrong_beta)
+
+
+# ----------------------------------------------------------------------------- the precision report
+def _step(q, k, v, *, g, beta, state, scale=None, state_round=None, gate=1.0):
+    """One in-place decode step by the reference recurrence (float32), the state rounded by ``state_round``."""
+    o, S = ref.recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g=gate * g.float(), beta=beta.float(),
+                                          scale=scale, initial_state=state.float(), output_final_state=True)
+    state.copy_(S if state_round is None else state_round(S))
+    return o.to(v.dtype)
+
+
+#: A correct in-place decode step (float32 state).
+decode_fp32 = types.SimpleNamespace(name="decode-fp32", dtypes=(torch.float32, torch.float16),
+                                    recurrent_decode=_step)
+#: The same step keeping its state in bfloat16 (rounded after every token, as engines storing a bf16 state).
+decode_bf16_state = types.SimpleNamespace(
+    name="decode-bf16-state", dtypes=(torch.float32, torch.float16),
+    recurrent_decode=lambda *a, **kw: _step(*a, state_round=lambda S: S.to(torch.bfloat16).float(), **kw))
+#: Broken: the gate applied twice (a decay of exp(2 g)): its error grows with the decode length.
+decode_double_gate = types.SimpleNamespace(name="decode-double-gate", dtypes=(torch.float32, torch.float16),
+                                           recurrent_decode=lambda *a, **kw: _step(*a, gate=2.0, **kw))
+#: Claims to run on the Triton interpreter (the report refuses bfloat16 for it on the CPU).
+decode_interpreted = types.SimpleNamespace(name="decode-interpreted", dtypes=(torch.float32, torch.float16),
+                                           interpreted=True, recurrent_decode=_step)

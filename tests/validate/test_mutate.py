@@ -61,3 +61,14 @@ def test_a_mutant_is_killed_and_the_real_files_are_untouched(tmp_path):
     assert "by [inputs-changed]" in r.stdout.split("P02")[1].splitlines()[0]
     assert "inputs-changed  1/1" in r.stdout  # the score per planted class
     assert (ROOT / "kvbuffer_ref" / "direct.py").read_text() == before
+
+
+def test_a_bug_below_a_contracts_rounding_is_listed_as_a_limit_and_fails_nothing(mutate):
+    limits = [m for m in mutate.MUTANTS if m.below_rounding]
+    assert [m.id for m in limits] == ["P29"]  # docs/testing.md explains each
+    assert all("ieee" not in m.below_rounding for m in limits)  # IEEE float32 must kill every mutant
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "mutate.py"), "--only", "P29", "--contracts",
+                        "ieee,tf32", "--skip-baseline"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "P29  killed" in r.stdout and "P29@tf32  SURVIVED" in r.stdout
+    assert "not killed, a genuine limit" in r.stdout and "\nnot killed: " not in r.stdout

@@ -1,0 +1,81 @@
+"""``kvbuffer validate --report precision``: the error growth over decode length (small lengths here)."""
+
+import json
+import sys
+
+import pytest
+
+from kvbuffer_ref.validate import adapters, cli as kcli, precision as prec
+
+from .conftest import ADAPTERS
+
+
+def test_checkpoints_are_the_powers_of_two_then_the_last_step():
+    assert prec.checkpoints(1) == [1]
+    assert prec.checkpoints(8) == [1, 2, 4, 8]
+    assert prec.checkpoints(6) == [1, 2, 4, 6]
+    with pytest.raises(ValueError, match="steps"):
+        prec.checkpoints(0)
+
+
+def _report(name, steps=16, **kw):
+    return prec.precision_report(adapters.resolve(f"{ADAPTERS}:{name}"), steps=steps, **kw)
+
+
+def test_the_rows_tell_a_bf16_state_and_a_bug_from_the_fp32_recurrence():
+    good = _report("decode_fp32")
+    s = good["series"]
+    assert good["steps"] == [1, 2, 4, 8, 16] and set(s) == {"fp32 recurrence", "bf16-state recurrence",
+                                                            "decode-fp32 recurrent_decode"}
+    fp32, bf16, mine = s["fp32 recurrence"], s["bf16-state recurrence"], s["decode-fp32 recurrent_decode"]
+    assert max(fp32["state"]) < 1e-6 and max(mine["state"]) < 1e-6  # float32 state: float32 rounding only
+    assert min(bf16["state"]) > 100 * max(fp32["state"])  # the emulated bf16 state: bfloat16 rounding
+    assert fp32["o"][0] > 1e-5  # float16 outputs: the outputs' own rounding is in every row
+    assert max(good["ratio_to_fp32"]["state"]["decode-fp32 recurrent_decode"]) < 10
+    # an implementation keeping a bf16 state lands on the emulated bf16-state row, far from the fp32 one
+    st = _report("decode_bf16_state")["series"]["decode-bf16-state recurrent_decode"]["state"]
+    assert all(0.2 * b < a < 5 * b for a, b in zip(st, bf16["state"])), (st, bf16["state"])
+    # a wrong decay is no rounding: its error is far past both, and grows with the length
+    bad = _report("decode_double_gate")["series"]["decode-double-gate recurrent_decode"]
+    assert bad["state"][-1] > 20 * max(bf16["state"]) and bad["state"][-1] > 10 * bad["state"][0]
+
+
+def test_the_buffered_decode_row_folds_its_buffer_and_reads_its_state():
+    rep = prec.precision_report(adapters.reference(), steps=8, capacity=3)
+    row = rep["series"]["kvbuffer_ref buffered_decode[C=3]"]
+    assert max(row["state"]) < 1e-6 and max(rep["ratio_to_fp32"]["o"]["kvbuffer_ref buffered_decode[C=3]"]) < 4
+    assert any("no recurrent_decode" in n for n in rep["notes"])
+    md = prec.precision_markdown(rep)
+    assert "**Output error**" in md and "**State error**" in md and "| 8 |" in md
+
+
+def _main(capsys, *args):
+    rc = kcli.main(["validate", "--report", "precision", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_the_command_writes_the_table_the_json_and_the_plot(capsys, tmp_path, monkeypatch):
+    js, png = tmp_path / "p.json", tmp_path / "p.png"
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:decode_bf16_state", "--steps", "4", "--json", str(js),
+                         "--plot", str(png), "--device", "cpu")
+    assert rc == 0, out + err
+    assert "# Precision report: decode-bf16-state" in out and "float16 inputs" in out
+    data = json.loads(js.read_text())
+    assert data["reports"][0]["steps"] == [1, 2, 4] and data["reports"][0]["dtype"] == "float16"
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # matplotlib missing: the table, and a message
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:decode_fp32", "--steps", "2", "--plot",
+                         str(tmp_path / "q.png"), "--device", "cpu")
+    assert rc == 0 and "| 2 |" in out and "matplotlib is not installed" in err and not (tmp_path / "q.png").exists()
+
+
+def test_bad_arguments_are_refused(capsys):
+    assert _main(capsys, "--impl", f"{ADAPTERS}:decode_fp32", "--steps", "0", "--device", "cpu")[0] == 2
+    rc, _, err = _main(capsys, "--impl", f"{ADAPTERS}:decode_interpreted", "--dtype", "bfloat16", "--device", "cpu")
+    assert rc == 2 and "interpreter" in err
+    rc, _, err = _main(capsys, "--impl", f"{ADAPTERS}:decode_fp32", "--state-dtype", "int8", "--device", "cpu")
+    assert rc == 2 and "--state-dtype" in err
+    rc = kcli.main(["validate", "--impl", f"{ADAPTERS}:decode_fp32", "--steps", "4"])
+    assert rc == 2 and "only with --report precision" in capsys.readouterr().err
