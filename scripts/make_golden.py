@@ -8,7 +8,8 @@ Inputs come from numpy's PCG64 generator seeded per case, using only exactly rou
 CPU in float64 by the recurrent oracle (``kvbuffer_ref.validate.golden.truth``), with one torch thread.
 Before a case is written, the buffered reference (both buffer forms) is checked against it under the
 float64 budget of the tolerance table (~9e-13 relative): a case the reference disagrees with is
-never frozen.  ``--check`` writes nothing and exits non-zero if any stored file differs.
+never frozen.  ``--check`` writes nothing and exits non-zero if any stored file differs (bit for bit where
+this machine sums float64 products in the files' order; elsewhere within the error table's float64 row).
 
 The case list is ``SPECS`` below; each spec says which operation it exercises and why.
 """
@@ -384,6 +385,39 @@ def build_all(only=None) -> list[tuple[dict, dict]]:
         torch.set_num_threads(prev)
 
 
+def _within_float64(stored: dict, built: dict) -> bool:
+    """The same arrays, integers and seeded draws bit for bit, the oracle's float64 results within the
+    error table's float64 row (NaN where the file has NaN)."""
+    from kvbuffer_ref.validate import compare
+
+    if sorted(stored) != sorted(built):
+        return False
+    for name, x in built.items():
+        y = stored[name]
+        if np.array_equal(x, y, equal_nan=True):
+            continue
+        if not np.issubdtype(np.asarray(x).dtype, np.floating) or np.shape(x) != np.shape(y):
+            return False
+        g, e = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
+        if not torch.equal(g.isnan(), e.isnan()):
+            return False
+        g, e = (torch.where(e.isnan(), 0.0, t) for t in (g, e))
+        if g.dim() < 2:
+            g, e = g.reshape(1, -1), e.reshape(1, -1)
+        if not compare(g, e, None, name=name, dtype=torch.float64).passed:
+            return False
+    return True
+
+
+def _without_digests(text: str, ids: list) -> str:
+    """The index with the sha256 of the cases ``ids`` left out (their bytes differ by rounding only)."""
+    index = json.loads(text)
+    for e in index["cases"]:
+        if e["id"] in ids:
+            e.pop("sha256", None)
+    return json.dumps(index, sort_keys=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "kvbuffer_ref" / "validate" / "golden" / "data")
@@ -392,7 +426,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     built = build_all(None)
     out: Path = a.out
-    differ = []
+    differ, rounding = [], []
     with tempfile.TemporaryDirectory() as tmp:
         entries = []
         for entry, arrays in built:
@@ -404,8 +438,10 @@ def main(argv=None) -> int:
             target = out / entry["file"]
             data = f.read_bytes()
             if a.check:
-                if not target.is_file() or target.read_bytes() != data:
+                if not target.is_file():
                     differ.append(entry["id"])
+                elif target.read_bytes() != data:
+                    (rounding if _within_float64(golden.read_npz(target), arrays) else differ).append(entry["id"])
             elif a.only is None or entry["id"] in a.only:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
@@ -414,11 +450,14 @@ def main(argv=None) -> int:
         index = index_header() | {"cases": entries}
         text = _compact_lists(json.dumps(index, indent=1)) + "\n"
         if a.check:
-            if (out / "index.json").read_text() != text:
+            if _without_digests((out / "index.json").read_text(), rounding) != _without_digests(text, rounding):
                 differ.append("index.json")
         else:
             (out / "index.json").write_text(text)
     if a.check:
+        if rounding:
+            print(f"not bit for bit here, within the float64 row of the error table (this machine orders float64 "
+                  f"sums differently from the one that wrote the files): {rounding}")
         print("golden vectors up to date" if not differ else f"golden vectors differ: {differ}")
         return 1 if differ else 0
     total = sum((out / e["file"]).stat().st_size for e in entries) + (out / "index.json").stat().st_size
