@@ -5,7 +5,9 @@
 #
 # STAGES: a comma list (default: tests,validate,memcheck,racecheck,runner), from
 #   tests      the kernel, pool and lowp tests compiled on the GPU (-n 8)
-#   models     examples/generate.py through kvbuffer_fast's pool for each model (token equality)
+#   models     examples/generate.py through kvbuffer_fast's pool for each model (token equality; without fla
+#              on the path; transformers 5 from .whl/hf if there: pip download --python-version 3.12
+#              --only-binary=:all: --platform manylinux2014_x86_64 -d .whl/hf 'transformers>=5,<6')
 #   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast and fla (and ReplaySSM with --peer-path)
 #   memcheck, racecheck   compute-sanitizer over scripts/sanitize.py's edge shapes (racecheck: --quick)
 #   runner     the benchmark runner (python3 -m bench.gpu) into OUTDIR/latest (--before DIR: an older root too)
@@ -47,10 +49,14 @@ stage() {  # stage NAME LIMIT_S CMD...
   STATUS+=("\"$name\": {\"exit\": $rc, \"seconds\": $(( $(date +%s) - s ))}")
 }
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
-models() {
-  local rc=0
+models() {  # transformers 5 (the hf extra) from .whl/hf when the machine's own is another version
+  local rc=0 site=
+  if ls .whl/hf/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --find-links .whl/hf --target /tmp/site-hf transformers && site=/tmp/site-hf
+  fi
   for m in qwen3_next qwen3_5 kimi_linear; do
-    python3 examples/generate.py --model "$m" --device cuda --tokens 128 --drafter tree || rc=1
+    PYTHONPATH=$(pwd)${site:+:$site} python3 examples/generate.py --model "$m" --device cuda --tokens 128 \
+      --drafter tree || rc=1
   done
   return $rc
 }
