@@ -42,6 +42,9 @@ every other one as "not provided", with the reason.  Optional attributes describ
                                the contract's calibrated term, and the verdict follows it
     convention     dict        an engine kernel's calling convention (kvbuffer_ref.validate.engine): the
                                validator converts to it; see ``engine.engine_adapter``
+    varlen         tuple       the attributes that take ``cu_seqlens`` (variable-length batches, B = 1):
+                               "recurrent_gated_delta_rule", "chunk_gated_delta_rule"; their varlen lanes
+                               run only when listed (default: none)
     beta_max       float       the top of its beta domain (default 1.0; 2.0 for kernels that allow
                                negative eigenvalues): beta is drawn in [0, beta_max]
     not_provided   dict        {attribute or lane name: reason} for operations (or lanes, such as
@@ -114,6 +117,7 @@ class Implementation:
     beta_max: float = 1.0
     unavailable: str = ""  # why it cannot run here at all (e.g. triton missing): every lane is NOT RUN
     contract: str = "ieee"  # the arithmetic contract it declares (contracts.CONTRACTS)
+    varlen: tuple = ()  # attributes that take cu_seqlens
     #: {(operation, dtype): contract} where a lane keeps another contract than ``contract`` (e.g. 16-bit
     #: products in a chunk kernel's 16-bit lanes)
     lane_contracts: dict = field(default_factory=dict)
@@ -198,10 +202,14 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
                           is_truth=bool(getattr(obj, "is_truth", False)),
                           sizes=_sizes(getattr(obj, "sizes", "small" if interpreted else "normal"), label),
                           in_place=in_place, beta_max=beta_max, contract=contract,
-                          unit_qk=bool(getattr(obj, "unit_qk", False)))
+                          unit_qk=bool(getattr(obj, "unit_qk", False)),
+                          varlen=tuple(getattr(obj, "varlen", ()) or ()))
 
 
 # ----------------------------------------------------------------------------- ready adapters
+#: The forms kvbuffer_ref takes variable-length batches in (``cu_seqlens``; kvbuffer_fast: the chunk form).
+_VARLEN = ("recurrent_gated_delta_rule", "chunk_gated_delta_rule")
+
 def reference_from(package: str = "kvbuffer_ref", *, as_truth: bool = True) -> Implementation:
     """A pure-PyTorch package with kvbuffer_ref's functions, in float64 and float32, both buffer forms.
 
@@ -213,7 +221,8 @@ def reference_from(package: str = "kvbuffer_ref", *, as_truth: bool = True) -> I
     if as_truth:
         not_provided["recurrent_gated_delta_rule"] = "it is the float64 truth itself"
     return Implementation(name=package, obj=mod, dtypes=(torch.float64, torch.float32), forms=("u", "raw"),
-                          channel_gate=True, interpreted=False, is_truth=as_truth, not_provided=not_provided)
+                          channel_gate=True, interpreted=False, is_truth=as_truth, not_provided=not_provided,
+                          varlen=_VARLEN)
 
 
 def reference() -> Implementation:
@@ -265,7 +274,7 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
                           dtypes=(torch.float32, torch.float16), forms=("u",), channel_gate=True,
                           interpreted=interpreter_active(), not_provided=missing,
                           sizes=SMALL if interpreter_active() else NORMAL, in_place=dict(FAST_IN_PLACE),
-                          lane_contracts=lane_contracts)
+                          lane_contracts=lane_contracts, varlen=("chunk_gated_delta_rule",))
 
 
 def unavailable(name: str, reason: str) -> Implementation:

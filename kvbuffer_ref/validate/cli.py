@@ -84,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma list of float64, float32, float16, bfloat16 (default: float64 and float32, "
                         "those each implementation declares)")
     v.add_argument("--ops", metavar="OPS",
-                   help="comma list of operations (default all): recurrent, recurrent_decode, chunk, direct, decode, "
-                        "flush, materialize, verify_chain, verify_tree, prefill; a form may be named: decode[u]")
+                   help="comma list of operations (default all): recurrent, recurrent_decode, recurrent_varlen, "
+                        "chunk, chunk_varlen, direct, decode, flush, materialize, verify_chain, verify_tree, prefill; "
+                        "a form may be named: decode[u]")
     v.add_argument("--contract", metavar="CONTRACT",
                    help="judge every --impl by this arithmetic contract instead of the one its adapter declares: "
                         "ieee (IEEE float32, the default), tf32 (TF32 products), bf16 (bfloat16 products, float32 "

@@ -115,6 +115,22 @@ def _chunk_params(s, kw):
                                   "initial": st.booleans(), "final": st.booleans()})
 
 
+def _varlen_params(s, kw, chunked: bool):
+    """A case of B >= 1 requests, each cut to a drawn length in 0..T (empty sequences included), for the
+    cu_seqlens lanes; chunk sizes as the chunk lane's."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d):
+        case = d(kst.cases(max_B=max(2, s.max_B), max_T=s.max_T + 8, **_case_kw(s, kw)))
+        lengths = d(st.lists(st.integers(0, case.T), min_size=case.B, max_size=case.B), label="seq_lengths")
+        p = dict(case=case, seq_lengths=lengths, initial=d(st.booleans()), final=d(st.booleans()))
+        if chunked:
+            p["chunk_size"] = d(st.sampled_from([1, 2, 3, 5, 8, 16, 32, 64]), label="chunk_size")
+        return p
+    return draw()
+
+
 def _buffer_params(s, kw, min_new=0):
     return kst.buffer_setups(max_capacity=s.max_capacity, max_history=s.max_history, min_new=min_new,
                              max_new=s.max_new, max_B=s.max_B, big_capacity=s.big_capacity, **_case_kw(s, kw))
@@ -292,6 +308,17 @@ OPS: tuple[Op, ...] = (
        _chunk_params, lambda o, p, dt, dev, f: P.check_chunk(o, p["case"], dt, chunk_size=p["chunk_size"], device=dev,
                                                              with_initial_state=p.get("initial", True),
                                                              final=p.get("final", True))),
+    Op("recurrent_varlen", ("recurrent_gated_delta_rule",),
+       "variable-length batch by cu_seqlens (empty sequences too) == each sequence alone",
+       lambda s, kw: _varlen_params(s, kw, False),
+       lambda o, p, dt, dev, f: P.check_varlen(o, p["case"], dt, lengths=p["seq_lengths"], device=dev,
+                                               initial=p.get("initial", True), final=p.get("final", True))),
+    Op("chunk_varlen", ("chunk_gated_delta_rule",),
+       "chunkwise form of a variable-length batch by cu_seqlens == each sequence alone",
+       lambda s, kw: _varlen_params(s, kw, True),
+       lambda o, p, dt, dev, f: P.check_varlen(o, p["case"], dt, lengths=p["seq_lengths"], device=dev,
+                                               chunk_size=p["chunk_size"], initial=p.get("initial", True),
+                                               final=p.get("final", True))),
     Op("direct", ("direct_gated_delta_rule",), "direct mode (no state) == recurrence from zero",
        _direct_params, lambda o, p, dt, dev, f: P.check_direct(o, p["case"], dt, device=dev)),
     Op("decode", ("buffered_decode", "flush"), "buffered decode after ragged buffers (unused slots poisoned)",
@@ -314,6 +341,8 @@ OPS: tuple[Op, ...] = (
     Op("prefill", ("prefill", "buffered_decode", "flush"), "prefill hand-off at any split, then decode",
        _prefill_params, lambda o, p, dt, dev, f: P.check_prefill(o, p["case"], dt, form=f, device=dev, **op_params(p))),
 )
+#: Operations that pass ``cu_seqlens``: run only for attributes the adapter lists in ``varlen``.
+VARLEN_OPS = {"recurrent_varlen", "chunk_varlen"}
 #: Operations whose lanes exist once per buffer form.
 FORM_OPS = {"decode", "flush", "materialize", "verify_chain", "verify_tree", "prefill"}
 OP_KEYS = tuple(o.key for o in OPS)
@@ -380,6 +409,10 @@ def plan(impls: Sequence[Implementation], ops=None, dtypes: Optional[Sequence[to
             missing = [a for a in op.needs if not impl.has(a) or a in impl.not_provided]
             if op.name in impl.not_provided:  # the lane itself left out (e.g. verify_tree of a chain kernel)
                 missing = [op.name]
+            if not missing and op.key in VARLEN_OPS and not all(a in impl.varlen for a in op.needs):
+                lanes.append(Lane(op, impl, None, "NOT PROVIDED", f"the adapter does not declare cu_seqlens for "
+                                  f"{', '.join(op.needs)} (varlen = its attribute names)"))
+                continue
             if missing:
                 reasons = [impl.not_provided[a] for a in missing if a in impl.not_provided]
                 why = reasons[0] if reasons else f"the adapter has no {', '.join(missing)}"

@@ -227,6 +227,54 @@ def check_recurrent(impl, case: Case, dtype: torch.dtype, device="cpu", *, initi
     return res
 
 
+def check_varlen(impl, case: Case, dtype: torch.dtype, *, lengths, chunk_size: Optional[int] = None, device="cpu",
+                 initial: bool = True, final: bool = True) -> list[Comparison]:
+    """A variable-length batch, as engines pass prefill: the B requests of ``case`` cut to ``lengths``
+    (0 allowed: an empty sequence) and concatenated along T (q [1, sum(lengths), H, K], ``cu_seqlens``
+    int32 [B + 1]), through ``recurrent_gated_delta_rule`` (``chunk_size`` None) or
+    ``chunk_gated_delta_rule``; each sequence's outputs and final state equal the float64 recurrence of
+    that sequence alone, from its own initial state (``initial``) or none.  A state leaking from one
+    sequence into the next, or an offset off by a sequence, fails."""
+    x = case.inputs(dtype, device)
+    lengths = [int(n) for n in lengths]
+    if len(lengths) != case.B or any(not 0 <= n <= case.T for n in lengths):
+        raise ValueError(f"lengths: expected {case.B} values in 0..{case.T}, got {lengths}")
+    packed = {n: torch.cat([t[b, :lengths[b]] for b in range(case.B)], 0)[None] for n, t in x.items()}
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    S0d = _state0(case, dtype, device) if initial else None
+    kw = dict(initial_state=S0d, output_final_state=final, cu_seqlens=cu, **_scale(case))
+    if chunk_size is None:
+        fn, tag = impl.recurrent_gated_delta_rule, "recurrent"
+    else:
+        fn, tag = impl.chunk_gated_delta_rule, f"chunk[{chunk_size}]"
+        kw["chunk_size"] = chunk_size
+    o, S = fn(**packed, **kw)
+    tag = f"{tag}[cu_seqlens={offsets},initial_state={'S0' if initial else None},output_final_state={final}]"
+    res, states, bases = [], [], []
+    for b, (a, e) in enumerate(zip(offsets, offsets[1:])):
+        xb = {n: t[b:b + 1, :lengths[b]] for n, t in x.items()}
+        (o64, S64), base = truth_and_baseline(xb, None if S0d is None else S0d[b:b + 1], scale=case.scale)
+        states.append(S64)
+        bases.append(None if base is None else base[1])
+        if e > a:
+            res.append(_cmp(f"{tag}.o[sequence {b}]", o[:, a:e], o64, base and base[0], dtype, x=xb))
+    if final:
+        # the gates behind each sequence's state: its own tokens (zeros past its length)
+        keep = torch.arange(case.T, device=x["g"].device)[None, :] < torch.tensor(lengths, device=x["g"].device)[:, None]
+        g = torch.where(keep.view(case.B, case.T, *([1] * (x["g"].dim() - 2))), x["g"], torch.zeros((), dtype=x["g"].dtype,
+                                                                                                   device=x["g"].device))
+        base = None if bases[0] is None else torch.cat(bases, 0)
+        res.append(_cmp(f"{tag}.state", S, torch.cat(states, 0), base, torch.promote_types(dtype, torch.float32),
+                        head_axis=1, x=dict(x, g=g)))
+    elif S is not None:
+        raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
+                             f"tensor of shape {list(S.shape)}")
+    return res
+
+
 def check_chunk(impl, case: Case, dtype: torch.dtype, *, chunk_size: int, device="cpu",
                 with_initial_state: bool = True, final: bool = True) -> list[Comparison]:
     """chunk(impl) == recurrence for any T and chunk size (output, and final state when ``final``)."""
