@@ -349,12 +349,16 @@ class FlaAdapter:
                 "fla's chunk kernels do not run under the Triton interpreter (CPU); validate them with --device cuda")
             self.chunk_gated_delta_rule = None
 
-    def recurrent_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False):
+    varlen = ("recurrent_gated_delta_rule", "chunk_gated_delta_rule")  # fla's cu_seqlens (int64 offsets)
+
+    def recurrent_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   cu_seqlens=None):
         gates = {"gk": g} if g.dim() == 4 else {"g": g}
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        cu = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(torch.int64)}
         return self._fused(q.contiguous(), k.contiguous(), v.contiguous(), beta=beta.contiguous(), scale=scale,
                            initial_state=h0, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-                           **{n: t.contiguous() for n, t in gates.items()})
+                           **cu, **{n: t.contiguous() for n, t in gates.items()})
 
     def recurrent_decode(self, q, k, v, *, g, beta, state, scale=None):
         """One decode step the way serving calls fla: state in, final state out, copied back in place."""
@@ -364,13 +368,14 @@ class FlaAdapter:
         return o
 
     def chunk_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               chunk_size=64):
+                               chunk_size=64, cu_seqlens=None):
         if g.dim() == 4:
             raise NotImplementedError("fla's chunk_gated_delta_rule takes scalar gates only")
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        cu = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(torch.int64)}
         return self._chunk(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
                            scale=scale, initial_state=h0, output_final_state=output_final_state,
-                           use_qk_l2norm_in_kernel=False)
+                           use_qk_l2norm_in_kernel=False, **cu)
 
 
 def fla() -> Implementation:
