@@ -35,8 +35,8 @@ import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_int_tensor,
-                                 require_tensor, same_device)
-from kvbuffer_ref.pool import check_slots, per_row, set_layout
+                                 require_tensor)
+from kvbuffer_ref.pool import check_slots, on_device, per_row, set_layout
 
 from . import decode as _decode
 from ._common import (CACHE_DTYPES, STATE_DTYPES, as_input, block, checked_tokens, device_guard, flag_view,
@@ -156,8 +156,7 @@ class KVPool:
         """The token checks over the valid rows; their heads and dims must be the pool's.  Returns g."""
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             require_tensor(name, x)
-            if not same_device(x.device, self.device):
-                raise ValueError(f"{name}: expected a tensor on the pool's device {self.device}, got one on {x.device}")
+            on_device(name, x, self.device)
             if x.dim() < 2 or x.shape[0] != s.shape[0]:
                 raise ValueError(f"{name}: expected {s.shape[0]} rows (one per entry of slots), got shape "
                                  f"{list(x.shape)}")
