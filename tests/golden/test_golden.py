@@ -23,7 +23,7 @@ import torch
 
 import kvbuffer_ref
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.validate import compare, golden
+from kvbuffer_ref.validate import golden
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "kvbuffer_ref" / "validate" / "golden" / "data"  # the vectors: package data, shipped in the wheel
@@ -64,23 +64,6 @@ def _generator():
     return mod
 
 
-def _same_array(what: str, got, stored) -> None:
-    """Equal bit for bit where this machine's float64 products sum in the stored files' order (integer
-    arrays always); elsewhere (another CPU's vector width or BLAS kernel orders a product's sum
-    differently) the floating arrays the oracle computed (expected outputs, buffers built from a
-    history) within the error table's float64 row, the oracle's own rounding, NaN where the file has
-    NaN (seeded draws are bit for bit anyway: a changed draw is far past that budget)."""
-    if np.array_equal(got, stored, equal_nan=True) or not np.issubdtype(np.asarray(got).dtype, np.floating):
-        assert np.array_equal(got, stored, equal_nan=True), f"{what} differs from the stored file"
-        return
-    g, e = (torch.from_numpy(np.ascontiguousarray(x)) for x in (got, stored))
-    assert g.shape == e.shape and torch.equal(g.isnan(), e.isnan()), f"{what}: NaN elsewhere than in the stored file"
-    g, e = (torch.where(e.isnan(), 0.0, x).reshape(1, *x.shape) if x.dim() < 2 else torch.where(e.isnan(), 0.0, x)
-            for x in (g, e))
-    c = compare(g, e, None, name=what, dtype=torch.float64)
-    assert c.passed, f"{what}: not bit for bit, and past the float64 budget: {c}"
-
-
 REBUILT = ["recurrent_kda_gates_mixed", "chunk_grouped_nonpow2", "direct_edges", "decode_edges", "flush_partial_kda",
            "verify_chain_ragged_overflow", "verify_tree_ragged", "prefill_default_tail"]
 
@@ -97,7 +80,8 @@ def test_generator_reproduces_stored_files_bit_for_bit(tmp_path):
         stored = golden.read_npz(HERE / entry["file"])
         assert sorted(stored) == sorted(arrays), entry["id"]
         for name in arrays:  # name the first differing tensor before comparing bytes
-            _same_array(f"{entry['id']}: tensor {name}", arrays[name], stored[name])
+            why = golden.stored_mismatch(f"{entry['id']}: tensor {name}", arrays[name], stored[name])
+            assert why is None, why
         if all(np.array_equal(stored[n], arrays[n], equal_nan=True) for n in arrays):
             assert f.read_bytes() == (HERE / entry["file"]).read_bytes(), f"{entry['id']}: file bytes differ"
         stored_entry = dict(index[entry["id"]])
@@ -111,7 +95,8 @@ def test_truth_of_stored_inputs_is_stored_expected():
         got = golden.truth(c.op, c.params, c.inputs, torch.float64)
         assert sorted(got) == sorted(c.expected), c.id
         for name, x in got.items():
-            _same_array(f"{c.id}: {name}", x.numpy(), c.expected[name])
+            why = golden.stored_mismatch(f"{c.id}: {name}", x.numpy(), c.expected[name])
+            assert why is None, why
 
 
 # ------------------------------------------------------------------------------ the index itself

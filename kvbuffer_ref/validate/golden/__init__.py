@@ -13,11 +13,11 @@ BOTH forms, u-cache and raw).  The generator (scripts/make_golden.py) also asser
 reference agrees with the truth before it writes a case.
 """
 
-from .check import CaseReport, check, check_case, run_case
+from .check import CaseReport, check, check_case, run_case, stored_mismatch
 from .files import (BUFFER_OPS, ENV_VAR, FORMAT, OPS, PACKAGE_DIR, VERSION, GoldenCase, default_dir, load_cases,
                     load_index, read_npz, write_npz)
 from .truth import derive_buffer, truth
 
 __all__ = ["FORMAT", "VERSION", "OPS", "BUFFER_OPS", "ENV_VAR", "PACKAGE_DIR", "GoldenCase", "CaseReport", "default_dir",
            "load_index", "load_cases", "read_npz", "write_npz", "truth", "derive_buffer", "run_case", "check_case",
-           "check"]
+           "check", "stored_mismatch"]

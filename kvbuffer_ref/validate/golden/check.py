@@ -22,7 +22,28 @@ from ..tolerances import Comparison, compare
 from .files import BUFFER_OPS, GoldenCase, load_cases
 from .truth import torch_arrays, truth
 
-__all__ = ["CaseReport", "run_case", "check_case", "check"]
+__all__ = ["CaseReport", "run_case", "check_case", "check", "stored_mismatch"]
+
+def stored_mismatch(name: str, got: np.ndarray, stored: np.ndarray) -> Optional[str]:
+    """None when a rebuilt array reproduces the stored one, else why not.  Bit for bit where this
+    machine's float64 products sum in the stored files' order (integer arrays always); elsewhere
+    (another CPU's vector width or BLAS kernel orders a product's sum differently) the floating arrays
+    the oracle computed (expected outputs, buffers built from a history) within the error table's
+    float64 row, the oracle's own rounding, NaN where the file has NaN (seeded draws are bit for bit
+    anyway: a changed draw is far past that budget)."""
+    if np.array_equal(got, stored, equal_nan=True):
+        return None
+    if not np.issubdtype(np.asarray(got).dtype, np.floating) or np.shape(got) != np.shape(stored):
+        return f"{name} differs from the stored file"
+    g, e = (torch.from_numpy(np.ascontiguousarray(x)) for x in (got, stored))
+    if not torch.equal(g.isnan(), e.isnan()):
+        return f"{name}: NaN elsewhere than in the stored file"
+    g, e = (torch.where(e.isnan(), 0.0, x) for x in (g, e))
+    while g.dim() < 3:  # compare's slices: (request, head) of [B, ..., H, ...]
+        g, e = g[None], e[None]
+    c = compare(g, e, None, name=name, dtype=torch.float64)
+    return None if c.passed else f"{name}: not bit for bit, and past the float64 budget: {c}"
+
 
 #: Operations checked once per buffer form.
 _FORM_OPS = BUFFER_OPS + ("prefill",)
