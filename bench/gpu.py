@@ -258,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", metavar="DIR", help="an older package root to measure in the same run")
     ap.add_argument("--batches", help="comma list (default: the plan's, 64,128,256,512 on the GPU)")
     ap.add_argument("--layers", type=int, help="layers of distinct states (default 4)")
+    ap.add_argument("--fill", type=int, help="entries buffered when verify / accept run (default 8; with the "
+                    "default 3 accepted, a fill above C - 3 makes every accept fold)")
     ap.add_argument("--ops", help="comma list of operations (default: all of bench.workloads.OPS)")
     ap.add_argument("--set", action="append", default=[], metavar="OP.FIELD=VALUE",
                     help="a launch-config field for this run (config API only), e.g. decode.fold_FH=4")
@@ -281,6 +283,8 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, batches=tuple(int(b) for b in args.batches.split(",") if b))
     if args.layers:
         plan = dataclasses.replace(plan, layers=args.layers)
+    if args.fill is not None:
+        plan = dataclasses.replace(plan, fill=args.fill)
     ops = [o for o in args.ops.split(",") if o] if args.ops else None
     overrides = W.parse_overrides(args.set)
     if not args.smoke:
@@ -307,8 +311,8 @@ def main(argv=None) -> int:
     if args.before:  # first, while this process holds no device memory
         passthru = ["--budget-s", str(args.budget_s / 2)] + (["--smoke"] if args.smoke else [])
         for flag, value in (("--batches", args.batches), ("--layers", args.layers), ("--ops", args.ops),
-                            ("--peer-path", args.peer_path)):
-            passthru += [flag, str(value)] if value else []
+                            ("--peer-path", args.peer_path), ("--fill", args.fill)):
+            passthru += [flag, str(value)] if value is not None else []
         trees["before"] = measure_before(Path(args.before), passthru, timeout=args.budget_s / 2 + 120)
     remaining = args.budget_s - (time.time() - start)
     trees["after"] = measure(plan, overrides, args.smoke, time.time() + remaining, ops, args.peer_path)

@@ -1,17 +1,22 @@
 """accept: commit the accepted drafts of each request IN PLACE, appending their cached (k, u, G).
 
-Grid (V / BV, B * HV).  Per request the accepted node's root-to-node path (m entries, found by walking
-``parents`` in registers) is appended from the drafts' cached (k, u, G): nothing is recomputed.  When
-n + m > C the reference's rule applies (``kvbuffer_ref.entries.fold_count``): all n old entries plus the
-oldest max(0, m - C) path entries are folded into the state first, by a separate launch whose programs
-return at once for every other request (rank-1 updates, ``_fold.fold_rows``; kept apart so that its
-registers do not slow the common case).  Then the copy: u columns (every program), G rows (V-tile 0,
-rebased on the last folded entry) and keys (one program per q/k head); the request's last program
-(atomic ticket) advances ``lengths`` / ``has_state``.
+Two launches.  Per request the accepted node's root-to-node path (m entries, found by walking ``parents``
+in registers) is appended from the drafts' cached (k, u, G): nothing is recomputed.
+
+1. The fold, grid (V / BV, B * HV / FH) (a pool: a third axis over layers), only when the buffer has
+   state storage: when n + m > C the reference's rule applies (``kvbuffer_ref.entries.fold_count``): all
+   n old entries plus the oldest max(0, m - C) path entries are folded into the state, FH value heads
+   per program, each [K, BV] tile in KB-row blocks through two fp32 tl.dot (old entries, path entries).
+   A program whose request has n + D <= C (it cannot overflow) returns after one load, so a round that
+   folds nothing costs little more than the launch.
+2. The copy, grid (SPLITS, B) (a pool: (SPLITS, B, layers)): a few programs per request copy the kept
+   path entries' u rows and keys in chunks of whole rows, the first also the G rows (rebased on the last
+   folded entry); the request's last program (atomic ticket) advances ``lengths`` / ``has_state``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -23,18 +28,21 @@ from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, che
                                  require_device, require_float, require_int_tensor, require_rank, require_tensor)
 
 from ._common import (_program_ids, as_input, block, checked_buffer, device_guard, flag_view, ticket_counters)
-from ._fold import fold_rows
 from .launch import AcceptConfig, check_config, config_for, key_of
 
 __all__ = ["accept"]
 
 
 @triton.jit
-def _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C: tl.constexpr, BD: tl.constexpr):
+def _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C: tl.constexpr, BD: tl.constexpr,
+                 COUNTS: tl.constexpr):
     """The accepted node's root-to-node path (walked up ``parents`` in registers) and the overflow rule:
     returns (n, node, on_path [BD], pos [BD] index along the path, m, fold, nf = path entries folded).
-    The node is call row i_b's, the length and the parents buffer row c_b's (i_b outside a pool)."""
+    The node is call row i_b's (COUNTS: ``node_ptr`` holds accepted counts of a chain, node = count - 1),
+    the length and the parents buffer row c_b's (i_b outside a pool)."""
     node = tl.load(node_ptr + i_b).to(tl.int32)
+    if COUNTS:
+        node = node - 1
     n = tl.load(len_ptr + c_b).to(tl.int32)
     o_d = tl.arange(0, BD)
     par = tl.load(par_ptr + c_b * D + o_d, mask=o_d < D, other=-1).to(tl.int32)
@@ -52,21 +60,6 @@ def _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C: tl.constexpr, BD: t
 
 
 @triton.jit
-def _accept_fold_kernel(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
-):
-    """Phase 1 of accept, only for requests past the capacity (the others return at once): fold the n
-    old entries and the oldest nf path entries into this [K, BV] state tile,
-    S = diag(exp(G_end)) S0 + sum_j exp(G_end - G_j) k_j u_j^T (rank-1 updates, as decode's fold)."""
-    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    _accept_fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
-                         D, i_v, i_bhv, i_b, i_hv, i_h, i_b, i_b, i_b, C, H, HV, K, V, BD, BK, BV, CHANNEL, False)
-
-
-@triton.jit
 def _pool_layer(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, SR, D,
                 C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 CHANNEL: tl.constexpr):
@@ -81,180 +74,209 @@ def _pool_layer(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_
 
 
 @triton.jit
-def _accept_fold_slots_kernel(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr, sread_ptr, swrite_ptr, NR, SR, B,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
-):
-    """``_accept_fold_kernel`` on a pool, grid (V / BV, B * HV, layers): call row i_b (its node node[i_b])
-    on buffer row and draft room ``bslot[i_b]`` of layer ``program_id(2)``, the state read from slot
-    ``sread[layer, i_b]`` (-1: none) and written to ``swrite[layer, i_b]`` ([layers, B]), int64 offsets; a
-    pad (-1) does nothing."""
-    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
-        ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, SR, D,
-        C, H, HV, K, V, CHANNEL)
-    sread_ptr += i_l * B
-    swrite_ptr += i_l * B
-    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
-    if c_b >= 0:
-        s_r = tl.maximum(tl.load(sread_ptr + i_b).to(tl.int64), 0)
-        s_w = tl.load(swrite_ptr + i_b).to(tl.int64)
-        _accept_fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr,
-                             node_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, c_b, s_r, s_w, C, H, HV, K, V, BD, BK, BV,
-                             CHANNEL, True)
+def _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+                  i_v, i_b, hv0, c_b, s_r, s_w,
+                  C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BD: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, FH: tl.constexpr,
+                  NS: tl.constexpr, CHANNEL: tl.constexpr, COUNTS: tl.constexpr):
+    """The fold launch's program for value heads hv0..hv0+FH-1, V-tile i_v, of call row i_b on buffer and
+    draft rows c_b: nothing unless the request overflows (one load decides it for a request with
+    n + D <= C, which cannot), else, for each of its value heads, the [K, BV] state tile read from state
+    row s_r, in KB-row blocks (NS pipeline stages), folded and written to s_w:
+    S = diag(exp(G_end)) S0 + sum_j exp(G_end - G_j) k_j u_j^T over the n old entries (one tl.dot of
+    [KB, CB] x [CB, BV]) and the oldest nf path entries (one of [KB, BD] x [BD, BV]), fp32 FMA; S0 = 0
+    where the request owns no state."""
+    n0 = tl.load(len_ptr + c_b).to(tl.int32)
+    if n0 + D > C:
+        n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD, COUNTS)
+        if fold:
+            owns = tl.load(own_ptr + c_b) != 0
+            o_kb = tl.arange(0, KB)
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            rows = tl.arange(0, CB)
+            m_c = rows < n  # every old entry is folded
+            o_d = tl.arange(0, BD)
+            take = on_path & (pos < nf)  # ... and the oldest nf path entries
+            last = c_b * C + tl.maximum(n - 1, 0)
+            j_end = c_b * D + tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # the last folded path entry
+            for hh in range(FH):
+                i_hv = hv0 + hh
+                i_h = i_hv // (HV // H)
+                uf = tl.load(cu_ptr + ((c_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                             mask=m_c[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [CB, BV]
+                ud = tl.load(du_ptr + ((c_b * D + o_d[:, None]) * HV + i_hv) * V + o_v[None, :],
+                             mask=take[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BD, BV]
+                if not CHANNEL:
+                    g_old = tl.load(cg_ptr + last * HV + i_hv, mask=n > 0, other=0.0).to(tl.float32)
+                    g_new = tl.load(dg_ptr + j_end * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
+                    g_end = tl.where(nf > 0, g_new, g_old)
+                    gj = tl.load(cg_ptr + (c_b * C + rows) * HV + i_hv, mask=m_c, other=0.0).to(tl.float32)
+                    wc = tl.where(m_c, tl.exp(g_end - gj), 0.0)
+                    gd = tl.load(dg_ptr + (c_b * D + o_d) * HV + i_hv, mask=take, other=0.0).to(tl.float32)
+                    wd = tl.where(take, tl.exp(g_end - gd), 0.0)
+                for k0 in tl.range(0, K, KB, num_stages=NS):
+                    o_k = k0 + o_kb
+                    m_k = o_k < K
+                    st = tl.load(state_ptr + ((s_r * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                                 mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                    st = tl.where(owns, st, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)
+                    kf = tl.load(ck_ptr + ((c_b * C + rows[None, :]) * H + i_h) * K + o_k[:, None],
+                                 mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [KB, CB]
+                    kd = tl.load(dk_ptr + ((c_b * D + o_d[None, :]) * H + i_h) * K + o_k[:, None],
+                                 mask=m_k[:, None] & take[None, :], other=0.0).to(tl.float32)  # [KB, BD]
+                    if CHANNEL:
+                        ge_old = tl.load(cg_ptr + (last * HV + i_hv) * K + o_k, mask=o_k < tl.where(n > 0, K, 0),
+                                         other=0.0).to(tl.float32)
+                        ge_new = tl.load(dg_ptr + (j_end * HV + i_hv) * K + o_k, mask=o_k < tl.where(nf > 0, K, 0),
+                                         other=0.0).to(tl.float32)
+                        ge = tl.where(nf > 0, ge_new, ge_old)  # [KB]
+                        gjk = tl.load(cg_ptr + ((c_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None],
+                                      mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+                        kf = tl.where(m_c[None, :], kf * tl.exp(ge[:, None] - gjk), 0.0)
+                        gdk = tl.load(dg_ptr + ((c_b * D + o_d[None, :]) * HV + i_hv) * K + o_k[:, None],
+                                      mask=m_k[:, None] & take[None, :], other=0.0).to(tl.float32)
+                        kd = tl.where(take[None, :], kd * tl.exp(ge[:, None] - gdk), 0.0)
+                        st = st * tl.exp(ge)[:, None]
+                    else:
+                        kf = kf * wc[None, :]
+                        kd = kd * wd[None, :]
+                        st = st * tl.exp(g_end)
+                    st = tl.dot(kf, uf, st, input_precision="ieee")
+                    st = tl.dot(kd, ud, st, input_precision="ieee")
+                    tl.store(state_ptr + ((s_w * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                             st.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
-def _accept_fold_program(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, c_b, s_r, s_w,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, SLOTS: tl.constexpr,
-):
-    """The body of the accept fold kernels: call row i_b on buffer row (and draft rows) c_b; SLOTS: the
-    state slots s_r (read) and s_w (written), else the program's own row i_bhv."""
-    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD)
-    if fold:
-        owns = tl.load(own_ptr + c_b) != 0
-        o_d = tl.arange(0, BD)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        if SLOTS:  # the state slot read (none: nothing read) and the one written
-            p_s = state_ptr + ((s_r * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-            s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            p_s = state_ptr + ((s_w * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-        else:
-            p_s = state_ptr + (i_bhv * K + o_k[:, None]) * V + o_v[None, :]
-            s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        s = tl.where(owns, s, 0.0)  # direct mode: S0 = 0 (the storage row is garbage)
-        last = tl.maximum(n - 1, 0)
-        j_end = tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # the last folded path entry, if any
-        if CHANNEL:
-            g_old = tl.load(cg_ptr + ((c_b * C + last) * HV + i_hv) * K + o_k, mask=o_k < tl.where(n > 0, K, 0),
-                            other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + ((c_b * D + j_end) * HV + i_hv) * K + o_k, mask=o_k < tl.where(nf > 0, K, 0),
-                            other=0.0).to(tl.float32)
-            g_end = tl.where(nf > 0, g_new, g_old)  # [BK]
-            s = s * tl.exp(g_end)[:, None]
-        else:
-            g_old = tl.load(cg_ptr + (c_b * C + last) * HV + i_hv, mask=n > 0, other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + (c_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
-            g_end = tl.where(nf > 0, g_new, g_old)
-            s = s * tl.exp(g_end)
-        s = fold_rows(s, ck_ptr, cu_ptr, cg_ptr, c_b, i_h, i_hv, n, g_end, o_k, o_v, m_k, m_v,
-                       C, H, HV, K, V, CHANNEL)
-        for j in range(0, tl.where(nf > 0, node + 1, 0)):  # drafts <= node: real rows written by verify
-            take = tl.sum(tl.where((o_d == j) & (pos < nf), on_path.to(tl.int32), 0), 0) > 0
-            k_j = tl.load(dk_ptr + ((c_b * D + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            u_j = tl.load(du_ptr + ((c_b * D + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            if CHANNEL:
-                G_j = tl.load(dg_ptr + ((c_b * D + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            else:
-                G_j = tl.load(dg_ptr + (c_b * D + j) * HV + i_hv).to(tl.float32)
-            w = tl.where(take, tl.exp(g_end - G_j), 0.0)
-            s += (k_j * w)[:, None] * u_j[None, :]
-        tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, m_keep, W: tl.constexpr, i_s, SPLITS: tl.constexpr,
+               CH: tl.constexpr):
+    """Rows of W elements: source rows ``src_row`` [BD] to destination rows ``dst_row`` where ``m_keep``,
+    this split's chunks of CH columns (chunk c goes to split c % SPLITS)."""
+    o_c = tl.arange(0, CH)
+    for c0 in range(i_s * CH, W, SPLITS * CH):
+        cols = c0 + o_c
+        m = m_keep[:, None] & (cols < W)[None, :]
+        x = tl.load(src_ptr + src_row[:, None] * W + cols[None, :], mask=m, other=0.0)
+        tl.store(dst_ptr + dst_row[:, None] * W + cols[None, :], x.to(dst_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _accept_kernel(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
-):
-    """Phase 2 of accept (after any fold has read the old rows): append the kept path entries' u
-    columns (every program), G (V-tile 0, rebased on the last folded entry) and keys (one program per
-    q/k head); the request's last program (atomic ticket) advances lengths / has_state."""
-    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    _accept_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
-                    i_v, i_b, i_hv, i_h, i_b, C, H, HV, K, V, BD, BK, BV, NV, CHANNEL)
-
-
-@triton.jit
-def _accept_slots_kernel(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr, NR, B,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
-):
-    """``_accept_kernel`` on a pool, grid (V / BV, B * HV, layers): call row i_b on buffer row and draft
-    room ``bslot[i_b]`` of layer ``program_id(2)`` (int64 offsets; tickets [layers, B]); a pad (-1) does
-    nothing."""
-    i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, _, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
-        ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, len_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, 0, D,
-        C, H, HV, K, V, CHANNEL)
-    ticket_ptr += i_l * B
-    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
-    if c_b >= 0:
-        _accept_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr,
-                        node_ptr, D, i_v, i_b, i_hv, i_h, c_b, C, H, HV, K, V, BD, BK, BV, NV, CHANNEL)
-
-
-@triton.jit
-def _accept_program(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr,
-    dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, i_v, i_b, i_hv, i_h, c_b,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
-):
-    """The body of the accept copy kernels: call row i_b (its node and ticket) on buffer row and draft
-    rows c_b (i_b outside a pool)."""
-    GROUP: tl.constexpr = HV // H
-    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD)
+def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
+                  D, i_s, i_b, c_b,
+                  C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr,
+                  COUNTS: tl.constexpr):
+    """Split i_s of the copy launch for call row i_b on buffer and draft rows c_b (after any fold has read
+    the old rows): its chunks of the kept path entries' u rows [HV * V] and keys [H * K]; split 0 the G
+    rows [HV (* K)], rebased on G_end (read before a barrier: it may be an old row that is overwritten);
+    the request's last split (atomic ticket) advances lengths / has_state."""
+    GW: tl.constexpr = HV * K if CHANNEL else HV
+    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD, COUNTS)
     o_d = tl.arange(0, BD)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
     m_keep = on_path & (pos >= nf)  # path entries that stay buffered ...
-    dest = tl.where(fold, pos - nf, n + pos)  # ... at these rows
-    p_dt = (c_b * D + o_d) * HV + i_hv
-    ud = tl.load(du_ptr + p_dt[:, None] * V + o_v[None, :], mask=m_keep[:, None] & m_v[None, :], other=0.0)
-    tl.store(cu_ptr + ((c_b * C + dest[:, None]) * HV + i_hv) * V + o_v[None, :],
-             ud.to(cu_ptr.dtype.element_ty), mask=m_keep[:, None] & m_v[None, :])
-    if i_v == 0:
-        last = tl.maximum(n - 1, 0)
-        j_end = tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)
-        m_ko = o_k < tl.where(fold, K, 0)
-        if CHANNEL:
-            Gd = tl.load(dg_ptr + p_dt[:, None] * K + o_k[None, :], mask=m_keep[:, None] & m_k[None, :],
-                         other=0.0).to(tl.float32)
-            g_old = tl.load(cg_ptr + ((c_b * C + last) * HV + i_hv) * K + o_k,
-                            mask=m_ko & (o_k < tl.where(n > 0, K, 0)), other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + ((c_b * D + j_end) * HV + i_hv) * K + o_k,
-                            mask=m_ko & (o_k < tl.where(nf > 0, K, 0)), other=0.0).to(tl.float32)
-            g_end = tl.where(nf > 0, g_new, g_old)  # 0 without a fold
-            tl.store(cg_ptr + ((c_b * C + dest[:, None]) * HV + i_hv) * K + o_k[None, :],
-                     (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
-        else:
-            Gd = tl.load(dg_ptr + p_dt, mask=m_keep, other=0.0).to(tl.float32)
-            g_old = tl.load(cg_ptr + (c_b * C + last) * HV + i_hv, mask=tl.where(fold, n, 0) > 0,
-                            other=0.0).to(tl.float32)
-            g_new = tl.load(dg_ptr + (c_b * D + j_end) * HV + i_hv, mask=nf > 0, other=0.0).to(tl.float32)
-            g_end = tl.where(nf > 0, g_new, g_old)
-            tl.store(cg_ptr + (c_b * C + dest) * HV + i_hv, (Gd - g_end).to(cg_ptr.dtype.element_ty), mask=m_keep)
-        if i_hv % GROUP == 0:
-            p_k = ((c_b * D + o_d[:, None]) * H + i_h) * K + o_k[None, :]
-            k_new = tl.load(dk_ptr + p_k, mask=m_keep[:, None] & m_k[None, :], other=0.0)
-            tl.store(ck_ptr + ((c_b * C + dest[:, None]) * H + i_h) * K + o_k[None, :],
-                     k_new.to(ck_ptr.dtype.element_ty), mask=m_keep[:, None] & m_k[None, :])
-    # the request's last program writes what every program read: lengths and has_state
+    dst = c_b * C + tl.where(fold, pos - nf, n + pos)  # ... at these rows
+    src = c_b * D + o_d
+    _copy_rows(du_ptr, cu_ptr, src, dst, m_keep, HV * V, i_s, SPLITS, CH)
+    _copy_rows(dk_ptr, ck_ptr, src, dst, m_keep, H * K, i_s, SPLITS, CH)
+    if i_s == 0:
+        last = c_b * C + tl.maximum(n - 1, 0)
+        j_end = c_b * D + tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # last folded path entry
+        o_c = tl.arange(0, CH)
+        for c0 in range(0, GW, CH):
+            cols = c0 + o_c
+            m_c = cols < GW
+            g_old = tl.load(cg_ptr + last * GW + cols, mask=cols < tl.where(fold & (n > 0), GW, 0), other=0.0)
+            g_new = tl.load(dg_ptr + j_end * GW + cols, mask=cols < tl.where(nf > 0, GW, 0), other=0.0)
+            g_end = tl.where(nf > 0, g_new.to(tl.float32), g_old.to(tl.float32))  # 0 without a fold
+            m_g = m_keep[:, None] & m_c[None, :]
+            Gd = tl.load(dg_ptr + src[:, None] * GW + cols[None, :], mask=m_g, other=0.0).to(tl.float32)
+            tl.debug_barrier()
+            tl.store(cg_ptr + dst[:, None] * GW + cols[None, :], (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty),
+                     mask=m_g)
+    # the request's last split writes what every split read: lengths and has_state
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-    if ticket == HV * NV - 1:
+    if ticket == SPLITS - 1:
         if fold:
             tl.store(own_ptr + c_b, 1)
         tl.store(len_ptr + c_b, tl.where(fold, m - nf, n + m).to(len_ptr.dtype.element_ty))
         tl.store(ticket_ptr + i_b, 0)
 
 
+@triton.jit
+def _accept_fold_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
+    CHANNEL: tl.constexpr, COUNTS: tl.constexpr,
+):
+    """The fold launch on a buffer, grid (V / BV, B * HV / FH): request i_b's rows and state rows."""
+    i_v = tl.program_id(0)
+    i_g = tl.program_id(1).to(tl.int64)
+    i_b = i_g // (HV // FH)
+    _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+                  i_v, i_b, (i_g % (HV // FH)) * FH, i_b, i_b, i_b, C, H, HV, K, V, BD, CB, KB, BV, FH, NS, CHANNEL,
+                  COUNTS)
 
+
+@triton.jit
+def _accept_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr, COUNTS: tl.constexpr,
+):
+    """The copy launch on a buffer, grid (SPLITS, B)."""
+    i_b = tl.program_id(1).to(tl.int64)
+    _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
+                  D, tl.program_id(0), i_b, i_b, C, H, HV, K, V, BD, CH, SPLITS, CHANNEL, COUNTS)
+
+
+@triton.jit
+def _accept_fold_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+    bslot_ptr, sread_ptr, swrite_ptr, NR, SR, B,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
+    CHANNEL: tl.constexpr,
+):
+    """The fold launch on a pool, grid (V / BV, B * HV / FH, layers): call row i_b (its node node[i_b]) on
+    buffer row and draft room ``bslot[i_b]`` of layer ``program_id(2)``, the state read from slot
+    ``sread[layer, i_b]`` (-1: none) and written to ``swrite[layer, i_b]`` ([layers, B]), int64 offsets; a
+    pad (-1) does nothing."""
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
+        ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, SR, D,
+        C, H, HV, K, V, CHANNEL)
+    i_v = tl.program_id(0)
+    i_g = tl.program_id(1).to(tl.int64)
+    i_b = i_g // (HV // FH)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        s_r = tl.maximum(tl.load(sread_ptr + i_l * B + i_b).to(tl.int64), 0)
+        s_w = tl.load(swrite_ptr + i_l * B + i_b).to(tl.int64)
+        _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
+                      D, i_v, i_b, (i_g % (HV // FH)) * FH, c_b, s_r, s_w, C, H, HV, K, V, BD, CB, KB, BV, FH, NS,
+                      CHANNEL, False)
+
+
+@triton.jit
+def _accept_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+    bslot_ptr, NR, B,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr,
+):
+    """The copy launch on a pool, grid (SPLITS, B, layers): call row i_b on buffer row and draft room
+    ``bslot[i_b]`` of layer ``program_id(2)`` (int64 offsets; tickets [layers, B]); a pad (-1) does
+    nothing."""
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, _, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
+        ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, len_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, 0, D,
+        C, H, HV, K, V, CHANNEL)
+    i_b = tl.program_id(1).to(tl.int64)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr + i_l * B, dk_ptr, du_ptr, dg_ptr, par_ptr,
+                      node_ptr, D, tl.program_id(0), i_b, c_b, C, H, HV, K, V, BD, CH, SPLITS, CHANNEL, False)
 
 def accept(
     buffer: KVBuffer,
@@ -280,26 +302,27 @@ def accept(
         raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
     B, D = drafts.k.shape[:2]
     H, HV, K, V, C = buffer.num_heads, buffer.num_value_heads, buffer.head_k_dim, buffer.head_v_dim, buffer.capacity
-    nodes = _accepted_nodes(counts, nodes, drafts, checked, buffer.k.device)
+    nodes, is_count = _accepted_nodes(counts, nodes, drafts, checked, buffer.k.device)
     if checked and buffer.state is None:
-        _require_room(buffer, drafts, nodes)
+        _require_room(buffer, drafts, nodes, is_count)
     if B == 0 or D == 0:
         return buffer
     if config is None:
         config = config_for("accept", key_of(buffer.k, C=C, B=B, HV=HV, V=V, channel=buffer.channel_gate))
     cfg = check_config("accept", config)
-    BV, fold_BV = (max(16, min(x, block(V))) for x in (cfg.BV, cfg.fold_BV))
-    NV = triton.cdiv(V, BV)
+    BV = max(16, min(cfg.BV, block(V)))
     args = (as_input(drafts.k), as_input(drafts.u), as_input(drafts.G), as_input(drafts.parents), nodes, D)
-    consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), BK=block(K), CHANNEL=buffer.channel_gate)
+    consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=buffer.channel_gate, COUNTS=is_count)
     with device_guard(buffer.k):
         if buffer.state is not None:  # requests past the capacity fold first (the others' programs return at once)
-            _accept_fold_kernel[(triton.cdiv(V, fold_BV), B * HV)](
+            FH = math.gcd(HV, cfg.FH)
+            _accept_fold_kernel[(triton.cdiv(V, BV), B * HV // FH)](
                 buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), buffer.state, *args,
-                BV=fold_BV, num_warps=cfg.fold_warps, **consts)
-        _accept_kernel[(NV, B * HV)](buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
-                                     ticket_counters(B, buffer.k.device), *args, BV=BV, NV=NV,
-                                     num_warps=cfg.num_warps, **consts)
+                CB=block(C), KB=max(16, min(cfg.KB, block(K))), BV=BV, FH=FH, NS=cfg.NS, num_warps=cfg.num_warps,
+                **consts)
+        _accept_kernel[(cfg.splits, B)](buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
+                                        ticket_counters(B, buffer.k.device), *args, CH=cfg.CH, SPLITS=cfg.splits,
+                                        num_warps=cfg.copy_warps, **consts)
     return buffer
 
 
@@ -333,23 +356,25 @@ def _check_drafts(buffer: KVBuffer, drafts: Drafts, checked: bool = True) -> Non
                          f"u {list(buffer.u.shape)} / G {list(buffer.G.shape)}")
 
 
-def _accepted_nodes(counts, nodes, drafts: Drafts, checked: bool, device) -> torch.Tensor:
-    """The accepted node per request ([B] int64, -1 for none) from ``counts`` (node = count - 1) or
-    ``nodes``; range-checked when ``checked``."""
+def _accepted_nodes(counts, nodes, drafts: Drafts, checked: bool, device) -> tuple[torch.Tensor, bool]:
+    """(x, is_count): the accepted counts of a chain (is_count; the kernel takes node = count - 1) or the
+    accepted nodes (-1 for none), a [B] integer tensor as given (no conversion launch); range-checked
+    when ``checked``."""
     if checked:
         if counts is not None:
-            return (check_counts(counts, drafts.num_drafts, drafts.is_chain) - 1).contiguous()
-        return check_nodes(nodes, drafts.num_drafts).contiguous()
+            return check_counts(counts, drafts.num_drafts, drafts.is_chain).contiguous(), True
+        return check_nodes(nodes, drafts.num_drafts).contiguous(), False
     name, x = ("counts", counts) if counts is not None else ("nodes", nodes)
     x = check_count_arg(name, x, drafts.k.shape[0], device, "0..num_drafts[b]" if counts is not None else
                         "-1..num_drafts[b]-1")
-    return (x.to(dtype=torch.long) - (1 if counts is not None else 0)).contiguous()
+    return x.contiguous(), counts is not None
 
 
-def _require_room(buffer: KVBuffer, drafts: Drafts, nodes: torch.Tensor) -> None:
-    """A buffer without state storage cannot fold: every request's n + m must fit the capacity (host side)."""
+def _require_room(buffer: KVBuffer, drafts: Drafts, nodes: torch.Tensor, is_count: bool) -> None:
+    """A buffer without state storage cannot fold: every request's n + m must fit the capacity (host side;
+    ``nodes`` as ``_accepted_nodes`` returns them)."""
     par = drafts.parents.tolist()
-    for b, (n, node) in enumerate(zip(buffer.lengths.tolist(), nodes.tolist())):
+    for b, (n, node) in enumerate(zip(buffer.lengths.tolist(), (nodes - int(is_count)).tolist())):
         m = 0
         while node >= 0:
             m, node = m + 1, par[b][node]

@@ -143,12 +143,19 @@ class VerifyConfig:
 
 @dataclass(frozen=True)
 class AcceptConfig:
-    """accept: the copy launch (BV columns) and the fold launch of requests past the capacity."""
+    """accept: the fold launch (``FH`` value heads per program, ``num_warps`` warps, each head's [K, BV] state
+    tile in [KB, BV] blocks through ``NS`` pipeline stages; its programs return at once for requests that
+    cannot overflow) and the copy launch (``splits`` programs per request, chunks of ``CH`` elements of the
+    entries' rows, ``copy_warps`` warps)."""
 
-    BV: int = 32
-    num_warps: int = 4
-    fold_BV: int = 128
-    fold_warps: int = 4
+    FH: int = 4
+    BV: int = 64
+    KB: int = 32
+    NS: int = 2
+    num_warps: int = 2
+    CH: int = 1024
+    splits: int = 4
+    copy_warps: int = 4
 
 
 @dataclass(frozen=True)

@@ -427,20 +427,21 @@ class KVPool:
             if config is None:
                 config = config_for("accept", key_of(t["k"], C=C, B=B, HV=HV, V=V, channel=self.channel_gate))
             cfg = check_config("accept", config)
-            BV, fold_BV = (max(16, min(v, block(V))) for v in (cfg.BV, cfg.fold_BV))
-            NV = triton.cdiv(V, BV)
+            BV = max(16, min(cfg.BV, block(V)))
             l0 = lay.start
             buf = (t["k"][l0], t["u"][l0], t["G"][l0], t["lengths"][l0], flag_view(t["has_state"][l0]))
             room = (t["dk"][l0], t["du"][l0], t["dG"][l0], t["parents"][l0], node, D)
-            consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), BK=block(K), CHANNEL=self.channel_gate)
+            consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=self.channel_gate)
             NR, SR = self.num_buffer_slots + 1, self.num_state_slots + 1
             read = self._copy_on_write(lay, cur, write, need).contiguous()
             with device_guard(s):
-                _accept_fold_slots_kernel[(triton.cdiv(V, fold_BV), B * HV, NL)](
-                    *buf, t["state"][l0], *room, s, read, write.contiguous(), NR, SR, B, BV=fold_BV,
-                    num_warps=cfg.fold_warps, **consts)
-                _accept_slots_kernel[(NV, B * HV, NL)](*buf, ticket_counters(NL * B, s.device), *room, s, NR, B,
-                                                       BV=BV, NV=NV, num_warps=cfg.num_warps, **consts)
+                FH = math.gcd(HV, cfg.FH)
+                _accept_fold_slots_kernel[(triton.cdiv(V, BV), B * HV // FH, NL)](
+                    *buf, t["state"][l0], *room, s, read, write.contiguous(), NR, SR, B, CB=block(C),
+                    KB=max(16, min(cfg.KB, block(K))), BV=BV, FH=FH, NS=cfg.NS, num_warps=cfg.num_warps, **consts)
+                _accept_slots_kernel[(cfg.splits, B, NL)](*buf, ticket_counters(NL * B, s.device), *room, s, NR, B,
+                                                          CH=cfg.CH, SPLITS=cfg.splits, num_warps=cfg.copy_warps,
+                                                          **consts)
         self._rebind(lay, bs, cur, write, need)
         t["pending"][lay].index_fill_(1, bs, False)
         t["num_drafts"][lay].index_fill_(1, bs, 0)
