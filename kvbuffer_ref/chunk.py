@@ -71,7 +71,7 @@ def chunk_gated_delta_rule(
     S = (
         torch.zeros(d.B, d.HV, d.K, d.V, dtype=x.v.dtype, device=q.device)
         if initial_state is None
-        else initial_state.to(x.v.dtype)
+        else initial_state.to(x.v.dtype, copy=True)  # the returned final state never aliases the input
     )
     outputs = []
     for start in range(0, d.T, chunk_size):

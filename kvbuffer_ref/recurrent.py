@@ -103,7 +103,7 @@ def recurrent_gated_delta_rule(
     S = (
         torch.zeros(d.B, d.HV, d.K, d.V, dtype=x.v.dtype, device=q.device)
         if initial_state is None
-        else initial_state.to(x.v.dtype)
+        else initial_state.to(x.v.dtype, copy=True)  # the returned final state never aliases the input
     )
     o = torch.empty(d.B, d.T, d.HV, d.V, dtype=x.v.dtype, device=q.device)
     for t in range(d.T):

@@ -27,7 +27,7 @@ from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, upcast_inputs
 from .contracts import baseline_recurrent
-from .tolerances import CONTRACT_TERMS, Comparison, chunk_conditioning, compare, current_contract
+from .tolerances import CONTRACT_TERMS, Comparison, chunk_conditioning, compare, current_contract, magnitudes
 
 __all__ = [
     "buffer_to",
@@ -217,10 +217,11 @@ def check_recurrent(impl, case: Case, dtype: torch.dtype, device="cpu", *, initi
     (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
     o, S = impl.recurrent_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, **_scale(case))
     tag = f"recurrent[initial_state={'S0' if initial else None},output_final_state={final}]"
-    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=x)]
+    mo, mS = magnitudes(**x, scale=case.scale, initial_state=S0d)
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=x, magnitude=mo)]
     if final:
         res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=x))
+                        head_axis=1, x=x, magnitude=mS))
     elif S is not None:
         raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
                              f"tensor of shape {list(S.shape)}")
@@ -284,10 +285,11 @@ def check_chunk(impl, case: Case, dtype: torch.dtype, *, chunk_size: int, device
     o, S = impl.chunk_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, chunk_size=chunk_size,
                                        **_scale(case))
     tag = f"chunk[{chunk_size},initial_state={'S0' if with_initial_state else None},output_final_state={final}]"
-    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=x)]
+    mo, mS = magnitudes(**x, scale=case.scale, initial_state=S0d)
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=x, magnitude=mo)]
     if final:
         res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=x))
+                        head_axis=1, x=x, magnitude=mS))
     return res
 
 
@@ -296,7 +298,7 @@ def check_direct(impl, case: Case, dtype: torch.dtype, device="cpu") -> list[Com
     x = case.inputs(dtype, device)
     (o64, _), base = truth_and_baseline(x, scale=case.scale)
     o = impl.direct_gated_delta_rule(**x, **_scale(case))
-    return [_cmp("direct.o", o, o64, base and base[0], dtype, x=x)]
+    return [_cmp("direct.o", o, o64, base and base[0], dtype, x=x, magnitude=magnitudes(**x, scale=case.scale)[0])]
 
 
 def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int, lengths: Sequence[int],
@@ -327,12 +329,14 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
         o, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
         outs.append(o)
     name = f"decode[C={capacity},{form}]"
+    mo, mS = magnitudes(**x, scale=case.scale)
     res = []
     if outs:
-        res.append(_cmp(f"{name}.o", torch.cat(outs, dim=1), o64[:, P:], base and base[0][:, P:], dtype, x=x))
+        res.append(_cmp(f"{name}.o", torch.cat(outs, dim=1), o64[:, P:], base and base[0][:, P:], dtype, x=x,
+                        magnitude=mo[:, P:]))
     final = owned_state(impl.flush(buf))
     res.append(_cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                    head_axis=1, x=x))
+                    head_axis=1, x=x, magnitude=mS))
     return res
 
 
@@ -434,9 +438,10 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
         outs.append(ot)
     final = owned_state(impl.flush(buf))
     name = f"prefill[C={capacity},tail={tail},chunk={chunk_size},initial_state={'S0' if initial else None},{form}]"
-    return [_cmp(f"{name}.o", torch.cat(outs, dim=1), o64, base and base[0], dtype, x=x),
+    mo, mS = magnitudes(**x, scale=case.scale, initial_state=S0d)
+    return [_cmp(f"{name}.o", torch.cat(outs, dim=1), o64, base and base[0], dtype, x=x, magnitude=mo),
             _cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                 head_axis=1, x=x)]
+                 head_axis=1, x=x, magnitude=mS)]
 
 
 def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, lengths: Sequence[int],
@@ -452,8 +457,9 @@ def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, le
     if poison:
         buf = poison_unused(buf)
     name = f"materialize_state[C={capacity},{form}]"
+    mS = magnitudes(**x)[1]
     res = []
     for i in range(2):
         S = impl.materialize_state(buf)
-        res.append(_cmp(f"{name}.call{i + 1}", S, S64, base and base[1], xd, head_axis=1, x=x))
+        res.append(_cmp(f"{name}.call{i + 1}", S, S64, base and base[1], xd, head_axis=1, x=x, magnitude=mS))
     return res

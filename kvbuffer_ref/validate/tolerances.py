@@ -5,7 +5,7 @@ relative RMS error ``||x - ref|| / ||ref||`` of each (request, head) slice; the 
 what counts.  It passes when, for every (request, head) slice s,
 
     rel(actual)[s] <= kappa * rel(baseline)[s] + floor * eps(dtype)
-                      + gate_floor * span[s] * eps(compute) * max(1, scale / ||ref[s]||)
+                      + gate_floor * span[s] * eps(compute) * amplification[s]
                       + tiny(dtype) / rms(ref[s])
 
 Each slice is held to the baseline's error on that same slice (a slice the baseline itself gets
@@ -16,22 +16,27 @@ budget of the others).  The report names the slice closest to, or furthest past,
 (float32 accumulation for float32/float16/bfloat16 inputs, cast to the output dtype) on the same
 inputs, under the implementation's declared arithmetic contract (``contracts``: IEEE by default; TF32
 or bf16 products, a bf16 state: emulated), plus, for a contract other than IEEE, the contract term
-``coef x unit x growth(T) x max(1, scale / ||ref[s]||)`` (``CONTRACT_TERMS``); ``eps(dtype)`` is the machine epsilon of the output dtype and ``eps(compute)`` that of the
+``coef x unit x growth(T) x amplification[s]`` (``CONTRACT_TERMS``); ``eps(dtype)`` is the machine epsilon of the output dtype and ``eps(compute)`` that of the
 dtype the decays are computed in (float64 for float64, float32 for everything narrower: the
 cumulative gates live in float32 even when the output is bf16).  NaN or Inf never passes.
 
 ``span[s]`` (``gate_spans``) is the conditioning of the buffered and chunked forms: they form
-decays as ``exp(G_i - G_j)`` from cumulative log-gates ``G`` kept in the compute dtype, and a
-cumulative sum of size |G| carries an absolute rounding error of a few |G| * eps, which the
-step-by-step recurrence (the baseline) never incurs; the delta rule's rows then partly cancel, so
-the output's error is that relative to the size of those rows, which is the size of the
-comparison's values (``scale``: the RMS of its slice norms) even where one slice came out small by
-cancellation (K = 1, beta = 1 and a small last value make ``||ref[s]||`` as small as chance wants).
-The span bounds |G| by the slice's total ``sum_t min(|g_t|, RESET_GATE)`` over the tokens behind
-the compared values: a gate below ``-RESET_GATE`` (``kvbuffer_ref.checks``; -inf, -1e30) is an exact reset that every form takes as
-``-RESET_GATE``, so it adds at most RESET_GATE to any |G|, and a huge finite gate cannot blow the
-budget up.  It is 0 for g = 0 and small for realistic gates.  Comparisons of forms that keep no
-cumulative gates (the recurrence itself) pass ``g=None``: no gate term.
+decays as ``exp(G_i - G_j)`` from cumulative log-gates ``G`` kept in the compute dtype, which the
+step-by-step recurrence (the baseline) never does.  It is the first-order bound, in eps(compute), of
+the rounding of ``G_i - G_j`` under recursive summation: with ``a_t = min(|g_t|, RESET_GATE)`` and
+``A_m = a_1 + ... + a_m``, ``span = (W + sum_t a_t) / 2``, ``W`` the largest ``sum A_m`` over the tokens
+between two gates whose decay underflows (below ``log(tiny(compute))``; a reset gate, -inf or -1e30,
+is taken as ``-RESET_GATE`` by every form, ``kvbuffer_ref.checks``): each addition rounds by
+``u |G_m|``, and decays across an underflowing gate are 0.  It is 0 for g = 0 and grows with the
+tokens summed after a reset.  Comparisons of forms that keep no cumulative gates (the recurrence
+itself) pass ``g=None``: no gate term.
+
+``amplification[s]`` is how much larger than the slice the rows the delta rule sums are (a decay off
+by d changes each row by d times its size): ``max(1, scale / ||ref[s]||, ||magnitude[s]|| / ||ref[s]||)``
+with ``scale`` the RMS of the comparison's slice norms (a slice small by cancellation among siblings
+of the usual size keeps their absolute allowance) and ``magnitude`` (``magnitudes``, when the caller
+passes it) the same outputs summed in absolute value (the slice's own rows cancelling, e.g. across
+the channels of per-channel gates).
 
 ``tiny(dtype) / rms(ref)`` is the range limit of the output dtype: below its smallest normal
 number (float32: 1.2e-38) a value is subnormal and has no relative precision left, so an error
@@ -53,7 +58,7 @@ import torch
 
 from kvbuffer_ref.checks import RESET_GATE
 
-__all__ = ["Tolerance", "TOLERANCES", "ContractTerm", "CONTRACT_TERMS", "active_contract", "current_contract", "tolerance_for", "compute_dtype", "Comparison", "gate_span", "gate_spans",
+__all__ = ["Tolerance", "TOLERANCES", "ContractTerm", "CONTRACT_TERMS", "active_contract", "current_contract", "tolerance_for", "compute_dtype", "Comparison", "gate_span", "gate_spans", "magnitudes",
            "rel_rms_slices", "compare", "assert_matches", "chunk_conditioning", "CONDITIONING_CHUNK",
            "UNKNOWN_CONDITIONING"]
 
@@ -61,7 +66,7 @@ __all__ = ["Tolerance", "TOLERANCES", "ContractTerm", "CONTRACT_TERMS", "active_
 @dataclass(frozen=True)
 class Tolerance:
     """kappa: allowed multiple of the baseline's slice error; floor: noise floor in units of eps;
-    gate_floor: eps(compute) units allowed per unit of gate span (cumulative-gate rounding)."""
+    gate_floor: multiples of the gate span's rounding bound allowed (cumulative-gate rounding)."""
 
     kappa: float
     floor: float
@@ -73,8 +78,9 @@ class Tolerance:
 #: recurrence) is the truth itself, so only the floors count: 4096 eps ~ 9.1e-13 relative.
 #: The narrower floors are a few ulps of accumulated rounding; kappa = 4 leaves room for a
 #: different (chunked, tiled) summation order without admitting a wrong formula, whose error
-#: is O(1).  gate_floor = 4: the correct forms' cumulative-gate error, measured per slice over
-#: many random cases, reaches 1.3 x span x eps(float32) (docs/testing.md, "Calibration").
+#: is O(1).  gate_floor = 4: the derived first-order bound of a decay's rounding is 1 x span x
+#: eps(compute) (``gate_spans``); the correct forms' error, measured per slice over many random cases,
+#: reached 1.3 x sum_t |g_t| x eps(float32), which is at most 2.6 x span (docs/testing.md, "Calibration").
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(kappa=4.0, floor=4096.0, gate_floor=4.0),
     torch.float32: Tolerance(kappa=4.0, floor=64.0, gate_floor=4.0),
@@ -227,21 +233,36 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def gate_spans(g: Optional[torch.Tensor], compute: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
-    """Per (request, value head): ``sum_t min(|g_t|, RESET_GATE[compute])``, as a [B, HV] float64 tensor
+    """Per (request, value head): the first-order bound, in units of ``eps(compute)``, of the rounding of
+    any decay exponent ``G_i - G_j`` a cumulative-gate form computes, as a [B, HV] float64 tensor
     (per-channel gates [B, T, HV, K]: the largest channel's).  None for ``g=None``.
 
-    The sum bounds the cumulative log-gate |G| of every row a buffered or chunked form keeps; a gate
-    below ``-RESET_GATE`` is an exact reset that the forms take as ``-RESET_GATE`` (checks.RESET_GATE).
+    With ``a_t = min(|g_t|, RESET_GATE)`` and ``A_m = a_1 + ... + a_m`` (a bound on |G_m| from any base
+    token), a recursive sum ``G_m = G_{m-1} + g_m`` in unit roundoff u = eps / 2 gives
+    ``|err(G_i - G_j)| <= u (sum_{j<m<=i} A_m + |G_i - G_j|)``.  Only pairs whose decay does not underflow
+    matter: a gate below ``log(tiny(compute))`` (a reset; -inf and -1e30 are taken as -RESET_GATE) makes
+    every decay across it 0 in the form and below the range of the dtype in the truth.  So the bound is
+    ``(W + span) / 2`` with ``W`` the largest ``sum A_m`` over the tokens between two such gates and
+    ``span = sum_t a_t``.  It grows with the tokens summed after a reset (each adds a rounding of the
+    size of |G|), which a span alone does not.
     """
     if g is None:
         return None
     if g.dim() not in (3, 4):
         raise ValueError(f"g: expected [B, T, HV] or [B, T, HV, K], got shape {list(g.shape)}")
     # NaN: a row no form uses (verify's padding past num_drafts; a used NaN gate is rejected by the checks)
-    a = g.detach().to(torch.float64).abs().nan_to_num(nan=0.0).clamp(max=RESET_GATE[compute]).sum(dim=1)
-    if a.dim() == 3:
-        a = a.amax(dim=-1) if a.shape[-1] else a.sum(dim=-1)
-    return a
+    g = g.detach().to(torch.float64).nan_to_num(nan=0.0)
+    a = g.abs().clamp(max=RESET_GATE[compute])
+    span = a.sum(dim=1)
+    A = a.cumsum(dim=1)
+    brk = g < math.log(torch.finfo(compute).tiny)
+    S = torch.where(brk, torch.zeros_like(A), A).cumsum(dim=1)
+    base = torch.where(brk, S, torch.zeros_like(S))
+    W = (S - base.cummax(dim=1).values).amax(dim=1) if g.shape[1] else torch.zeros_like(span)
+    r = (W + span) / 2
+    if r.dim() == 3:
+        r = r.amax(dim=-1) if r.shape[-1] else r.sum(dim=-1)
+    return r
 
 
 def gate_span(g: Optional[torch.Tensor], compute: torch.dtype = torch.float32) -> float:
@@ -280,15 +301,20 @@ def rel_rms_slices(actual: torch.Tensor, expected: torch.Tensor, head_axis: int 
 
 
 def _range_terms(expected: torch.Tensor, head_axis: int, valid: Optional[torch.Tensor],
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype, magnitude: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per slice: ``tiny(dtype) / rms(ref)``, the relative size of an error of one smallest normal number
-    per element (0 where the slice's truth is 0: there any error is infinitely relative anyway), and
-    ``max(1, scale / ||ref||)`` with ``scale`` the RMS of the comparison's slice norms: how much smaller
-    than its siblings a slice came out (by cancellation of rows of the usual size)."""
+    per element (0 where the slice's truth is 0: there any error is infinitely relative anyway), and the
+    amplification of the decays' rounding: ``max(1, scale / ||ref||, ||magnitude|| / ||ref||)`` with
+    ``scale`` the RMS of the comparison's slice norms (how much smaller than its siblings a slice came
+    out by cancellation of rows of the usual size) and ``magnitude`` (``magnitudes``; None: not known) the
+    same outputs summed in absolute value (how much the slice's own rows cancel)."""
     e = expected.detach().to(torch.float64)
+    mag = None if magnitude is None else magnitude.detach().to(torch.float64)
     if valid is not None:
         mask = valid.expand(e.shape) if valid.shape != e.shape else valid
         e = torch.where(mask, e, torch.zeros((), dtype=e.dtype, device=e.device))
+        if mag is not None:
+            mag = torch.where(mask, mag, torch.zeros((), dtype=mag.dtype, device=mag.device))
         n = _slice_view(mask.to(torch.float64), head_axis).sum(dim=-1)
     else:
         n = torch.full(_slice_view(e, head_axis).shape[:2], float(_slice_view(e, head_axis).shape[-1]),
@@ -297,16 +323,48 @@ def _range_terms(expected: torch.Tensor, head_axis: int, valid: Optional[torch.T
     tiny64 = torch.finfo(torch.float64).tiny
     ranges = torch.where(norm > 0, torch.finfo(dtype).tiny * n.sqrt() / norm.clamp_min(tiny64),
                          torch.zeros_like(norm))
-    scale = norm.square().mean().sqrt() if norm.numel() else norm.new_zeros(())
-    amp = torch.where(norm > 0, (scale / norm.clamp_min(tiny64)).clamp_min(1.0), torch.ones_like(norm))
+    size = norm.square().mean().sqrt() if norm.numel() else norm.new_zeros(())
+    if mag is not None:
+        size = torch.maximum(size.expand_as(norm), _slice_view(mag, head_axis).norm(dim=-1))
+    amp = torch.where(norm > 0, (size / norm.clamp_min(tiny64)).clamp_min(1.0), torch.ones_like(norm))
     return ranges, amp
+
+
+def magnitudes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
+               scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, S) of the float64 recurrence summed in absolute value: ``|S|_t = diag(exp(g_t)) |S|_{t-1} +
+    |k_t| |u_t|^T`` from ``|S_0|``, ``|o|_t = |S|_t^T |q_t|``, with the innovations ``u_t`` of the true
+    recurrence.  A decay exponent off by ``d`` changes each row of the output by at most ``d`` times its
+    size, so an output's error from the decays' rounding is at most ``d x ||magnitude||``: the ratio
+    ``||magnitude|| / ||truth||`` of a slice is how much its rows cancel (``compare(magnitude=...)``).
+    Shapes as ``kvbuffer_ref.recurrent_gated_delta_rule``; o [B, T, HV, V] and S [B, HV, K, V] in float64."""
+    x = {n: t.detach().to("cpu", torch.float64) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+    B, T, H, K = x["q"].shape
+    HV, V = x["v"].shape[2], x["v"].shape[3]
+    s = K ** -0.5 if scale is None else float(scale)
+    qq, kk = (x[n].repeat_interleave(HV // H, dim=2) for n in ("q", "k"))
+    gg = x["g"].nan_to_num(nan=0.0).clamp(min=-RESET_GATE[torch.float64])
+    S = (torch.zeros(B, HV, K, V, dtype=torch.float64) if initial_state is None
+         else initial_state.detach().to("cpu", torch.float64))
+    M = S.abs()
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64)
+    for t in range(T):
+        d = gg[:, t].exp()
+        d = d[..., None] if d.dim() == 3 else d[..., None, None]
+        S, M = d * S, d * M
+        u = x["beta"][:, t, :, None] * (x["v"][:, t] - torch.einsum("bhk,bhkv->bhv", kk[:, t], S))
+        S = S + torch.einsum("bhk,bhv->bhkv", kk[:, t], u)
+        M = M + torch.einsum("bhk,bhv->bhkv", kk[:, t].abs(), u.abs())
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", (s * qq[:, t]).abs(), M)
+    return o, M
 
 
 @dataclass(frozen=True)
 class Comparison:
     """The verdict of one comparison against the float64 truth, reported at its deciding slice:
     the (request, head) slice with the largest ratio of error to budget.  ``gate_span`` is that
-    slice's span (None: the comparison has no gate term), ``gate_scale`` its ``max(1, scale / ||ref||)``
+    slice's span (None: the comparison has no gate term), ``gate_scale`` its amplification ``max(1, size of its rows / ||ref||)``
     and ``range_term`` its ``tiny / rms(ref)``."""
 
     name: str
@@ -337,7 +395,7 @@ class Comparison:
             eps_c = torch.finfo(compute_dtype(self.dtype)).eps
             terms += f" + {tol.gate_floor:g} x gate span {self.gate_span:.3g} x eps {eps_c:.2e}"
             if self.gate_scale > 1.0:
-                terms += f" x {self.gate_scale:.3g} (the comparison's RMS slice norm / this slice's)"
+                terms += f" x {self.gate_scale:.3g} (the size of the slice's rows / its norm)"
         if self.contract_term:
             ct = CONTRACT_TERMS[self.contract]
             terms += (f" + {self.contract} {ct.coef:g} x u {ct.unit:.2e}"
@@ -364,7 +422,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
             name: str = "output", dtype: Optional[torch.dtype] = None, head_axis: int = 2,
             valid: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None,
             contract: Optional[str] = None, tokens: Optional[int] = None,
-            conditioning: Optional[torch.Tensor] = None) -> Comparison:
+            conditioning: Optional[torch.Tensor] = None, magnitude: Optional[torch.Tensor] = None) -> Comparison:
     """Compare ``actual`` with the float64 truth ``expected`` under the calibrated budget.
 
     contract: the arithmetic contract judged by (default ``current_contract()``: the lane's declared
@@ -380,7 +438,9 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     when the comparison is float64 against float64: only the floors count).  dtype: whose row of
     the table applies (default ``actual.dtype``).  g: the log-gates [B, T, HV(, K)] of the tokens
     behind the compared values, for the gate-span term (None: a form without cumulative gates, no
-    such term).  Empty tensors (B = 0, no tokens) agree.
+    such term).  magnitude: the compared values summed in absolute value (``magnitudes``, shaped like
+    ``expected``), whose slice norms scale the gate and contract terms where a slice's rows cancel (None:
+    the comparison's RMS slice norm alone).  Empty tensors (B = 0, no tokens) agree.
     """
     if expected.dtype != torch.float64:
         raise TypeError(f"expected: the truth must be float64, got {expected.dtype}")
@@ -388,6 +448,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
         raise ValueError(f"actual: shape {list(actual.shape)} differs from expected {list(expected.shape)}")
     if baseline is not None and baseline.shape != expected.shape:
         raise ValueError(f"baseline: shape {list(baseline.shape)} differs from expected {list(expected.shape)}")
+    if magnitude is not None and magnitude.shape != expected.shape:
+        raise ValueError(f"magnitude: shape {list(magnitude.shape)} differs from expected {list(expected.shape)}")
     if not -actual.dim() <= head_axis < actual.dim():
         raise ValueError(f"head_axis: {head_axis} is out of range for a {actual.dim()}-d tensor")
     head_axis %= actual.dim()
@@ -395,6 +457,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     # the budget is computed on the host in float64, whatever device the tensors are on
     cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
     actual, expected, baseline, valid, g = cpu(actual), cpu(expected), cpu(baseline), cpu(valid), cpu(g)
+    magnitude = cpu(magnitude)
     tol = tolerance_for(dtype)
     compute = compute_dtype(dtype)
     rel = rel_rms_slices(actual, expected, head_axis, valid)
@@ -403,7 +466,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     if spans is not None and spans.shape != rel.shape:
         # gates that do not map one-to-one onto the compared slices: the largest span holds for all
         spans = torch.full_like(rel, float(spans.max()) if spans.numel() else 0.0)
-    ranges, amp = _range_terms(expected, head_axis, valid, dtype)
+    ranges, amp = _range_terms(expected, head_axis, valid, dtype, magnitude)
     span_term = 0.0 if spans is None else tol.gate_floor * spans * torch.finfo(compute).eps * amp
     budgets = tol.kappa * base + tol.floor * torch.finfo(dtype).eps + span_term + ranges
     contract = current_contract() if contract is None else contract

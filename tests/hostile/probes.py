@@ -899,8 +899,10 @@ def _shape_check(shape):
 
 
 def all_probes() -> list:
+    from .adversarial import adversarial_probes
+
     probes = token_probes() + flush_probes() + accept_probes() + prefill_probes() + empty_probes() \
-        + per_draft_accept_probes()
+        + per_draft_accept_probes() + adversarial_probes()
     ids = [p.id for p in probes]
     dup = {i for i in ids if ids.count(i) > 1}
     assert not dup, f"duplicate probe ids {sorted(dup)}"
