@@ -49,14 +49,26 @@ stage() {  # stage NAME LIMIT_S CMD...
   STATUS+=("\"$name\": {\"exit\": $rc, \"seconds\": $(( $(date +%s) - s ))}")
 }
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
-models() {  # transformers 5 (the hf extra) from .whl/hf when the machine's own is another version
-  local rc=0 site=
-  if ls .whl/hf/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --find-links .whl/hf --target /tmp/site-hf transformers && site=/tmp/site-hf
+models() {  # examples/generate.py through kvbuffer_fast's pool, under transformers from .whl/hf when there
+  local rc=0 site=/tmp/site-hf whl wheels m
+  whl=$(ls .whl/hf/transformers-*.whl 2>/dev/null | sort -V | tail -n 1)
+  rm -rf "$site"
+  if [ -n "$whl" ]; then
+    # pip resolves the wheel against the machine's own packages: only what they lack, or hold at a version
+    # transformers does not take, goes to $site (ahead on the path); numpy, torch and the rest stay the machine's
+    python3 -m pip install -q --dry-run --no-index --find-links .whl/hf --report /tmp/site-hf.json "$whl" || return 1
+    wheels=$(python3 -c 'import json, sys, urllib.parse as u
+print("\n".join(u.unquote(u.urlparse(i["download_info"]["url"]).path) for i in json.load(open(sys.argv[1]))["install"]))' \
+      /tmp/site-hf.json) || return 1
+    if [ -n "$wheels" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels || return 1
+    fi
   fi
+  local -x PYTHONPATH=$(pwd):$site  # fla (/tmp/site) off the path: the models' own torch code is the reference
+  python3 -c 'import numpy, torch, transformers; print("models: transformers", transformers.__version__, "from",
+    transformers.__file__, "| numpy", numpy.__version__, "| torch", torch.__version__)' || return 1
   for m in qwen3_next qwen3_5 kimi_linear; do
-    PYTHONPATH=$(pwd)${site:+:$site} python3 examples/generate.py --model "$m" --device cuda --tokens 128 \
-      --drafter tree || rc=1
+    python3 examples/generate.py --model "$m" --device cuda --tokens 128 --drafter tree || rc=1
   done
   return $rc
 }

@@ -25,7 +25,10 @@ duration of that forward only.  The core call then goes to the pool:
 For a tree of drafts the model's short convolution must see each node's own ancestors, not the flattened
 order: during a tree verify the model module's ``causal_conv1d_fn`` is pointed at a wrapper that gathers
 each node's window along its path and calls the model's own function on it.  The full-attention layers
-get the tree as a 4-D mask (the model's forward takes a mask per layer type) and per-node positions.
+get per-node positions and, for a tree, the model's own mask for a chain of as many tokens with the
+drafts' block replaced by the tree (``_tree_mask``: the form the attention implementation takes; the
+model's forward takes a mask per layer type); where there is no such dense mask, the tree's first path
+is verified as a chain.
 
 The model's cache gets a zero-size placeholder as its "recurrent state": the state lives in the pool.
 One pool per model holds all its linear layers: pool layer i is the model's i-th linear-attention layer.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -47,7 +51,26 @@ from kvbuffer_ref.pool import KVPool
 from kvbuffer_ref.recurrent import recurrent_gated_delta_rule
 
 __all__ = ["FAMILIES", "Family", "family_of", "tiny_config", "build_model", "KVBufferRunner", "model_own_path",
-           "greedy_reference", "oracle_logits", "prompt_lookup_chain", "prompt_lookup_tree", "SpecStats"]
+           "greedy_reference", "oracle_logits", "prompt_lookup_chain", "prompt_lookup_tree", "SpecStats",
+           "TRANSFORMERS_RANGE"]
+
+
+# transformers versions served: [lowest, first unsupported), the ``hf`` extra's range (docs/models.md lists
+# the versions tested).  The integration reads the model code's conventions that changed inside it (the
+# cache argument's name, where q/k are repeated to the value heads, the mask the attention takes).
+TRANSFORMERS_RANGE = ("5.17.0", "6")
+
+
+def _transformers():
+    """The transformers module, once its version is checked against ``TRANSFORMERS_RANGE``."""
+    import transformers
+    from packaging.version import Version
+
+    lo, hi = TRANSFORMERS_RANGE
+    if not Version(lo) <= Version(transformers.__version__) < Version(hi):
+        raise ImportError(f"kvbuffer_ref.integrations.transformers: transformers {transformers.__version__} is not "
+                          f"supported; it needs transformers>={lo},<{hi} (the hf extra: pip install -e '.[hf]')")
+    return transformers
 
 
 # ------------------------------------------------------------------------------------------- families
@@ -72,6 +95,7 @@ class Family:
                 config.linear_value_head_dim)
 
     def modeling(self):
+        _transformers()
         return importlib.import_module(self.module)
 
 
@@ -106,7 +130,7 @@ def tiny_config(model_type: str, *, vocab_size: int = 256, layers: int = 4):
     layers whose last is full attention (the models' own 3:1 pattern for 4 layers), grouped linear heads
     (Qwen: 2 q/k heads, 4 value heads of 16), small MoE blocks where the family has them."""
     fam = FAMILIES[model_type]
-    cls = getattr(importlib.import_module("transformers"), fam.config)
+    cls = getattr(_transformers(), fam.config)
     types = ["linear_attention"] * (layers - 1) + ["full_attention"]
     common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, layer_types=types, max_position_embeddings=4096, pad_token_id=0,
@@ -132,8 +156,8 @@ def build_model(model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.fl
                 device=None, attn_implementation: str = "sdpa", **config_kw):
     """A causal LM of ``model_type``: from ``checkpoint`` (a local directory, ``from_pretrained`` with
     ``local_files_only``) or from ``tiny_config`` with random weights drawn under ``seed``; eval mode,
-    eager attention (the path with the custom tree masks), ``dtype`` on ``device``."""
-    import transformers
+    ``attn_implementation`` (default SDPA), ``dtype`` on ``device``."""
+    transformers = _transformers()
 
     if checkpoint is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, dtype=dtype,
@@ -249,6 +273,8 @@ class KVBufferRunner:
         self.pool = pool_cls(layers=len(self.layers), num_state_slots=max_requests, num_buffer_slots=max_requests,
                              capacity=capacity, max_drafts=max_drafts, num_heads=H, num_value_heads=HV, head_k_dim=K,
                              head_v_dim=V, channel_gate=self.family.channel_gate, dtype=self.dtype, device=self.device)
+        self._qk_checked = False  # the layer's repeat of q/k to the value heads checked (_qk_heads)
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._mode: Optional[str] = None  # admit / decode / verify, for the forward in progress
         self._layer: Optional[int] = None
         self._slots: Optional[torch.Tensor] = None
@@ -262,8 +288,8 @@ class KVBufferRunner:
         dt = self.dtype
         q, k, v, g, beta = (x.to(dt) for x in (query, key, value, g, beta))
         group = self.HV // self.H
-        if group > 1 and q.shape[2] == self.HV:  # q and k repeated to the value heads by the caller (some
-            q, k = q[:, :, ::group], k[:, :, ::group]  # transformers versions do): each group's one head
+        if group > 1 and q.shape[2] == self.HV:  # q and k repeated to the value heads by the caller
+            q, k = self._qk_heads(q, group), self._qk_heads(k, group)
         if use_qk_l2norm_in_kernel:  # the model module's own L2 norm, as its core function applies it
             q, k = self.modeling.l2norm(q, dim=-1, eps=1e-6), self.modeling.l2norm(k, dim=-1, eps=1e-6)
         x = dict(g=g, beta=beta, layer=self._layer, scale=self.K ** -0.5)
@@ -287,6 +313,19 @@ class KVBufferRunner:
         else:
             raise RuntimeError(f"no KVBuffer step in progress (mode {self._mode!r})")
         return o.to(query.dtype), query.new_zeros(query.shape[0], 0)
+
+    def _qk_heads(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """q or k [B, T, HV, K] that the model's layer repeated to the value heads (transformers before 5.23
+        does, later ones repeat inside the core function) back to its H heads: value head i reads head
+        i // group, so each group of ``group`` equal heads gives one.  The first such call checks that the
+        heads are repeated that way (exactly equal within each group)."""
+        heads = x[:, :, ::group].contiguous()
+        if not self._qk_checked:
+            if not torch.equal(heads.repeat_interleave(group, dim=2), x):
+                raise ValueError(f"model: its q/k come with {self.HV} heads, not grouped as value head i reads "
+                                 f"q/k head i // {group}; KVBuffer serves that grouping only")
+            self._qk_checked = True
+        return heads
 
     def _tree_conv(self, original):
         """The model's causal_conv1d_fn applied to each tree node's window along its root-to-node path."""
@@ -344,6 +383,44 @@ class KVBufferRunner:
                 del layer.forward  # back to the class's forward
             self._mode = self._layer = self._slots = self._lengths = self._parents = None
 
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        """The model's forward with ``cache`` under the name its signature gives it (``cache``, or
+        ``past_key_values`` before transformers 5.24)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=True, **{self._cache_kw: cache})
+
+    def _tree_mask(self, cache, parents: Sequence[int], past: int) -> Optional[torch.Tensor]:
+        """The full-attention layers' mask for verifying the tree ``parents`` after ``past`` cached tokens:
+        the model's own causal mask for a chain of as many tokens (built by the modeling module's
+        ``create_causal_mask``, so its shape, dtype and device are what the model's attention takes: bool
+        under SDPA, additive float under eager), with the drafts' block replaced by the tree's ancestor
+        relation (each node sees the past, its ancestors and itself).  None where that builder gives no
+        dense [B, 1, q, kv] mask (e.g. flash or flex attention)."""
+        n = len(parents)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                anc[i, j] = True
+                j = parents[j]
+        emb = self.model.get_input_embeddings().weight
+        embeds = emb.new_zeros(1, n, emb.shape[-1])
+        dev = emb.device
+        chain = self.modeling.create_causal_mask(self.model.config, embeds,
+                                                 torch.ones(1, past + n, dtype=torch.long, device=dev), cache,
+                                                 torch.arange(past, past + n, device=dev)[None],
+                                                 allow_is_causal_skip=False)
+        if not isinstance(chain, torch.Tensor) or chain.dim() != 4 or tuple(chain.shape[-2:]) != (n, past + n):
+            return None
+        mask = chain.clone(memory_format=torch.contiguous_format)
+        anc = anc.to(mask.device)
+        if mask.dtype == torch.bool:
+            mask[..., past:] = anc
+        else:
+            mask[..., past:] = torch.zeros(n, n, dtype=mask.dtype, device=mask.device).masked_fill(
+                ~anc, torch.finfo(mask.dtype).min)
+        return mask
+
     def new_cache(self):
         from transformers import DynamicCache
 
@@ -366,8 +443,7 @@ class KVBufferRunner:
         toks, logits = [], []
         try:
             with self._step("admit", slots=slots, lengths=lengths):
-                out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
-                                 use_cache=True)
+                out = self._forward(input_ids, mask, pos, cache)
             for step in range(max_new_tokens):
                 last = out.logits[:, -1].double()
                 nxt = last.argmax(-1) if choose is None else choose(step, last)
@@ -380,8 +456,7 @@ class KVBufferRunner:
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                 pos = pos[:, -1:] + 1
                 with self._step("decode", slots=slots):
-                    out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, cache=cache,
-                                     use_cache=True)
+                    out = self._forward(nxt[:, None], mask, pos, cache)
         finally:
             self.pool.release(slots)
         return torch.stack(toks, 1), torch.stack(logits, 1)
@@ -418,8 +493,7 @@ class KVBufferRunner:
         dev = input_ids.device
         try:
             with self._step("admit", slots=slots, lengths=[T]):
-                out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 position_ids=torch.arange(T, device=dev)[None], cache=cache, use_cache=True)
+                out = self._forward(input_ids, torch.ones_like(input_ids), torch.arange(T, device=dev)[None], cache)
             cache.activate_past_recording()  # conv states keep the verified tokens until trimmed to the path
             nxt = int(out.logits[0, -1].argmax())
             gen = [nxt]
@@ -431,27 +505,26 @@ class KVBufferRunner:
                 d_tok, d_par = [d_tok[i] for i in keep], [d_par[i] for i in keep]
                 toks = [nxt] + list(d_tok)
                 parents = [-1] + [p + 1 for p in d_par]  # node 0: the last token, a child of the buffer's tail
-                n = len(toks)
                 past = len(hist_all) - 1
+                mask = None
+                if any(parents[i] != i - 1 for i in range(len(parents))):  # a tree
+                    mask = self._tree_mask(cache, parents, past)
+                    if mask is None:  # the attention implementation takes no dense mask: the tree's first path
+                        path = _first_path(parents)
+                        toks, parents = [toks[i] for i in path], list(range(-1, len(path) - 1))
+                n = len(toks)
                 depth = [0] * n
                 for i in range(1, n):
                     depth[i] = depth[parents[i]] + 1
-                anc = torch.zeros(n, n, dtype=torch.bool)
-                for i in range(n):
-                    j = i
-                    while j >= 0:
-                        anc[i, j] = True
-                        j = parents[j]
-                allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), anc], dim=1).to(dev)
-                mdt = next(self.model.parameters()).dtype
-                full = torch.zeros(1, 1, n, past + n, dtype=mdt, device=dev)
-                full = full.masked_fill(~allowed[None, None], torch.finfo(mdt).min)
-                par = torch.tensor([parents], dtype=torch.long, device=self.device)
-                with self._step("verify", slots=slots, parents=par):
-                    out = self.model(input_ids=torch.tensor([toks], device=dev),
-                                     attention_mask={"full_attention": full, "linear_attention": None},
-                                     position_ids=torch.tensor([[past + d for d in depth]], device=dev),
-                                     cache=cache, use_cache=True)
+                ids = torch.tensor([toks], device=dev)
+                pos = torch.tensor([[past + d for d in depth]], device=dev)
+                if mask is None:  # a chain: the model's own causal mask
+                    with self._step("verify", slots=slots):
+                        out = self._forward(ids, torch.ones(1, past + n, dtype=torch.long, device=dev), pos, cache)
+                else:
+                    par = torch.tensor([parents], dtype=torch.long, device=self.device)
+                    with self._step("verify", slots=slots, parents=par):
+                        out = self._forward(ids, {"full_attention": mask, "linear_attention": None}, pos, cache)
                 choice = out.logits[0].argmax(-1).tolist()
                 node, path = 0, [0]
                 while True:  # the longest path whose every token is the model's greedy choice
@@ -475,6 +548,16 @@ class KVBufferRunner:
         finally:
             self.pool.release(slots)
         return torch.tensor([gen[:max_new_tokens]], device=dev)
+
+
+def _first_path(parents: Sequence[int]) -> list:
+    """The nodes of a tree's first root-to-leaf path (each node's first child, from node 0)."""
+    path = [0]
+    while True:
+        kids = [i for i in range(len(parents)) if parents[i] == path[-1]]
+        if not kids:
+            return path
+        path.append(kids[0])
 
 
 def _keep_path(cache, n_new: int, path: Sequence[int]) -> None:

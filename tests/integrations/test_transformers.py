@@ -225,3 +225,84 @@ def test_qwen3_5_moe_greedy_equals_transformers():
     print(f"\n{c}\nqwen3_5_moe C=16 float32: {len(ties)} tie step(s)")
     assert not wrong, "\n".join(wrong)
     assert c.passed, str(c)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_mask_is_the_attention_implementations_own_form(attn):
+    """The full-attention layers get the tree in the form the model's own mask builder gives its attention
+    (bool under SDPA, additive float under eager; [1, 1, nodes, past + nodes]), and the tree is verified
+    exactly (float64, Kimi's MLA)."""
+    m = model("kimi_linear", torch.float64) if attn == "sdpa" else kt.build_model(
+        "kimi_linear", seed=0, dtype=torch.float64, attn_implementation="eager")
+    ids = repetitive_prompt(5)
+    ref, _ = kt.greedy_reference(m, ids, torch.ones_like(ids), TOKENS)
+    runner = kt.KVBufferRunner(m, capacity=4, dtype=torch.float64, max_requests=1, max_drafts=8)
+    masks, build = [], runner._tree_mask
+    runner._tree_mask = lambda cache, parents, past: masks.append((parents, past, build(cache, parents, past))) \
+        or masks[-1][2]
+    stats = kt.SpecStats()
+    out = runner.speculative_generate(ids, TOKENS, knowing_drafter(ids.shape[1], ref[0].tolist(), "tree"), stats=stats)
+    assert torch.equal(out, ref), f"speculative {out.tolist()} != greedy {ref.tolist()}"
+    parents, past, mask = masks[0]
+    n = len(parents)
+    assert mask.dtype == (torch.bool if attn == "sdpa" else torch.float64) and mask.shape == (1, 1, n, past + n)
+    seen = mask[0, 0] if attn == "sdpa" else mask[0, 0] == 0
+    for i in range(n):
+        ancestors = set()
+        j = i
+        while j >= 0:
+            ancestors.add(j)
+            j = parents[j]
+        assert seen[i, :past].all() and {j for j in range(n) if seen[i, past + j]} == ancestors
+
+
+def test_tree_falls_back_to_its_first_path():
+    """Where the attention implementation takes no dense mask (the runner's tree mask is None), each round
+    verifies the tree's first path as a chain; the output is still exactly greedy."""
+    m = model("qwen3_next", torch.float64)
+    ids = repetitive_prompt(5)
+    ref, _ = kt.greedy_reference(m, ids, torch.ones_like(ids), TOKENS)
+    runner = kt.KVBufferRunner(m, capacity=4, dtype=torch.float64, max_requests=1, max_drafts=8)
+    runner._tree_mask = lambda *a: None
+    stats = kt.SpecStats()
+    out = runner.speculative_generate(ids, TOKENS, knowing_drafter(ids.shape[1], ref[0].tolist(), "tree"), stats=stats)
+    assert torch.equal(out, ref), f"speculative {out.tolist()} != greedy {ref.tolist()}"
+    assert stats.proposed <= stats.verifies  # the first path is the wrong first branch: one draft per round
+
+
+def test_qk_repeated_to_the_value_heads():
+    """The core gets q/k with H heads (transformers 5.23 on) or repeated to the HV value heads (before
+    5.23): both give the same tokens, logits on the error table against the float64 truth (baseline: the
+    H-head run's); q/k repeated in another order are refused."""
+    m = model("qwen3_next")
+    ids, mask = prompts([2, 7])
+
+    def run(repeated: bool):
+        runner = kt.KVBufferRunner(m, capacity=4, max_requests=2)
+        core, g, H = runner._core, runner.HV // runner.H, runner.H
+
+        def heads(x):  # whatever the layer gives: H heads, or each repeated g times
+            grouped = x if x.shape[2] == H else x[:, :, ::g]
+            return grouped.repeat_interleave(g, 2) if repeated else grouped
+
+        runner._core = lambda q, k, *a, **kw: core(heads(q), heads(k), *a, **kw)
+        return runner.generate(ids, mask, 4)
+
+    (grouped_tok, grouped_log), (tok, log) = run(False), run(True)
+    assert torch.equal(tok, grouped_tok)
+    c = compare(log, kt.oracle_logits(m, ids, mask, tok), grouped_log, name="q/k repeated: logits",
+                dtype=torch.float32, head_axis=1)
+    assert c.passed, str(c)
+    runner = kt.KVBufferRunner(m, capacity=4)
+    x = torch.randn(1, 3, runner.H, runner.K)
+    with pytest.raises(ValueError, match="grouped"):
+        runner._qk_heads(x.repeat(1, 1, runner.HV // runner.H, 1), runner.HV // runner.H)
+
+
+@pytest.mark.parametrize("version", ["5.16.1", "6.0.0"])
+def test_unsupported_transformers_is_refused(version, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    with pytest.raises(ImportError, match=f"transformers {version} is not supported; it needs transformers>=5.17"):
+        kt.family_of(model("qwen3_5")).modeling()
