@@ -48,7 +48,7 @@ from kvbuffer_ref.pool import check_slots, on_device, per_row, set_layout
 
 from . import decode as _decode
 from ._common import (CACHE_DTYPES, STATE_DTYPES, as_input, block, checked_tokens, device_guard, flag_view,
-                      int_scratch, new_output, pdl_launch, ticket_counters, values_checked)
+                      new_output, pdl_launch, ticket_counters, values_checked)
 from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
@@ -103,6 +103,9 @@ class KVPool:
             pending=torch.zeros(L, N + 1, dtype=torch.bool, **kw),
             live=torch.zeros(N + 1, dtype=torch.bool, **kw),
         )
+        # _claims_kernel's per-layer counts (zero between calls) and ranks: the pool's own, so that no call
+        # (nor a CUDA graph holding it) ever sees it reallocated
+        self._claims_scratch = torch.zeros(L, 2 * S + N, dtype=torch.int32, **kw)
 
     # ------------------------------------------------------------------ views and bookkeeping
     def tensors(self) -> dict:
@@ -202,9 +205,9 @@ class KVPool:
         row leaving a shared slot has its state copied to its fresh slot and folds there in place: its
         fold must not read the old slot, which the sharer that keeps it folds in place in the same launch.
         With ``accepted`` the rows' ``pending`` and ``num_drafts`` are cleared too (accept's kernels read
-        the draft room, not those).  Returns (cur, read, write, node): [layers, B] int64 each, the row's slot before the call (-1:
-        none), the slot its fold reads (-1: none, S0 = 0) and writes (non-folding rows: the sink S), and
-        accept's nodes [B] (pads -1; else None).  With no free slot for every needing row in some layer:
+        the draft room, not those).  Returns (cur, read, write, node): [layers, B] int64 each, the row's
+        slot before the call (-1: none), the slot its fold reads (-1: none, S0 = 0) and writes
+        (non-folding rows: the sink S), and accept's nodes [B] (pads -1; else None).  With no free slot for every needing row in some layer:
         a ValueError before anything is written (checked calls; unchecked, such a fold writes the sink)."""
         t, N, S = self._t, self.num_buffer_slots, self.num_state_slots
         NL, B, D, l0 = lay.stop - lay.start, s.shape[0], self.max_drafts, lay.start
@@ -214,7 +217,6 @@ class KVPool:
         if B == 0:
             return plan[0], plan[1], plan[2], node
         count = torch.empty(NL, 2, dtype=torch.int64, device=dev)
-        scratch = int_scratch("pool claims", NL * (2 * S + B), dev)
         rule = 0 if folds is not None else 1 if accepted is None else 2
         name, arg = accepted if accepted is not None else (None, 0)
         per_row = isinstance(arg, torch.Tensor)
@@ -222,7 +224,8 @@ class KVPool:
             _claims_kernel[(NL,)](  # s stands in for the pointers this rule does not read
                 s, t["state_slot"][l0], t["refs"][l0], t["lengths"][l0],
                 flag_view(folds.contiguous()) if folds is not None else s, t["parents"][l0], arg if per_row else s,
-                0 if per_row else arg, s if node is None else node, plan, count, scratch, B, NL, N, S, D,
+                0 if per_row else arg, s if node is None else node, plan, count, self._claims_scratch[l0], B, NL, N,
+                S, D,
                 C=self.capacity, RULE=rule, PER_ROW=per_row, COUNTS=name == "counts", BB=block(B, 2),
                 BD=block(D, 2), BS=min(block(S, 2), 4096), num_warps=4)
         if checked:
@@ -549,14 +552,14 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
     every row without PER_ROW, minus 1 with COUNTS; the rows' nodes (pads: -1) go to ``node``).
     Writes ``plan`` [4, layers, B] (current slot, read slot, write slot, need) and ``count`` [layers, 2]
     (rows that need a fresh slot, free slots).  The sharers of a slot that fold are counted in the
-    int32 ``scratch`` ([layers, 2 S + B], zero between calls: reset here), and so is the first of them
+    int32 ``scratch`` ([layers, 2 S + N], zero between calls: reset here), and so is the first of them
     (``B - max(B - row)``); the fresh slots go out by rank (the rank-th needing row, kept in the scratch,
     gets the rank-th free slot).  Scratch and plan values that other threads wrote are read at L2."""
     i_l = tl.program_id(0).to(tl.int64)
     sslot_ptr += i_l * (N + 1)
     len_ptr += i_l * (N + 1)
     refs_ptr += i_l * (S + 1)
-    scratch_ptr += i_l * (2 * S + B)
+    scratch_ptr += i_l * (2 * S + N)
     o_b = tl.arange(0, BB)
     m_b = o_b < B
     slot = tl.load(slot_ptr + o_b, mask=m_b, other=-1).to(tl.int64)
@@ -598,7 +601,7 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
     tl.debug_barrier()  # every row has read the counts: zero them for the next call
     tl.store(scratch_ptr + at, 0, mask=shared)
     tl.store(scratch_ptr + S + at, 0, mask=shared)
-    rank_ptr = scratch_ptr + 2 * S
+    rank_ptr = scratch_ptr + 2 * S  # ranks 1..n_need <= N: the valid rows are distinct slots
     rank = tl.cumsum(need.to(tl.int32), 0)
     n_need = tl.sum(need.to(tl.int32), 0)
     tl.store(rank_ptr + rank - 1, o_b, mask=need)
