@@ -3,24 +3,32 @@ device, so that every operation but ``admit`` and ``acquire`` can be captured in
 replayed with new contents and new slot indices.
 
 Layout (docs/pool.md): the reference pool's tensors (``tensors()`` gives them by the same names), each
-with one more row behind its slots that no slot addresses (a *sink*: the bookkeeping's scatters send
-pad rows there, so they need no host-side filtering).  The operations run kvbuffer_fast's kernels on the
-pool, addressed by slot index tensors (int64 offsets; a pad row's programs read and write nothing):
-decode's fold, decode and bookkeeping launches (``_fold_group_slots_kernel``, ``_decode_slots_kernel``,
-``_book_slots_kernel``), accept's fold and copy launches, flush's fold launch (keys and gates moved in
-torch), verify's phase 2 reading the states from the slots (its phase 1 and outputs on the addressed
-rows' buffer entries, gathered).  ``state_of`` and decode at C > 32 (the tile fold) go through a gathered
-``KVBuffer``.
+with one more row behind its slots that no slot addresses (a *sink*: the torch-side scatters send pad
+rows there, so they need no host-side filtering).  The operations run kvbuffer_fast's kernels on the
+pool, addressed by the slot index tensors as given (int32 or int64; int64 offsets; a pad row's
+programs read and write nothing).  Launches per call (no torch kernels between them in a capture):
 
-State slots are taken on the device: a row that folds into no state slot, or into one it shares with
-a fork (copy-on-write), gets the lowest free slot (``refs == 0``) in its rank among such rows, and the
-references move with it.  A row leaving a shared slot has that state copied to its fresh slot by one
-launch before the fold (``_copy_slots_kernel``) and folds there in place: the sharer that keeps the
-slot (every sharer folds in the call) folds it in place in the same launch, so no fold may read it.  The checks that
-read device values (slot ranges, duplicates, live and pending requests, counts, free state slots) run
-unless a CUDA graph is being captured (``_common.values_checked``); inside a capture out-of-range
-values are undefined behaviour, and a fold that finds no free state slot writes the sink (its result
-is lost).
+* decode: the state-slot bookkeeping (``_claims_kernel``, ``_commit_kernel``), then decode's fold,
+  decode and bookkeeping launches (``_fold_group_slots_kernel``, ``_decode_slots_kernel``,
+  ``_book_slots_kernel``);
+* verify: the addressed rows' buffer entries, parents, draft counts and state slots gathered
+  (``_verify_rows_kernel``), verify's two phases (phase 2 reading the states from the slots), the
+  drafts written to the slots' draft room (``_room_kernel``);
+* accept: the state-slot bookkeeping (which rows' accepted paths overflow), accept's fold and copy
+  launches;
+* flush: the state-slot bookkeeping, flush's fold launch (keys and gates moved in torch).
+
+``state_of`` and decode at C > 32 (the tile fold) go through a gathered ``KVBuffer``.
+
+State slots are taken on the device (``KVPool._claims``): a row that folds into no state slot, or into
+one it shares with a fork (copy-on-write), gets the lowest free slot (``refs == 0``) in its rank among
+such rows, and the references move with it, before the folds (which read the slots the bookkeeping
+returns).  A row leaving a shared slot has that state copied to its fresh slot first and folds there
+in place: the sharer that keeps the slot (every sharer folds in the call) folds it in place in the
+same launch, so no fold may read it.  The checks that read device values (slot ranges, duplicates,
+live and pending requests, counts, free state slots) run unless a CUDA graph is being captured
+(``_common.values_checked``); inside a capture out-of-range values are undefined behaviour, and a fold
+that finds no free state slot writes the sink (its result is lost).
 """
 
 from __future__ import annotations
@@ -95,6 +103,9 @@ class KVPool:
             pending=torch.zeros(L, N + 1, dtype=torch.bool, **kw),
             live=torch.zeros(N + 1, dtype=torch.bool, **kw),
         )
+        # _claims_kernel's per-layer counts (zero between calls) and ranks: the pool's own, so that no call
+        # (nor a CUDA graph holding it) ever sees it reallocated
+        self._claims_scratch = torch.zeros(L, 2 * S + N, dtype=torch.int32, **kw)
 
     # ------------------------------------------------------------------ views and bookkeeping
     def tensors(self) -> dict:
@@ -140,8 +151,8 @@ class KVPool:
             raise ValueError(f"layer: expected an int in 0..{self.layers - 1}, got {layer!r}")
         return layer
 
-    def _rows(self, name: str, slots) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(slots as int64, the same with pads sent to the sink row N, whether values were checked)."""
+    def _rows(self, name: str, slots) -> tuple[torch.Tensor, bool]:
+        """(slots as given, int32 or int64, contiguous: the kernels read them; whether values were checked)."""
         require_tensor(name, slots)
         checked = values_checked(slots)
         if checked:
@@ -149,8 +160,11 @@ class KVPool:
         elif slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
             raise TypeError(f"{name}: expected a [B] int32 or int64 tensor of slot indices, got {slots.dtype} "
                             f"{list(slots.shape)}")
-        s = slots.to(torch.int64)
-        return s, torch.where(s >= 0, s, self.num_buffer_slots), checked
+        return as_input(slots), checked
+
+    def _sink(self, s: torch.Tensor) -> torch.Tensor:
+        """``s`` as int64 with the pads sent to the sink row N (for torch indexing)."""
+        return torch.where(s >= 0, s.to(torch.int64), self.num_buffer_slots)
 
     def _check_tokens(self, q, k, v, g, beta, s: torch.Tensor, T: Optional[int] = None):
         """The token checks over the valid rows; their heads and dims must be the pool's.  Returns g."""
@@ -160,7 +174,8 @@ class KVPool:
             if x.dim() < 2 or x.shape[0] != s.shape[0]:
                 raise ValueError(f"{name}: expected {s.shape[0]} rows (one per entry of slots), got shape "
                                  f"{list(x.shape)}")
-        d, g = checked_tokens(q, k, v, g, beta, valid=(s >= 0)[:, None].expand(s.shape[0], q.shape[1]))
+        valid = (s >= 0)[:, None].expand(s.shape[0], q.shape[1]) if values_checked(s) else None
+        d, g = checked_tokens(q, k, v, g, beta, valid=valid)
         for name, got, want in (("q", d.H, self.num_heads), ("v", d.HV, self.num_value_heads),
                                 ("q", d.K, self.head_k_dim), ("v", d.V, self.head_v_dim)):
             if got != want:
@@ -171,70 +186,61 @@ class KVPool:
             raise ValueError(f"q: expected {T} token(s) per request, got {d.T}")
         return d, g
 
-    def _no_pending(self, layer: int, bs: torch.Tensor, s: torch.Tensor, op: str) -> None:
-        pend = self._t["pending"][layer, bs] & (s >= 0)
+    def _no_pending(self, layer: int, s: torch.Tensor, op: str) -> None:
+        pend = self._t["pending"][layer, self._sink(s)] & (s >= 0)
         if bool(pend.any()):
             raise ValueError(f"slots: slot {int(s[pend.nonzero()[0, 0]])} has verified drafts pending in layer "
                              f"{layer}; accept them (accept(counts=0) rejects all) before {op}")
 
-    def _claims(self, lay: slice, bs: torch.Tensor, folds: torch.Tensor, checked: bool):
-        """(current slot, write slot, need), each [layers of ``lay``, B], for the rows that ``folds``
-        ([layers, B]): per layer, a row without a state slot, or sharing one, gets a fresh slot (``need``)
-        for its fold's result, except that of a slot all of whose sharers fold in this call the first row
-        keeps it; the others write their own (non-folding rows: the sink).  The rows that take a slot from
-        a sharer read it through ``_copy_on_write``.  With no free slot for every such row in some layer:
-        a ValueError before anything is written (checked calls)."""
-        t, S = self._t, self.num_state_slots
-        NL, B = folds.shape
-        dev = bs.device
-        cur = t["state_slot"][lay][:, bs]
-        # a slot all of whose sharers fold in this call stays with one of them (the first row): exactly the
-        # slots the sequential rule (the reference pool's) leaves with the last of them
-        at = torch.where(folds & (cur >= 0), cur, S)
-        row = torch.arange(B, device=dev).expand(NL, B)
-        folders = torch.zeros(NL, S + 1, dtype=torch.int64, device=dev).scatter_add_(1, at, torch.ones_like(at))
-        first = torch.full((NL, S + 1), B, dtype=torch.int64, device=dev).scatter_reduce_(1, at, row, "amin")
-        c = cur.clamp(min=0)
-        refs = t["refs"][lay]
-        keeps = folds & (cur >= 0) & (refs.gather(1, c) == folders.gather(1, c)) & (first.gather(1, c) == row)
-        need = folds & ~keeps
-        free = refs[:, :S] == 0
+    def _claims(self, lay: slice, s: torch.Tensor, checked: bool, *, folds: Optional[torch.Tensor] = None,
+                accepted: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The state-slot bookkeeping of a call on the rows ``s`` in the layers of ``lay``, two launches:
+        ``_claims_kernel`` decides, ``_commit_kernel`` copies and moves the references (before the folds,
+        which read the returned slots, not ``state_slot``).  The rows that fold: ``folds`` ([layers, B]
+        bool), else those of ``accepted`` = (name, counts or nodes: an int or [B]) whose accepted path
+        overflows the buffer, else decode's (a full buffer).  Per layer, a folding row without a state
+        slot, or sharing one, gets the lowest free slot in its rank among such rows for its fold's result
+        (copy-on-write), except that of a slot all of whose sharers fold in this call the first row keeps
+        it: exactly the slots the sequential rule (the reference pool's) leaves with the last of them.  A
+        row leaving a shared slot has its state copied to its fresh slot and folds there in place: its
+        fold must not read the old slot, which the sharer that keeps it folds in place in the same launch.
+        With ``accepted`` the rows' ``pending`` and ``num_drafts`` are cleared too (accept's kernels read
+        the draft room, not those).  Returns (cur, read, write, node): [layers, B] int64 each, the row's
+        slot before the call (-1: none), the slot its fold reads (-1: none, S0 = 0) and writes
+        (non-folding rows: the sink S), and accept's nodes [B] (pads -1; else None).  With no free slot for every needing row in some layer:
+        a ValueError before anything is written (checked calls; unchecked, such a fold writes the sink)."""
+        t, N, S = self._t, self.num_buffer_slots, self.num_state_slots
+        NL, B, D, l0 = lay.stop - lay.start, s.shape[0], self.max_drafts, lay.start
+        dev = s.device
+        plan = torch.empty(4, NL, B, dtype=torch.int64, device=dev)
+        node = torch.empty(B, dtype=torch.int64, device=dev) if accepted is not None else None
+        if B == 0:
+            return plan[0], plan[1], plan[2], node
+        count = torch.empty(NL, 2, dtype=torch.int64, device=dev)
+        rule = 0 if folds is not None else 1 if accepted is None else 2
+        name, arg = accepted if accepted is not None else (None, 0)
+        per_row = isinstance(arg, torch.Tensor)
+        with device_guard(s):
+            _claims_kernel[(NL,)](  # s stands in for the pointers this rule does not read
+                s, t["state_slot"][l0], t["refs"][l0], t["lengths"][l0],
+                flag_view(folds.contiguous()) if folds is not None else s, t["parents"][l0], arg if per_row else s,
+                0 if per_row else arg, s if node is None else node, plan, count, self._claims_scratch[l0], B, NL, N,
+                S, D,
+                C=self.capacity, RULE=rule, PER_ROW=per_row, COUNTS=name == "counts", BB=block(B, 2),
+                BD=block(D, 2), BS=min(block(S, 2), 4096), num_warps=4)
         if checked:
-            short = need.sum(1) > free.sum(1)
+            short = count[:, 0] > count[:, 1]
             if bool(short.any()):
                 i = int(short.nonzero()[0, 0])
-                raise ValueError(f"slots: {int(need[i].sum())} requests fold into a state slot of their own in layer "
-                                 f"{lay.start + i}, but only {int(free[i].sum())} of {S} state slots are free")
-        rank = need.to(torch.int64).cumsum(1)
-        fresh = torch.searchsorted(free.to(torch.int64).cumsum(1), rank).clamp(max=S)  # the rank-th free slot
-        write = torch.where(need, fresh, torch.where(folds, cur, S))
-        return cur, write, need
-
-    def _copy_on_write(self, lay: slice, cur: torch.Tensor, write: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-        """[layers, B] int64: the slot each row's fold reads.  A row leaving a shared slot (``need`` with a
-        slot) has its state copied to its fresh slot first (one launch for the layers of ``lay``; the other
-        rows' programs copy nothing) and folds there in place: its fold must not read the old slot, which
-        the sharer that keeps it (``_claims``: when every sharer folds in this call) folds in place in the
-        same launch.  The other rows read their own slot (-1: none, S0 = 0)."""
-        src = torch.where(need & (cur >= 0), cur, -1).contiguous()
-        write = write.contiguous()
+                raise ValueError(f"slots: {int(count[i, 0])} requests fold into a state slot of their own in layer "
+                                 f"{l0 + i}, but only {int(count[i, 1])} of {S} state slots are free")
         E = self.num_value_heads * self.head_k_dim * self.head_v_dim
         BLOCK = min(4096, block(E))
-        NL, B = src.shape
-        with device_guard(src):
-            _copy_slots_kernel[(triton.cdiv(E, BLOCK), B, NL)](self._t["state"][lay], src, write, B,
-                                                               (self.num_state_slots + 1) * E, E=E, BLOCK=BLOCK)
-        return torch.where(src >= 0, write, cur)
-
-    def _rebind(self, lay: slice, bs: torch.Tensor, cur: torch.Tensor, write: torch.Tensor,
-                need: torch.Tensor) -> None:
-        """After the folds: the rows that took a fresh slot move their reference from the old one."""
-        t, S = self._t, self.num_state_slots
-        refs = t["refs"][lay]
-        one = torch.ones_like(cur)
-        refs.scatter_add_(1, torch.where(need & (cur >= 0), cur, S), -one)
-        refs.scatter_add_(1, torch.where(need, write, S), one)
-        t["state_slot"][lay].scatter_(1, bs.expand(cur.shape[0], -1), torch.where(need, write, cur))
+        with device_guard(s):
+            _commit_kernel[(triton.cdiv(E, BLOCK), NL)](
+                s, t["state_slot"][l0], t["refs"][l0], t["state"][l0], plan, flag_view(t["pending"][l0]),
+                t["num_drafts"][l0], B, NL, N, S, E=E, BLOCK=BLOCK, BB=block(B, 2), ACCEPT=accepted is not None)
+        return plan[0], plan[1], plan[2], node
 
     # ------------------------------------------------------------------ gather / scatter
     def _gather(self, layer: int, bs: torch.Tensor, cur: Optional[torch.Tensor] = None) -> KVBuffer:
@@ -265,11 +271,11 @@ class KVPool:
         kernels; the tail written into the buffer rows in the u-cache form), then scattered into the slots
         (not capturable in a CUDA graph: prompts vary in length)."""
         layer = self._layer(layer)
-        s, bs, _ = self._rows("slots", slots)
+        s, _ = self._rows("slots", slots)
         rows = (s >= 0).nonzero().flatten()
         self._check_tokens(q, k, v, g, beta, s)
         t = self._t
-        sv = s[rows]
+        sv = s[rows].to(torch.int64)
         busy = (t["lengths"][layer, sv] > 0) | t["has_state"][layer, sv] | t["pending"][layer, sv]
         if bool(busy.any()):
             i = int(rows[busy.nonzero()[0, 0]])
@@ -280,37 +286,32 @@ class KVPool:
                                    tail=tail, scale=scale, initial_state=pick(initial_state), chunk_size=chunk_size)
         buf = buf.replace(state=buf.state.to(t["state"].dtype), u=buf.u.to(t["u"].dtype), G=buf.G.to(t["G"].dtype),
                           k=buf.k.to(t["k"].dtype))
-        lay = slice(layer, layer + 1)
-        cur, write, need = self._claims(lay, sv, buf.has_state[None], True)
+        write = self._claims(slice(layer, layer + 1), sv, True, folds=buf.has_state[None])[2]
         self._scatter(layer, sv, buf, write[0])
-        self._rebind(lay, sv, cur, write, need)
         o = new_output((s.shape[0],) + tuple(o_rows.shape[1:]), v.dtype, q.device)
         o[rows] = o_rows.to(v.dtype)
         return o
 
     def decode(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None, config=None) -> torch.Tensor:
-        """As ``kvbuffer_ref.pool.KVPool.decode``: o [B, 1, HV, V] (pad rows: unspecified).  Three launches
-        on the pool (fold, decode, bookkeeping) addressed by slot index, plus the state-slot bookkeeping."""
+        """As ``kvbuffer_ref.pool.KVPool.decode``: o [B, 1, HV, V] (pad rows: unspecified).  The two
+        launches of the state-slot bookkeeping (``_claims``), then three on the pool (fold, decode,
+        bookkeeping) addressed by slot index."""
         layer = self._layer(layer)
-        s, bs, checked = self._rows("slots", slots)
+        s, checked = self._rows("slots", slots)
         d, g = self._check_tokens(q, k, v, g, beta, s, T=1)
         if checked:
-            self._no_pending(layer, bs, s, "decode")
+            self._no_pending(layer, s, "decode")
         C, t = self.capacity, self._t
-        folds = (s >= 0) & (t["lengths"][layer, bs] >= C)
-        lay = slice(layer, layer + 1)
-        cur, write, need = self._claims(lay, bs, folds[None], checked)
         sc = check_scale(scale, d.K)
         if config is None:
             config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
         cfg = check_config("decode", config)
         if cfg.fold != "group" or C > 32:
-            return self._decode_gathered(q, k, v, g, beta, layer, s, bs, cur, write, need, sc, cfg)
-        cur0, write0 = cur[0], write[0]
+            return self._decode_gathered(q, k, v, g, beta, layer, s, checked, sc, cfg)
         o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
         if d.B == 0:
             return o
-        read = self._copy_on_write(lay, cur, write, need)[0]
+        cur, read, write, _ = self._claims(slice(layer, layer + 1), s, checked)
         pdl = pdl_launch(q, cfg.pdl)
         tokens = dict(q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v), g_ptr=as_input(g),
                       beta_ptr=as_input(beta), o_ptr=o, scale=sc)
@@ -321,38 +322,39 @@ class KVPool:
             BV = _decode._columns(cfg.fold_BV, V)
             FH = math.gcd(HV, cfg.fold_FH)
             _decode._fold_group_slots_kernel[(triton.cdiv(V, BV), d.B * HV // FH)](
-                *pool, **tokens, bslot_ptr=s, sread_ptr=read, swrite_ptr=write0, C=C, H=H, HV=HV, K=K, V=V,
+                *pool, **tokens, bslot_ptr=s, sread_ptr=read[0], swrite_ptr=write[0], C=C, H=H, HV=HV, K=K, V=V,
                 CB=block(C), KB=_decode._rows(cfg.fold_KB, K), BV=BV, FH=FH, NS=cfg.fold_NS, CHANNEL=d.channel_gate,
                 num_warps=cfg.fold_warps, **pdl)
             BV = _decode._columns(cfg.BV, V)
             _decode._decode_slots_kernel[(triton.cdiv(V, BV), d.B * HV)](
-                *pool, **tokens, bslot_ptr=s, sslot_ptr=cur0, C=C, H=H, HV=HV, K=K, V=V, CB=block(C), BV=BV,
+                *pool, **tokens, bslot_ptr=s, sslot_ptr=cur[0], C=C, H=H, HV=HV, K=K, V=V, CB=block(C), BV=BV,
                 KB=_decode._rows(cfg.KB, K), NS=cfg.NS, CHANNEL=d.channel_gate, STORAGE=True, SERVED=True,
                 num_warps=cfg.num_warps, **pdl)
             _decode._book_slots_kernel[(d.B,)](
                 tokens["k_ptr"], tokens["g_ptr"], t["k"][layer], t["G"][layer], t["lengths"][layer],
                 flag_view(t["has_state"][layer]), s, C=C, H=H, HV=HV, K=K, BK=block(K), BH=block(H, 1),
                 BHV=block(HV, 1), CHANNEL=d.channel_gate, num_warps=1, **pdl)
-        self._rebind(lay, bs, cur, write, need)
         return o
 
-    def _decode_gathered(self, q, k, v, g, beta, layer, s, bs, cur, write, need, scale, cfg):
-        """Decode through a gathered KVBuffer (capacities past the grouped fold's 32 rows); cur, write,
-        need: ``_claims``' [1, B]."""
+    def _decode_gathered(self, q, k, v, g, beta, layer, s, checked, scale, cfg):
+        """Decode through a gathered KVBuffer (capacities past the grouped fold's 32 rows)."""
+        cur, _, write, _ = self._claims(slice(layer, layer + 1), s, checked)
+        bs = self._sink(s)
         buf = self._gather(layer, bs, cur[0])
         x = self._padded_tokens(s, q=q, k=k, v=v, g=g, beta=beta)
         o, buf = _decode.buffered_decode(x.pop("q"), x.pop("k"), x.pop("v"), **x, buffer=buf, scale=scale, config=cfg)
         self._scatter(layer, bs, buf, write[0])
-        self._rebind(slice(layer, layer + 1), bs, cur, write, need)
         return o
 
     def verify(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, parents=None, num_drafts=None,
                scale=None, config=None) -> torch.Tensor:
         """As ``kvbuffer_ref.pool.KVPool.verify`` (pad rows: unspecified outputs); the drafts go to the
         slots' draft room, pending.  The kernels of ``kvbuffer_fast.verify`` on the addressed rows' buffer
-        entries (gathered: C rows each), the state read from the pool's slots by index."""
+        entries (gathered by one launch, ``_verify_rows_kernel``: C rows each, with the parents, draft
+        counts and state slots), the state read from the pool's slots by index; one launch writes the
+        drafts to the room (``_room_kernel``)."""
         layer = self._layer(layer)
-        s, bs, checked = self._rows("slots", slots)
+        s, _ = self._rows("slots", slots)
         d, g = self._check_tokens(q, k, v, g, beta, s)
         if d.T > self.max_drafts:
             raise ValueError(f"q: {d.T} drafts per request, but the pool's draft room holds max_drafts="
@@ -362,40 +364,50 @@ class KVPool:
             require_int_tensor("parents", parents, (B, Dn), "[B, D]", self.device)
         if num_drafts is not None:
             require_int_tensor("num_drafts", num_drafts, (B,), "[B]", self.device)
-        if num_drafts is None:
-            num_drafts = torch.full((B,), Dn, dtype=torch.int64, device=q.device)
-        num_drafts = torch.where(s >= 0, num_drafts.to(torch.int64), 0)  # pads verify nothing
-        if parents is not None:  # pads: the chain (their values are not read)
-            chain = torch.arange(-1, Dn - 1, device=q.device).expand(B, Dn)
-            parents = torch.where((s >= 0)[:, None], parents.to(torch.int64), chain)
-        x = self._padded_tokens(s, q=q, k=k, v=v, g=g, beta=beta)
-        t = self._t
-        rows = KVBuffer(k=t["k"][layer, bs], u=t["u"][layer, bs], G=t["G"][layer, bs], lengths=t["lengths"][layer, bs],
-                        has_state=torch.zeros_like(t["has_state"][layer, bs]), state=None)  # C entries each;
-        # the states (has_state <=> a state slot) are read by the kernel from the pool's slots
-        cur = torch.where(s >= 0, t["state_slot"][layer, bs], -1)
-        o, drafts = _verify(x.pop("q"), x.pop("k"), x.pop("v"), x.pop("g"), x.pop("beta"), rows, parents, num_drafts,
-                            scale, config, pool_state=(t["state"][layer], cur))
-        t["dk"][layer, bs, :Dn] = drafts.k.to(t["dk"].dtype)
-        t["du"][layer, bs, :Dn] = drafts.u.to(t["du"].dtype)
-        t["dG"][layer, bs, :Dn] = drafts.G.to(t["dG"].dtype)
-        par = torch.full((B, self.max_drafts), -1, dtype=torch.int64, device=q.device)
-        par[:, :Dn] = drafts.parents
-        t["parents"][layer, bs] = par
-        t["num_drafts"][layer, bs] = drafts.num_drafts.to(torch.int64)
-        t["pending"][layer].index_fill_(0, bs, True)
+        t, dev = self._t, q.device
+        C, H, HV, K, V = self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
+        GK = K if self.channel_gate else 1
+        rows = KVBuffer(k=torch.empty(B, C, H, K, dtype=t["k"].dtype, device=dev),
+                        u=torch.empty(B, C, HV, V, dtype=t["u"].dtype, device=dev),
+                        G=torch.empty(B, C, HV, *t["G"].shape[4:], dtype=t["G"].dtype, device=dev),
+                        lengths=torch.empty(B, dtype=torch.int64, device=dev),
+                        has_state=torch.empty(B, dtype=torch.bool, device=dev), state=None)
+        # has_state False: the states (has_state <=> a state slot) are read by the kernel from the pool's slots
+        cur, nd = (torch.empty(B, dtype=torch.int64, device=dev) for _ in range(2))
+        par = torch.empty(B, Dn, dtype=torch.int64, device=dev)
+        if B > 0:
+            n = (C * H * K, C * HV * V, C * HV * GK)
+            BLOCK = min(4096, block(max(n)))
+            with device_guard(s):
+                _verify_rows_kernel[(triton.cdiv(max(n), BLOCK), B)](
+                    s, t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], t["state_slot"][layer],
+                    s if parents is None else as_input(parents), s if num_drafts is None else num_drafts,
+                    rows.k, rows.u, rows.G, rows.lengths, flag_view(rows.has_state), cur, par, nd, Dn,
+                    NK=n[0], NU=n[1], NG=n[2], PARENTS=parents is not None, NUM_DRAFTS=num_drafts is not None,
+                    BLOCK=BLOCK, BT=block(Dn, 2), num_warps=4)
+        o, drafts = _verify(q, k, v, g, beta, rows, par, nd, scale, config, pool_state=(t["state"][layer], cur))
+        if B > 0:
+            n = (H * K, HV * V, HV * GK)
+            BLOCK = min(4096, block(Dn * max(n)))
+            with device_guard(s):
+                _room_kernel[(max(1, triton.cdiv(Dn * max(n), BLOCK)), B)](
+                    s, drafts.k, drafts.u, drafts.G, drafts.parents, drafts.num_drafts, t["dk"][layer], t["du"][layer],
+                    t["dG"][layer], t["parents"][layer], t["num_drafts"][layer], flag_view(t["pending"][layer]), Dn,
+                    self.max_drafts, NK=n[0], NU=n[1], NG=n[2], BLOCK=BLOCK, BD=block(self.max_drafts, 2), num_warps=4)
         return o
 
     def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
                config=None) -> None:
-        """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored): the fold launch and the
-        copy launch of ``kvbuffer_fast.accept`` on the pool, addressed by slot index (the drafts are read
-        from the slots' draft room).  ``layer``: an int, or None for every layer at once (the same counts
-        or nodes; each launch then covers all layers, one grid axis per layer)."""
+        """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored): the state-slot
+        bookkeeping's two launches (``_claims``: which rows' accepted paths overflow, their slots), then
+        the fold launch and the copy launch of ``kvbuffer_fast.accept`` on the pool, addressed by slot
+        index (the drafts are read from the slots' draft room).  ``layer``: an int, or None for every layer
+        at once (the same counts or nodes; each launch then covers all layers, one grid axis per layer)."""
         lay = slice(0, self.layers) if layer is None else slice(self._layer(layer), self._layer(layer) + 1)
-        s, bs, checked = self._rows("slots", slots)
+        s, checked = self._rows("slots", slots)
         t = self._t
         if checked:
+            bs = self._sink(s)
             pend = t["pending"][lay][:, bs] | (s < 0)
             if not bool(pend.all()):
                 i, b = (int(v) for v in (~pend).nonzero()[0])
@@ -404,11 +416,12 @@ class KVPool:
         if (counts is None) == (nodes is None):
             raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
         name, x = ("counts", counts) if counts is not None else ("nodes", nodes)
-        x = torch.where(s >= 0, per_row(name, x, s), 0 if counts is not None else -1)  # pads: accept none
-        nd = torch.where(s >= 0, t["num_drafts"][lay][:, bs], 0)         # [layers, B]
-        par = t["parents"][lay][:, bs]                                    # [layers, B, D]
+        arg = x if type(x) is int else per_row(name, x, s)  # an int reaches the claims kernel as a scalar
         D = self.max_drafts
         if checked:  # the counts / nodes against each layer's verified drafts (kvbuffer_ref.checks)
+            x = torch.where(s >= 0, per_row(name, x, s), 0 if counts is not None else -1)  # pads: accept none
+            nd = torch.where(s >= 0, t["num_drafts"][lay][:, bs], 0)     # [layers, B]
+            par = t["parents"][lay][:, bs]                                # [layers, B, D]
             for i in range(nd.shape[0]):
                 if counts is not None:
                     chain = torch.arange(-1, D - 1, device=par.device)
@@ -417,11 +430,8 @@ class KVPool:
                     check_counts(x, nd[i], is_chain)
                 else:
                     check_nodes(x, nd[i])
-        node = (x - 1 if counts is not None else x).contiguous()
-        m = _path_lengths(par, node)
-        folds = (s >= 0) & (t["lengths"][lay][:, bs] + m > self.capacity)
-        cur, write, need = self._claims(lay, bs, folds, checked)
-        NL, B = folds.shape
+        _, read, write, node = self._claims(lay, s, checked, accepted=(name, arg))
+        NL, B = read.shape
         C, H, HV, K, V = self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
         if B > 0 and D > 0:
             if config is None:
@@ -433,45 +443,39 @@ class KVPool:
             room = (t["dk"][l0], t["du"][l0], t["dG"][l0], t["parents"][l0], node, D)
             consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=self.channel_gate)
             NR, SR = self.num_buffer_slots + 1, self.num_state_slots + 1
-            read = self._copy_on_write(lay, cur, write, need).contiguous()
             with device_guard(s):
                 FH = math.gcd(HV, cfg.FH)
                 _accept_fold_slots_kernel[(triton.cdiv(V, BV), B * HV // FH, NL)](
-                    *buf, t["state"][l0], *room, s, read, write.contiguous(), NR, SR, B, CB=block(C),
+                    *buf, t["state"][l0], *room, s, read, write, NR, SR, B, CB=block(C),
                     KB=max(16, min(cfg.KB, block(K))), BV=BV, FH=FH, NS=cfg.NS, num_warps=cfg.num_warps, **consts)
                 _accept_slots_kernel[(cfg.splits, B, NL)](*buf, ticket_counters(NL * B, s.device), *room, s, NR, B,
                                                           CH=cfg.CH, SPLITS=cfg.splits, num_warps=cfg.copy_warps,
                                                           **consts)
-        self._rebind(lay, bs, cur, write, need)
-        t["pending"][lay].index_fill_(1, bs, False)
-        t["num_drafts"][lay].index_fill_(1, bs, 0)
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): one launch on the pool
         addressed by slot index (``_flush_slots_kernel``: the state fold and the u columns), the keys and
         gates of the addressed rows moved in torch."""
         layer = self._layer(layer)
-        s, bs, checked = self._rows("slots", slots)
+        s, checked = self._rows("slots", slots)
         if checked:
-            self._no_pending(layer, bs, s, "flush")
-        t = self._t
+            self._no_pending(layer, s, "flush")
+        t, bs = self._t, self._sink(s)
         n = t["lengths"][layer, bs]
         c = torch.where(s >= 0, n if count is None else per_row("count", count, s), 0)
         c = check_flush_count(c, n, checked)  # 0..lengths
         folds = (s >= 0) & (c > 0)
-        lay = slice(layer, layer + 1)
-        cur, write, need = self._claims(lay, bs, folds[None], checked)
         cfg = check_config("flush", config_for("flush", Key()) if config is None else config)
         B, C, H, HV, K, V = s.shape[0], self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, \
             self.head_v_dim
         if B == 0:
             return
         BV = max(16, min(cfg.BV, block(V)))
-        read = self._copy_on_write(lay, cur, write, need)[0]
+        _, read, write, _ = self._claims(slice(layer, layer + 1), s, checked, folds=folds[None])
         with device_guard(s):
             _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
                 t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]),
-                t["state"][layer], c, s, read, write[0], C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
+                t["state"][layer], c, s, read[0], write[0], C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
                 CHANNEL=self.channel_gate, num_warps=cfg.num_warps)
         rows = SimpleNamespace(k=t["k"][layer, bs], G=t["G"][layer, bs])  # keys and G: small, moved in torch
         _shift_keys_and_gates(rows, c)
@@ -479,18 +483,17 @@ class KVPool:
         t["G"][layer, bs] = rows.G
         t["lengths"][layer, bs] = n - c
         t["has_state"][layer, bs] = t["has_state"][layer, bs] | (c > 0)
-        self._rebind(lay, bs, cur, write, need)
 
     def fork(self, *, src: torch.Tensor, dst: torch.Tensor, keep) -> None:
         """As ``kvbuffer_ref.pool.KVPool.fork``: the state slot is shared (copy-on-write), the first ``keep``
         buffered entries copied (the whole buffer rows are, C entries)."""
-        s, ss, checked = self._rows("src", src)
-        d, ds, _ = self._rows("dst", dst)
+        s, checked = self._rows("src", src)
+        d, _ = self._rows("dst", dst)
         if s.shape != d.shape:
             raise ValueError(f"dst: expected {s.shape[0]} entries (one per entry of src), got {d.shape[0]}")
         valid = (s >= 0) & (d >= 0)
         N, S, t = self.num_buffer_slots, self.num_state_slots, self._t
-        ss, ds = torch.where(valid, ss, N), torch.where(valid, ds, N)
+        ss, ds = (torch.where(valid, x.to(torch.int64), N) for x in (s, d))
         kv = per_row("keep", keep, s)
         if checked:
             if bool(torch.isin(d[valid], s[valid]).any()):
@@ -514,8 +517,8 @@ class KVPool:
 
     def release(self, slots: torch.Tensor) -> None:
         """As ``kvbuffer_ref.pool.KVPool.release``."""
-        s, bs, _ = self._rows("slots", slots)
-        t, S = self._t, self.num_state_slots
+        s, _ = self._rows("slots", slots)
+        t, S, bs = self._t, self.num_state_slots, self._sink(s)
         slot = t["state_slot"][:, bs]
         t["refs"].scatter_add_(1, torch.where((slot >= 0) & (s >= 0), slot, S), -torch.ones_like(slot))
         self._reset(bs)
@@ -524,34 +527,192 @@ class KVPool:
     def state_of(self, *, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """As ``kvbuffer_ref.pool.KVPool.state_of`` (pad rows: zeros)."""
         layer = self._layer(layer)
-        s, bs, _ = self._rows("slots", slots)
-        S = fast_materialize(self._gather(layer, bs))
+        s, _ = self._rows("slots", slots)
+        S = fast_materialize(self._gather(layer, self._sink(s)))
         return torch.where((s >= 0).view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
 
 
 @triton.jit
-def _copy_slots_kernel(state_ptr, src_ptr, dst_ptr, B, LAYER, E: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (E / BLOCK, B, layers): in layer l (``LAYER`` state elements after the previous one), copy
-    state slot ``src[l, i]`` to slot ``dst[l, i]`` (E = HV K V elements each; BLOCK of them per program,
-    int64 offsets) for each row i with ``src[l, i] >= 0``; the other rows' programs copy nothing."""
-    i_l = tl.program_id(2).to(tl.int64)
-    i = i_l * B + tl.program_id(1)
-    state_ptr += i_l * LAYER
-    s = tl.load(src_ptr + i).to(tl.int64)
-    if s >= 0:
-        d = tl.load(dst_ptr + i).to(tl.int64)
-        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = o < E
-        tl.store(state_ptr + d * E + o, tl.load(state_ptr + s * E + o, mask=m), mask=m)
+def _copy_block(src_ptr, dst_ptr, n, i_p, BLOCK: tl.constexpr):
+    """Copy block ``i_p`` (BLOCK elements, int64 offsets) of the n elements at ``src_ptr`` to ``dst_ptr``
+    (converted to its dtype)."""
+    o = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(dst_ptr + o, tl.load(src_ptr + o, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
 
 
-def _path_lengths(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
-    """[layers, B] int64: the length of each row's root-to-``node`` path ([B]) in each layer's ``parents``
-    [layers, B, D] (0 for -1); D steps of static shape (graph-capturable)."""
-    cur = node.expand(parents.shape[0], -1).clone()
-    m = torch.zeros_like(cur)
-    for _ in range(parents.shape[2]):
-        on = cur >= 0
-        m += on.to(m.dtype)
-        cur = torch.where(on, parents.gather(2, cur.clamp(min=0)[..., None])[..., 0], -1)
-    return m
+@triton.jit
+def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, arg_ptr, arg, node_ptr, plan_ptr,
+                   count_ptr, scratch_ptr, B, NL, N, S, D,
+                   C: tl.constexpr, RULE: tl.constexpr, PER_ROW: tl.constexpr, COUNTS: tl.constexpr,
+                   BB: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+    """Grid (layers,): ``KVPool._claims`` of layer ``program_id(0)`` (after the call's first; N buffer
+    and S state slots per layer, each tensor with its sink row) for the B call rows ``slot`` (-1: a pad),
+    in registers.  Which rows fold (RULE): 0, ``fold[layer, i]`` (uint8); 1, decode's (a full buffer);
+    2, accept's (the accepted path overflows the buffer: the node ``arg[i]``, or the int ``arg`` for
+    every row without PER_ROW, minus 1 with COUNTS; the rows' nodes (pads: -1) go to ``node``).
+    Writes ``plan`` [4, layers, B] (current slot, read slot, write slot, need) and ``count`` [layers, 2]
+    (rows that need a fresh slot, free slots).  The sharers of a slot that fold are counted in the
+    int32 ``scratch`` ([layers, 2 S + N], zero between calls: reset here), and so is the first of them
+    (``B - max(B - row)``); the fresh slots go out by rank (the rank-th needing row, kept in the scratch,
+    gets the rank-th free slot).  Scratch and plan values that other threads wrote are read at L2."""
+    i_l = tl.program_id(0).to(tl.int64)
+    sslot_ptr += i_l * (N + 1)
+    len_ptr += i_l * (N + 1)
+    refs_ptr += i_l * (S + 1)
+    scratch_ptr += i_l * (2 * S + N)
+    o_b = tl.arange(0, BB)
+    m_b = o_b < B
+    slot = tl.load(slot_ptr + o_b, mask=m_b, other=-1).to(tl.int64)
+    valid = slot >= 0
+    cur = tl.load(sslot_ptr + slot, mask=valid, other=-1).to(tl.int64)
+    if RULE == 0:
+        folds = valid & (tl.load(fold_ptr + i_l * B + o_b, mask=m_b, other=0) != 0)
+    elif RULE == 1:
+        folds = valid & (tl.load(len_ptr + slot, mask=valid, other=0) >= C)
+    else:
+        if PER_ROW:
+            x = tl.load(arg_ptr + o_b, mask=valid, other=0).to(tl.int32)
+        else:
+            x = tl.zeros([BB], dtype=tl.int32) + arg
+        if COUNTS:
+            x -= 1
+        node = tl.where(valid, x, -1).to(tl.int32)  # int32 through the walk below
+        if i_l == 0:
+            tl.store(node_ptr + o_b, node.to(node_ptr.dtype.element_ty), mask=m_b)
+        o_d = tl.arange(0, BD)
+        par = tl.load(par_ptr + (i_l * (N + 1) + slot[:, None]) * D + o_d[None, :],
+                      mask=valid[:, None] & (o_d < D)[None, :], other=-1).to(tl.int32)
+        m = tl.zeros([BB], dtype=tl.int32)
+        for _ in range(D):  # the path's length: up the parents from the node
+            on = node >= 0
+            m += on.to(tl.int32)
+            node = tl.where(on, tl.sum(tl.where(o_d[None, :] == node[:, None], par, 0), 1), -1)
+        folds = valid & (tl.load(len_ptr + slot, mask=valid, other=0) + m > C)
+    shared = folds & (cur >= 0)
+    at = tl.where(shared, cur, 0)
+    tl.atomic_add(scratch_ptr + at, 1, mask=shared)
+    tl.atomic_max(scratch_ptr + S + at, B - o_b, mask=shared)
+    tl.debug_barrier()
+    folders = tl.load(scratch_ptr + at, mask=shared, other=0, cache_modifier=".cg")
+    first = B - tl.load(scratch_ptr + S + at, mask=shared, other=0, cache_modifier=".cg")
+    refs = tl.load(refs_ptr + at, mask=shared, other=0)
+    keeps = shared & (refs == folders) & (first == o_b)
+    need = folds & ~keeps
+    tl.debug_barrier()  # every row has read the counts: zero them for the next call
+    tl.store(scratch_ptr + at, 0, mask=shared)
+    tl.store(scratch_ptr + S + at, 0, mask=shared)
+    rank_ptr = scratch_ptr + 2 * S  # ranks 1..n_need <= N: the valid rows are distinct slots
+    rank = tl.cumsum(need.to(tl.int32), 0)
+    n_need = tl.sum(need.to(tl.int32), 0)
+    tl.store(rank_ptr + rank - 1, o_b, mask=need)
+    write_ptr = plan_ptr + (2 * NL + i_l) * B
+    tl.store(write_ptr + o_b, tl.where(keeps, cur, S), mask=m_b)  # needing rows: S unless a slot is free
+    tl.debug_barrier()
+    free = tl.zeros([], dtype=tl.int32)
+    for s0 in range(0, S, BS):
+        o_s = s0 + tl.arange(0, BS)
+        fr = (tl.load(refs_ptr + o_s, mask=o_s < S, other=1) == 0).to(tl.int32)
+        r = free + tl.cumsum(fr, 0)
+        take = (fr != 0) & (r <= n_need)
+        row = tl.load(rank_ptr + r - 1, mask=take, other=0, cache_modifier=".cg")
+        tl.store(write_ptr + row, o_s.to(tl.int64), mask=take)
+        free += tl.sum(fr, 0)
+    tl.debug_barrier()
+    write = tl.load(write_ptr + o_b, mask=m_b, other=S, cache_modifier=".cg")
+    tl.store(plan_ptr + i_l * B + o_b, cur, mask=m_b)
+    tl.store(plan_ptr + (NL + i_l) * B + o_b, tl.where(need & (cur >= 0), write, cur), mask=m_b)
+    tl.store(plan_ptr + (3 * NL + i_l) * B + o_b, need.to(tl.int64), mask=m_b)
+    tl.store(count_ptr + 2 * i_l, n_need.to(tl.int64))
+    tl.store(count_ptr + 2 * i_l + 1, free.to(tl.int64))
+
+
+@triton.jit
+def _commit_kernel(slot_ptr, sslot_ptr, refs_ptr, state_ptr, plan_ptr, pend_ptr, nd_ptr, B, NL, N, S,
+                   E: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, ACCEPT: tl.constexpr):
+    """Grid (E / BLOCK, layers), after ``_claims_kernel``: in layer ``program_id(1)``, copy block
+    ``program_id(0)`` of the state of every row that leaves a shared slot (``need`` with a current slot)
+    to its fresh slot (E = HV K V elements per slot); program 0 moves the rows' references (``refs``,
+    ``state_slot``) to their write slots and, with ACCEPT, clears their ``pending`` / ``num_drafts``."""
+    i_p = tl.program_id(0)
+    i_l = tl.program_id(1).to(tl.int64)
+    o_b = tl.arange(0, BB)
+    m_b = o_b < B
+    cur = tl.load(plan_ptr + i_l * B + o_b, mask=m_b, other=-1)
+    write = tl.load(plan_ptr + (2 * NL + i_l) * B + o_b, mask=m_b, other=S)
+    need = tl.load(plan_ptr + (3 * NL + i_l) * B + o_b, mask=m_b, other=0) != 0
+    copies = need & (cur >= 0)
+    state_ptr += i_l * (S + 1) * E
+    i = tl.full([], -1, dtype=tl.int32)
+    for _ in range(tl.sum(copies.to(tl.int32), 0)):  # the copying rows, in order
+        i = tl.min(tl.where(copies & (o_b > i), o_b, BB), 0)
+        src = tl.sum(tl.where(o_b == i, cur, 0), 0)
+        dst = tl.sum(tl.where(o_b == i, write, 0), 0)
+        _copy_block(state_ptr + src * E, state_ptr + dst * E, E, i_p, BLOCK)
+    if i_p == 0:
+        slot = tl.load(slot_ptr + o_b, mask=m_b, other=-1).to(tl.int64)
+        valid = slot >= 0
+        refs_ptr += i_l * (S + 1)
+        tl.atomic_add(refs_ptr + tl.where(copies, cur, 0), -1, mask=copies)
+        tl.atomic_add(refs_ptr + write, 1, mask=need)  # S (the sink) when no slot was free
+        row = i_l * (N + 1) + slot
+        tl.store(sslot_ptr + row, tl.where(need, write, cur), mask=valid)
+        if ACCEPT:
+            tl.store(pend_ptr + row, 0, mask=valid)
+            tl.store(nd_ptr + row, 0, mask=valid)
+
+
+@triton.jit
+def _verify_rows_kernel(slot_ptr, k_ptr, u_ptr, g_ptr, len_ptr, sslot_ptr, par_in_ptr, nd_in_ptr,
+                        rk_ptr, ru_ptr, rg_ptr, rlen_ptr, rown_ptr, cur_ptr, par_ptr, nd_ptr, T,
+                        NK: tl.constexpr, NU: tl.constexpr, NG: tl.constexpr, PARENTS: tl.constexpr,
+                        NUM_DRAFTS: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr):
+    """Grid (blocks, B): verify's inputs for call row ``program_id(1)`` from its slot's buffer row (NK, NU,
+    NG elements of k, u, G per row; BLOCK per program; a pad's rows are not read), and from program 0 its
+    length (pads: 0), ownership flag (0: the state slot tells), state slot ``cur`` (pads: -1), parents
+    (``par_in`` with PARENTS, else the chain; pads: the chain) and draft count (``nd_in`` with NUM_DRAFTS,
+    else T; pads: 0)."""
+    i_p = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    c_b = tl.load(slot_ptr + i_b).to(tl.int64)
+    valid = c_b >= 0
+    if valid:
+        _copy_block(k_ptr + c_b * NK, rk_ptr + i_b * NK, NK, i_p, BLOCK)
+        _copy_block(u_ptr + c_b * NU, ru_ptr + i_b * NU, NU, i_p, BLOCK)
+        _copy_block(g_ptr + c_b * NG, rg_ptr + i_b * NG, NG, i_p, BLOCK)
+    if i_p == 0:
+        tl.store(rlen_ptr + i_b, tl.load(len_ptr + c_b, mask=valid, other=0))
+        tl.store(rown_ptr + i_b, 0)
+        tl.store(cur_ptr + i_b, tl.load(sslot_ptr + c_b, mask=valid, other=-1))
+        o_t = tl.arange(0, BT)
+        m_t = o_t < T
+        par = o_t - 1
+        if PARENTS:
+            par = tl.where(valid, tl.load(par_in_ptr + i_b * T + o_t, mask=m_t, other=-1).to(tl.int32), par)
+        tl.store(par_ptr + i_b * T + o_t, par.to(par_ptr.dtype.element_ty), mask=m_t)
+        nd = T
+        if NUM_DRAFTS:
+            nd = tl.load(nd_in_ptr + i_b).to(tl.int32)
+        tl.store(nd_ptr + i_b, tl.where(valid, nd, 0).to(nd_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _room_kernel(slot_ptr, dk_ptr, du_ptr, dg_ptr, dpar_ptr, dnd_ptr, rk_ptr, ru_ptr, rg_ptr, rpar_ptr, rnd_ptr,
+                 pend_ptr, T, D, NK: tl.constexpr, NU: tl.constexpr, NG: tl.constexpr, BLOCK: tl.constexpr,
+                 BD: tl.constexpr):
+    """Grid (blocks, B): verify's T drafts of call row ``program_id(1)`` (NK, NU, NG elements of k, u, G
+    per draft; BLOCK per program) into its slot's draft room of D drafts; program 0 writes the room's
+    parents (-1 past T), draft count and pending flag.  A pad writes nothing."""
+    i_p = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    c_b = tl.load(slot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        _copy_block(dk_ptr + i_b * T * NK, rk_ptr + c_b * D * NK, T * NK, i_p, BLOCK)
+        _copy_block(du_ptr + i_b * T * NU, ru_ptr + c_b * D * NU, T * NU, i_p, BLOCK)
+        _copy_block(dg_ptr + i_b * T * NG, rg_ptr + c_b * D * NG, T * NG, i_p, BLOCK)
+        if i_p == 0:
+            o_d = tl.arange(0, BD)
+            par = tl.load(dpar_ptr + i_b * T + o_d, mask=o_d < T, other=-1)
+            tl.store(rpar_ptr + c_b * D + o_d, par.to(rpar_ptr.dtype.element_ty), mask=o_d < D)
+            tl.store(rnd_ptr + c_b, tl.load(dnd_ptr + i_b).to(rnd_ptr.dtype.element_ty))
+            tl.store(pend_ptr + c_b, 1)

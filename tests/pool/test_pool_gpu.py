@@ -1,7 +1,8 @@
 """kvbuffer_fast.pool.KVPool on a CUDA GPU (skipped without one): every operation captured in a CUDA graph
 once and replayed with new contents and new slot indices, equal bit for bit to the same operations run
 eagerly on a twin pool; a pool of more than 2^31 state elements per layer (over 8 GiB), its requests'
-states in slots past 2^31 elements, against the float64 recurrence.
+states in slots past 2^31 elements, against the float64 recurrence; forks folding their shared slots
+at a serving batch (256 rows, fresh slots past the first 4096), bit for bit against private copies.
 
     python3 -m pytest tests/pool/test_pool_gpu.py -q
 
@@ -251,3 +252,57 @@ def test_state_slots_past_2_31_elements():
     for i in range(2):
         chk.check_state(S_now[i].cpu(), hist[i], f"state request {i}")
     assert p.tensors()["state_slot"][0, s].tolist() == slots  # folded in place: no new slot was needed
+
+
+def forked_twins(device, *, N: int, S: int, taken: int, C: int = 4, HV: int = 2, K: int = 16, V: int = 16,
+                 seed: int = 3) -> None:
+    """Pool A holds N/2 requests (a state each, one entry) and a fork of each (sharing its state slot);
+    pool B the same N requests admitted apart (private copies of the same states).  The first ``taken``
+    state slots are held (as by other requests), so the fresh slots lie past them.  Every request decodes
+    2C tokens in one call per step (rows shuffled, a pad): each pair folds its shared slot in one call
+    (its first row keeps it, the other takes a fresh slot, copied), then folds again in place.  A's and
+    B's outputs and states are equal bit for bit, and A's refs count its requests' state slots."""
+    gen = torch.Generator().manual_seed(seed)
+    A, B = (KVPool(layers=1, num_state_slots=S, num_buffer_slots=N, capacity=C, max_drafts=1, num_heads=1,
+                   num_value_heads=HV, head_k_dim=K, head_v_dim=V, device=device) for _ in range(2))
+    for p in (A, B):
+        p._t["refs"][0, :taken] = 1
+    tok = Tokens(seed, 1, HV, K, V, torch.float32, "cpu")
+    dev = lambda x: {n: t.to(device) for n, t in x.items()}  # noqa: E731
+    prompts = dev(tok.draw(N // 2, C + 1))                   # a state and one entry each
+    src, fork = A.acquire(N // 2), A.acquire(N // 2)
+    A.admit(**prompts, layer=0, slots=src)
+    A.fork(src=src, dst=fork, keep=1)
+    a_slots = torch.cat([src, fork])                         # request r: A's slot a_slots[r], B's b_slots[r]
+    b_slots = B.acquire(N)
+    for half in (b_slots[:N // 2], b_slots[N // 2:]):
+        B.admit(**prompts, layer=0, slots=half)
+    for step in range(2 * C):
+        order = torch.randperm(N + 1, generator=gen).tolist()  # request N: the pad
+        pick = lambda slots: torch.tensor([int(slots[r]) if r < N else -1 for r in order], device=device)  # noqa
+        x = dev(tok.draw(N + 1, 1))
+        oa, ob = A.decode(**x, layer=0, slots=pick(a_slots)), B.decode(**x, layer=0, slots=pick(b_slots))
+        valid = torch.tensor([r < N for r in order], device=device)
+        _same(oa[valid], ob[valid], f"decode step {step}")
+    _same(A.state_of(layer=0, slots=a_slots), B.state_of(layer=0, slots=b_slots), "states")
+    t = A.tensors()
+    slot = t["state_slot"][0, a_slots]
+    assert slot.unique().numel() == N and bool((slot >= taken).all()), slot.tolist()
+    want = torch.bincount(slot, minlength=S)
+    want[:taken] += 1
+    assert torch.equal(t["refs"][0], want), "refs do not count the requests' state slots"
+
+
+def test_forked_twins_past_the_first_free_slot_block():
+    """``forked_twins`` on the interpreter (CPU): 4 requests, the fresh slots past the first 4096 (the
+    bookkeeping scans the free slots in blocks of 4096)."""
+    if CUDA:
+        pytest.skip("the CUDA run covers it")
+    forked_twins("cpu", N=4, S=4096 + 8, taken=4096 + 2)
+
+
+@needs_cuda
+def test_forked_twins_at_a_serving_batch():
+    """``forked_twins`` compiled at a serving batch: 256 rows per call (128 pairs fold their shared slots in
+    one call), 4608 state slots, the fresh ones past the first 4096."""
+    forked_twins("cuda", N=256, S=4096 + 512, taken=4096 + 100, HV=4, K=32, V=32)

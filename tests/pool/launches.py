@@ -1,0 +1,128 @@
+"""The device launches of one fast-pool call, counted on any machine (the interpreter on a CPU).
+
+``count_launches(fn)`` runs ``fn`` as it would run inside a CUDA graph capture (the fast pool's checks
+that read device values switched off, as ``values_checked`` does while capturing) and counts
+
+* ``triton``: Triton kernel launches, by kernel name;
+* ``torch``: aten ops that would be device kernels (views, allocations and metadata queries are not);
+* ``host``: ops that read a device value on the host or copy a host value in (a capture forbids them).
+
+The aten ops a Triton launch makes under the interpreter (its copies to and from the host) are not
+counted.  ``python -m tests.pool.launches`` prints the counts of a pool decode, verify and accept at
+small shapes (the counts do not depend on the shapes), after one uncounted round on a twin pool (the
+first call on a device allocates the reusable scratches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if not torch.cuda.is_available():  # kernels are decorated at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+aten = torch.ops.aten
+#: not kernels: allocations and metadata
+_FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.detach.default,
+         aten.alias.default, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.is_same_size.default}
+#: a host read of a device value (a sync), or a host value copied in
+_HOST = {aten._local_scalar_dense.default, aten.nonzero.default, aten.lift_fresh.default, aten.item.default,
+         aten.masked_select.default}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.torch, self.host, self.paused = Counter(), Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func not in _FREE and not func.is_view:
+            (self.host if func in _HOST else self.torch)[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_launches(fn) -> dict:
+    """{"triton": Counter, "torch": Counter, "host": Counter} of one run of ``fn()`` (see the module)."""
+    from triton.runtime import jit
+    kinds = [jit.JITFunction]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton.runtime.interpreter import InterpretedFunction
+        kinds.append(InterpretedFunction)
+    mode, launched = _Counter(), Counter()
+
+    def counted(run):
+        def wrapper(self, *args, **kwargs):
+            if kwargs.get("warmup"):
+                return run(self, *args, **kwargs)
+            launched[self.__name__ if hasattr(self, "__name__") else self.fn.__name__] += 1
+            mode.paused += 1
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                mode.paused -= 1
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for kind in kinds:
+            stack.enter_context(mock.patch.object(kind, "run", counted(kind.run)))
+        stack.enter_context(mock.patch.dict(os.environ, {"KVBUFFER_POISON": "0"}))  # outputs: empty, not filled
+        for module in ("kvbuffer_fast.pool", "kvbuffer_fast.verify", "kvbuffer_fast._common"):
+            stack.enter_context(mock.patch(f"{module}.values_checked", lambda x: False))
+        stack.enter_context(mode)
+        fn()
+    return {"triton": launched, "torch": mode.torch, "host": mode.host}
+
+
+def pool_calls(device="cpu", B: int = 4):
+    """A small pool with B live requests (a state each, one of them shared with a fork) and the three
+    calls to count: {"decode": fn, "verify": fn, "accept": fn} (layer 0, layer 0, every layer), run in
+    that order (verify's drafts are what accept takes; layer 1's are verified here), on a fork, the
+    requests and a pad; decode and accept fold every request, decode's fork and its source out of one
+    shared slot (copy-on-write)."""
+    from kvbuffer_fast.pool import KVPool
+
+    from .schedule import Tokens
+    L, C, D, H, HV, K, V = 2, 3, 3, 1, 2, 4, 4
+    p = KVPool(layers=L, num_state_slots=2 * B, num_buffer_slots=B + 1, capacity=C, max_drafts=D, num_heads=H,
+               num_value_heads=HV, head_k_dim=K, head_v_dim=V, device=device)
+    tok = Tokens(0, H, HV, K, V, torch.float32, "cpu")
+    draw = lambda n, T: {n_: t.to(device) for n_, t in tok.draw(n, T).items()}  # noqa: E731
+    s = p.acquire(B).to(device)
+    for layer in range(L):
+        p.admit(**draw(B, C + 2), layer=layer, slots=s)                          # a state each, C - 1 entries
+        p.decode(**draw(B, 1), layer=layer, slots=s)                              # full buffers
+    f = p.acquire(1).to(device)
+    p.fork(src=s[:1], dst=f, keep=C)                                              # shares request 0's slot
+    rows = torch.cat([f, s, torch.tensor([-1], device=device)]).to(torch.int32)
+    x, y = draw(B + 2, 1), draw(B + 2, D)
+    p.verify(**y, layer=1, slots=rows)                                            # accept takes every layer
+    counts = torch.full((B + 2,), D, device=device)
+    return {"decode": lambda: p.decode(**x, layer=0, slots=rows),
+            "verify": lambda: p.verify(**y, layer=0, slots=rows),
+            "accept": lambda: p.accept(slots=rows, counts=counts)}
+
+
+def steady_counts(device="cpu") -> dict:
+    """{op: count_launches of it} for the calls of ``pool_calls``, after a round on a twin pool."""
+    for fn in pool_calls(device).values():
+        fn()
+    return {op: count_launches(fn) for op, fn in pool_calls(device).items()}
+
+
+def main() -> None:
+    for op, c in steady_counts().items():
+        n = {k: sum(v.values()) for k, v in c.items()}
+        print(f"{op}: {n['triton']} Triton launches, {n['torch']} torch kernels, {n['host']} host reads/copies")
+        for kind in ("triton", "torch", "host"):
+            if c[kind]:
+                print(f"    {kind}: " + ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(c[kind].items())))
+
+
+if __name__ == "__main__":
+    main()
