@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     print("\n--- summary")
     print(f"output: {decode(out[0].tolist())!r}")
     print(f"tokens/s: KVBuffer {a.tokens / t_kvb:.1f}, the model's own path {a.tokens / t_ref:.1f} "
-          f"(tiny models on a CPU measure Python overhead, not the kernels)")
+          f"(tiny models measure Python and launch overhead per token, not the kernels' speed)")
     if a.drafter != "none":
         print(f"speculative: acceptance rate {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.proposed} drafts), "
               f"{stats.tokens_per_verify:.2f} tokens per verify ({stats.verifies} verifies)")

@@ -184,7 +184,30 @@ def checked_tokens(q, k, v, g, beta, valid=None):
         low = -RESET_GATE[torch.float32]
         if check_gate_values(g, beta, valid, below=low):
             g = g.clamp(min=low)
+        check_growth(g if valid is None else torch.where(valid.view(*valid.shape, *([1] * (g.dim() - 2))), g, 0.0))
     return d, g
+
+
+#: The largest sum of positive log-gates (per request, value head and channel) one call of kvbuffer_fast
+#: takes: its cumulative forms weigh entries by exp(G_i - G_j) and exp(G_i) in float32, which overflow
+#: (to inf, then NaN) past exp(88.7); 80 keeps a margin.  The reference computes any finite gates.
+GROWTH_LIMIT = 80.0
+
+
+def check_growth(g: torch.Tensor) -> None:
+    """Positive gates (a growing state) summing, along the tokens of one request, value head and channel,
+    to more than ``GROWTH_LIMIT``: a ValueError naming the request and head (one host sync)."""
+    if g.numel() == 0:
+        return
+    grow = g.clamp(min=0).sum(1)  # [B, HV(, K)]
+    worst = grow.max()
+    if bool(worst > GROWTH_LIMIT):
+        idx = [int(i) for i in (grow == worst).nonzero()[0]]
+        raise ValueError(
+            f"g: the positive gates of request {idx[0]}, value head {idx[1]}"
+            f"{f', channel {idx[2]}' if len(idx) > 2 else ''} sum to {float(worst):.4g} over this call's tokens; "
+            f"kvbuffer_fast's float32 decays exp(G_i - G_j) overflow past {GROWTH_LIMIT:g} (a state growing by "
+            f"more than e^{GROWTH_LIMIT:g}); use kvbuffer_ref for such gates")
 
 
 def checked_buffer(buffer: KVBuffer, op: str, dims=None, device=None) -> bool:

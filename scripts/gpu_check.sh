@@ -74,7 +74,7 @@ print("\n".join(u.unquote(u.urlparse(i["download_info"]["url"]).path) for i in j
 }
 has tests && stage tests 200 python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py \
   tests/kernels tests/pool -q -p no:cacheprovider -n 8 --dist loadgroup
-has models && stage models 150 models
+has models && { export -f models; stage models 150 bash -c models; }
 if has validate; then
   IMPLS=(--impl fast --impl fla)
   if [ ${#PEER[@]} -gt 0 ]; then IMPLS+=(--impl replayssm); export KVBUFFER_PEER_PATH=${PEER[1]}; fi

@@ -214,7 +214,9 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
                         budget=strict.budget, text=f"{verdict} as fp32; PASS as {name(declared)}"
                         + ("" if strict.status == "PASS" else f": error consistent with {CONTRACT_TEXT[declared][1]}"))
         return res
-    if res.status != "FAIL" or res.klass in ("inputs-changed", "raised", "vacuous", "state-leak", "arguments") \
+    # an [arguments] failure is a comparison too (an explicit argument's results): a looser contract that
+    # passes it explains it as precision; an ignored argument fails every contract ("not a precision effect")
+    if res.status != "FAIL" or res.klass in ("inputs-changed", "raised", "vacuous", "state-leak") \
             or not (res.failure or {}).get("comparisons"):
         return res
     tried = []

@@ -21,10 +21,16 @@ from .schedule import Tokens  # noqa: E402
 L, S, N, C, D, H, HV, K, V = 2, 3, 4, 3, 2, 1, 2, 4, 4
 
 
+#: The fast pool's device: CUDA where there is one (its kernels compiled), else the CPU (interpreted).
+FAST_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _pool(kind):
-    P, dtype = (ref.KVPool, torch.float64) if kind == "ref" else (FastPool, torch.float32)
-    return P(layers=L, num_state_slots=S, num_buffer_slots=N, capacity=C, max_drafts=D, num_heads=H,
-             num_value_heads=HV, head_k_dim=K, head_v_dim=V, dtype=dtype)
+    if kind == "ref":
+        return ref.KVPool(layers=L, num_state_slots=S, num_buffer_slots=N, capacity=C, max_drafts=D, num_heads=H,
+                          num_value_heads=HV, head_k_dim=K, head_v_dim=V, dtype=torch.float64)
+    return FastPool(layers=L, num_state_slots=S, num_buffer_slots=N, capacity=C, max_drafts=D, num_heads=H,
+                    num_value_heads=HV, head_k_dim=K, head_v_dim=V, dtype=torch.float32, device=FAST_DEVICE)
 
 
 @pytest.mark.parametrize("kind", ["ref", "fast"])
@@ -41,7 +47,8 @@ def test_pool_bytes_by_kind(kind):
     assert b.total == sum(t.nbytes for t in p.tensors().values())
     assert (b.live_requests, b.states_in_use, b.state_slots) == (0, 0, L * S)
     # two requests: one folds in layer 0 only (a prompt past C there), a fork shares its state slot
-    tok = Tokens(0, H, HV, K, V, torch.float64 if kind == "ref" else torch.float32, "cpu")
+    tok = Tokens(0, H, HV, K, V, torch.float64 if kind == "ref" else torch.float32,
+                 "cpu" if kind == "ref" else FAST_DEVICE)
     s = p.acquire(2)
     p.admit(**tok.draw(2, C + 1), layer=0, slots=s)      # two state slots in layer 0
     p.admit(**tok.draw(2, C), layer=1, slots=s)          # direct mode in layer 1

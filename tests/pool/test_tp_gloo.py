@@ -94,6 +94,9 @@ def test_a_wrong_shard_mapping_fails(workers, data):
         _run(workers, data, "ref", torch.float64, steps=2, breaker=_off_by_one_value_head)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="gloo shards live in CPU memory, where Triton runs only interpreted (TRITON_INTERPRET=1); "
+                           "scripts/tp_nccl.py runs the fast pool's shards on GPUs")
 @settings(max_examples=1, deadline=None)
 @given(data=st.data())
 def test_tp_shards_of_the_fast_pool(workers, data):

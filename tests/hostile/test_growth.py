@@ -1,0 +1,50 @@
+"""Positive gates past kvbuffer_fast's float32 range (docs/conventions.md, Domain): every fast entry point
+that forms cumulative decays refuses them with a ValueError naming g, instead of returning NaN; gates just
+inside the limit still compute, and finite results match the reference."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import kvbuffer_fast as fast  # noqa: E402
+import kvbuffer_ref as ref  # noqa: E402
+from kvbuffer_fast._common import GROWTH_LIMIT  # noqa: E402
+from kvbuffer_ref.validate.tolerances import compare  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B, T, H, K = 1, 8, 1, 16
+
+
+def _tokens(g_value: float, channel: bool = False):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, K, generator=gen)
+    g = torch.full((B, T, H, K) if channel else (B, T, H), g_value)
+    beta = torch.rand(B, T, H, generator=gen)
+    return {n: x.to(DEVICE) for n, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+
+
+@pytest.mark.parametrize("name", ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "direct_gated_delta_rule"])
+@pytest.mark.parametrize("channel", [False, True])
+def test_growth_past_the_limit_is_refused(name, channel):
+    x = _tokens(30.0, channel)  # 8 tokens: a sum of 240
+    with pytest.raises(ValueError, match=r"g: the positive gates of request 0, value head 0.*sum to 240"):
+        getattr(fast, name)(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"])
+
+
+def test_growth_inside_the_limit_is_computed():
+    x = _tokens(0.9 * GROWTH_LIMIT / T)  # just inside: finite, and the reference's answer
+    o = fast.recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"])[0]
+    cpu = {n: t.cpu() for n, t in x.items()}
+    o64 = ref.recurrent_gated_delta_rule(*(cpu[n].double() for n in ("q", "k", "v")), g=cpu["g"].double(),
+                                         beta=cpu["beta"].double())[0]
+    o32 = ref.recurrent_gated_delta_rule(cpu["q"], cpu["k"], cpu["v"], g=cpu["g"], beta=cpu["beta"])[0]
+    assert torch.isfinite(o).all()
+    res = compare(o.cpu(), o64, o32, name="recurrent.o", g=cpu["g"])
+    assert res.passed, (res.worst_rel, res.budget_terms())
