@@ -10,6 +10,7 @@ import torch
 
 import kvbuffer_fast as fast
 import kvbuffer_ref as ref
+from kvbuffer_ref.validate.tolerances import magnitudes
 
 from .probes import (B, C, F32, F64, HV, INF, K, NAN, TOKEN_OPS, V, Probe, Setup, _buffered, _cmp, _edit,
                      _prefill_check, _put, _set, buffer, buffer_check, f64, token_probe, tokens)
@@ -51,7 +52,7 @@ def _request0_check(dtype):
             x0 = {n: a[:1] for n, a in x.items()}
             o64, _ = ref.recurrent_gated_delta_rule(**f64(x0))
             ob, _ = ref.recurrent_gated_delta_rule(**{n: a.to(dtype) for n, a in x0.items()})
-            return [_cmp(o[:1], o64, ob, dtype, x0["g"], name="o[request 0]")]
+            return [_cmp(o[:1], o64, ob, dtype, x0["g"], name="o[request 0]", magnitude=magnitudes(**x0)[0])]
         return check
     return make
 
