@@ -88,7 +88,7 @@ class Probe:
     id: str
     make: Callable[[], Setup]
     expect: str  # "error" or "exact"
-    arg: Optional[str] = None  # the argument an error must name
+    arg: Optional[str | tuple] = None  # the argument (or all of the arguments) an error must name
     inplace: tuple = ()  # kwargs a successful call may modify (kvbuffer_fast's in-place arguments)
     crashy: bool = False
     not_implemented: bool = False  # NotImplementedError (naming ``arg``) is a pass
@@ -150,7 +150,7 @@ def run_probe(p: Probe) -> tuple[bool, str]:
             return False, f"raised {type(e).__name__} but modified {changed} first: {e}"
         if p.expect != "error":
             return False, f"expected the exact answer, raised {type(e).__name__}: {e}"
-        if p.arg and not names_argument(str(e), p.arg):
+        if p.arg and not all(names_argument(str(e), a) for a in ((p.arg,) if isinstance(p.arg, str) else p.arg)):
             return False, f"the {type(e).__name__} does not name {p.arg!r}: {e}"
         return True, f"{type(e).__name__}: {e}"
     except Exception as e:
