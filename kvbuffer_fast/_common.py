@@ -29,6 +29,7 @@ __all__ = [
     "values_checked",
     "as_input",
     "require_inplace",
+    "require_no_overlap",
     "device_guard",
     "ticket_counters",
     "int_scratch",
@@ -78,6 +79,34 @@ def require_inplace(name: str, x: Optional[torch.Tensor]) -> None:
     if x is not None and not x.is_contiguous():
         raise ValueError(f"{name}: must be contiguous, because the kernel updates it in place "
                          f"(got strides {tuple(x.stride())} for shape {list(x.shape)})")
+
+
+def _byte_range(x: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses an (non-empty) tensor's elements span: from its sizes and strides."""
+    start = x.data_ptr()
+    return start, start + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+
+def require_no_overlap(written: dict, read: dict) -> None:
+    """A ValueError naming both arguments when a tensor a call writes (``written``: name -> tensor or None)
+    shares memory with another it writes or one it reads (``read``): a kernel would read values it has
+    already overwritten, or two writes would land on the same elements.  Judged by the byte ranges the
+    tensors span (data_ptr, sizes, strides) on one device: host arithmetic only, no device access, so it
+    runs under CUDA graph capture too.  Disjoint parts of one storage (slots of a pool) pass; views whose
+    ranges interleave count as sharing."""
+    spans = {n: (x.device, *_byte_range(x)) for n, x in {**read, **written}.items()
+             if x is not None and x.numel() and x.device.type != "meta"}
+    names = list(spans)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if a not in written and b not in written:
+                continue
+            (da, a0, a1), (db, b0, b1) = spans[a], spans[b]
+            if da == db and a0 < b1 and b0 < a1:
+                w, other = (a, b) if a in written else (b, a)
+                raise ValueError(f"{w}: shares memory with {other}, but the call writes {w} in place while it "
+                                 f"{'writes' if other in written else 'reads'} {other}; pass tensors with memory "
+                                 f"of their own (e.g. a .clone())")
 
 
 def device_guard(x: torch.Tensor):

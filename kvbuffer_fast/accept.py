@@ -27,7 +27,8 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, check_num_drafts, check_parents,
                                  require_device, require_float, require_int_tensor, require_rank, require_tensor)
 
-from ._common import (_program_ids, as_input, block, checked_buffer, device_guard, flag_view, ticket_counters)
+from ._common import (_program_ids, as_input, block, checked_buffer, device_guard, flag_view, require_no_overlap,
+                      ticket_counters)
 from .launch import AcceptConfig, check_config, config_for, key_of
 
 __all__ = ["accept"]
@@ -305,6 +306,8 @@ def accept(
     nodes, is_count = _accepted_nodes(counts, nodes, drafts, checked, buffer.k.device)
     if checked and buffer.state is None:
         _require_room(buffer, drafts, nodes, is_count)
+    require_no_overlap({f"buffer.{n}": x for n, x in buffer.tensors().items()},
+                       {**{f"drafts.{n}": x for n, x in drafts.tensors().items()}, "counts" if is_count else "nodes": nodes})
     if B == 0 or D == 0:
         return buffer
     if config is None:

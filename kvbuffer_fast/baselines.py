@@ -25,7 +25,7 @@ import triton.language as tl
 from kvbuffer_ref.checks import check_count_arg, check_scale, check_state, require_rank, require_tensor, shape_str
 
 from ._common import (_program_ids, _tile_offsets, as_input, block, checked_tokens, device_guard, new_output,
-                      require_fp32_state, require_inplace, values_checked)
+                      require_fp32_state, require_inplace, require_no_overlap, values_checked)
 from .launch import PerDraftStateConfig, RecurrentConfig, check_config, config_for, key_of
 from .recurrent import _gated_delta_step, recurrent_step
 
@@ -129,6 +129,7 @@ def per_draft_state_verify(
                              f"{q.device}, got {list(intermediate.shape)} on {intermediate.device}"
                              f"{'' if intermediate.is_contiguous() else ' (not contiguous)'}")
         require_fp32_state("intermediate", intermediate)
+        require_no_overlap(dict(intermediate=intermediate), dict(q=q, k=k, v=v, g=g, beta=beta, state=state))
     o = new_output((B, T, HV, V), v.dtype, q.device)
     if B == 0 or T == 0:
         return o, intermediate
@@ -173,6 +174,7 @@ def per_draft_state_accept(state: torch.Tensor, intermediate: torch.Tensor, coun
             raise ValueError(f"counts: entry [{b}] is {int(counts[b])}, expected a value in 0..d = 0..{T} "
                              f"(the draft tokens per request in intermediate)")
     counts = counts.contiguous()
+    require_no_overlap(dict(state=state), dict(intermediate=intermediate, counts=counts))
     if B == 0 or T == 0:
         return state
     BLOCK = min(cfg.accept_block, triton.next_power_of_2(K * V))

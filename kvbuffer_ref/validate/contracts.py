@@ -185,7 +185,7 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
 
     from .cases import Case
     from .tolerances import (CONTRACT_TERMS, TOLERANCES, _contract_growth, _range_terms, chunk_conditioning, gate_spans,
-                             rel_rms_slices)
+                             magnitudes, rel_rms_slices)
 
     tol = TOLERANCES[torch.float32]
     eps = torch.finfo(torch.float32).eps
@@ -209,14 +209,15 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
         o64, S64 = ref.recurrent_gated_delta_rule(**x64, initial_state=None if S0 is None else S0.double(),
                                                   output_final_state=True)
         cond = chunk_conditioning(x["k"], x["beta"], x["g"])
+        mo, mS = magnitudes(**x, initial_state=S0)
         for c in contracts:
             term = CONTRACT_TERMS[c]
             ob, Sb = baseline_recurrent(**x, initial_state=S0, contract=c)
             for kname, (o, S) in _kernels(c, x, S0, rng):
-                for name, a, e, b, ax in (("o", o, o64, ob, 2), ("state", S, S64, Sb, 1)):
+                for name, a, e, b, ax, m in (("o", o, o64, ob, 2, mo), ("state", S, S64, Sb, 1, mS)):
                     rel = rel_rms_slices(a, e, ax)
                     base = rel_rms_slices(b, e, ax)
-                    ranges, amp = _range_terms(e, ax, None, torch.float32)
+                    ranges, amp = _range_terms(e, ax, None, torch.float32, m)
                     spans = gate_spans(x["g"], torch.float32)
                     rest = tol.kappa * base + tol.floor * eps + tol.gate_floor * spans * eps * amp + ranges
                     shape = cond ** term.power  # the term's conditioning factor

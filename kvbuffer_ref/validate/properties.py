@@ -39,6 +39,8 @@ __all__ = [
     "check_direct",
     "check_decode",
     "check_verify_accept",
+    "along_path",
+    "verify_magnitudes",
     "check_prefill",
     "poison_unused",
     "poison_unused_",
@@ -254,14 +256,17 @@ def check_varlen(impl, case: Case, dtype: torch.dtype, *, lengths, chunk_size: O
         kw["chunk_size"] = chunk_size
     o, S = fn(**packed, **kw)
     tag = f"{tag}[cu_seqlens={offsets},initial_state={'S0' if initial else None},output_final_state={final}]"
-    res, states, bases = [], [], []
+    res, states, mags, bases = [], [], [], []
     for b, (a, e) in enumerate(zip(offsets, offsets[1:])):
         xb = {n: t[b:b + 1, :lengths[b]] for n, t in x.items()}
-        (o64, S64), base = truth_and_baseline(xb, None if S0d is None else S0d[b:b + 1], scale=case.scale)
+        S0b = None if S0d is None else S0d[b:b + 1]
+        (o64, S64), base = truth_and_baseline(xb, S0b, scale=case.scale)
+        mo, mS = magnitudes(**xb, scale=case.scale, initial_state=S0b)
         states.append(S64)
+        mags.append(mS)
         bases.append(None if base is None else base[1])
         if e > a:
-            res.append(_cmp(f"{tag}.o[sequence {b}]", o[:, a:e], o64, base and base[0], dtype, x=xb))
+            res.append(_cmp(f"{tag}.o[sequence {b}]", o[:, a:e], o64, base and base[0], dtype, x=xb, magnitude=mo))
     if final:
         # the gates behind each sequence's state: its own tokens (zeros past its length)
         keep = torch.arange(case.T, device=x["g"].device)[None, :] < torch.tensor(lengths, device=x["g"].device)[:, None]
@@ -269,7 +274,7 @@ def check_varlen(impl, case: Case, dtype: torch.dtype, *, lengths, chunk_size: O
                                                                                                    device=x["g"].device))
         base = None if bases[0] is None else torch.cat(bases, 0)
         res.append(_cmp(f"{tag}.state", S, torch.cat(states, 0), base, torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=dict(x, g=g)))
+                        head_axis=1, x=dict(x, g=g), magnitude=torch.cat(mags, 0)))
     elif S is not None:
         raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
                              f"tensor of shape {list(S.shape)}")
@@ -352,6 +357,33 @@ def _path_truth(nodes_x: dict, b: int, path: list[int], S_hist: torch.Tensor, sc
     return o[0]
 
 
+def along_path(x: dict, b: int, path: Sequence[int], history: int = 0) -> dict:
+    """Request b's tokens of ``x`` along one root-to-node path: its first ``history`` tokens, then the drafts
+    ``path`` (draft i = token ``history + i``), as a batch of one."""
+    idx = torch.tensor(list(range(history)) + [history + int(i) for i in path], dtype=torch.long)
+    return {n: t[b : b + 1, idx.to(t.device)] for n, t in x.items()}
+
+
+def verify_magnitudes(x: dict, parents: torch.Tensor, num_drafts: torch.Tensor, *, history: int = 0,
+                      scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The magnitude of verify's outputs (``magnitudes`` along each node's root-to-node path, after the first
+    ``history`` tokens of ``x`` and from ``initial_state``), float64 [B, D, HV, V] shaped like the outputs,
+    0 on padding rows (``compare(magnitude=...)``)."""
+    B, D = parents.shape
+    out = torch.zeros(B, D, x["v"].shape[2], x["v"].shape[3], dtype=torch.float64)
+    for b in range(B):
+        done = set()
+        for i in reversed(range(int(num_drafts[b]))):  # a path's magnitudes hold for every node on it
+            if i in done:
+                continue
+            p = path_to(parents[b].cpu(), i)
+            mo = magnitudes(**along_path(x, b, p, history), scale=scale,
+                            initial_state=None if initial_state is None else initial_state[b : b + 1])[0]
+            out[b, p] = mo[0, history:]
+            done.update(p)
+    return out
+
+
 def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int,
                         lengths: Sequence[int], parents: Sequence[Sequence[int]], num_drafts: Sequence[int],
                         nodes: Sequence[int], after: int, form: str = "u", device="cpu",
@@ -391,7 +423,8 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
                 bas[b, i] = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale,
                                         current_contract())[-1].to("cpu", torch.float64)
     valid = (torch.arange(D)[None, :] < nd.cpu()[:, None])[:, :, None, None]
-    res = [_cmp(f"verify[C={capacity},{form}].o", o, exp, bas, dtype, valid=valid, x=x)]
+    res = [_cmp(f"verify[C={capacity},{form}].o", o, exp, bas, dtype, valid=valid, x=x,
+                magnitude=verify_magnitudes(x, par, nd, history=P, scale=case.scale))]
     # accept, then decode the remaining tokens; truth per request over its own committed history
     node_t = torch.tensor(nodes, dtype=torch.long, device=device)
     if use_counts:
@@ -403,22 +436,25 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
         ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
         outs.append(ot)
     final = owned_state(impl.flush(buf))
-    exp_o, exp_S, bas_o, bas_S = [], [], [], []
+    exp_o, exp_S, bas_o, bas_S, mag_o, mag_S = [], [], [], [], [], []
     for b in range(B):
         keep = list(range(P)) + [P + i for i in path_to(par[b].cpu(), int(nodes[b]))] + list(range(P + D, case.T))
         idx = torch.tensor(keep, dtype=torch.long)
         xb = {n: t[b : b + 1, idx.to(t.device)] for n, t in x.items()}
         (o64, S64), base = truth_and_baseline(xb, scale=case.scale)
+        mo, mS = magnitudes(**xb, scale=case.scale)
         exp_o.append(o64[:, len(keep) - after:])
         exp_S.append(S64)
+        mag_o.append(mo[:, len(keep) - after:])
+        mag_S.append(mS)
         if base is not None:
             bas_o.append(base[0][:, len(keep) - after:])
             bas_S.append(base[1])
     if after:
         res.append(_cmp(f"accept+decode[C={capacity},{form}].o", torch.cat(outs, dim=1), torch.cat(exp_o),
-                        torch.cat(bas_o) if bas_o else None, dtype, x=x))
+                        torch.cat(bas_o) if bas_o else None, dtype, x=x, magnitude=torch.cat(mag_o)))
     res.append(_cmp(f"accept+decode[C={capacity},{form}].state", final, torch.cat(exp_S),
-                    torch.cat(bas_S) if bas_S else None, xd, head_axis=1, x=x))
+                    torch.cat(bas_S) if bas_S else None, xd, head_axis=1, x=x, magnitude=torch.cat(mag_S)))
     return res
 
 

@@ -1,7 +1,9 @@
 """Adversarial probes beyond the per-argument sweep of probes.py: layouts (stride 0, transposed), mixed
 dtypes, resets everywhere, non-finite values in another request, head dims that are not powers of two,
 integer index tensors of other integer dtypes, long prompts into a tiny buffer, scalars of other types,
-and outputs that must not share memory with inputs.  Same machinery and verdicts as probes.py."""
+outputs that must not share memory with inputs, and in-place arguments of kvbuffer_fast that share memory
+with another argument (a ValueError naming both; disjoint parts of one storage are fine).  Same machinery
+and verdicts as probes.py."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import numpy as np
 import torch
 
 import kvbuffer_fast as fast
+import kvbuffer_fast.baselines as base
 import kvbuffer_ref as ref
+from kvbuffer_ref.validate.tolerances import magnitudes
 
-from .probes import (B, C, F32, F64, HV, INF, K, NAN, TOKEN_OPS, V, Probe, Setup, _buffered, _cmp, _edit,
-                     _prefill_check, _put, _set, buffer, buffer_check, f64, token_probe, tokens)
+from .probes import (B, C, F32, F64, HV, INF, K, NAN, T, TOKEN_OPS, V, Probe, Setup, _buffered, _cmp, _edit,
+                     _prefill_check, _put, _set, buffer, buffer_check, copy_check, f64, token_probe, tokens)
 
 #: the token operations without a buffer, whose answer is the recurrence over the tokens
 PLAIN = ("ref.recurrent_gated_delta_rule", "ref.chunk_gated_delta_rule", "ref.direct_gated_delta_rule",
@@ -51,7 +55,7 @@ def _request0_check(dtype):
             x0 = {n: a[:1] for n, a in x.items()}
             o64, _ = ref.recurrent_gated_delta_rule(**f64(x0))
             ob, _ = ref.recurrent_gated_delta_rule(**{n: a.to(dtype) for n, a in x0.items()})
-            return [_cmp(o[:1], o64, ob, dtype, x0["g"], name="o[request 0]")]
+            return [_cmp(o[:1], o64, ob, dtype, x0["g"], name="o[request 0]", magnitude=magnitudes(**x0)[0])]
         return check
     return make
 
@@ -194,5 +198,82 @@ def alias_probes() -> list:
     return out
 
 
+def _carved(*shapes, at=None):
+    """Contiguous views of one fresh float32 storage, one per shape: back to back (``at`` None) or starting at
+    the element offsets ``at`` (so that they overlap)."""
+    sizes = [int(torch.Size(sh).numel()) for sh in shapes]
+    starts = at if at is not None else [sum(sizes[:i]) for i in range(len(sizes))]
+    w = torch.zeros(max(a + n for a, n in zip(starts, sizes)))
+    return [w[a:a + n].view(sh) for a, n, sh in zip(starts, sizes, shapes)]
+
+
+def overlap_probes() -> list:
+    """kvbuffer_fast's in-place arguments (per_draft_state_verify's intermediate, per_draft_state_accept's
+    state, accept's buffer) sharing memory with another argument: a ValueError naming both."""
+    pdv = "fast.baselines.per_draft_state_verify"
+    S_, I_ = (B, HV, K, V), (B, T, HV, K, V)
+
+    def inter_over(at, name=None):
+        def over(x, kw):
+            views = _carved(I_, S_, at=at)
+            if name is not None:  # an input token tensor inside intermediate's memory
+                views[1] = views[0].reshape(-1)[:x[name].numel()].view(x[name].shape).copy_(x[name])
+                return dict(kw, intermediate=views[0], **{name: views[1]})
+            return dict(kw, intermediate=views[0], state=views[1].copy_(kw["state"]))
+        return over
+
+    out = [
+        token_probe(pdv, "intermediate/shares-state", "error", ("intermediate", "state"),
+                    over=inter_over([0, 30])),
+        token_probe(pdv, "intermediate/shares-v", "error", ("intermediate", "v"), over=inter_over([0, 0], "v")),
+        token_probe(pdv, "intermediate/shares-g", "error", ("intermediate", "g"), over=inter_over([0, 0], "g")),
+        token_probe(pdv, "intermediate-and-state/one-storage", "exact", over=inter_over(None),
+                    inplace=("intermediate",)),
+    ]
+    gen = torch.Generator().manual_seed(8)
+    S0, I0 = torch.randn(*S_, generator=gen), torch.randn(*I_, generator=gen)
+    pda = "fast.baselines.per_draft_state_accept"
+
+    def accept_views(at):
+        def make():
+            inter, state = _carved(I_, S_, at=at)
+            inter.copy_(I0)
+            if at is None:  # disjoint: the state's own values
+                state.copy_(S0)
+            kw = dict(state=state, intermediate=inter, counts=torch.tensor([3, 0]))
+            return Setup(base.per_draft_state_accept, kw, copy_check(S0, I0, [3, 0]) if at is None else None)
+        return make
+    out += [Probe(f"{pda}/state/shares-intermediate", accept_views([0, int(torch.Size(I_).numel()) - 30]), "error",
+                  ("state", "intermediate"), inplace=("state",)),
+            Probe(f"{pda}/state-and-intermediate/one-storage", accept_views(None), "exact", inplace=("state",))]
+
+    def fast_accept(edit, counts=1):
+        def make():
+            buf = buffer(F32)
+            _, d = ref.verify(**tokens(F32, seed=2), buffer=buf)
+            buf, d, kw = edit(buf, d)
+            return Setup(fast.accept, dict(buffer=buf, drafts=d, **kw), None)
+        return make
+
+    def u_in_drafts(buf, d):  # the buffer's u inside the drafts' u
+        return buf.replace(u=d.u.reshape(-1)[:buf.u.numel()].view(buf.u.shape)), d, dict(counts=1)
+
+    def k_in_drafts(buf, d):
+        return buf.replace(k=d.k.reshape(-1)[:buf.k.numel()].view(buf.k.shape)), d, dict(counts=1)
+
+    def u_in_state(buf, d):  # two buffer fields in one memory
+        return buf.replace(u=buf.state.reshape(-1)[:buf.u.numel()].view(buf.u.shape)), d, dict(counts=1)
+
+    def counts_are_lengths(buf, d):
+        return buf, d, dict(counts=buf.lengths)
+
+    out += [Probe(f"fast.accept/{pid}", fast_accept(edit), "error", arg, inplace=("buffer",))
+            for pid, edit, arg in (("buffer.u/shares-drafts.u", u_in_drafts, ("buffer.u", "drafts.u")),
+                                   ("buffer.k/shares-drafts.k", k_in_drafts, ("buffer.k", "drafts.k")),
+                                   ("buffer.u/shares-buffer.state", u_in_state, ("buffer.u", "buffer.state")),
+                                   ("counts/is-buffer.lengths", counts_are_lengths, ("buffer.lengths", "counts")))]
+    return out
+
+
 def adversarial_probes() -> list:
-    return layout_and_dtype_probes() + shape_probes() + _index_dtype_probes() + alias_probes()
+    return layout_and_dtype_probes() + shape_probes() + _index_dtype_probes() + alias_probes() + overlap_probes()

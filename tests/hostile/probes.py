@@ -38,7 +38,8 @@ import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref import Drafts, KVBuffer  # noqa: E402
 from kvbuffer_ref.checks import RESET_GATE  # noqa: E402
 from kvbuffer_ref.validate import Case, compare, upcast_inputs  # noqa: E402
-from kvbuffer_ref.validate.properties import buffer_to, poison_unused_, ragged_buffer  # noqa: E402
+from kvbuffer_ref.validate.properties import along_path, buffer_to, poison_unused_, ragged_buffer, verify_magnitudes  # noqa: E402
+from kvbuffer_ref.validate.tolerances import magnitudes  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -87,7 +88,7 @@ class Probe:
     id: str
     make: Callable[[], Setup]
     expect: str  # "error" or "exact"
-    arg: Optional[str] = None  # the argument an error must name
+    arg: Optional[str | tuple] = None  # the argument (or all of the arguments) an error must name
     inplace: tuple = ()  # kwargs a successful call may modify (kvbuffer_fast's in-place arguments)
     crashy: bool = False
     not_implemented: bool = False  # NotImplementedError (naming ``arg``) is a pass
@@ -149,7 +150,7 @@ def run_probe(p: Probe) -> tuple[bool, str]:
             return False, f"raised {type(e).__name__} but modified {changed} first: {e}"
         if p.expect != "error":
             return False, f"expected the exact answer, raised {type(e).__name__}: {e}"
-        if p.arg and not names_argument(str(e), p.arg):
+        if p.arg and not all(names_argument(str(e), a) for a in ((p.arg,) if isinstance(p.arg, str) else p.arg)):
             return False, f"the {type(e).__name__} does not name {p.arg!r}: {e}"
         return True, f"{type(e).__name__}: {e}"
     except Exception as e:
@@ -192,12 +193,20 @@ def recurrence_check(x: dict, dtype, *, initial_state=None, final=None, scale=No
         xb = {n: a.to(dtype) for n, a in x.items()}
         ob, Sb = ref.recurrent_gated_delta_rule(**xb, initial_state=None if S0 is None else S0.to(F32 if dtype != F64 else F64),
                                                 output_final_state=True, scale=scale)
-        comps = [_cmp(o, o64, ob, dtype, x["g"], name="o")]
+        mo, mS = magnitudes(**x, scale=scale, initial_state=S0)
+        comps = [_cmp(o, o64, ob, dtype, x["g"], name="o", magnitude=mo)]
         if final is not None:
             comps.append(_cmp(final(result), S64, Sb, dtype if dtype == F64 else F32, x["g"], name="state",
-                              head_axis=1))
+                              head_axis=1, magnitude=mS))
         return comps
     return check
+
+
+def _drafts_of(x: dict, verify_kw: dict) -> tuple:
+    """(parents, num_drafts) of a verify call on the tokens ``x`` (the defaults: one chain of all of them)."""
+    Bx, D = x["q"].shape[:2]
+    parents = verify_kw.get("parents", torch.arange(-1, D - 1).expand(Bx, D))
+    return parents, verify_kw.get("num_drafts", torch.full((Bx,), D))
 
 
 def buffer_check(x: Optional[dict], buf_before: KVBuffer, op: str, dtype, **op_kw):
@@ -227,18 +236,24 @@ def buffer_check(x: Optional[dict], buf_before: KVBuffer, op: str, dtype, **op_k
             o, got = result
             o64, want = fn(**f64(x), buffer=b64, **op_kw)
             ob, base_ = fn(**xs, buffer=bb, **op_kw)
+            # the history's magnitude is known only as its state: |S| of the buffer before the call
+            S_before = ref.materialize_state(b64)
             valid = None
             if op == "verify":
                 got = None
                 nd = op_kw.get("num_drafts")
                 if nd is not None:
                     valid = (torch.arange(x["q"].shape[1])[None, :] < nd[:, None])[:, :, None, None]
-            comps.append(_cmp(o, o64, ob, odt, x["g"], name="o", valid=valid))
+                mo = verify_magnitudes(x, *_drafts_of(x, op_kw), scale=op_kw.get("scale"), initial_state=S_before)
+            else:
+                mo, mS = magnitudes(**x, scale=op_kw.get("scale"), initial_state=S_before)
+            comps.append(_cmp(o, o64, ob, odt, x["g"], name="o", valid=valid, magnitude=mo))
         if got is not None:
             assert torch.equal(got.lengths, want.lengths), f"lengths {got.lengths.tolist()}, expected {want.lengths.tolist()}"
             comps.append(_cmp(ref.materialize_state(buffer_to(got, dtype=F64)), ref.materialize_state(want),
                               ref.materialize_state(base_), sdt,
-                              None if x is None else x["g"], name="state", head_axis=1))
+                              None if x is None else x["g"], name="state", head_axis=1,
+                              magnitude=None if x is None else mS))
         return comps
     return check
 
@@ -252,8 +267,17 @@ def accept_check(buf_before: KVBuffer, x: dict, dtype, verify_kw: dict, **accept
         _, db = ref.verify(**{n: a.float() for n, a in x.items()}, buffer=bb, **verify_kw)
         base_ = ref.accept(bb, db, **accept_kw)
         assert torch.equal(result.lengths, want.lengths), f"lengths {result.lengths.tolist()}, expected {want.lengths.tolist()}"
+        S_before = ref.materialize_state(b64)
+        parents, _ = _drafts_of(x, verify_kw)
+        if "counts" in accept_kw:
+            nodes = torch.as_tensor(accept_kw["counts"]).expand(parents.shape[0]) - 1
+        else:
+            nodes = torch.as_tensor(accept_kw["nodes"]).expand(parents.shape[0])
+        mS = torch.cat([magnitudes(**along_path(x, b, ref.path_to(parents[b], int(nodes[b]))),
+                                   initial_state=S_before[b:b + 1])[1] for b in range(parents.shape[0])])
         return [_cmp(ref.materialize_state(buffer_to(result, dtype=F64)), ref.materialize_state(want),
-                     ref.materialize_state(base_), dtype if dtype == F64 else F32, x["g"], name="state", head_axis=1)]
+                     ref.materialize_state(base_), dtype if dtype == F64 else F32, x["g"], name="state", head_axis=1,
+                     magnitude=mS)]
     return check
 
 
@@ -298,8 +322,9 @@ def _prefill_check(dtype, materialize):
             o64, S64 = ref.recurrent_gated_delta_rule(**f64(x), output_final_state=True, scale=kw.get("scale"))
             ob, Sb = ref.recurrent_gated_delta_rule(**{n: a.to(dtype) for n, a in x.items()}, output_final_state=True,
                                                     scale=kw.get("scale"))
-            return [_cmp(o, o64, ob, dtype, x["g"], name="o"),
-                    _cmp(materialize(buf), S64, Sb, dtype, x["g"], name="state", head_axis=1)]
+            mo, mS = magnitudes(**x, scale=kw.get("scale"))
+            return [_cmp(o, o64, ob, dtype, x["g"], name="o", magnitude=mo),
+                    _cmp(materialize(buf), S64, Sb, dtype, x["g"], name="state", head_axis=1, magnitude=mS)]
         return check
     return make
 

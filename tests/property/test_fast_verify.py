@@ -138,7 +138,8 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
     valid = (torch.arange(par.shape[1])[None, :] < nd.cpu()[:, None])[:, :, None, None]
     vg = valid if case.channel_gate else valid[..., 0]
     g = x["g"][:, history:]
-    res = [compare(o.cpu(), o64, o32.to(o.dtype), name="verify.o", valid=valid, g=g),
+    mo = P.verify_magnitudes(x, par, nd, history=history)
+    res = [compare(o.cpu(), o64, o32.to(o.dtype), name="verify.o", valid=valid, g=g, magnitude=mo),
            compare(drafts.u.cpu(), d64.u, d32.u, name="verify.drafts.u", valid=valid, g=g),
            compare(drafts.G.cpu(), d64.G, d32.G, name="verify.drafts.G", valid=vg, g=g)]
     assert torch.isfinite(o).all() and not o[~valid.expand_as(o).to(o.device)].any(), "padding rows must be 0"
@@ -156,8 +157,12 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
             compare(out.G.cpu(), ref64.G, ref32.G, name="accept.G", valid=kept[:, :, None] if out.G.dim() == 3
                     else kept[:, :, None, None], g=span)]
     if out.state is not None and bool(ref64.has_state.any()):
+        # the state holds each request's tokens (history, then its accepted path) up to those still buffered
+        paths = [P.along_path(x, b, ref.path_to(par[b].cpu(), nodes[b]), history) for b in range(case.B)]
+        mS = torch.cat([tolerances.magnitudes(**{n: t[:, :t.shape[1] - int(ref64.lengths[b])] for n, t in xb.items()})[1]
+                        for b, xb in enumerate(paths)])
         res.append(compare(P.owned_state(out).cpu(), P.owned_state(ref64), P.owned_state(ref32),
-                           name="accept.state", head_axis=1, g=span))
+                           name="accept.state", head_axis=1, g=span, magnitude=mS))
     _assert_all(res)
 
 
@@ -222,7 +227,8 @@ def test_zero_drafts_and_empty_buffers():
     o64, _ = ref.verify(**{n: t.cpu().double() for n, t in x.items()},
                         buffer=P.buffer_to(buf, dtype=torch.float64), num_drafts=torch.tensor([0, 4]))
     assert (o[0] == 0).all()
-    _assert_all([compare(o.cpu(), o64, None, name="verify.o", dtype=torch.float32, g=x["g"])])
+    _assert_all([compare(o.cpu(), o64, None, name="verify.o", dtype=torch.float32, g=x["g"],
+                         magnitude=P.verify_magnitudes(x, drafts.parents, drafts.num_drafts))])
     assert fast.accept(buf, drafts, counts=torch.tensor([0, 0], device=DEVICE)) is buf
     assert buf.lengths.tolist() == [0, 0]
 
@@ -326,12 +332,14 @@ def test_per_draft_state_baseline_matches_recurrence(case, data):
     o, inter = per_draft_state_verify(**x, state=state)
     assert torch.equal(state, keep), "per_draft_state_verify must not modify the state"
     (o64, _), base = P.truth_and_baseline(x, state)
-    r = compare(o.cpu(), o64, base[0], name="per_draft_state.o", g=x["g"])
+    r = compare(o.cpu(), o64, base[0], name="per_draft_state.o", g=x["g"],
+                magnitude=tolerances.magnitudes(**x, initial_state=state)[0])
     assert r.passed, str(r)
     for t in range(case.T):  # intermediate t == the state after token t
         xt = {n: v[:, : t + 1] for n, v in x.items()}
         (_, S64), bt = P.truth_and_baseline(xt, state)
-        r = compare(inter[:, t].cpu(), S64, bt[1], name=f"intermediate[{t}]", head_axis=1, g=xt["g"])
+        r = compare(inter[:, t].cpu(), S64, bt[1], name=f"intermediate[{t}]", head_axis=1, g=xt["g"],
+                    magnitude=tolerances.magnitudes(**xt, initial_state=state)[1])
         assert r.passed, str(r)
     counts = torch.tensor(data.draw(st.lists(st.integers(0, case.T), min_size=case.B, max_size=case.B)),
                           device=DEVICE)
