@@ -76,7 +76,7 @@ has tests && stage tests 200 python3 -m pytest tests/property/test_fast_decode.p
   tests/kernels tests/pool -q -p no:cacheprovider -n 8 --dist loadgroup
 has models && { export -f models; stage models 150 bash -c models; }
 if has validate; then
-  IMPLS=(--impl fast --impl fla)
+  IMPLS=(--impl fast --impl fla --impl fla-pool)
   if [ ${#PEER[@]} -gt 0 ]; then IMPLS+=(--impl replayssm); export KVBUFFER_PEER_PATH=${PEER[1]}; fi
   stage validate 280 python3 -m kvbuffer_ref.validate.cli validate --device cuda \
     --profile gpu --max-examples 2 "${IMPLS[@]}" --json "$OUTDIR/validate.json"

@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                     "recurrence and its budget from the tolerance table.",
         epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("--impl", action="append", metavar="MODULE:ATTR",
-                   help="an adapter to validate (repeatable); also the ready ones: reference, fast, fla. "
+                   help="an adapter to validate (repeatable); also the ready ones: reference, fast, fla, fla-pool. "
                         "Default: reference and fast")
     v.add_argument("--profile", choices=PROFILES, default=None,
                    help="hypothesis profile: ci (bounded, default), thorough (many examples) or gpu "

@@ -60,22 +60,6 @@ def test_stepwise_recurrent_runs_one_token_at_a_time():
     torch.testing.assert_close(S, S_ref)
 
 
-def test_fla_adapter_maps_conventions():
-    pytest.importorskip("fla")
-    impl = adapters.resolve("fla")
-    assert impl.has("recurrent_gated_delta_rule") and impl.has("recurrent_decode")
-    if not torch.cuda.is_available():
-        assert not impl.has("chunk_gated_delta_rule")
-        assert "interpreter" in impl.not_provided["chunk_gated_delta_rule"]
-    # grouped heads (HV = 2H), per-channel gates, an initial state, the default scale
-    x = Case(B=1, T=3, H=1, HV=2, K=4, V=6, channel_gate=True, gate="mild", seed=4).inputs(torch.float32)
-    S0 = torch.randn(1, 2, 4, 6)
-    o, S = impl.obj.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
-    o_ref, S_ref = ref.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
-    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(S, S_ref, rtol=1e-4, atol=1e-5)
-
-
 def test_resolve_errors_are_adapter_errors():
     with pytest.raises(adapters.AdapterError, match="no module named"):
         adapters.resolve("no_such_module_xyz:thing")
