@@ -117,16 +117,26 @@ def device_guard(x: torch.Tensor):
 
 
 _SCRATCH: dict = {}
+#: Scratches replaced by a larger one: kept alive, because a CUDA graph captured on one still uses it.
+_RETIRED: list = []
 
 
 def int_scratch(name: str, n: int, device) -> torch.Tensor:
     """A reusable int32 scratch of >= n entries on ``device``, zeroed when (re)allocated, one per name
-    and device: launches that use one must be stream-ordered."""
-    key = (name, str(torch.device(device)))
+    and device: launches that use one must be stream-ordered.  It grows to the next power of two; the
+    one it replaces stays allocated (graphs captured on it keep valid memory).  A scratch that must grow
+    while a CUDA graph is captured belongs to that graph (its zeroing is captured with it) and is not
+    kept for later calls."""
+    device = torch.device(device)
+    key = (name, str(device))
     t = _SCRATCH.get(key)
     if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        _SCRATCH[key] = t
+        grown = torch.zeros(max(64, triton.next_power_of_2(int(n))), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return grown
+        if t is not None:
+            _RETIRED.append(t)
+        _SCRATCH[key] = t = grown
     return t
 
 
