@@ -47,7 +47,7 @@ from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
 from kvbuffer_fast.launch import config_for, key_of  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from bench.gpu import device_ms, versions  # noqa: E402
-from kvbuffer_ref.validate import compare  # noqa: E402
+from kvbuffer_ref.validate import compare, gate_terms  # noqa: E402
 
 PEAK_TFLOPS = {"bfloat16": 989.0, "float32": 494.0}  # H200 dense: bf16 tensor cores; TF32 for fp32 inputs
 QWEN = dict(H=16, HV=32, K=128, V=128)
@@ -112,10 +112,10 @@ def call_fla(fn, x, initial_state=None, output_final_state=False, cu_seqlens=Non
     return fn(q, k, x["v"], x["g"], x["beta"], **kw)
 
 
-def judged(name, actual, truth, baseline, g, head_axis=2, dtype=None):
+def judged(name, actual, truth, baseline, gated, head_axis=2, dtype=None):
+    """``compare`` as a result row; gated: its g and magnitude (``gate_terms``)."""
     c = compare(actual.detach().cpu(), truth.cpu(), None if baseline is None else baseline.detach().cpu(), name=name,
-                g=g.cpu(),
-                head_axis=head_axis, dtype=dtype)
+                g=gated["g"].cpu(), magnitude=gated.get("magnitude"), head_axis=head_axis, dtype=dtype)
     return dict(name=name, passed=bool(c.passed), rel=float(c.worst_rel), baseline_rel=float(c.baseline_rel), budget=float(c.budget), text=str(c))
 
 
@@ -173,8 +173,10 @@ def correctness(fla_fn, quick):
         ob, Sb = ref.recurrent_gated_delta_rule(**xf, initial_state=S0, output_final_state=True, **kw)
         ob = ob.to(dtype)
         o, S = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, cu_seqlens=cu_t)
-        row = dict(case=tag, chunk_o=judged(f"chunk {tag}.o", o, o64, ob, x["g"]),
-                   chunk_state=judged(f"chunk {tag}.state", S, S64, Sb, x["g"], head_axis=1, dtype=torch.float32))
+        # magnitudes run one batch row from one state: a packed varlen batch keeps the gate span alone
+        ko, kS = gate_terms(x, initial_state=S0) if cu_t is None else ({"g": x["g"]}, {"g": x["g"]})
+        row = dict(case=tag, chunk_o=judged(f"chunk {tag}.o", o, o64, ob, ko),
+                   chunk_state=judged(f"chunk {tag}.state", S, S64, Sb, kS, head_axis=1, dtype=torch.float32))
         row["recurrent_kernel_rel"] = rel_err(recurrent_kernel(x, S0, cu), o64)
         row["chunk_rel"] = rel_err(o, o64)
         if fla_fn is not None and not channel:
@@ -197,8 +199,9 @@ def correctness(fla_fn, quick):
         xf = {n: t.float() if n in ("g", "beta") else t for n, t in x.items()}
         ob, Sb = ref.recurrent_gated_delta_rule(**xf, output_final_state=True)
         od = fast.direct_gated_delta_rule(**x)
+        ko, kS = gate_terms(x)
         rows.append(dict(case=f"direct {str(dtype)[6:]} T={x['q'].shape[1]}",
-                         direct_o=judged("direct.o", od, o64, ob.to(dtype), x["g"])))
+                         direct_o=judged("direct.o", od, o64, ob.to(dtype), ko)))
         T_all = x["q"].shape[1]
         plans = ((T_all - 10, 16), (T_all - 5, 64), (10, 16))
         for prompt, C in plans[:1] if quick else plans:
@@ -210,9 +213,9 @@ def correctness(fla_fn, quick):
                 outs.append(ot)
             S = fast.materialize_state(buf)
             rows.append(dict(case=f"prefill {str(dtype)[6:]} prompt={prompt} C={C} + decode to {T_all}",
-                             prefill_o=judged("prefill.o", torch.cat(outs, 1), o64, ob.to(dtype), x["g"]),
+                             prefill_o=judged("prefill.o", torch.cat(outs, 1), o64, ob.to(dtype), ko),
                              prefill_state=judged("prefill.state", S, S64, Sb if dtype == torch.float32 else None,
-                                                  x["g"], head_axis=1, dtype=torch.float32)))
+                                                  kS, head_axis=1, dtype=torch.float32)))
         if quick and dtype != torch.float32:
             log(f"[check] direct, prefill {str(dtype)[6:]} ({time.time() - t0:.1f} s)")
             continue
@@ -230,14 +233,15 @@ def correctness(fla_fn, quick):
             xs = {n: t[b:b + 1, :lens[b] + steps] for n, t in xr.items()}
             t64, _ = ref.recurrent_gated_delta_rule(**up(xs))
             tb, _ = ref.recurrent_gated_delta_rule(**{n: t.float() if n in ("g", "beta") else t for n, t in xs.items()})
-            truth.append((t64, tb.to(dtype), xs["g"]))
+            truth.append((t64, tb.to(dtype), xs["g"], gate_terms(xs)[0]["magnitude"]))
         ok, worst = True, 0.0
         for step in range(steps):
             tok = {n: torch.stack([t[b, lens[b] + step] for b in range(len(lens))])[:, None] for n, t in xr.items()}
             ot, buf = fast.buffered_decode(**tok, buffer=buf)
-            for b, (t64, tb, gs) in enumerate(truth):
+            for b, (t64, tb, gs, mo) in enumerate(truth):
                 i = lens[b] + step
-                j = judged("ragged prefill + decode", ot[b:b + 1], t64[:, i:i + 1], tb[:, i:i + 1], gs[:, :i + 1])
+                j = judged("ragged prefill + decode", ot[b:b + 1], t64[:, i:i + 1], tb[:, i:i + 1],
+                           dict(g=gs[:, :i + 1], magnitude=mo[:, i:i + 1]))
                 ok &= j["passed"]
                 worst = max(worst, j["rel"])
         rows.append(dict(case=f"ragged prefill {str(dtype)[6:]} lens={lens} C=16 + {steps} decode steps", passed=ok,

@@ -122,11 +122,12 @@ class Implementation:
     #: {(operation, dtype): contract} where a lane keeps another contract than ``contract`` (e.g. 16-bit
     #: products in a chunk kernel's 16-bit lanes)
     lane_contracts: dict = field(default_factory=dict)
+    #: it L2-normalises q and k itself (``Case.qk_l2norm``): rows of any norm, the truth on their normalisation
+    qk_l2norm: bool = False
 
     def contract_for(self, op: str, dtype) -> str:
         """The contract the lane (op, dtype) declares."""
         return self.lane_contracts.get((op, dtype), self.contract)
-    unit_qk: bool = False  # q and k must have unit norm (a kernel that L2-normalises them itself)
 
     def has(self, attr: str) -> bool:
         return callable(getattr(self.obj, attr, None))
@@ -192,6 +193,9 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
     beta_max = float(getattr(obj, "beta_max", 1.0))
     if not beta_max > 0:
         raise AdapterError(f"adapter {label}: beta_max must be positive, got {beta_max}")
+    if hasattr(obj, "unit_qk"):
+        raise AdapterError(f"adapter {label}: unit_qk is not a declaration (the validator would ignore it); declare "
+                           f"qk_l2norm = True for a kernel that L2-normalises q and k itself")
     from .contracts import check_contract
     try:
         contract = check_contract(getattr(obj, "contract", "ieee"), f"adapter {label}: contract")
@@ -203,7 +207,7 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
                           is_truth=bool(getattr(obj, "is_truth", False)),
                           sizes=_sizes(getattr(obj, "sizes", "small" if interpreted else "normal"), label),
                           in_place=in_place, beta_max=beta_max, contract=contract,
-                          unit_qk=bool(getattr(obj, "unit_qk", False)),
+                          qk_l2norm=bool(getattr(obj, "qk_l2norm", False)),
                           varlen=tuple(getattr(obj, "varlen", ()) or ()))
 
 
@@ -412,8 +416,8 @@ def fla_pool() -> Implementation:
     log space and beta as it is (``use_gate_in_kernel=False``, ``use_beta_sigmoid_in_kernel=False``): the
     in-kernel gating (``-exp(A_log) softplus(g + dt_bias)`` per channel, ``sigmoid(beta)``) would need
     raw inputs converted from our log gates, which float32 cannot hold exactly, so it is not exercised.
-    A scalar gate is passed as the same gate in every key channel (exact).  Inputs in float32 only (see
-    the note on ``dtypes`` below)."""
+    A scalar gate is passed as the same gate in every key channel (exact).  Inputs in float32 and float16
+    (the engine convention's dtypes)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -433,9 +437,6 @@ def fla_pool() -> Implementation:
 
     adapter = engine_adapter(step, name=f"fla {getattr(fla, '__version__', '?')} kda pool decode", qk_l2norm=True,
                              pool=True, pad_slot=0, reserved_slots=(0,), varlen=True)
-    # float32 inputs only: the convention rescales q and k for the in-kernel normalisation in the input dtype,
-    # and in 16 bits that rounding (about 5e-4) reaches the float32 state the truth (the unit rows) does not see
-    adapter.dtypes = (torch.float32,)
     adapter.interpreted = interpreter_active()
     return describe(adapter)
 

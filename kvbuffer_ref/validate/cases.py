@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES", "Case", "make_inputs", "cast_inputs", "upcast_inputs",
-           "Sizes", "NORMAL", "SMALL", "GPU"]
+__all__ = ["GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES", "QK_L2NORM_EPS", "Case", "make_inputs", "cast_inputs",
+           "upcast_inputs", "l2norm_qk", "Sizes", "NORMAL", "SMALL", "GPU"]
 
 #: log-gate regimes: exactly 0 (no decay), mild [-0.5, 0], strong [-8, -1], underflowing [-120, -104]
 #: (exp(g) is exactly 0 in float32 and below 1e-45 in float64), a per-element mix of those four, the
@@ -26,6 +26,9 @@ BETA_REGIMES = ("zero", "one", "uniform", "mixed")
 #: q/k norm regimes: "unit" (L2-normalised rows) or "any" (rows of norm in [0.25, 4] for q and
 #: [0.4, 1.25 / sqrt(beta_max)] for k, so the delta rule stays contractive; a zero row stays possible).
 NORM_REGIMES = ("unit", "any")
+#: The epsilon of the in-kernel q/k L2 norm ``x / sqrt(sum x^2 + eps)`` (``use_qk_l2norm_in_kernel`` of
+#: fla, vLLM, SGLang; the models' own ``l2norm``): what ``Case.qk_l2norm`` computes the truth with.
+QK_L2NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ class Case:
     v_scale: float = 1.0  # v ~ N(0, v_scale^2)
     scale: float | None = None  # the explicit `scale` passed to every call (None: the default K ** -0.5)
     beta_max: float = 1.0  # the top of the beta domain ("uniform" draws in [0, beta_max])
+    #: the implementation L2-normalises q and k itself (``l2norm_qk``): it receives the rows as drawn (rounded
+    #: to the dtype), and the truth and the baseline are computed on their normalisation
+    qk_l2norm: bool = False
 
     def inputs(self, dtype: torch.dtype = torch.float64, device="cpu") -> dict:
         """q, k, v, g, beta for this case (see ``make_inputs``)."""
@@ -181,6 +187,15 @@ def cast_inputs(x: dict, dtype: torch.dtype, device="cpu", gate_dtype: torch.dty
     if gate_dtype is None:
         gate_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     return {n: t.to(device=device, dtype=gate_dtype if n in ("g", "beta") else dtype) for n, t in x.items()}
+
+
+def l2norm_qk(x: dict, dtype: torch.dtype) -> dict:
+    """``x`` with q and k L2-normalised per row in ``dtype`` as kernels do it in-kernel,
+    ``x / sqrt(sum x^2 + QK_L2NORM_EPS)`` (a zero row stays zero); v, g and beta as they are."""
+    def norm(t):
+        t = t.to(dtype)
+        return t / torch.sqrt((t * t).sum(-1, keepdim=True) + QK_L2NORM_EPS)
+    return dict(x, q=norm(x["q"]), k=norm(x["k"]))
 
 
 def upcast_inputs(x: dict, device="cpu") -> dict:

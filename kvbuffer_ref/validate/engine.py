@@ -24,8 +24,9 @@ The convention (``Convention``; every field has the oracle's meaning as its defa
     gating         "log": g [.., HV] (log decay) and beta [.., HV]; or "raw": ``A_log`` [HV], ``dt_bias`` [HV]
                    (float32), ``a`` [.., HV], ``b`` [.., HV] with g = -exp(A_log) softplus(a + dt_bias) and
                    beta = sigmoid(b) (scalar gates, beta in [0, 1])
-    qk_l2norm      the kernel L2-normalises q and k itself: the validator passes them scaled by a random
-                   factor per row (1..4) and draws unit-norm truths
+    qk_l2norm      the kernel L2-normalises q and k itself (x / sqrt(sum x^2 + 1e-6), in float32 or wider):
+                   the validator passes rows of any norm and computes the truth on their normalisation in
+                   float64 (``cases.Case.qk_l2norm``)
     state_layout   "KV" ([.., K, V], the oracle's) or "VK" ([.., V, K], vLLM's and fla's ``state_v_first``)
     state_dtype    the dtype the state is stored in (bfloat16: judged by the "bf16-state" contract unless
                    the adapter declares another)
@@ -54,7 +55,6 @@ from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from .adapters import AdapterError, ContractViolation
 
@@ -130,7 +130,7 @@ class _Engine:
         self._seed = seed
         self._rng = random.Random(seed)
         self._previous = None  # the last pool (its finite states: what a reused slot holds)
-        self.unit_qk = conv.qk_l2norm
+        self.qk_l2norm = conv.qk_l2norm
         self.channel_gate = conv.gating == "log"
         self.dtypes = (torch.float32, torch.float16)
         self.in_place = {"recurrent_decode": ("state",)}
@@ -178,10 +178,6 @@ class _Engine:
         dev = q.device
         rows = self._rows(B)
         slot_of, n_slots = self._slots(B) if c.pool else (list(range(B)), B)
-        if c.qk_l2norm:  # rows of any norm: the kernel normalises them
-            f = lambda x: x * (1 + 3 * torch.rand(x.shape[:-1] + (1,), generator=self._gen(), dtype=torch.float64)  # noqa
-                               ).to(x.device, x.dtype)
-            q, k = f(q), f(k)
         # per row: the tokens of its request; a pad row: finite garbage (decode: one token; a varlen
         # sequence call: an empty sequence; otherwise T tokens)
         pad_len = 1 if c.tokens == "decode" else (0 if c.varlen else T)
@@ -263,9 +259,6 @@ class _Engine:
         else:
             new = self._from_kernel(after)
         return o, new
-
-    def _gen(self):
-        return torch.Generator().manual_seed(self._rng.randrange(2**31))
 
     def _decode(self, q, k, v, *, g, beta, state, scale=None):
         if g.dim() == 4 and self.conv.gating == "raw":

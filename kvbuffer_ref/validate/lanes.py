@@ -413,6 +413,10 @@ def plan(impls: Sequence[Implementation], ops=None, dtypes: Optional[Sequence[to
                 lanes.append(Lane(op, impl, None, "NOT PROVIDED", f"the adapter does not declare cu_seqlens for "
                                   f"{', '.join(op.needs)} (varlen = its attribute names)"))
                 continue
+            if not missing and impl.qk_l2norm and op.key in FORM_OPS:
+                lanes.append(Lane(op, impl, None, "NOT PROVIDED", "the adapter normalises q and k in the kernel "
+                                  "(qk_l2norm): the buffer operations take the caller's normalised keys"))
+                continue
             if missing:
                 reasons = [impl.not_provided[a] for a in missing if a in impl.not_provided]
                 why = reasons[0] if reasons else f"the adapter has no {', '.join(missing)}"

@@ -234,7 +234,6 @@ class ReplaySSM:
             "verify_tree": "ReplaySSM's speculative kernel verifies one chain per request (a window of "
                            "consecutive tokens); draft trees are not mapped",
         }
-        self.unit_qk = False
 
     # ------------------------------------------------------------------ shapes
     def _nk(self, kind: str, **shape) -> int:

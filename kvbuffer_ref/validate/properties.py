@@ -25,7 +25,7 @@ from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.speculative import path_to
 
-from .cases import Case, upcast_inputs
+from .cases import Case, l2norm_qk, upcast_inputs
 from .contracts import baseline_recurrent
 from .tolerances import CONTRACT_TERMS, Comparison, chunk_conditioning, compare, current_contract, magnitudes
 
@@ -34,6 +34,7 @@ __all__ = [
     "stack_buffers",
     "ragged_buffer",
     "truth_and_baseline",
+    "seen_inputs",
     "check_recurrent",
     "check_chunk",
     "check_direct",
@@ -156,10 +157,14 @@ def owned_state(buffer: KVBuffer) -> torch.Tensor:
 
 
 def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = None,
-                       compute_baseline: bool = True, scale: Optional[float] = None):
+                       compute_baseline: bool = True, scale: Optional[float] = None, qk_l2norm: bool = False):
     """(o, S) of the float64 recurrence on the (already rounded) inputs, and the same in the plain
-    compute dtype (the baseline; None for float64 inputs)."""
+    compute dtype (the baseline; None for float64 inputs).  qk_l2norm: the implementation L2-normalises q
+    and k itself (``Case.qk_l2norm``): the truth runs on their normalisation in float64, the baseline on
+    their normalisation in the compute dtype."""
     x64 = upcast_inputs(x_dtype, device=None)
+    if qk_l2norm:
+        x64 = l2norm_qk(x64, torch.float64)
     s64 = None if initial_state is None else initial_state.detach().to(torch.float64)
     truth = ref.recurrent_gated_delta_rule(**x64, initial_state=s64, output_final_state=True, scale=scale)
     contract = current_contract()
@@ -167,9 +172,27 @@ def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = No
         return truth, None
     # the baseline: the plain recurrence in the compute dtype, under the lane's arithmetic contract
     xc = {n: t.detach() for n, t in x_dtype.items()}
-    sc = None if initial_state is None else initial_state.detach().to(torch.promote_types(xc["q"].dtype, torch.float32))
+    compute = torch.promote_types(xc["q"].dtype, torch.float32)
+    if qk_l2norm:
+        xc = l2norm_qk(xc, compute)
+    sc = None if initial_state is None else initial_state.detach().to(compute)
     base = baseline_recurrent(**xc, initial_state=sc, output_final_state=True, scale=scale)
     return truth, (base[0].to(x_dtype["v"].dtype), base[1])
+
+
+def seen_inputs(case: Case, x: dict) -> dict:
+    """The inputs the recurrence of ``case`` runs on (what its budget's magnitudes, gate spans and chunk
+    conditioning are computed from): ``x``, or with ``case.qk_l2norm`` ``x`` with q and k L2-normalised in
+    float64 (the implementation normalises the rows it receives)."""
+    return l2norm_qk(x, torch.float64) if case.qk_l2norm else x
+
+
+def _caller_normalised(case: Case, what: str) -> None:
+    """The buffer operations take keys from the oracle's buffers, normalised by the caller: refuse a case
+    whose implementation normalises q and k itself."""
+    if case.qk_l2norm:
+        raise ValueError(f"{what}: case.qk_l2norm (q and k normalised in the kernel) applies to the recurrent, "
+                         f"chunk and direct forms only")
 
 
 _CONDITIONING: dict = {}  # id(k) -> (weak references to k, beta, g; their chunk conditioning)
@@ -216,14 +239,15 @@ def check_recurrent(impl, case: Case, dtype: torch.dtype, device="cpu", *, initi
     initial state (``initial``) or none; ``case.scale`` passed explicitly when set."""
     x = case.inputs(dtype, device)
     S0d = _state0(case, dtype, device) if initial else None
-    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
+    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale, qk_l2norm=case.qk_l2norm)
     o, S = impl.recurrent_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, **_scale(case))
     tag = f"recurrent[initial_state={'S0' if initial else None},output_final_state={final}]"
-    mo, mS = magnitudes(**x, scale=case.scale, initial_state=S0d)
-    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=x, magnitude=mo)]
+    xs = seen_inputs(case, x)
+    mo, mS = magnitudes(**xs, scale=case.scale, initial_state=S0d)
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=xs, magnitude=mo)]
     if final:
         res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=x, magnitude=mS))
+                        head_axis=1, x=xs, magnitude=mS))
     elif S is not None:
         raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
                              f"tensor of shape {list(S.shape)}")
@@ -259,14 +283,15 @@ def check_varlen(impl, case: Case, dtype: torch.dtype, *, lengths, chunk_size: O
     res, states, mags, bases = [], [], [], []
     for b, (a, e) in enumerate(zip(offsets, offsets[1:])):
         xb = {n: t[b:b + 1, :lengths[b]] for n, t in x.items()}
+        xs = seen_inputs(case, xb)
         S0b = None if S0d is None else S0d[b:b + 1]
-        (o64, S64), base = truth_and_baseline(xb, S0b, scale=case.scale)
-        mo, mS = magnitudes(**xb, scale=case.scale, initial_state=S0b)
+        (o64, S64), base = truth_and_baseline(xb, S0b, scale=case.scale, qk_l2norm=case.qk_l2norm)
+        mo, mS = magnitudes(**xs, scale=case.scale, initial_state=S0b)
         states.append(S64)
         mags.append(mS)
         bases.append(None if base is None else base[1])
         if e > a:
-            res.append(_cmp(f"{tag}.o[sequence {b}]", o[:, a:e], o64, base and base[0], dtype, x=xb, magnitude=mo))
+            res.append(_cmp(f"{tag}.o[sequence {b}]", o[:, a:e], o64, base and base[0], dtype, x=xs, magnitude=mo))
     if final:
         # the gates behind each sequence's state: its own tokens (zeros past its length)
         keep = torch.arange(case.T, device=x["g"].device)[None, :] < torch.tensor(lengths, device=x["g"].device)[:, None]
@@ -274,7 +299,7 @@ def check_varlen(impl, case: Case, dtype: torch.dtype, *, lengths, chunk_size: O
                                                                                                    device=x["g"].device))
         base = None if bases[0] is None else torch.cat(bases, 0)
         res.append(_cmp(f"{tag}.state", S, torch.cat(states, 0), base, torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=dict(x, g=g), magnitude=torch.cat(mags, 0)))
+                        head_axis=1, x=dict(seen_inputs(case, x), g=g), magnitude=torch.cat(mags, 0)))
     elif S is not None:
         raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
                              f"tensor of shape {list(S.shape)}")
@@ -286,24 +311,26 @@ def check_chunk(impl, case: Case, dtype: torch.dtype, *, chunk_size: int, device
     """chunk(impl) == recurrence for any T and chunk size (output, and final state when ``final``)."""
     x = case.inputs(dtype, device)
     S0d = _state0(case, dtype, device) if with_initial_state else None
-    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
+    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale, qk_l2norm=case.qk_l2norm)
     o, S = impl.chunk_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, chunk_size=chunk_size,
                                        **_scale(case))
     tag = f"chunk[{chunk_size},initial_state={'S0' if with_initial_state else None},output_final_state={final}]"
-    mo, mS = magnitudes(**x, scale=case.scale, initial_state=S0d)
-    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=x, magnitude=mo)]
+    xs = seen_inputs(case, x)
+    mo, mS = magnitudes(**xs, scale=case.scale, initial_state=S0d)
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=xs, magnitude=mo)]
     if final:
         res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=x, magnitude=mS))
+                        head_axis=1, x=xs, magnitude=mS))
     return res
 
 
 def check_direct(impl, case: Case, dtype: torch.dtype, device="cpu") -> list[Comparison]:
     """direct(impl) == recurrence from a zero state."""
     x = case.inputs(dtype, device)
-    (o64, _), base = truth_and_baseline(x, scale=case.scale)
+    (o64, _), base = truth_and_baseline(x, scale=case.scale, qk_l2norm=case.qk_l2norm)
     o = impl.direct_gated_delta_rule(**x, **_scale(case))
-    return [_cmp("direct.o", o, o64, base and base[0], dtype, x=x, magnitude=magnitudes(**x, scale=case.scale)[0])]
+    xs = seen_inputs(case, x)
+    return [_cmp("direct.o", o, o64, base and base[0], dtype, x=xs, magnitude=magnitudes(**xs, scale=case.scale)[0])]
 
 
 def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int, lengths: Sequence[int],
@@ -316,6 +343,7 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     poison: start from ``poison_unused(buffer)``.  The final state compared is ``owned_state``: a
     request that owns no state has S = 0 whatever its storage row holds.
     """
+    _caller_normalised(case, "decode")
     x = case.inputs(dtype, device)
     P = history
     (o64, S64), base = truth_and_baseline(x, scale=case.scale)
@@ -397,6 +425,7 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     """
     P, D, B = history, len(parents[0]), case.B
     assert case.T == P + D + after, "case.T must be history + drafts + after"
+    _caller_normalised(case, "verify")
     x = case.inputs(dtype, device)
     x64 = upcast_inputs(x, device=None)
     xd = torch.promote_types(dtype, torch.float32)
@@ -462,6 +491,7 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
                   form: str = "u", chunk_size: int = 64, device="cpu", initial: bool = False) -> list[Comparison]:
     """prefill(impl) of the first ``prompt`` tokens (any split), from a random initial state when
     ``initial``, then decode of the rest == recurrence."""
+    _caller_normalised(case, "prefill")
     x = case.inputs(dtype, device)
     S0d = _state0(case, dtype, device) if initial else None
     (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
@@ -485,6 +515,7 @@ def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, le
     """materialize_state(impl) of a ragged buffer holding all T tokens == the recurrence's final state,
     twice in a row (the first call must leave the buffer as it was).  poison: unused slots and the
     state storage of direct-mode requests hold NaN (it must never be read, nor returned)."""
+    _caller_normalised(case, "materialize_state")
     x = case.inputs(dtype, device)
     xd = torch.promote_types(dtype, torch.float32)
     (_, S64), base = truth_and_baseline(x)

@@ -247,8 +247,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     sizes = lane_sizes(impl, profile)
     case_kw = {} if impl.supports_channel_gate(op.needs) else {"channel_gate": False}
     case_kw["beta_max"] = impl.beta_max
-    if impl.unit_qk:
-        case_kw["norms"] = ("unit",)
+    case_kw["qk_l2norm"] = impl.qk_l2norm
     base = settings.get_profile(profile)
     n = max_examples or (INTERPRETED_EXAMPLES.get(profile, base.max_examples) if impl.interpreted
                          else base.max_examples)
@@ -263,18 +262,17 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     for a in ANCHORS.get(op.key, []):
         if not channel_ok and a["case"].channel_gate:
             a = dict(a, case=replace(a["case"], channel_gate=False))
-        anchors.append(dict(a, layout=False, case=replace(a["case"], beta_max=impl.beta_max)))
+        anchors.append(dict(a, layout=False, case=replace(a["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm)))
     if profile == "gpu":  # production shapes: every new shape is a compile; the small anchors are the CI's job
         anchors = anchors[:1]
     if anchors:  # every lane: the first anchor with every read-only input a strided view, and in the wide domain
         a0 = anchors[0]
         anchors.append(dict(a0, layout="strided"))
-        anchors.append(dict(a0, case=replace(a0["case"], gate="reset", norm="unit" if impl.unit_qk else "any",
+        anchors.append(dict(a0, case=replace(a0["case"], gate="reset", norm="any",
                                              beta="uniform" if impl.beta_max > 1 else a0["case"].beta)))
     i_part, n_part = edge_part
     edges = edge_params(op.key, sizes, seed=lseed, channel=channel_ok)[i_part::n_part]
-    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max,
-                                  **({"norm": "unit"} if impl.unit_qk else {}))) for e in edges]
+    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm)) for e in edges]
     prog = Progress(f"{op.name} / {impl.name} / {dtype_name(dt)}", len(anchors) + len(edges) + n, stream=progress)
 
     def fail(params, what, i, klass=None, error=None, comps=(), worst=None, exc=None):

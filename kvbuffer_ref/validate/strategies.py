@@ -26,13 +26,14 @@ def head_dims(choices=HEAD_DIMS):
 def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int = 2, max_group: int = 3,
           dims=HEAD_DIMS, channel_gate=None, gate=None, beta=None, zero_key=None, B=None, T=None,
           gates=GATE_REGIMES, betas=BETA_REGIMES, norms=("unit",), v_scales=(1.0,), scales=(None,),
-          beta_max: float = 1.0) -> Case:
+          beta_max: float = 1.0, qk_l2norm: bool = False) -> Case:
     """A ``Case``; pin any field by passing it (e.g. ``channel_gate=False``, ``T=1``).
 
     gates, betas: the regimes drawn from, in order of preference (hypothesis draws and shrinks
     towards the first ones; ``kvbuffer validate`` puts the informative regimes first).  norms,
     v_scales, scales: the q/k norm regimes, the scales of v and the explicit ``scale`` values (None:
-    the default) drawn from; beta_max: the top of the beta domain."""
+    the default) drawn from; beta_max: the top of the beta domain; qk_l2norm: the implementation
+    normalises q and k itself (``Case.qk_l2norm``)."""
     H = draw(st.integers(1, max_H))
     return Case(
         B=B if B is not None else draw(st.integers(1, max_B)),
@@ -50,6 +51,7 @@ def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int =
         v_scale=draw(st.sampled_from(v_scales)),
         scale=draw(st.sampled_from(scales)),
         beta_max=beta_max,
+        qk_l2norm=qk_l2norm,
     )
 
 

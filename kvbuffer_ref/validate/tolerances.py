@@ -59,7 +59,7 @@ import torch
 from kvbuffer_ref.checks import RESET_GATE
 
 __all__ = ["Tolerance", "TOLERANCES", "ContractTerm", "CONTRACT_TERMS", "active_contract", "current_contract", "tolerance_for", "compute_dtype", "Comparison", "gate_span", "gate_spans", "magnitudes",
-           "rel_rms_slices", "compare", "assert_matches", "chunk_conditioning", "CONDITIONING_CHUNK",
+           "gate_terms", "rel_rms_slices", "compare", "assert_matches", "chunk_conditioning", "CONDITIONING_CHUNK",
            "UNKNOWN_CONDITIONING"]
 
 
@@ -360,6 +360,20 @@ def magnitudes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Te
     return o, M
 
 
+def gate_terms(x: dict, *, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+               tokens: slice = slice(None)) -> tuple[dict, dict]:
+    """``compare``'s keywords for a cumulative-gate form judged against the recurrence over the inputs ``x``
+    (q, k, v, g, beta) from ``initial_state``: (for its outputs at ``tokens``, for its final state), each
+    ``g`` (the gates of every token of ``x``) and ``magnitude`` (``magnitudes``), so that form gets the
+    budget the validator's properties give it::
+
+        ko, kS = gate_terms(x, initial_state=S0)
+        compare(o, o64, base_o, name="o", **ko); compare(S, S64, base_S, name="state", head_axis=1, **kS)
+    """
+    mo, mS = magnitudes(**x, scale=scale, initial_state=initial_state)
+    return dict(g=x["g"], magnitude=mo[:, tokens]), dict(g=x["g"], magnitude=mS)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """The verdict of one comparison against the float64 truth, reported at its deciding slice:
@@ -513,11 +527,11 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
     )
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[torch.Tensor] = None, *,
-                   name: str = "output", dtype: Optional[torch.dtype] = None, head_axis: int = 2,
-                   valid: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None) -> Comparison:
-    """``compare`` and raise AssertionError (worst slice, rel-RMS, max-abs, budget) unless it passes."""
-    c = compare(actual, expected, baseline, name=name, dtype=dtype, head_axis=head_axis, valid=valid, g=g)
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[torch.Tensor] = None,
+                   **kw) -> Comparison:
+    """``compare`` (with its keywords ``kw``) and raise AssertionError (worst slice, rel-RMS, max-abs, budget)
+    unless it passes."""
+    c = compare(actual, expected, baseline, **kw)
     if not c.passed:
         raise AssertionError(str(c))
     return c

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbuffer_ref import KVBuffer, recurrent_gated_delta_rule
-from kvbuffer_ref.validate import Case, compare, golden, make_inputs
+from kvbuffer_ref.validate import Case, compare, gate_terms, golden, make_inputs
 
 @contextlib.contextmanager
 def expected_import_warnings():
@@ -58,8 +58,9 @@ def check_random(case: Case, adapter, *, channel_ok: bool, **kw) -> None:
                                         output_final_state=True)
     oa, Sa = adapter(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=h0.clone(),
                      output_final_state=True, **kw)
-    for name, a, e, b, axis in (("o", oa, o, ob, 2), ("final_state", Sa, S, Sb, 1)):
-        c = compare(a, e, b, name=name, dtype=torch.float32, head_axis=axis, g=x["g"])
+    gated = gate_terms(x, initial_state=h0)
+    for name, a, e, b, axis, kw in (("o", oa, o, ob, 2, gated[0]), ("final_state", Sa, S, Sb, 1, gated[1])):
+        c = compare(a, e, b, name=name, dtype=torch.float32, head_axis=axis, **kw)
         assert c.passed, str(c)
 
 
@@ -89,13 +90,13 @@ def replay_histories(case, run_sequence) -> None:
         o, S = run_sequence(h32["q"], h32["k"], h32["v"], h32["g"], h32["beta"], h0.float(), scale)
         ob, Sb = recurrent_gated_delta_rule(h32["q"], h32["k"], h32["v"], g=h32["g"], beta=h32["beta"], scale=scale,
                                             initial_state=h0.float(), output_final_state=True)
-        gates = hist["g"]
+        ko, kS = gate_terms(h32, scale=scale, initial_state=h0, tokens=slice(n, None))
         exp_o = a["expected_o"][b:b + 1, :t]
-        c = compare(o[:, n:], exp_o, ob[:, n:], name=f"{case.id}[{b}].o", dtype=torch.float32, g=gates)
+        c = compare(o[:, n:], exp_o, ob[:, n:], name=f"{case.id}[{b}].o", dtype=torch.float32, **ko)
         assert c.passed, str(c)
         if case.op == "decode":
             c = compare(S, a["expected_state"][b:b + 1], Sb, name=f"{case.id}[{b}].state", dtype=torch.float32,
-                        head_axis=1, g=gates)
+                        head_axis=1, **kS)
             assert c.passed, str(c)
 
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast._common import GROWTH_LIMIT  # noqa: E402
-from kvbuffer_ref.validate.tolerances import compare  # noqa: E402
+from kvbuffer_ref.validate.tolerances import compare, gate_terms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, T, H, K = 1, 8, 1, 16
@@ -46,5 +46,5 @@ def test_growth_inside_the_limit_is_computed():
                                          beta=cpu["beta"].double())[0]
     o32 = ref.recurrent_gated_delta_rule(cpu["q"], cpu["k"], cpu["v"], g=cpu["g"], beta=cpu["beta"])[0]
     assert torch.isfinite(o).all()
-    res = compare(o.cpu(), o64, o32, name="recurrent.o", g=cpu["g"])
+    res = compare(o.cpu(), o64, o32, name="recurrent.o", **gate_terms(cpu)[0])
     assert res.passed, (res.worst_rel, res.budget_terms())

@@ -22,7 +22,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import compare
+from kvbuffer_ref.validate import compare, gate_terms
 
 #: the pool's tensors per buffer slot (axis 1; ``live``: axis 0) and per state slot (axis 1)
 PER_BUFFER = ("k", "u", "G", "lengths", "has_state", "state_slot", "dk", "du", "dG", "parents", "num_drafts",
@@ -112,15 +112,15 @@ class Checker:
             args = {f: t[None].to(self.dtype) for f, t in x.items()}
             base, _ = ref.recurrent_gated_delta_rule(args.pop("q"), args.pop("k"), args.pop("v"), **args)
             base = base[:, T - n:]
-        return o64[:, T - n:], base, x["g"][None]
+        return o64[:, T - n:], base, gate_terms({f: t[None] for f, t in x.items()}, tokens=slice(T - n, None))[0]
 
     def check(self, actual: torch.Tensor, hist: dict, new: dict, what: str) -> None:
         """actual: [n, HV, V] outputs of the last n tokens of ``new`` after ``hist``."""
-        exp, base, g = self.outputs(hist, new)
+        exp, base, gated = self.outputs(hist, new)
         n = actual.shape[0]  # the last n tokens' outputs (a tree node: the last of its path)
         exp, base = exp[:, -n:], None if base is None else base[:, -n:]
         c = compare(actual[None].cpu(), exp.cpu(), None if base is None else base.cpu(), name=what,
-                    dtype=self.dtype, g=g.cpu())
+                    dtype=self.dtype, g=gated["g"].cpu(), magnitude=gated["magnitude"][:, -n:])
         assert c.passed, str(c)
         self.compared += 1
 
@@ -137,8 +137,8 @@ class Checker:
             _, base = ref.recurrent_gated_delta_rule(args.pop("q"), args.pop("k"), args.pop("v"), **args,
                                                      output_final_state=True)
             base = base.cpu()
-        c = compare(actual[None].cpu(), S.cpu(), base,
-                    name=what, dtype=self.dtype, head_axis=1, g=hist["g"][None].cpu())
+        c = compare(actual[None].cpu(), S.cpu(), base, name=what, dtype=self.dtype, head_axis=1,
+                    **gate_terms({f: t[None].cpu() for f, t in hist.items()})[1])
         assert c.passed, str(c)
 
 

@@ -48,7 +48,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.entries import fold_count  # noqa: E402
-from kvbuffer_ref.validate import compare  # noqa: E402
+from kvbuffer_ref.validate import compare, gate_terms  # noqa: E402
 
 from .schedule import FIELDS, Tokens, _addressing, _padded, _same, assert_untouched, snapshot  # noqa: E402
 
@@ -103,9 +103,9 @@ class Truth:
         """``actual`` [n, HV, V]: the outputs of the last n of the tokens ``new`` after the history."""
         o64, S64, ob, Sb = self.run(new, self.S64, self.Sb)
         n = actual.shape[0]
-        g = torch.cat([self.hist["g"], new["g"]])[None]
         c = compare(actual[None].cpu(), o64[None, -n:], None if ob is None else ob[None, -n:], name=what,
-                    dtype=self.dtype, g=g)
+                    dtype=self.dtype, **gate_terms({f: t[None] for f, t in _cat(self.hist, new).items()},
+                                                   tokens=slice(-n, None))[0])
         assert c.passed, str(c)
         if commit:
             self.hist, self.S64, self.Sb = _cat(self.hist, new), S64, Sb
@@ -120,7 +120,7 @@ class Truth:
             assert bool((actual == 0).all()), f"{what}: a request without tokens has a non-zero state"
             return
         c = compare(actual[None].cpu(), self.S64[None], None if self.Sb is None else self.Sb[None], name=what,
-                    dtype=self.dtype, head_axis=1, g=self.hist["g"][None])
+                    dtype=self.dtype, head_axis=1, **gate_terms({f: t[None] for f, t in self.hist.items()})[1])
         assert c.passed, str(c)
 
     def prefix(self, upto: int) -> "Truth":

@@ -25,7 +25,7 @@ import kvbuffer_fast.decode as dec  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.launch import DecodeConfig, FlushConfig, Key, config_for  # noqa: E402
 
-from kvbuffer_ref.validate import Case, assert_matches, compare  # noqa: E402
+from kvbuffer_ref.validate import Case, assert_matches, compare, gate_terms  # noqa: E402
 from kvbuffer_ref.validate import properties as P, strategies as kst  # noqa: E402
 
 from .fast_adapter import Poisoned, assert_all as _assert_all  # noqa: E402
@@ -174,8 +174,9 @@ def test_direct_mode_never_reads_state_and_folds_into_it():
         outs.append(o)
     assert bool(buf.has_state.all()) and buf.lengths.tolist() == [2, 2]
     (o64, S64), base = P.truth_and_baseline(x)
-    assert_matches(torch.cat(outs, 1).cpu(), o64, base[0], name="direct.o")
-    assert_matches(fast.materialize_state(buf).cpu(), S64, base[1], name="direct.state", head_axis=1)
+    ko, kS = gate_terms(x)
+    assert_matches(torch.cat(outs, 1).cpu(), o64, base[0], name="direct.o", **ko)
+    assert_matches(fast.materialize_state(buf).cpu(), S64, base[1], name="direct.state", head_axis=1, **kS)
 
 
 def test_without_state_storage_decodes_then_refuses_to_fold():
@@ -190,7 +191,8 @@ def test_without_state_storage_decodes_then_refuses_to_fold():
         o, buf = Poisoned.buffered_decode(**{n: v[:, t:t + 1] for n, v in x.items()}, buffer=buf)
         outs.append(o)
     (o64, _), base = P.truth_and_baseline(x)
-    assert_matches(torch.cat(outs, 1).cpu(), o64[:, :C], base[0][:, :C], name="no-storage.o")
+    assert_matches(torch.cat(outs, 1).cpu(), o64[:, :C], base[0][:, :C], name="no-storage.o",
+                   **gate_terms({n: v[:, :C] for n, v in x.items()})[0])
     last = {n: v[:, C:] for n, v in x.items()}
     with pytest.raises(ValueError, match="no state storage"):
         fast.buffered_decode(**last, buffer=buf)
@@ -247,7 +249,7 @@ def test_bf16_ucache_reports_its_error(record_property):
     (o64, _), base = P.truth_and_baseline(x)
     # u rounded to bfloat16 makes the outputs as accurate as bfloat16 outputs: the bfloat16 row of the table
     c = compare(torch.cat(outs, 1).cpu(), o64[:, hist:], base[0][:, hist:], name="decode[bf16 u-cache].o",
-                dtype=torch.bfloat16, g=x["g"][:, hist:])
+                dtype=torch.bfloat16, **gate_terms(x, tokens=slice(hist, None))[0])
     record_property("bf16_ucache_worst_rel", c.worst_rel)
     assert c.passed, str(c)
 

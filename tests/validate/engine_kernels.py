@@ -3,7 +3,7 @@ variants of it, for the tests of ``kvbuffer_ref.validate.engine``.
 
 Convention (vLLM's ``fused_sigmoid_gating_delta_rule_update`` for decode): q, k [1, N, H, K], v [1, N, HV, V]
 (varlen: one token per sequence, ``cu_seqlens``), raw gating (A_log, dt_bias [HV]; a, b [1, N, HV]),
-q and k L2-normalised in the kernel, the state pool [slots, HV, V, K] float32 addressed by
+q and k L2-normalised in the kernel (in float32, whatever the input dtype), the state pool [slots, HV, V, K] float32 addressed by
 ``ssm_state_indices`` with -1 for a padded row, updated in place.
 """
 
@@ -33,8 +33,11 @@ def sigmoid_gating_decode(A_log, a, b, dt_bias, q, k, v, *, scale, initial_state
     rep = HV // H
     qq = q[0, rows].float().repeat_interleave(rep, dim=1)  # [R, HV, K]
     kk = k[0, rows].float().repeat_interleave(rep, dim=1)
-    qq = qq * torch.rsqrt((qq * qq).sum(-1, keepdim=True) + 1e-6) * scale
-    kk = kk * torch.rsqrt((kk * kk).sum(-1, keepdim=True) + 1e-6)
+    if bug != "no-norm":  # bug: the rows taken as they come, as if the caller had normalised them
+        eps = 1e-3 if bug == "eps" else 1e-6  # bug: an epsilon that shrinks every row by about 5e-4
+        qq = qq * torch.rsqrt((qq * qq).sum(-1, keepdim=True) + eps)
+        kk = kk * torch.rsqrt((kk * kk).sum(-1, keepdim=True) + eps)
+    qq = qq * scale
     if bug == "slot-reuse":  # keeps the last state it wrote per slot, and trusts it when the slot comes again
         h = torch.stack([_cache[int(s)] if int(s) in _cache else initial_state[s].float() for s in slot])
     else:
@@ -71,3 +74,5 @@ wrong_pads = make("pads", "engine-decode-pads")
 transposed = make("transposed", "engine-decode-transposed")
 softplus = make("softplus", "engine-decode-softplus")
 slot_reuse = make("slot-reuse", "engine-decode-slot-reuse")
+wrong_eps = make("eps", "engine-decode-eps")
+no_norm = make("no-norm", "engine-decode-no-norm")

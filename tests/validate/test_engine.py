@@ -1,22 +1,25 @@
-"""Engine conventions: a plain-PyTorch engine decode kernel passes in its own convention; its realistic wrong
-variants (pads not skipped, the state read as [K, V], a softplus-threshold bug, a stale state on slot reuse)
-fail, each with the class that names it."""
+"""Engine conventions: a plain-PyTorch engine decode kernel passes in its own convention, in float32 and in
+float16 (where its in-kernel q/k normalisation of the rounded rows is what the truth is computed on); its
+realistic wrong variants (pads not skipped, the state read as [K, V], a softplus-threshold bug, a stale state
+on slot reuse, the q/k norm's epsilon wrong or the norm skipped) fail, each with the class that names it."""
 
 import random
+import types
 
 import pytest
 import torch
 
 from kvbuffer_ref.validate import adapters
 from kvbuffer_ref.validate.engine import Convention, engine_adapter, from_raw_gates, to_raw_gates
+from kvbuffer_ref.validate.lanes import plan
 from kvbuffer_ref.validate.runner import run_validation
 
 from . import engine_kernels as ek
 
 
-def _run(adapter, seed=11, n=6):
+def _run(adapter, seed=11, n=6, dtype=torch.float32):
     rep = run_validation([adapters.describe(adapter)], ops=[("recurrent_decode", None)],
-                         dtypes=[torch.float32], seed=seed, max_examples=n, progress=None, explain=False)
+                         dtypes=[dtype], seed=seed, max_examples=n, progress=None, explain=False)
     (lane,) = [r for r in rep.lanes if r.status in ("PASS", "FAIL", "ERROR")]
     return lane
 
@@ -31,8 +34,9 @@ def test_raw_gates_round_trip_through_the_engine_formula():
     assert torch.allclose(beta2, beta, atol=1e-7)
 
 
-def test_the_correct_engine_kernel_passes():
-    r = _run(ek.correct)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_correct_engine_kernel_passes(dtype):
+    r = _run(ek.correct, dtype=dtype)
     assert r.status == "PASS", r.failure
 
 
@@ -44,6 +48,29 @@ def test_each_wrong_engine_kernel_is_caught(variant, klass):
     r = _run(getattr(ek, variant))
     assert r.status == "FAIL", (variant, r.status)
     assert r.klass in klass, (variant, r.klass, r.failure)
+
+
+@pytest.mark.parametrize("variant, klass", [("wrong_eps", {"wrong-result", "domain"}),
+                                            ("no_norm", {"domain", "wrong-result"})])
+def test_a_wrong_in_kernel_norm_is_caught_in_float16(variant, klass):
+    """The truth on the normalised rounded rows admits the right normalisation only: an epsilon of 1e-3 for
+    1e-6 (every row about 5e-4 short) or no normalisation at all fails the float32 state's budget."""
+    r = _run(getattr(ek, variant), dtype=torch.float16)
+    assert r.status == "FAIL", (variant, r.status)
+    assert r.klass in klass, (variant, r.klass, r.failure)
+
+
+def test_an_adapter_that_normalises_qk_itself_declares_it_by_name():
+    """qk_l2norm leaves out the buffer operations (they take the caller's normalised keys); the old name is
+    refused rather than ignored."""
+    fn = lambda *a, **kw: None  # noqa: E731
+    obj = types.SimpleNamespace(qk_l2norm=True, buffered_decode=fn, flush=fn, recurrent_gated_delta_rule=fn)
+    by_op = {l.op.name: l for l in plan([adapters.describe(obj, "normalising")], [("recurrent", None),
+                                                                                     ("decode", None)])}
+    assert by_op["recurrent"].status == "RUN"
+    assert by_op["decode"].status == "NOT PROVIDED" and "qk_l2norm" in by_op["decode"].reason
+    with pytest.raises(adapters.AdapterError, match="declare qk_l2norm = True"):
+        adapters.describe(types.SimpleNamespace(unit_qk=True, recurrent_gated_delta_rule=fn), "old")
 
 
 def test_the_convention_refuses_bad_fields_by_name():

@@ -109,9 +109,11 @@ def test_chunk_calls_bind_to_fla_signatures_exactly(channel):
 
 def test_the_pooled_kda_decode_passes_in_its_engine_convention():
     impl = adapters.resolve("fla-pool")
-    assert impl.dtypes == (torch.float32,) and impl.supports_channel_gate(("recurrent_decode",))
-    rep = run_validation([impl], ops=[("recurrent_decode", None)], dtypes=[torch.float32], seed=3, max_examples=2,
-                         progress=None, explain=False)
-    (lane,) = [r for r in rep.lanes if r.status != "NOT PROVIDED"]
-    assert lane.status == "PASS", lane.failure
-    assert lane.checks > 0
+    assert impl.dtypes == (torch.float32, torch.float16) and impl.supports_channel_gate(("recurrent_decode",))
+    rep = run_validation([impl], ops=[("recurrent_decode", None)], dtypes=list(impl.dtypes), seed=3,
+                         max_examples=2, progress=None, explain=False)
+    lanes = [r for r in rep.lanes if r.status != "NOT PROVIDED"]
+    assert [r.dtype for r in lanes] == ["float32", "float16"]
+    for lane in lanes:
+        assert lane.status == "PASS", lane.failure
+        assert lane.checks > 0

@@ -10,7 +10,8 @@ import kvbuffer_ref as ref
 from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.validate import properties as P
 from kvbuffer_ref.validate.cases import Case
-from kvbuffer_ref.validate.tolerances import TOLERANCES, compare, gate_span, gate_spans
+from kvbuffer_ref.validate.tolerances import (TOLERANCES, assert_matches, compare, gate_span, gate_spans, gate_terms,
+                                              magnitudes)
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -166,3 +167,17 @@ def test_a_slice_whose_own_rows_cancel_is_allowed_its_rows_rounding():
     g = torch.full((1, 4, 1), -20.0, dtype=torch.float64)
     assert not compare(a, e, e.float(), g=g).passed
     assert compare(a, e, e.float(), g=g, magnitude=mag).passed
+
+
+def test_gate_terms_are_compares_keywords_for_the_recurrence():
+    """gate_terms: the tokens' gates and the recurrence's magnitudes (outputs at ``tokens``, final state), which
+    assert_matches passes on to compare."""
+    x = Case(B=2, T=5, H=1, HV=2, K=4, V=3, channel_gate=True, gate="reset", seed=3).inputs(torch.float32)
+    S0 = torch.randn(2, 2, 4, 3, generator=torch.Generator().manual_seed(0))
+    ko, kS = gate_terms(x, initial_state=S0, tokens=slice(2, None))
+    mo, mS = magnitudes(**x, initial_state=S0)
+    assert ko["g"] is x["g"] and kS["g"] is x["g"]
+    assert torch.equal(ko["magnitude"], mo[:, 2:]) and torch.equal(kS["magnitude"], mS)
+    (o64, _), base = P.truth_and_baseline(x, S0)
+    c = assert_matches(base[0][:, 2:], o64[:, 2:], base[0][:, 2:], name="o", **ko)
+    assert c == compare(base[0][:, 2:], o64[:, 2:], base[0][:, 2:], name="o", **ko)
