@@ -19,7 +19,7 @@ import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
 from kvbuffer_fast.launch import (  # noqa: E402
     SM90_SHARED_BYTES, TABLES, ChunkConfig, DirectConfig, Key, chunk_smem_bytes, config_for)
-from kvbuffer_ref.validate import Case, assert_matches  # noqa: E402
+from kvbuffer_ref.validate import Case  # noqa: E402
 from kvbuffer_ref.validate import properties as P  # noqa: E402
 from kvbuffer_ref.validate.tolerances import active_contract  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.launch import PrefillConfig  # noqa: E402
-from kvbuffer_ref.validate import Case, assert_matches, compare, gate_terms  # noqa: E402
+from kvbuffer_ref.validate import Case, assert_matches, gate_terms  # noqa: E402
 from kvbuffer_ref.validate import properties as P  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
