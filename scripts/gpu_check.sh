@@ -72,8 +72,9 @@ print("\n".join(u.unquote(u.urlparse(i["download_info"]["url"]).path) for i in j
   done
   return $rc
 }
-has tests && stage tests 200 python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py \
-  tests/kernels tests/pool -q -p no:cacheprovider -n 8 --dist loadgroup
+# -v: each test's verdict as it ends, so a run cut by the limit still names its failures (grep FAILED)
+has tests && stage tests 300 python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py \
+  tests/kernels tests/pool -v -p no:cacheprovider -n 8 --dist loadgroup
 has models && { export -f models; stage models 150 bash -c models; }
 if has validate; then
   IMPLS=(--impl fast --impl fla --impl fla-pool)
