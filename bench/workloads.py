@@ -570,6 +570,66 @@ class _Builder:
         c.note = "each replay first fills every layer's lengths back to n (one tiny kernel for all layers)"
         return c
 
+    # ------------------------------------------------------------------ cycles of rounds, folds included
+    def _cycle(self) -> tuple:
+        """(R rounds, the entries n each starts from): from an empty buffer, m accepted per round, R = C // m + 1
+        rounds, so that exactly one round's accept folds (the buffer passes C) and a replay is a whole cycle."""
+        C, m = self.p.C, self.p.accepted
+        R, n, starts = C // m + 1, 0, []
+        for _ in range(R):
+            starts.append(n)
+            n = n + m if n + m <= C else m  # the fold keeps the path entries past the old ones
+        return R, starts
+
+    @staticmethod
+    def _round_tokens(x: dict, r: int, d: int) -> dict:
+        return {n: t[:, r * d:(r + 1) * d].contiguous() for n, t in x.items()}
+
+    def _accepted_tokens(self, x: dict, R: int) -> dict:
+        """The tokens a cycle commits: the first m of each round's d."""
+        d, m = self.p.drafts, self.p.accepted
+        return {n: torch.cat([t[:, r * d:r * d + m] for r in range(R)], dim=1) for n, t in x.items()}
+
+    def round_cycle(self) -> Case:
+        verify, accept, d, m = self.api.fast.verify, self.api.fast.accept, self.p.drafts, self.p.accepted
+        R, starts = self._cycle()
+        hist = self.wl.history(buffered=0)
+        bufs = self._buffers(hist)
+        lengths, bufs = _shared_lengths(bufs)
+        xs = self._tokens(R * d, seed=11)
+        rounds = [[self._round_tokens(x, r, d) for r in range(R)] for x in xs]
+        kw = self.api.kwargs("verify", verify, rounds[0][0], C=self.p.C)
+        dev = self.wl.device
+        kw["parents"] = torch.arange(-1, d - 1, device=dev, dtype=torch.long).expand(self.B, d).contiguous()
+        kw["num_drafts"] = torch.full((self.B,), d, device=dev, dtype=torch.long)
+        akw = self.api.kwargs("accept", accept, rounds[0][0], C=self.p.C)
+        counts = self._counts()
+
+        def cycle():
+            lengths.fill_(0)
+            outs = []
+            for r in range(R):
+                drafts = []
+                for layer, buf in enumerate(bufs):
+                    o, dr = verify(**rounds[layer][r], buffer=buf, **kw)
+                    drafts.append(dr)
+                    if layer == 0:
+                        outs.append(o)
+                for buf, dr in zip(bufs, drafts):
+                    accept(buf, dr, counts=counts, **akw)
+            return outs
+        outs = cycle()
+        checks = [self.wl.compare(f"round_cycle[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
+                  self.wl.compare(f"round_cycle[R={R}, m={m}].state_after_cycle",
+                                  self.api.fast.materialize_state(bufs[0]),
+                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
+        nbytes = sum(io.buffered_verify(self.s, self.B, n, d) + io.buffered_accept(self.s, self.B, m) for n in starts)
+        nbytes += 2 * io.state_bytes(self.s, self.B)  # the one fold: the state read and written
+        c = self.case("round_cycle", "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
+        c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), the last accept "
+                  "folding; each replay first empties every layer's buffer (one fill); µs per round and layer")
+        return c
+
     def per_draft_state_round(self) -> Case:
         pd_verify, pd_accept, d, m = self.api.baselines.per_draft_state_verify, \
             self.api.baselines.per_draft_state_accept, self.p.drafts, self.p.accepted
@@ -801,6 +861,79 @@ class _Builder:
         return c
 
 
+    def replayssm_round_cycle(self) -> Case:
+        from bench import replayssm as R_
+
+        _, spec = self.api.replayssm(self.wl.device)
+        s, B, dev, dt = self.s, self.B, self.wl.device, self.wl.dtype
+        T, m, C = self.p.drafts, self.p.accepted, self.p.C
+        R, _ = self._cycle()
+        Lc = C + T  # vLLM: max_cache_len = replayssm_buffer_len + max_spec_len
+        Rb = 1 << (Lc - 1).bit_length()
+        hist = self.wl.history(buffered=0)
+        blocks = self._blocks()
+        bl = blocks.long()
+        xs = self._tokens(R * T, seed=11)
+        layers = []
+        for layer, x in enumerate(xs):
+            h = torch.zeros(B + 1, s.HV, s.V, s.K, device=dev)
+            h[bl] = hist.buffer.state.float().transpose(-1, -2)
+            A_log, dt_bias, a, b = R_.raw_gates(x["g"].reshape(B * R * T, s.HV), x["beta"].reshape(B * R * T, s.HV),
+                                                seed=300 + layer)
+            a, b = a.view(B, R * T, s.HV), b.view(B, R * T, s.HV)
+            per_round = []
+            for r in range(R):
+                xr = self._round_tokens(x, r, T)
+                per_round.append(dict(mixed=R_.pack(xr), a=a[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
+                                      b=b[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
+                                      out=torch.empty(B * T, s.HV, s.V, device=dev, dtype=dt)))
+            layers.append(dict(h=h, d=torch.zeros(B + 1, s.HV, Rb, s.V, device=dev, dtype=dt),
+                               k=torch.zeros(B + 1, s.H, Rb, s.K, device=dev, dtype=dt),
+                               g=torch.zeros(B + 1, s.HV, Rb, device=dev), A_log=A_log, dt_bias=dt_bias,
+                               rounds=per_round))
+        cur = dict(write_pos=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+                   cache_base=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+                   is_flush=torch.zeros(B + 1, dtype=torch.int8, device=dev))
+        qsl = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
+        accepted = torch.full((B,), m, device=dev, dtype=torch.int32)
+        scale = s.K ** -0.5
+
+        def cycle():
+            for t in cur.values():  # empty rings (three tiny fills)
+                t.zero_()
+            for r in range(R):
+                for ly in layers:
+                    rr = ly["rounds"][r]
+                    spec.gdn_replayssm_spec_decode(rr["mixed"], rr["a"], rr["b"], ly["A_log"], ly["dt_bias"], ly["h"],
+                                                   ly["d"], ly["k"], ly["g"], rr["out"], qsl, blocks, cur["write_pos"],
+                                                   cur["cache_base"], cur["is_flush"], max_cache_len=Lc,
+                                                   max_spec_len=T, scale=scale, use_qk_l2norm_in_kernel=False)
+                spec.commit_gdn_replayssm_spec(cur["write_pos"], cur["cache_base"], cur["is_flush"], accepted, blocks,
+                                               max_cache_len=Lc, max_spec_len=T, cache_buf_len=Rb)
+        cycle()
+        ly0 = layers[0]
+        S = R_.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
+                          cur["cache_base"][bl].tolist())
+        checks = [self.wl.compare(f"replayssm_round_cycle[R={R}] round 0.o",
+                                  ly0["rounds"][0]["out"].view(B, T, s.HV, s.V),
+                                  self.wl.truth(self._round_tokens(xs[0], 0, T), hist)),
+                  self.wl.compare(f"replayssm_round_cycle[R={R}, m={m}].state_after_cycle", S,
+                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
+        flushes, wp, fl = 0, 0, False  # its cursor rule (commit_gdn_replayssm_spec): rounds that flush
+        for _ in range(R):
+            flushes += fl
+            wp = m if fl else wp + m
+            fl = wp + 2 * T > Lc
+        ent = R_.entry_bytes(s, B)
+        nbytes = R * (io.state_bytes(s, B) + T * ent) + flushes * io.state_bytes(s, B)
+        c = self.case("replayssm_round_cycle", "round", cycle, self.L * R, nbytes, checks, C=C, d=T, m=m, R=R)
+        c.peer, c.note = True, (f"ReplaySSM's round (spec decode on every layer, one commit) {R} times from empty "
+                                f"rings (L = {Lc}, ring {Rb}); its {flushes} flush(es) happen inside, as its cursors "
+                                "set them; "
+                                "each replay first empties the cursors (three tiny fills); µs per round and layer")
+        return c
+
+
 #: op -> group, in the order the runner measures them.
 OPS = {
     "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
@@ -809,7 +942,7 @@ OPS = {
     "fla_chunk_tokens": "verify",
     "accept": "accept", "per_draft_state_accept": "accept",
     "round": "round", "pool_round": "round", "pool_round_per_layer": "round", "per_draft_state_round": "round",
-    "replayssm_round": "round",
+    "replayssm_round": "round", "round_cycle": "round", "replayssm_round_cycle": "round",
 }
 GROUPS = ("decode", "verify", "accept", "round")
 #: The op each group is about, and the peers its ratios are taken against (same run, same batch).
@@ -823,6 +956,7 @@ PEERS = {
     "pool_round_per_layer": ("pool_round", "replayssm_round"),
     "replayssm_decode": ("recurrent_decode",),
     "replayssm_round": ("per_draft_state_round",),
+    "round_cycle": ("replayssm_round_cycle", "round"),
 }
 
 

@@ -57,7 +57,7 @@ def _replayssm_api(**replace):
     return W, api
 
 
-@pytest.mark.parametrize("op", ["replayssm_decode", "replayssm_round"])
+@pytest.mark.parametrize("op", ["replayssm_decode", "replayssm_round", "replayssm_round_cycle"])
 def test_replayssm_cases_match_the_oracle_through_the_kernel_model(op):
     W, api = _replayssm_api()
     case = W.build(op, api, W.Workload(W.SMOKE, 3, "cpu"))
@@ -66,14 +66,16 @@ def test_replayssm_cases_match_the_oracle_through_the_kernel_model(op):
     case.run()  # a replay: the cursors restored (round) or a whole ring cycle (decode)
 
 
-def test_a_wrong_cursor_model_fails_the_round_check():
+@pytest.mark.parametrize("op, check", [("replayssm_round", "state_after_commit"),
+                                       ("replayssm_round_cycle", "state_after_cycle")])
+def test_a_wrong_cursor_model_fails_the_round_check(op, check):
     from kvbuffer_ref.validate.peers import _em_commit
 
     def no_advance(write_pos, cache_base, is_flush, num_accepted, state_batch_indices, **kw):
         _em_commit(write_pos, cache_base, is_flush, num_accepted * 0, state_batch_indices, **kw)
     W, api = _replayssm_api(commit_gdn_replayssm_spec=no_advance)
-    case = W.build("replayssm_round", api, W.Workload(W.SMOKE, 3, "cpu"))
-    assert not case.passed and "state_after_commit" in next(c["name"] for c in case.checks if not c["passed"])
+    case = W.build(op, api, W.Workload(W.SMOKE, 3, "cpu"))
+    assert not case.passed and check in next(c["name"] for c in case.checks if not c["passed"])
 
 
 def test_replayssm_ops_say_how_to_give_a_checkout():
