@@ -17,6 +17,9 @@
    TF32 494 TFLOP/s), plus the errors of both at T = 1k (and 4k without --quick).  Ours: the launch
    table's config and the candidates in ``VARIANTS``, each as the whole call and launch by launch
    (prep, state, output: where the time goes).
+   Before them, short prompts (T = 4, 8, 16 <= C = 16, B = 64 and 256, bf16): the prefill that keeps
+   the prompt in the buffer (direct mode) against the one that folds it into a state, and the decode
+   step after each (``short_prompts``: the direct-mode / state-path choice for T <= C).
 
 Prints one JSON object to stdout and writes it to --out.  About 4 minutes on an H200 (--budget-s stops the timings; --quick: about 2).
 """
@@ -360,6 +363,45 @@ def timings(fla_fn, quick, deadline):
     return rows
 
 
+def short_prompts(deadline, C=16):
+    """Prompts of T <= C tokens at serving batches, bf16: the prefill that keeps every token in the buffer
+    (tail = T: direct mode, no state read or written) against the one that folds them all into a state
+    (tail = 0), and one buffered decode step after each (direct mode reads T buffered rows and no state;
+    the state path reads the state).  Bytes per request and layer: the state (fp32) a direct request
+    does not need until its first fold, against its T buffered entries."""
+    rows = []
+    Ts, Bs, heads = (4, 8, 16), (64, 256), QWEN
+    dtype = torch.bfloat16
+    if SMOKE:
+        Ts, Bs, heads, dtype, C = (3,), (2,), dict(H=1, HV=2, K=16, V=16), torch.float32, 4
+    for B in Bs:
+        for T in Ts:
+            if time.time() > deadline:
+                log("[time] deadline reached, skipping the rest of the short prompts")
+                return rows
+            x = make_inputs(B, T, **heads, dtype=dtype, seed=T + B)
+            step = make_inputs(B, 1, **heads, dtype=dtype, seed=T + B + 1)
+            row = dict(dtype=str(dtype)[6:], B=B, T=T, C=C, **heads)
+            for label, tail in (("direct", T), ("state", 0)):
+                ms, method = device_ms(lambda: fast.prefill(**x, capacity=C, tail=tail), SMOKE)
+                row[f"{label}_prefill_us"], row["method"] = ms * 1e3, method
+                _, buf = fast.prefill(**x, capacity=C, tail=tail)
+                n0 = buf.lengths.clone()
+
+                def decode_step():
+                    buf.lengths.copy_(n0)  # the same step every replay (one tiny copy)
+                    fast.buffered_decode(**step, buffer=buf)
+                row[f"{label}_decode_us"] = device_ms(decode_step, SMOKE)[0] * 1e3
+            HV, K, V, H = heads["HV"], heads["K"], heads["V"], heads["H"]
+            row["state_bytes_per_request"] = HV * K * V * 4
+            row["direct_buffer_bytes_per_request"] = T * (H * K * 2 + HV * V * 4 + HV * 4)
+            log(f"[short] B={B} T={T}: prefill direct {row['direct_prefill_us']:.1f} / state "
+                f"{row['state_prefill_us']:.1f} us; next decode direct {row['direct_decode_us']:.1f} / state "
+                f"{row['state_decode_us']:.1f} us")
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="where to write the JSON")
@@ -396,6 +438,11 @@ def main(argv=None) -> int:
         all(v["passed"] for v in r.values() if isinstance(v, dict) and "passed" in v) and r.get("passed", True)
         for r in checks)
     log(f"[check] all passed: {out['all_passed']} ({time.time() - t0:.0f} s)")
+    try:
+        out["short_prompts"] = short_prompts(t0 + args.budget_s)
+    except Exception:  # noqa: BLE001
+        out["short_prompts_error"] = traceback.format_exc()[-2000:]
+        log(out["short_prompts_error"])
     try:
         out["timings"] = timings(fla_fn, args.quick, t0 + args.budget_s)
     except Exception:  # noqa: BLE001
