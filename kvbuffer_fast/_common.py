@@ -249,6 +249,37 @@ def check_growth(g: torch.Tensor) -> None:
             f"more than e^{GROWTH_LIMIT:g}); use kvbuffer_ref for such gates")
 
 
+def check_buffer_growth(buffer: KVBuffer, g: torch.Tensor, valid: Optional[torch.Tensor] = None) -> None:
+    """``check_growth`` across calls: the largest rise of the buffer's stored G since its last flush (from
+    G = 0 there; its fold multiplies by exp(G_end)) and the rise that ends in this call's tokens (from the
+    lowest stored G to the tail, plus the positive gates of the call's ``valid`` tokens), per request, value
+    head and channel; past ``GROWTH_LIMIT`` a ValueError naming them (one host sync)."""
+    G = buffer.G.float()
+    B, C = G.shape[:2]
+    if B == 0:
+        return
+    extra = [1] * (G.dim() - 2)
+    live = (torch.arange(C, device=G.device)[None, :] < buffer.lengths[:, None]).view(B, C, *extra)
+    zero = torch.zeros_like(G[:, :1])
+    lows = torch.cat([zero, torch.where(live, G, torch.inf)], 1).cummin(1).values  # lowest G up to each row
+    highs = torch.cat([zero, torch.where(live, G, -torch.inf)], 1)
+    stored = (highs - lows).amax(1)  # [B, HV(, K)]: the largest rise inside the buffer
+    last = (buffer.lengths - 1).clamp(min=0).view(B, 1, *extra).expand(B, 1, *G.shape[2:])
+    tail = torch.where(buffer.lengths.view(B, *([1] * (G.dim() - 1))) > 0, G.gather(1, last), zero)[:, 0]
+    if valid is not None:
+        g = torch.where(valid.view(*valid.shape, *([1] * (g.dim() - 2))), g, 0.0)
+    ending = tail - lows[:, -1] + g.float().clamp(min=0).sum(1)
+    grow = torch.maximum(stored, ending)
+    worst = grow.max()
+    if bool(worst > GROWTH_LIMIT):
+        idx = [int(i) for i in (grow == worst).nonzero()[0]]
+        raise ValueError(
+            f"g: request {idx[0]}, value head {idx[1]}{f', channel {idx[2]}' if len(idx) > 2 else ''} grows by "
+            f"{float(worst):.4g} in log space since its buffer's last flush (the buffered gates and this call's); "
+            f"kvbuffer_fast's float32 decays exp(G_i - G_j) overflow past {GROWTH_LIMIT:g}; flush the buffer first "
+            f"or use kvbuffer_ref for such gates")
+
+
 def checked_buffer(buffer: KVBuffer, op: str, dims=None, device=None) -> bool:
     """The buffer checks of kvbuffer_fast's buffer operation ``op``: a KVBuffer (TypeError), consistent
     and fitting ``dims`` / ``device`` (``kvbuffer_ref.checks.check_buffer``; its check that reads device

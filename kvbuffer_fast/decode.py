@@ -42,8 +42,8 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import check_scale
 
-from ._common import (_gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block, checked_buffer,
-                      checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
+from ._common import (_gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block, check_buffer_growth,
+                      checked_buffer, checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
 from ._fold import decay, fold_dot, fold_empty, state_tile
 from .launch import DecodeConfig, check_config, config_for, key_of
 
@@ -471,6 +471,8 @@ def buffered_decode(
     d, g = checked_tokens(q, k, v, g, beta)
     checked = checked_buffer(buffer, "buffered_decode", d, q.device)
     C = buffer.capacity
+    if checked:
+        check_buffer_growth(buffer, g)
     if checked and buffer.state is None:
         _require_no_full(buffer)
     s = check_scale(scale, d.K)

@@ -48,3 +48,27 @@ def test_growth_inside_the_limit_is_computed():
     assert torch.isfinite(o).all()
     res = compare(o.cpu(), o64, o32, name="recurrent.o", **gate_terms(cpu)[0])
     assert res.passed, (res.worst_rel, res.budget_terms())
+
+
+@pytest.mark.parametrize("channel", [False, True])
+def test_growth_across_buffered_calls_is_refused(channel):
+    """Gates of +15 per decode step: each call alone is far inside the limit, but the buffer's G since its
+    last flush grows by 15 a step, so the step that would pass 80 is refused (and verify over that buffer
+    too), while a step of a decaying request beside it is not blamed."""
+    Bq, C = 2, 16
+    buf = ref.KVBuffer.empty(Bq, H, H, K, K, C, channel_gate=channel, dtype=torch.float32, device=DEVICE)
+    steps = 0
+    with pytest.raises(ValueError, match=r"g: request 0, value head 0.*grows by 90"):
+        for _ in range(C):
+            x = _tokens(0.0, channel)
+            x = {n: t[:, :1].repeat(Bq, *([1] * (t.dim() - 1))) for n, t in x.items()}
+            x["g"][0] = 15.0   # request 0 grows, request 1 decays
+            x["g"][1] = -0.5
+            fast.buffered_decode(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], buffer=buf)
+            steps += 1
+    assert steps == 5  # 5 x 15 = 75 buffered; the sixth step would make 90
+    x = _tokens(0.0, channel)
+    x = {n: t[:, :2].repeat(Bq, *([1] * (t.dim() - 1))).contiguous() for n, t in x.items()}
+    x["g"][0] = 15.0
+    with pytest.raises(ValueError, match=r"g: request 0, value head 0.*grows by 105"):
+        fast.verify(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], buffer=buf)
