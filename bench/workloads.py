@@ -214,6 +214,18 @@ def _shared_lengths(bufs: list) -> tuple:
     return lengths, [dataclasses.replace(b, lengths=lengths[i]) for i, b in enumerate(bufs)]
 
 
+def _replayssm_round(spec, pairs, qsl, blocks, cur: dict, accepted, *, Lc: int, T: int, Rb: int, scale: float):
+    """One ReplaySSM round as vLLM runs it: its spec decode on every layer (``pairs``: (the layer's ring and
+    gating parameters, the round's tokens)), then one commit of the accepted counts for all layers."""
+    for ly, tok in pairs:
+        spec.gdn_replayssm_spec_decode(tok["mixed"], tok["a"], tok["b"], ly["A_log"], ly["dt_bias"], ly["h"], ly["d"],
+                                       ly["k"], ly["g"], tok["out"], qsl, blocks, cur["write_pos"], cur["cache_base"],
+                                       cur["is_flush"], max_cache_len=Lc, max_spec_len=T, scale=scale,
+                                       use_qk_l2norm_in_kernel=False)
+    spec.commit_gdn_replayssm_spec(cur["write_pos"], cur["cache_base"], cur["is_flush"], accepted, blocks,
+                                   max_cache_len=Lc, max_spec_len=T, cache_buf_len=Rb)
+
+
 def clone_buffer(buf):
     return _map_buffer(buf, lambda _, t: t.clone())
 
@@ -448,12 +460,16 @@ class _Builder:
     def _verify_layers(self, seed: int):
         hist = self.wl.history(buffered=self.p.fill)
         bufs, xs = self._buffers(hist), self._tokens(self.p.drafts, seed=seed)
-        kw = self.api.kwargs("verify", self.api.fast.verify, xs[0], C=self.p.C)
-        # one draft tree per step, passed to every layer, as an engine does (the chain of d drafts)
+        return hist, bufs, xs, self._verify_kwargs(xs[0])
+
+    def _verify_kwargs(self, x: dict) -> dict:
+        """verify's keywords for tokens ``x``: one draft tree per step, passed to every layer, as an engine
+        does (the chain of d drafts)."""
+        kw = self.api.kwargs("verify", self.api.fast.verify, x, C=self.p.C)
         d, dev = self.p.drafts, self.wl.device
         kw["parents"] = torch.arange(-1, d - 1, device=dev, dtype=torch.long).expand(self.B, d).contiguous()
         kw["num_drafts"] = torch.full((self.B,), d, device=dev, dtype=torch.long)
-        return hist, bufs, xs, kw
+        return kw
 
     def verify(self) -> Case:
         verify, n, d = self.api.fast.verify, self.p.fill, self.p.drafts
@@ -598,10 +614,7 @@ class _Builder:
         lengths, bufs = _shared_lengths(bufs)
         xs = self._tokens(R * d, seed=11)
         rounds = [[self._round_tokens(x, r, d) for r in range(R)] for x in xs]
-        kw = self.api.kwargs("verify", verify, rounds[0][0], C=self.p.C)
-        dev = self.wl.device
-        kw["parents"] = torch.arange(-1, d - 1, device=dev, dtype=torch.long).expand(self.B, d).contiguous()
-        kw["num_drafts"] = torch.full((self.B,), d, device=dev, dtype=torch.long)
+        kw = self._verify_kwargs(rounds[0][0])
         akw = self.api.kwargs("accept", accept, rounds[0][0], C=self.p.C)
         counts = self._counts()
 
@@ -832,13 +845,8 @@ class _Builder:
         scale = s.K ** -0.5
 
         def round_():
-            for ly in layers:
-                spec.gdn_replayssm_spec_decode(ly["mixed"], ly["a"], ly["b"], ly["A_log"], ly["dt_bias"], ly["h"],
-                                               ly["d"], ly["k"], ly["g"], ly["out"], qsl, blocks, cur["write_pos"],
-                                               cur["cache_base"], cur["is_flush"], max_cache_len=Lc, max_spec_len=T,
-                                               scale=scale, use_qk_l2norm_in_kernel=False)
-            spec.commit_gdn_replayssm_spec(cur["write_pos"], cur["cache_base"], cur["is_flush"], accepted, blocks,
-                                           max_cache_len=Lc, max_spec_len=T, cache_buf_len=Rb)
+            _replayssm_round(spec, [(ly, ly) for ly in layers], qsl, blocks, cur, accepted, Lc=Lc, T=T, Rb=Rb,
+                             scale=scale)
         round_()
         ly0 = layers[0]
         S = R.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
@@ -902,14 +910,8 @@ class _Builder:
             for t in cur.values():  # empty rings (three tiny fills)
                 t.zero_()
             for r in range(R):
-                for ly in layers:
-                    rr = ly["rounds"][r]
-                    spec.gdn_replayssm_spec_decode(rr["mixed"], rr["a"], rr["b"], ly["A_log"], ly["dt_bias"], ly["h"],
-                                                   ly["d"], ly["k"], ly["g"], rr["out"], qsl, blocks, cur["write_pos"],
-                                                   cur["cache_base"], cur["is_flush"], max_cache_len=Lc,
-                                                   max_spec_len=T, scale=scale, use_qk_l2norm_in_kernel=False)
-                spec.commit_gdn_replayssm_spec(cur["write_pos"], cur["cache_base"], cur["is_flush"], accepted, blocks,
-                                               max_cache_len=Lc, max_spec_len=T, cache_buf_len=Rb)
+                _replayssm_round(spec, [(ly, ly["rounds"][r]) for ly in layers], qsl, blocks, cur, accepted, Lc=Lc,
+                                 T=T, Rb=Rb, scale=scale)
         cycle()
         ly0 = layers[0]
         S = R_.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),

@@ -212,72 +212,64 @@ def require_cache_dtypes(buffer: KVBuffer) -> None:
                         f"convert it with .float()")
 
 
-def checked_tokens(q, k, v, g, beta, valid=None):
+def checked_tokens(q, k, v, g, beta, valid=None, buffer: Optional[KVBuffer] = None):
     """``kvbuffer_ref.checks.check_tokens`` and, unless a CUDA graph is being captured, the value domain
     of ``g`` and ``beta`` (``check_gate_values``: no NaN / +inf gate, finite betas; ``valid`` [B, T]: the
-    rows to check).  Returns (dims, g) with gates below ``-RESET_GATE[float32]`` (-inf included: an exact
-    reset) taken as that value, as the reference does (a copy, only when there are such gates): the
-    kernels' cumulative gates stay finite, so they never form -inf - (-inf) = NaN."""
+    rows to check) and the growth the gates make (``check_growth``; ``buffer``: the checked buffer the
+    tokens continue, whose stored G counts too).  Returns (dims, g) with gates below
+    ``-RESET_GATE[float32]`` (-inf included: an exact reset) taken as that value, as the reference does (a
+    copy, only when there are such gates): the kernels' cumulative gates stay finite, so they never form
+    -inf - (-inf) = NaN."""
     d = check_tokens(q, k, v, g, beta)
     if values_checked(q):
         low = -RESET_GATE[torch.float32]
         if check_gate_values(g, beta, valid, below=low):
             g = g.clamp(min=low)
-        check_growth(g if valid is None else torch.where(valid.view(*valid.shape, *([1] * (g.dim() - 2))), g, 0.0))
+        check_growth(g, valid, buffer)
     return d, g
 
 
-#: The largest sum of positive log-gates (per request, value head and channel) one call of kvbuffer_fast
-#: takes: its cumulative forms weigh entries by exp(G_i - G_j) and exp(G_i) in float32, which overflow
-#: (to inf, then NaN) past exp(88.7); 80 keeps a margin.  The reference computes any finite gates.
+#: The largest growth in log space (per request, value head and channel) kvbuffer_fast takes: its
+#: cumulative forms weigh entries by exp(G_i - G_j) and exp(G_i) in float32, which overflow (to inf, then
+#: NaN) past exp(88.7); 80 keeps a margin.  The reference computes any finite gates.
 GROWTH_LIMIT = 80.0
 
 
-def check_growth(g: torch.Tensor) -> None:
-    """Positive gates (a growing state) summing, along the tokens of one request, value head and channel,
-    to more than ``GROWTH_LIMIT``: a ValueError naming the request and head (one host sync)."""
+def check_growth(g: torch.Tensor, valid: Optional[torch.Tensor] = None, buffer: Optional[KVBuffer] = None) -> None:
+    """Positive gates (a growing state) past ``GROWTH_LIMIT``, per request, value head and channel: a
+    ValueError naming them (one host sync).  Without ``buffer``: the positive gates of the call's ``valid``
+    tokens summed.  With it: also across calls, the largest rise of the buffer's stored G since its last
+    flush (from G = 0 there; its fold multiplies by exp(G_end)) and the rise that ends in this call's tokens
+    (from the lowest stored G to the tail, plus the call's positive gates), which is never below the sum."""
     if g.numel() == 0:
         return
-    grow = g.clamp(min=0).sum(1)  # [B, HV(, K)]
-    worst = grow.max()
-    if bool(worst > GROWTH_LIMIT):
-        idx = [int(i) for i in (grow == worst).nonzero()[0]]
-        raise ValueError(
-            f"g: the positive gates of request {idx[0]}, value head {idx[1]}"
-            f"{f', channel {idx[2]}' if len(idx) > 2 else ''} sum to {float(worst):.4g} over this call's tokens; "
-            f"kvbuffer_fast's float32 decays exp(G_i - G_j) overflow past {GROWTH_LIMIT:g} (a state growing by "
-            f"more than e^{GROWTH_LIMIT:g}); use kvbuffer_ref for such gates")
-
-
-def check_buffer_growth(buffer: KVBuffer, g: torch.Tensor, valid: Optional[torch.Tensor] = None) -> None:
-    """``check_growth`` across calls: the largest rise of the buffer's stored G since its last flush (from
-    G = 0 there; its fold multiplies by exp(G_end)) and the rise that ends in this call's tokens (from the
-    lowest stored G to the tail, plus the positive gates of the call's ``valid`` tokens), per request, value
-    head and channel; past ``GROWTH_LIMIT`` a ValueError naming them (one host sync)."""
-    G = buffer.G.float()
-    B, C = G.shape[:2]
-    if B == 0:
-        return
-    extra = [1] * (G.dim() - 2)
-    live = (torch.arange(C, device=G.device)[None, :] < buffer.lengths[:, None]).view(B, C, *extra)
-    zero = torch.zeros_like(G[:, :1])
-    lows = torch.cat([zero, torch.where(live, G, torch.inf)], 1).cummin(1).values  # lowest G up to each row
-    highs = torch.cat([zero, torch.where(live, G, -torch.inf)], 1)
-    stored = (highs - lows).amax(1)  # [B, HV(, K)]: the largest rise inside the buffer
-    last = (buffer.lengths - 1).clamp(min=0).view(B, 1, *extra).expand(B, 1, *G.shape[2:])
-    tail = torch.where(buffer.lengths.view(B, *([1] * (G.dim() - 1))) > 0, G.gather(1, last), zero)[:, 0]
     if valid is not None:
         g = torch.where(valid.view(*valid.shape, *([1] * (g.dim() - 2))), g, 0.0)
-    ending = tail - lows[:, -1] + g.float().clamp(min=0).sum(1)
-    grow = torch.maximum(stored, ending)
+    grow = g.float().clamp(min=0).sum(1)  # [B, HV(, K)]
+    if buffer is None:
+        message = "g: the positive gates of {where} sum to {worst:.4g} over this call's tokens"
+    else:
+        G = buffer.G.float()
+        B, C = G.shape[:2]
+        extra = [1] * (G.dim() - 2)
+        live = (torch.arange(C, device=G.device)[None, :] < buffer.lengths[:, None]).view(B, C, *extra)
+        zero = torch.zeros_like(G[:, :1])
+        lows = torch.cat([zero, torch.where(live, G, torch.inf)], 1).cummin(1).values  # lowest G up to each row
+        highs = torch.cat([zero, torch.where(live, G, -torch.inf)], 1)
+        stored = (highs - lows).amax(1)  # the largest rise inside the buffer
+        last = (buffer.lengths - 1).clamp(min=0).view(B, 1, *extra).expand(B, 1, *G.shape[2:])
+        tail = torch.where(buffer.lengths.view(B, *([1] * (G.dim() - 1))) > 0, G.gather(1, last), zero)[:, 0]
+        grow = torch.maximum(stored, tail - lows[:, -1] + grow)
+        message = ("g: {where} grows by {worst:.4g} in log space since its buffer's last flush (the buffered "
+                   "gates and this call's)")
     worst = grow.max()
     if bool(worst > GROWTH_LIMIT):
         idx = [int(i) for i in (grow == worst).nonzero()[0]]
-        raise ValueError(
-            f"g: request {idx[0]}, value head {idx[1]}{f', channel {idx[2]}' if len(idx) > 2 else ''} grows by "
-            f"{float(worst):.4g} in log space since its buffer's last flush (the buffered gates and this call's); "
-            f"kvbuffer_fast's float32 decays exp(G_i - G_j) overflow past {GROWTH_LIMIT:g}; flush the buffer first "
-            f"or use kvbuffer_ref for such gates")
+        where = f"request {idx[0]}, value head {idx[1]}" + (f", channel {idx[2]}" if len(idx) > 2 else "")
+        raise ValueError(message.format(where=where, worst=float(worst))
+                         + f"; kvbuffer_fast's float32 decays exp(G_i - G_j) overflow past {GROWTH_LIMIT:g}; "
+                         + ("flush the buffer first or " if buffer is not None else "")
+                         + "use kvbuffer_ref for such gates")
 
 
 def checked_buffer(buffer: KVBuffer, op: str, dims=None, device=None) -> bool:

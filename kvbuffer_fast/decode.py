@@ -40,10 +40,10 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.checks import check_scale
+from kvbuffer_ref.checks import check_scale, check_tokens
 
-from ._common import (_gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block, check_buffer_growth,
-                      checked_buffer, checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
+from ._common import (_gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block, checked_buffer,
+                      checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
 from ._fold import decay, fold_dot, fold_empty, state_tile
 from .launch import DecodeConfig, check_config, config_for, key_of
 
@@ -468,11 +468,10 @@ def buffered_decode(
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q: buffered_decode takes one token per request, expected [B, 1, H, K], got {shape}")
-    d, g = checked_tokens(q, k, v, g, beta)
+    d = check_tokens(q, k, v, g, beta)
     checked = checked_buffer(buffer, "buffered_decode", d, q.device)
+    _, g = checked_tokens(q, k, v, g, beta, buffer=buffer)  # after the buffer's checks: its G counts
     C = buffer.capacity
-    if checked:
-        check_buffer_growth(buffer, g)
     if checked and buffer.state is None:
         _require_no_full(buffer)
     s = check_scale(scale, d.K)

@@ -50,7 +50,7 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens, require_int_tensor
 
-from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, check_buffer_growth, checked_buffer,
+from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, checked_buffer,
                       checked_tokens, device_guard, flag_view, new_output, pdl_launch, values_checked)
 from .launch import VerifyConfig, check_config, config_for, key_of
 
@@ -540,8 +540,7 @@ def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, conf
         parents = check_parents(parents, d.B, d.T, q.device)
         num_drafts = check_num_drafts(num_drafts, d.B, d.T, q.device)
         valid = torch.arange(d.T, device=q.device)[None, :] < num_drafts[:, None]
-        _, g = checked_tokens(q, k, v, g, beta, valid=valid)
-        check_buffer_growth(buffer, g, valid)
+        _, g = checked_tokens(q, k, v, g, beta, valid=valid, buffer=buffer)
     else:
         _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
     if d.T > MAX_DRAFTS:
