@@ -8,7 +8,9 @@
 #   models     examples/generate.py through kvbuffer_fast's pool for each model (token equality; without fla
 #              on the path; transformers 5 from .whl/hf if there: pip download --python-version 3.12
 #              --only-binary=:all: --platform manylinux2014_x86_64 -d .whl/hf 'transformers>=5,<6')
-#   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast and fla (and ReplaySSM with --peer-path)
+#   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast, fla, fla-pool (and ReplaySSM with
+#              --peer-path), one process per group of lanes side by side (4 CPU threads each), and
+#              --report precision; each group's log and JSON in OUTDIR/validate-NAME.{log,json}
 #   memcheck, racecheck   compute-sanitizer over scripts/sanitize.py's edge shapes (racecheck: --quick)
 #   runner     the benchmark runner (python3 -m bench.gpu) into OUTDIR/latest (--before DIR: an older root too)
 #   prefill    scripts/gpu_prefill.py --timings-only (the chunk kernels against fla)
@@ -34,8 +36,11 @@ done
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || echo "gpu_check: installing .whl/*.whl failed: the fla rows will be skipped"
+  # one install per machine: two instances of this script (e.g. tests and validate side by side) share it
+  ( flock 9
+    [ -e /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } \
+    || echo "gpu_check: installing .whl/*.whl failed: the fla rows will be skipped" ) 9>/tmp/site.lock
 fi
 export PYTHONPATH=$(pwd):/tmp/site:${PYTHONPATH:-}
 STATUS=()
@@ -73,14 +78,37 @@ print("\n".join(u.unquote(u.urlparse(i["download_info"]["url"]).path) for i in j
   return $rc
 }
 # -v: each test's verdict as it ends, so a run cut by the limit still names its failures (grep FAILED)
-has tests && stage tests 300 python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py \
+has tests && stage tests "${TESTS_LIMIT:-300}" python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py \
   tests/kernels tests/pool -v -p no:cacheprovider -n 8 --dist loadgroup
 has models && { export -f models; stage models 150 bash -c models; }
+validate() {  # one process per group of lanes, side by side (compiling dominates; the GPU work is small)
+  local pids=() rc=0 name
+  local -x OMP_NUM_THREADS=4 MKL_NUM_THREADS=4  # torch's default (one thread per core) in each process starves the rest
+  run_lanes() {  # NAME ARGS...: one kvbuffer validate process, its log and JSON named NAME
+    local name=$1; shift
+    python3 -m kvbuffer_ref.validate.cli validate --device cuda --profile gpu --max-examples 2 "$@" \
+      --json "$OUTDIR/validate-$name.json" > "$OUTDIR/validate-$name.log" 2>&1
+  }
+  run_lanes fast-prefill --impl fast --ops chunk,chunk_varlen,direct,prefill & pids+=($!)
+  run_lanes fast-decode --impl fast --ops recurrent,recurrent_decode,recurrent_varlen,decode,flush,materialize & pids+=($!)
+  run_lanes fast-verify --impl fast --ops verify_chain,verify_tree & pids+=($!)
+  run_lanes fla --impl fla & pids+=($!)
+  run_lanes fla-pool --impl fla-pool & pids+=($!)
+  python3 -m kvbuffer_ref.validate.cli validate --device cuda --report precision --impl fast --impl fla \
+    "${PREC_PEER[@]}" --json "$OUTDIR/precision.json" > "$OUTDIR/precision.md" 2>&1 & pids+=($!)
+  if [ ${#PEER[@]} -gt 0 ]; then
+    run_lanes replayssm-decode --impl replayssm --ops recurrent,recurrent_decode,decode,flush,materialize & pids+=($!)
+    run_lanes replayssm-verify --impl replayssm --ops verify_chain,verify_tree & pids+=($!)
+  fi
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  for name in "$OUTDIR"/validate-*.log "$OUTDIR/precision.md"; do echo "--- $name"; tail -n 30 "$name"; done
+  return $rc
+}
+PREC_PEER=()
+if [ ${#PEER[@]} -gt 0 ]; then export KVBUFFER_PEER_PATH=${PEER[1]}; PREC_PEER=(--impl replayssm); fi
 if has validate; then
-  IMPLS=(--impl fast --impl fla --impl fla-pool)
-  if [ ${#PEER[@]} -gt 0 ]; then IMPLS+=(--impl replayssm); export KVBUFFER_PEER_PATH=${PEER[1]}; fi
-  stage validate 280 python3 -m kvbuffer_ref.validate.cli validate --device cuda \
-    --profile gpu --max-examples 2 "${IMPLS[@]}" --json "$OUTDIR/validate.json"
+  export -f validate; export OUTDIR; export PEER_SET=${#PEER[@]}
+  stage validate "${VALIDATE_LIMIT:-280}" bash -c "PEER=(${PEER[*]}); PREC_PEER=(${PREC_PEER[*]}); validate"
 fi
 if has memcheck || has racecheck; then
   if command -v compute-sanitizer >/dev/null; then

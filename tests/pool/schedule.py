@@ -83,7 +83,7 @@ class Tokens:
         q = torch.nn.functional.normalize(n(B, T, self.H, self.K), dim=-1)
         k = torch.nn.functional.normalize(n(B, T, self.H, self.K), dim=-1)
         x = dict(q=q, k=k, v=n(B, T, self.HV, self.V), g=-1.5 * r(B, T, self.HV), beta=r(B, T, self.HV))
-        return {f: t.to(self.dtype) for f, t in x.items()}
+        return {f: t.to(self.device, self.dtype) for f, t in x.items()}
 
 
 def _cat(a: dict, b: dict) -> dict:
