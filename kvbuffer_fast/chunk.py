@@ -428,25 +428,25 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     if q.is_cuda:
         limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", None)
         as_dtype = torch.float32 if prec == "tf32x3" else torch.bfloat16
-        # the state and output launches are checked before anything runs, so a call that cannot run writes
-        # nothing; prep runs first and writes only scratch, and its estimate is an upper bound (per-channel
-        # gates take 3/4 of it at K = 128), so Triton's own refusal (OutOfResources, below) decides there
-        # A tile that does not fit is halved (down to 16 columns) before it is refused: wide heads (K or V
-        # above 128) need narrower value tiles than the table's rows, which are measured at K = V = 128.
-        for name, field in (("state", "BV"), ("output", "out_BV")):
-            while True:
-                tiles = dataclasses.replace(cfg, BV=BV, out_BV=BVO)
-                need = chunk_smem_bytes(name, tiles, dtype=as_dtype, K=d.K, V=d.V, BT=BT)
-                if limit is None or need <= limit:
-                    break
-                if (BV if field == "BV" else BVO) <= 16:
-                    raise ValueError(f"config: the chunk {name} launch needs about {need} B of shared memory at "
-                                     f"K = {d.K}, V = {d.V}, chunk {BT} ({tiles}), the device has {limit} B per "
+        # The state and output launches are checked before anything runs, so a call that cannot run writes
+        # nothing; a value tile that does not fit is halved (down to 16 columns) first: wide heads (K or V
+        # above 128) need narrower tiles than the table's rows, measured at K = V = 128.  Prep runs first and
+        # writes only scratch, and its estimate is an upper bound (per-channel gates take 3/4 of it at
+        # K = 128), so Triton's own refusal (OutOfResources, in ``guarded``) decides there.
+        def need(name):
+            tiles = dataclasses.replace(cfg, BV=BV, out_BV=BVO)
+            return chunk_smem_bytes(name, tiles, dtype=as_dtype, K=d.K, V=d.V, BT=BT)
+
+        if limit is not None:
+            while BV > 16 and need("state") > limit:
+                BV //= 2
+            while BVO > 16 and need("output") > limit:
+                BVO //= 2
+            for name, field in (("state", "BV"), ("output", "out_BV")):
+                if need(name) > limit:
+                    raise ValueError(f"config: the chunk {name} launch needs about {need(name)} B of shared memory "
+                                     f"at K = {d.K}, V = {d.V}, chunk {BT} ({cfg}), the device has {limit} B per "
                                      f"block even with {field} = 16; lower stages or use 16-bit inputs")
-                if field == "BV":
-                    BV //= 2
-                else:
-                    BVO //= 2
 
     def guarded(name, fields, launch):
         def run():

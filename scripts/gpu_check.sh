@@ -107,7 +107,7 @@ validate() {  # one process per group of lanes, side by side (compiling dominate
 PREC_PEER=()
 if [ ${#PEER[@]} -gt 0 ]; then export KVBUFFER_PEER_PATH=${PEER[1]}; PREC_PEER=(--impl replayssm); fi
 if has validate; then
-  export -f validate; export OUTDIR; export PEER_SET=${#PEER[@]}
+  export -f validate; export OUTDIR
   stage validate "${VALIDATE_LIMIT:-280}" bash -c "PEER=(${PEER[*]}); PREC_PEER=(${PREC_PEER[*]}); validate"
 fi
 if has memcheck || has racecheck; then
