@@ -76,6 +76,13 @@ def per_draft_verify(s: Shapes, B: int, d: int) -> float:
     return (1 + d) * state_bytes(s, B)
 
 
+def per_draft_tree_verify(s: Shapes, B: int, parents: list) -> float:
+    """One state per node of a draft tree (``parents``: -1 = the state): the state read once, each node's
+    state written, and a parent's state read back for every node whose parent is not the node before it."""
+    reloads = sum(1 for i, p in enumerate(parents) if i > 0 and p != i - 1)
+    return (1 + len(parents) + reloads) * state_bytes(s, B)
+
+
 def per_draft_accept(s: Shapes, B: int) -> float:
     return 2 * state_bytes(s, B)
 

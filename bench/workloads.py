@@ -25,6 +25,13 @@ accept    ``accept``                       buffered accept of m drafts (lengths 
 accept    ``per_draft_state_accept``       the baseline's accept: intermediate m - 1 copied over the state
 round     ``round``                        a speculative round: verify of every layer, then accept
 round     ``per_draft_state_round``        the baseline's round
+round     ``round_cycle``                  a cycle of C // m + 1 rounds from empty buffers, one accept folding
+round     ``tree_round``                   verify of a 16-node draft tree, then accept of one node's path
+round     ``per_draft_state_tree_round``   the baseline's tree round (a parent's state read back per branch)
+decode,   ``pool_*``                       the same through the serving pool (``kvbuffer_fast.pool``)
+round
+decode,   ``replayssm_*``                  ReplaySSM's kernels from ``--peer-path`` (decode, round, cycle)
+round
 ========  ===============================  ============================================================
 
 Each package root is driven through its own API (``Api``): the config API (``config=`` objects from
@@ -586,6 +593,78 @@ class _Builder:
         c.note = "each replay first fills every layer's lengths back to n (one tiny kernel for all layers)"
         return c
 
+    # ------------------------------------------------------------------ a round over a draft tree
+    #: The draft tree of the tree rounds: 16 nodes as a binary heap (node i's parent (i - 1) // 2, node 0
+    #: the root, node 15 under node 7), so depth 5 and at most 2 children; the sampler accepts node 3, the
+    #: path 0, 1, 3 (m = 3 tokens, as the chain rounds).
+    TREE = [-1] + [(i - 1) // 2 for i in range(1, 16)]
+    TREE_NODE = 3
+
+    def _tree_checks(self, name: str, o, state, xs0: dict, hist) -> list:
+        """The outputs along the deepest path (root to node 15) and the state after accepting TREE_NODE, against
+        the recurrence over each path."""
+        import kvbuffer_ref as ref
+
+        par = torch.tensor(self.TREE)
+        deep, path = ref.path_to(par, len(self.TREE) - 1), ref.path_to(par, self.TREE_NODE)
+        along = lambda p: {n: t[:, p] for n, t in xs0.items()}  # noqa: E731
+        checks = [] if o is None else [self.wl.compare(f"{name}.o along the path {deep}", o[:, deep],
+                                                       self.wl.truth(along(deep), hist))]
+        return checks + [self.wl.compare(f"{name}.state after accepting node {self.TREE_NODE}", state,
+                                         self.wl.truth(along(path), hist), state=True)]
+
+    def tree_round(self) -> Case:
+        verify, accept, n = self.api.fast.verify, self.api.fast.accept, self.p.fill
+        D, dev = len(self.TREE), self.wl.device
+        hist = self.wl.history(buffered=n)
+        bufs, xs = self._buffers(hist), self._tokens(D, seed=13)
+        kw = self.api.kwargs("verify", verify, xs[0], C=self.p.C)
+        kw["parents"] = torch.tensor(self.TREE, device=dev, dtype=torch.long).expand(self.B, D).contiguous()
+        kw["num_drafts"] = torch.full((self.B,), D, device=dev, dtype=torch.long)
+        akw = self.api.kwargs("accept", accept, xs[0], C=self.p.C)
+        nodes = torch.full((self.B,), self.TREE_NODE, dtype=torch.long, device=dev)
+        lengths, bufs = _shared_lengths(bufs)
+        o, dr = verify(**xs[0], buffer=bufs[0], **kw)
+        accept(bufs[0], dr, nodes=nodes, **akw)
+        checks = self._tree_checks("tree_round", o, self.api.fast.materialize_state(bufs[0]), xs[0], hist)
+        m = len(__import__("kvbuffer_ref").path_to(torch.tensor(self.TREE), self.TREE_NODE))
+
+        def run():
+            lengths.fill_(n)
+            drafts = [verify(**x, buffer=buf, **kw)[1] for x, buf in zip(xs, bufs)]
+            for buf, dr in zip(bufs, drafts):
+                accept(buf, dr, nodes=nodes, **akw)
+        c = self.case("tree_round", "round", run, self.L,
+                      io.buffered_verify(self.s, self.B, n, D) + io.buffered_accept(self.s, self.B, m), checks,
+                      C=self.p.C, n=n, d=D, m=m, tree="binary heap of 16 nodes, node 3 accepted")
+        c.note = ("verify of a 16-node draft tree (a binary heap, depth 5) + accept of node 3's path (3 tokens); "
+                  "each replay first fills every layer's lengths back to n (one tiny kernel for all layers)")
+        return c
+
+    def per_draft_state_tree_round(self) -> Case:
+        pd_verify, pd_accept = self.api.baselines.per_draft_state_verify, self.api.baselines.per_draft_state_accept
+        if "parents" not in inspect.signature(pd_verify).parameters:
+            raise Skip("this package root's per_draft_state_verify takes no parents (chains only)")
+        D, dev, s = len(self.TREE), self.wl.device, self.s
+        hist = self._state_history()
+        states, xs = self._states(hist), self._tokens(D, seed=13)
+        kw = self.api.kwargs("per_draft_state", pd_verify, xs[0])
+        kw["parents"] = torch.tensor(self.TREE, device=dev, dtype=torch.long).expand(self.B, D).contiguous()
+        inter = self._layers(lambda _: torch.empty(self.B, D, s.HV, s.K, s.V, device=dev))
+        counts = torch.full((self.B,), self.TREE_NODE + 1, dtype=torch.long, device=dev)  # node n: intermediate[n]
+        o, _ = pd_verify(**xs[0], state=states[0], intermediate=inter[0], **kw)
+        pd_accept(states[0], inter[0], counts)
+        checks = self._tree_checks("per_draft_state_tree_round", o, states[0], xs[0], hist)
+
+        def run():
+            for x, st, i in zip(xs, states, inter):
+                pd_verify(**x, state=st, intermediate=i, **kw)
+            for st, i in zip(states, inter):
+                pd_accept(st, i, counts)
+        return self.case("per_draft_state_tree_round", "round", run, self.L,
+                         io.per_draft_tree_verify(s, self.B, self.TREE) + io.per_draft_accept(s, self.B), checks,
+                         d=D, m=3, tree="binary heap of 16 nodes, node 3 accepted")
+
     # ------------------------------------------------------------------ cycles of rounds, folds included
     def _cycle(self) -> tuple:
         """(R rounds, the entries n each starts from): from an empty buffer, m accepted per round, R = C // m + 1
@@ -945,6 +1024,7 @@ OPS = {
     "accept": "accept", "per_draft_state_accept": "accept",
     "round": "round", "pool_round": "round", "pool_round_per_layer": "round", "per_draft_state_round": "round",
     "replayssm_round": "round", "round_cycle": "round", "replayssm_round_cycle": "round",
+    "tree_round": "round", "per_draft_state_tree_round": "round",
 }
 GROUPS = ("decode", "verify", "accept", "round")
 #: The op each group is about, and the peers its ratios are taken against (same run, same batch).
@@ -959,6 +1039,7 @@ PEERS = {
     "replayssm_decode": ("recurrent_decode",),
     "replayssm_round": ("per_draft_state_round",),
     "round_cycle": ("replayssm_round_cycle", "round"),
+    "tree_round": ("per_draft_state_tree_round", "round"),
 }
 
 

@@ -8,10 +8,14 @@ per_draft_state_verify / per_draft_state_accept: speculative decoding with one s
 each program loads one [K, BV] tile of a request's state ONCE, runs the gated delta rule over the
 request's d draft tokens (a chain) in registers, and writes the output of every token and the state
 tile after every token (each intermediate state written exactly once; the state itself is not
-modified).  Accept: after the sampler keeps the first m_b drafts of request b, copy
-intermediate[b, m_b - 1] over state[b] (m_b = 0 keeps the state), one launch.  Traffic per request
-and layer: read |S| + write d |S| in verify, then read + write |S| in accept; memory: (1 + d) states
-per request.
+modified).  A draft tree (``parents``) continues in registers where a node's parent is the node
+before it and otherwise reads its parent's tile back (the intermediate state it wrote, or the state
+for a root), as an engine's tree verify reads the parent's intermediate state.  Accept: after the
+sampler keeps the first m_b drafts of request b (a chain) or node n_b (a tree), copy
+intermediate[b, m_b - 1] (or [b, n_b]) over state[b] (m_b = 0 / n_b = -1 keeps the state), one
+launch.  Traffic per request and layer: read |S| + write d |S| in verify (a tree: plus one |S| read
+per node whose parent is not the node before it), then read + write |S| in accept; memory: (1 + d)
+states per request.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbuffer_ref.checks import check_count_arg, check_scale, check_state, require_rank, require_tensor, shape_str
+from kvbuffer_ref.checks import (check_count_arg, check_parents, check_scale, check_state, require_int_tensor,
+                                 require_rank, require_tensor, shape_str)
 
 from ._common import (_program_ids, _tile_offsets, as_input, block, checked_tokens, device_guard, new_output,
                       require_fp32_state, require_inplace, require_no_overlap, values_checked)
@@ -54,13 +59,14 @@ def recurrent_decode(
 
 @triton.jit
 def _per_draft_verify_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, inter_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, inter_ptr, par_ptr,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, TREE: tl.constexpr,
 ):
     """The T draft tokens of one (request, value head) on its [K, BV] state tile; the tile after token
-    t goes to intermediate [B, T, HV, K, V]."""
+    t goes to intermediate [B, T, HV, K, V].  TREE: token t starts from its parent's tile (parents
+    [B, T]: -1 = the state), read back from intermediate (or the state) unless the parent is t - 1."""
     i_v, i_bh, i_b, i_hv, i_h = _program_ids(H, HV)
     o_k, o_v, m_k, m_v = _tile_offsets(i_v, BK, BV, K, V)
     m_s = m_k[:, None] & m_v[None, :]
@@ -68,6 +74,15 @@ def _per_draft_verify_kernel(
     s = tl.load(state_ptr + i_bh * K * V + tile, mask=m_s, other=0.0).to(tl.float32)
     for t in range(T):
         i_bt = i_b * T + t
+        if TREE:
+            p = tl.load(par_ptr + i_bt).to(tl.int32)
+            if p != t - 1:
+                tl.debug_barrier()  # the tiles this program stored are visible to all its threads
+                if p < 0:
+                    s = tl.load(state_ptr + i_bh * K * V + tile, mask=m_s, other=0.0).to(tl.float32)
+                else:
+                    s = tl.load(inter_ptr + ((i_b * T + p) * HV + i_hv) * K * V + tile, mask=m_s,
+                                other=0.0).to(tl.float32)
         s = _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, i_bt, i_h, i_hv, o_k, o_v, m_k, m_v,
                               scale, H, HV, K, V, CHANNEL)
         tl.store(inter_ptr + (i_bt * HV + i_hv) * K * V + tile, s.to(inter_ptr.dtype.element_ty), mask=m_s)
@@ -98,15 +113,17 @@ def per_draft_state_verify(
     beta: torch.Tensor,
     state: torch.Tensor,
     scale: Optional[float] = None,
+    parents: Optional[torch.Tensor] = None,
     intermediate: Optional[torch.Tensor] = None,
     config: Optional[PerDraftStateConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify a chain of d draft tokens the per-draft-state way; returns (o, intermediate).
+    """Verify d draft tokens the per-draft-state way; returns (o, intermediate).
 
     q, k: [B, d, H, K]; v: [B, d, HV, V]; g: [B, d, HV]*; beta: [B, d, HV]; state: [B, HV, K, V]
-    (read, not modified).  Returns o [B, d, HV, V] (v's dtype) and intermediate [B, d, HV, K, V] in the
-    state's dtype: the state after each draft token.  Pass ``intermediate`` (preallocated, as engines
-    keep it) to avoid an allocation per call.
+    (read, not modified).  parents: [B, d] int, a draft tree (-1 = the state; each parent before its
+    child; default: the chain).  Returns o [B, d, HV, V] (v's dtype) and intermediate [B, d, HV, K, V]
+    in the state's dtype: the state after each draft token (on its root-to-node path).  Pass
+    ``intermediate`` (preallocated, as engines keep it) to avoid an allocation per call.
     """
     dims, g = checked_tokens(q, k, v, g, beta)
     if state is None:
@@ -116,6 +133,13 @@ def per_draft_state_verify(
     require_inplace("state", state)
     s = check_scale(scale, dims.K)
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
+    tree = parents is not None
+    if tree:
+        if values_checked(q):
+            parents = check_parents(parents, B, T, q.device)
+        else:
+            require_int_tensor("parents", parents, (B, T), "[B, d]", q.device)
+        parents = parents.contiguous()
     if config is None:
         config = config_for("per_draft_state", key_of(q, B=B, HV=HV, V=V, channel=dims.channel_gate))
     cfg = check_config("per_draft_state", config)
@@ -129,7 +153,8 @@ def per_draft_state_verify(
                              f"{q.device}, got {list(intermediate.shape)} on {intermediate.device}"
                              f"{'' if intermediate.is_contiguous() else ' (not contiguous)'}")
         require_fp32_state("intermediate", intermediate)
-        require_no_overlap(dict(intermediate=intermediate), dict(q=q, k=k, v=v, g=g, beta=beta, state=state))
+        require_no_overlap(dict(intermediate=intermediate), dict(q=q, k=k, v=v, g=g, beta=beta, state=state,
+                                                                 **({"parents": parents} if tree else {})))
     o = new_output((B, T, HV, V), v.dtype, q.device)
     if B == 0 or T == 0:
         return o, intermediate
@@ -137,7 +162,8 @@ def per_draft_state_verify(
     with device_guard(q):
         _per_draft_verify_kernel[(triton.cdiv(V, BV), B * HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o, state, intermediate,
-            s, T, H=dims.H, HV=HV, K=K, V=V, BK=block(K), BV=BV, CHANNEL=dims.channel_gate,
+            parents if tree else state, s, T, H=dims.H, HV=HV, K=K, V=V, BK=block(K), BV=BV,
+            CHANNEL=dims.channel_gate, TREE=tree,
             num_warps=cfg.num_warps,
         )
     return o, intermediate
@@ -146,7 +172,8 @@ def per_draft_state_verify(
 def per_draft_state_accept(state: torch.Tensor, intermediate: torch.Tensor, counts, *,
                            config: Optional[PerDraftStateConfig] = None) -> torch.Tensor:
     """Commit the first counts[b] drafts of each request: state[b] <- intermediate[b, counts[b] - 1]
-    (counts[b] = 0 keeps state[b]).  IN PLACE, one launch; returns ``state``.
+    (counts[b] = 0 keeps state[b]).  IN PLACE, one launch; returns ``state``.  For a draft tree, the
+    accepted node n_b's state is intermediate[b, n_b]: counts[b] = n_b + 1.
 
     state: [B, HV, K, V]; intermediate: [B, d, HV, K, V]; counts: int or [B] int tensor in 0..d.
     """

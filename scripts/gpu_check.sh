@@ -10,7 +10,8 @@
 #              --only-binary=:all: --platform manylinux2014_x86_64 -d .whl/hf 'transformers>=5,<6')
 #   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast, fla, fla-pool (and ReplaySSM with
 #              --peer-path), one process per group of lanes side by side (4 CPU threads each), and
-#              --report precision; each group's log and JSON in OUTDIR/validate-NAME.{log,json}
+#              --report precision; each group's log and JSON in OUTDIR/validate-NAME.{log,json}; LANES=a,b
+#              (group names as in validate() below, and precision) runs only those groups
 #   memcheck, racecheck   compute-sanitizer over scripts/sanitize.py's edge shapes (racecheck: --quick)
 #   runner     the benchmark runner (python3 -m bench.gpu) into OUTDIR/latest (--before DIR: an older root too)
 #   prefill    scripts/gpu_prefill.py --timings-only (the chunk kernels against fla)
@@ -84,24 +85,30 @@ has models && { export -f models; stage models 150 bash -c models; }
 validate() {  # one process per group of lanes, side by side (compiling dominates; the GPU work is small)
   local pids=() rc=0 name
   local -x OMP_NUM_THREADS=4 MKL_NUM_THREADS=4  # torch's default (one thread per core) in each process starves the rest
-  run_lanes() {  # NAME ARGS...: one kvbuffer validate process, its log and JSON named NAME
+  run_lanes() {  # NAME ARGS...: one kvbuffer validate process, its log and JSON named NAME (skipped unless in $LANES)
     local name=$1; shift
+    [ -z "${LANES:-}" ] || [[ ",$LANES," == *",$name,"* ]] || return 0
     python3 -m kvbuffer_ref.validate.cli validate --device cuda --profile gpu --max-examples 2 "$@" \
       --json "$OUTDIR/validate-$name.json" > "$OUTDIR/validate-$name.log" 2>&1
   }
   run_lanes fast-prefill --impl fast --ops chunk,chunk_varlen,direct,prefill & pids+=($!)
+  run_lanes fast-prefill-bf16 --impl fast --ops chunk,direct,prefill --dtype bfloat16 & pids+=($!)
   run_lanes fast-decode --impl fast --ops recurrent,recurrent_decode,recurrent_varlen,decode,flush,materialize & pids+=($!)
   run_lanes fast-verify --impl fast --ops verify_chain,verify_tree & pids+=($!)
   run_lanes fla --impl fla & pids+=($!)
+  run_lanes fla-chunk-tf32 --impl fla --ops chunk --contract tf32 --no-shrink & pids+=($!)
+  run_lanes fla-varlen --impl fla --ops chunk_varlen & pids+=($!)
   run_lanes fla-pool --impl fla-pool & pids+=($!)
-  python3 -m kvbuffer_ref.validate.cli validate --device cuda --report precision --impl fast --impl fla \
-    "${PREC_PEER[@]}" --json "$OUTDIR/precision.json" > "$OUTDIR/precision.md" 2>&1 & pids+=($!)
+  if [ -z "${LANES:-}" ] || [[ ",$LANES," == *",precision,"* ]]; then
+    python3 -m kvbuffer_ref.validate.cli validate --device cuda --report precision --impl fast --impl fla \
+      "${PREC_PEER[@]}" --json "$OUTDIR/precision.json" > "$OUTDIR/precision.md" 2>&1 & pids+=($!)
+  fi
   if [ ${#PEER[@]} -gt 0 ]; then
     run_lanes replayssm-decode --impl replayssm --ops recurrent,recurrent_decode,decode,flush,materialize & pids+=($!)
     run_lanes replayssm-verify --impl replayssm --ops verify_chain,verify_tree & pids+=($!)
   fi
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  for name in "$OUTDIR"/validate-*.log "$OUTDIR/precision.md"; do echo "--- $name"; tail -n 30 "$name"; done
+  for name in "$OUTDIR"/validate-*.log "$OUTDIR/precision.md"; do [ -e "$name" ] && { echo "--- $name"; tail -n 30 "$name"; }; done
   return $rc
 }
 PREC_PEER=()

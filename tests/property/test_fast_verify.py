@@ -347,3 +347,42 @@ def test_per_draft_state_baseline_matches_recurrence(case, data):
     for b in range(case.B):
         want = keep[b] if int(counts[b]) == 0 else inter[b, int(counts[b]) - 1]
         assert torch.equal(state[b], want)
+
+
+@FEW
+@given(case=kst.cases(max_T=1, **SMALL), data=st.data())
+def test_per_draft_state_baseline_tree_matches_recurrence(case, data):
+    """A draft tree: every node's output and intermediate state are the recurrence over its root-to-node
+    path from the state (the kernel reads a parent's tile back unless the parent is the node before it);
+    accepting node n copies intermediate[n]."""
+    par = [data.draw(kst.draft_tree(max_nodes=7, max_depth=4, max_branch=3)) for _ in range(case.B)]
+    D = max(map(len, par))
+    par = [p + [-1] * (D - len(p)) for p in par]  # extra roots: a tree is any list of earlier parents
+    case = dataclasses.replace(case, T=D)
+    x = case.inputs(torch.float32, DEVICE)
+    parents = torch.tensor(par, device=DEVICE)
+    gen = torch.Generator().manual_seed(case.seed)
+    state = (torch.randn(case.B, case.HV, case.K, case.V, generator=gen) * 0.5).to(DEVICE)
+    keep = state.clone()
+    o = torch.full((case.B, D, case.HV, case.V), float("nan"), device=DEVICE)
+    inter = torch.full((case.B, D, case.HV, case.K, case.V), float("nan"), device=DEVICE)
+    o_, inter_ = per_draft_state_verify(**x, state=state, parents=parents, intermediate=inter)
+    o.copy_(o_)
+    assert inter_ is inter and torch.equal(state, keep), "per_draft_state_verify must not modify the state"
+    for b in range(case.B):
+        for node in range(D):
+            path = ref.path_to(parents[b].cpu(), node)
+            xb = {n: v[b:b + 1, path] for n, v in x.items()}
+            (o64, S64), base = P.truth_and_baseline(xb, state[b:b + 1])
+            r = compare(o[b:b + 1, node:node + 1].cpu(), o64[:, -1:], base[0][:, -1:], name=f"o[{b}, {node}]",
+                        g=xb["g"], magnitude=tolerances.magnitudes(**xb, initial_state=state[b:b + 1])[0][:, -1:])
+            assert r.passed, str(r)
+            r = compare(inter[b:b + 1, node].cpu(), S64, base[1], name=f"intermediate[{b}, {node}]", head_axis=1,
+                        g=xb["g"], magnitude=tolerances.magnitudes(**xb, initial_state=state[b:b + 1])[1])
+            assert r.passed, str(r)
+    nodes = torch.tensor(data.draw(st.lists(st.integers(-1, D - 1), min_size=case.B, max_size=case.B)),
+                         device=DEVICE)
+    per_draft_state_accept(state, inter, nodes + 1)
+    for b in range(case.B):
+        want = keep[b] if int(nodes[b]) < 0 else inter[b, int(nodes[b])]
+        assert torch.equal(state[b], want)
