@@ -216,6 +216,18 @@ _CHUNK_ROWS: tuple[Row, ...] = (
     Row(dict(prep_warps=8), dtypes=(torch.float32,), capability=((9, 0), None),
         why="fp32 inputs: the per-chunk launch's fp32 [64, 128] tiles with 3xTF32 products spill 11.5 KB per "
             "thread on 4 warps (ptxas for sm_90, Triton 3.9), 0.5 KB on 8"),
+    Row(dict(BV=32), dtypes=(torch.float32,), capability=((9, 0), None),
+        why="fp32 inputs: the state launch with 32 columns per program took 176 / 682 / 2857 / 5853 against "
+            "178 / 730 / 3144 / 6409 us at B = 1, T = 1k / 4k / 16k / 32k"),
+    Row(dict(out_BV=128), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
+        why="16-bit inputs: the output launch with 128 columns per program took 20.5 / 57.9 / 199 / 412 against "
+            "28.2 / 81.0 / 294 / 607 us at B = 1, T = 1k / 4k / 16k / 32k (57.7 against 81.0 at B = 4, T = 1k)"),
+    Row(dict(stages=2), dtypes=_SIXTEEN_BIT, columns=(None, 4096), capability=((9, 0), None),
+        why="16-bit inputs, one sequence at Qwen3-Next heads: the state launch's chunk loop in 2 stages took "
+            "62.7 / 221 / 856 / 1700 against 70.7 / 258 / 1003 / 2002 us at T = 1k / 4k / 16k / 32k"),
+    Row(dict(BV=32), dtypes=_SIXTEEN_BIT, columns=(8192, None), capability=((9, 0), None),
+        why="16-bit inputs, two or more sequences: the state launch with 32 columns per program took 161 against "
+            "216 us at B = 4, T = 1k (2 stages: 196)"),
 )
 
 TABLES: dict[str, tuple[Row, ...]] = {
