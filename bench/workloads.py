@@ -221,6 +221,17 @@ def _shared_lengths(bufs: list) -> tuple:
     return lengths, [dataclasses.replace(b, lengths=lengths[i]) for i, b in enumerate(bufs)]
 
 
+def _round_run(verify, accept, lengths, n: int, xs: list, bufs: list, kw: dict, akw: dict) -> Callable:
+    """A timed round: every layer's lengths back to n (one fill), verify on every layer, then accept on every
+    layer (``akw``: accept's keywords, counts= or nodes= included)."""
+    def run():
+        lengths.fill_(n)
+        drafts = [verify(**x, buffer=buf, **kw)[1] for x, buf in zip(xs, bufs)]
+        for buf, dr in zip(bufs, drafts):
+            accept(buf, dr, **akw)
+    return run
+
+
 def _replayssm_round(spec, pairs, qsl, blocks, cur: dict, accepted, *, Lc: int, T: int, Rb: int, scale: float):
     """One ReplaySSM round as vLLM runs it: its spec decode on every layer (``pairs``: (the layer's ring and
     gating parameters, the round's tokens)), then one commit of the accepted counts for all layers."""
@@ -582,11 +593,7 @@ class _Builder:
         accept(bufs[0], dr, counts=counts, **akw)
         checks = self._accept_check(f"round[d={d}, m={m}]", o, bufs[0], xs[0], hist)
 
-        def run():
-            lengths.fill_(n)
-            drafts = [verify(**x, buffer=buf, **kw)[1] for x, buf in zip(xs, bufs)]
-            for buf, dr in zip(bufs, drafts):
-                accept(buf, dr, counts=counts, **akw)
+        run = _round_run(verify, accept, lengths, n, xs, bufs, kw, dict(akw, counts=counts))
         c = self.case("round", "round", run, self.L,
                       io.buffered_verify(self.s, self.B, n, d) + io.buffered_accept(self.s, self.B, m), checks,
                       C=self.p.C, n=n, d=d, m=m)
@@ -600,13 +607,22 @@ class _Builder:
     TREE = [-1] + [(i - 1) // 2 for i in range(1, 16)]
     TREE_NODE = 3
 
-    def _tree_checks(self, name: str, o, state, xs0: dict, hist) -> list:
-        """The outputs along the deepest path (root to node 15) and the state after accepting TREE_NODE, against
-        the recurrence over each path."""
+    def _tree_paths(self) -> tuple:
+        """(the deepest path, root to node 15; the accepted node's path) as lists of node indices."""
         import kvbuffer_ref as ref
 
         par = torch.tensor(self.TREE)
-        deep, path = ref.path_to(par, len(self.TREE) - 1), ref.path_to(par, self.TREE_NODE)
+        return ref.path_to(par, len(self.TREE) - 1), ref.path_to(par, self.TREE_NODE)
+
+    def _tree_parents(self) -> torch.Tensor:
+        """TREE as every request's parents [B, 16] (int64, on the device)."""
+        D = len(self.TREE)
+        return torch.tensor(self.TREE, device=self.wl.device, dtype=torch.long).expand(self.B, D).contiguous()
+
+    def _tree_checks(self, name: str, o, state, xs0: dict, hist) -> list:
+        """The outputs along the deepest path (root to node 15) and the state after accepting TREE_NODE, against
+        the recurrence over each path."""
+        deep, path = self._tree_paths()
         along = lambda p: {n: t[:, p] for n, t in xs0.items()}  # noqa: E731
         checks = [] if o is None else [self.wl.compare(f"{name}.o along the path {deep}", o[:, deep],
                                                        self.wl.truth(along(deep), hist))]
@@ -619,7 +635,7 @@ class _Builder:
         hist = self.wl.history(buffered=n)
         bufs, xs = self._buffers(hist), self._tokens(D, seed=13)
         kw = self.api.kwargs("verify", verify, xs[0], C=self.p.C)
-        kw["parents"] = torch.tensor(self.TREE, device=dev, dtype=torch.long).expand(self.B, D).contiguous()
+        kw["parents"] = self._tree_parents()
         kw["num_drafts"] = torch.full((self.B,), D, device=dev, dtype=torch.long)
         akw = self.api.kwargs("accept", accept, xs[0], C=self.p.C)
         nodes = torch.full((self.B,), self.TREE_NODE, dtype=torch.long, device=dev)
@@ -627,13 +643,9 @@ class _Builder:
         o, dr = verify(**xs[0], buffer=bufs[0], **kw)
         accept(bufs[0], dr, nodes=nodes, **akw)
         checks = self._tree_checks("tree_round", o, self.api.fast.materialize_state(bufs[0]), xs[0], hist)
-        m = len(__import__("kvbuffer_ref").path_to(torch.tensor(self.TREE), self.TREE_NODE))
+        m = len(self._tree_paths()[1])
 
-        def run():
-            lengths.fill_(n)
-            drafts = [verify(**x, buffer=buf, **kw)[1] for x, buf in zip(xs, bufs)]
-            for buf, dr in zip(bufs, drafts):
-                accept(buf, dr, nodes=nodes, **akw)
+        run = _round_run(verify, accept, lengths, n, xs, bufs, kw, dict(akw, nodes=nodes))
         c = self.case("tree_round", "round", run, self.L,
                       io.buffered_verify(self.s, self.B, n, D) + io.buffered_accept(self.s, self.B, m), checks,
                       C=self.p.C, n=n, d=D, m=m, tree="binary heap of 16 nodes, node 3 accepted")
@@ -649,7 +661,7 @@ class _Builder:
         hist = self._state_history()
         states, xs = self._states(hist), self._tokens(D, seed=13)
         kw = self.api.kwargs("per_draft_state", pd_verify, xs[0])
-        kw["parents"] = torch.tensor(self.TREE, device=dev, dtype=torch.long).expand(self.B, D).contiguous()
+        kw["parents"] = self._tree_parents()
         inter = self._layers(lambda _: torch.empty(self.B, D, s.HV, s.K, s.V, device=dev))
         counts = torch.full((self.B,), self.TREE_NODE + 1, dtype=torch.long, device=dev)  # node n: intermediate[n]
         o, _ = pd_verify(**xs[0], state=states[0], intermediate=inter[0], **kw)
@@ -663,7 +675,7 @@ class _Builder:
                 pd_accept(st, i, counts)
         return self.case("per_draft_state_tree_round", "round", run, self.L,
                          io.per_draft_tree_verify(s, self.B, self.TREE) + io.per_draft_accept(s, self.B), checks,
-                         d=D, m=3, tree="binary heap of 16 nodes, node 3 accepted")
+                         d=D, m=len(self._tree_paths()[1]), tree="binary heap of 16 nodes, node 3 accepted")
 
     # ------------------------------------------------------------------ cycles of rounds, folds included
     def _cycle(self) -> tuple:
