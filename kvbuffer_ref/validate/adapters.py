@@ -246,7 +246,8 @@ FAST_IN_PLACE = {**DEFAULT_IN_PLACE, "buffered_decode": ("buffer",), "flush": ("
 
 
 def fast_from(package: str = "kvbuffer_fast") -> Implementation:
-    """A package with kvbuffer_fast's public API (e.g. a mutant copy): u-cache form, float32 and float16.
+    """A package with kvbuffer_fast's public API (e.g. a mutant copy): u-cache form, float32 and float16
+    (and bfloat16 when compiled).
 
     The operations are the package's public functions (and ``recurrent_decode`` of its ``baselines``
     module), called with the reference's signatures.  ``prepare`` sets ``KVBUFFER_POISON=1``, which the
@@ -275,8 +276,10 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
     # compiled, the chunk kernels multiply 16-bit inputs in 16-bit products (docs/kernels.md, "Precision")
     lane_contracts = {} if interpreter_active() else {
         (op, dt): "bf16" for op in ("chunk", "direct", "prefill") for dt in (torch.float16, torch.bfloat16)}
+    # bfloat16 only compiled: under the Triton interpreter bfloat16 arithmetic is not what the GPU computes
+    dtypes = (torch.float32, torch.float16) + (() if interpreter_active() else (torch.bfloat16,))
     return Implementation(name=package, obj=types.SimpleNamespace(prepare=prepare, **ops),
-                          dtypes=(torch.float32, torch.float16), forms=("u",), channel_gate=True,
+                          dtypes=dtypes, forms=("u",), channel_gate=True,
                           interpreted=interpreter_active(), not_provided=missing,
                           sizes=SMALL if interpreter_active() else NORMAL, in_place=dict(FAST_IN_PLACE),
                           lane_contracts=lane_contracts, varlen=("chunk_gated_delta_rule",))
