@@ -170,13 +170,17 @@ class KVPool:
     ``capacity`` C, ``max_drafts`` D (the draft room per request); the model's ``num_heads`` q/k heads
     and ``num_value_heads`` value heads, of which the pool holds ``head_range`` (``head_layout``);
     ``head_k_dim`` K, ``head_v_dim`` V.  ``dtype``: the u-cache's and the computation's dtype;
-    ``key_dtype`` (default ``dtype``) of the keys; ``state_dtype`` (default ``dtype``) of the states.
+    ``key_dtype`` (default ``dtype``) of the keys; ``state_dtype`` (default ``dtype``) of the states;
+    ``gate_dtype`` (default ``dtype``) of the cumulative gates G and dG (float32 with a 16-bit u-cache is
+    ``kvbuffer_fast.pool.KVPool``'s layout).  A 16-bit field is stored precision only: the operations read
+    it exactly, compute in the tokens' dtype (at least float32) and round once per store.
     """
 
     def __init__(self, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int,
                  max_drafts: int, num_heads: int, num_value_heads: int, head_k_dim: int, head_v_dim: int,
                  head_range: Optional[tuple] = None, channel_gate: bool = False, dtype: torch.dtype = torch.float64,
-                 key_dtype: Optional[torch.dtype] = None, state_dtype: Optional[torch.dtype] = None, device=None):
+                 key_dtype: Optional[torch.dtype] = None, state_dtype: Optional[torch.dtype] = None,
+                 gate_dtype: Optional[torch.dtype] = None, device=None):
         set_layout(self, layers=layers, num_state_slots=num_state_slots, num_buffer_slots=num_buffer_slots,
                    capacity=capacity, max_drafts=max_drafts, num_heads=num_heads, num_value_heads=num_value_heads,
                    head_k_dim=head_k_dim, head_v_dim=head_v_dim, head_range=head_range, channel_gate=channel_gate,
@@ -184,20 +188,20 @@ class KVPool:
         L, S, N, C, D, K, V = (self.layers, self.num_state_slots, self.num_buffer_slots, self.capacity,
                                self.max_drafts, self.head_k_dim, self.head_v_dim)
         H, HV = self.num_heads, self.num_value_heads
-        key_dtype, state_dtype = key_dtype or dtype, state_dtype or dtype
+        key_dtype, state_dtype, gate_dtype = key_dtype or dtype, state_dtype or dtype, gate_dtype or dtype
         kw = dict(device=self.device)
         gk = (K,) if channel_gate else ()
         self.state = torch.zeros(L, S, HV, K, V, dtype=state_dtype, **kw)
         self.k = torch.zeros(L, N, C, H, K, dtype=key_dtype, **kw)
         self.u = torch.zeros(L, N, C, HV, V, dtype=dtype, **kw)
-        self.G = torch.zeros(L, N, C, HV, *gk, dtype=dtype, **kw)
+        self.G = torch.zeros(L, N, C, HV, *gk, dtype=gate_dtype, **kw)
         self.lengths = torch.zeros(L, N, dtype=torch.int64, **kw)
         self.has_state = torch.zeros(L, N, dtype=torch.bool, **kw)
         self.state_slot = torch.full((L, N), -1, dtype=torch.int64, **kw)
         self.refs = torch.zeros(L, S, dtype=torch.int64, **kw)
         self.dk = torch.zeros(L, N, D, H, K, dtype=key_dtype, **kw)
         self.du = torch.zeros(L, N, D, HV, V, dtype=dtype, **kw)
-        self.dG = torch.zeros(L, N, D, HV, *gk, dtype=dtype, **kw)
+        self.dG = torch.zeros(L, N, D, HV, *gk, dtype=gate_dtype, **kw)
         self.parents = torch.full((L, N, D), -1, dtype=torch.int64, **kw)
         self.num_drafts = torch.zeros(L, N, dtype=torch.int64, **kw)
         self.pending = torch.zeros(L, N, dtype=torch.bool, **kw)

@@ -32,6 +32,9 @@ examples:
   kvbuffer report                                     # the last run as Markdown
   kvbuffer validate --report precision --impl fast --json prec.json --plot prec.png
                                                       # error growth over decode length, 16-bit inputs
+  kvbuffer validate --report precision --impl reference --models all
+                                                      # and the models' next-token KL / top-1 with a bf16
+                                                      # state or u-cache (needs transformers)
 
 An adapter (module:attr) is an object or module with some of the attributes recurrent_gated_delta_rule,
 recurrent_decode, chunk_gated_delta_rule, direct_gated_delta_rule, buffered_decode, flush,
@@ -114,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--cache-dtype", metavar="DTYPE", default="float32",
                    help="--report precision: the dtype of buffered_decode's u / v cache (default float32)")
     v.add_argument("--plot", metavar="PNG", help="--report precision: also plot the errors to PNG (needs matplotlib)")
+    v.add_argument("--models", metavar="MODELS",
+                   help="--report precision: also each model's next-token KL, top-1 agreement and state error of "
+                        "bf16 state / u-cache against the fp32 and float64 pools over a generation (tiny configs, "
+                        "random weights; needs transformers): 'all' (qwen3_next, qwen3_5, kimi_linear) or a comma "
+                        "list; --steps (default 64 on the CPU, 256 on CUDA)")
     r = sub.add_parser(
         "report", help="render validation and benchmark JSON as Markdown (and plots, with matplotlib)",
         description="Render JSON reports as Markdown: the last `kvbuffer validate` run (kept as "
@@ -205,7 +213,7 @@ def _validate(args) -> int:
 
     if args.report == "precision":
         return _precision(args, impls, device)
-    for opt in ("steps", "plot"):
+    for opt in ("steps", "plot", "models"):
         if getattr(args, opt) is not None:
             return _bad(f"--{opt}: only with --report precision")
 
@@ -288,6 +296,13 @@ def _precision(args, impls, device: str) -> int:
     if interpreted and torch.bfloat16 in (dtype, state_dtype, cache_dtype):
         return _bad(f"bfloat16 under the Triton interpreter ({', '.join(interpreted)}) is computed wrongly on the "
                     f"CPU: use float16 here, bfloat16 with --device cuda")
+    models = []
+    if args.models is not None:
+        from kvbuffer_ref.integrations import precision as mprec
+        try:
+            models = mprec.parse_models(args.models)
+        except ValueError as e:
+            return _bad(str(e))
     reports, texts = [], []
     for impl in impls:
         if impl.unavailable:
@@ -305,6 +320,11 @@ def _precision(args, impls, device: str) -> int:
                                 f"measured anyway")
         reports.append(rep)
         texts.append(prec.precision_markdown(rep, args.plot if args.plot and len(impls) == 1 else None))
+    model_reports = []
+    if models:
+        text, model_reports = mprec.models_section(models, steps=args.steps, device=device,
+                                                   seed=0 if args.seed is None else args.seed)
+        texts.append(text)
     print("\n".join(texts))
     if args.plot and reports:
         for i, rep in enumerate(reports):
@@ -317,7 +337,8 @@ def _precision(args, impls, device: str) -> int:
     if args.json:
         try:
             with open(args.json, "w") as f:
-                json.dump(dict(tool="kvbuffer validate --report precision", reports=reports), f, indent=1)
+                json.dump(dict(tool="kvbuffer validate --report precision", reports=reports, models=model_reports),
+                          f, indent=1)
                 f.write("\n")
         except OSError as e:
             return _bad(f"--json {args.json}: {e}")
