@@ -8,7 +8,7 @@
 #   models     examples/generate.py through kvbuffer_fast's pool for each model (token equality; without fla
 #              on the path; transformers 5 from .whl/hf if there: pip download --python-version 3.12
 #              --only-binary=:all: --platform manylinux2014_x86_64 -d .whl/hf 'transformers>=5,<6')
-#   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast, fla, fla-pool (and ReplaySSM with
+#   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast, fla, fla-pool, SGLang (and ReplaySSM with
 #              --peer-path), one process per group of lanes side by side (4 CPU threads each), and
 #              --report precision; each group's log and JSON in OUTDIR/validate-NAME.{log,json}; LANES=a,b
 #              (group names as in validate() below, and precision) runs only those groups
@@ -102,6 +102,11 @@ validate() {  # one process per group of lanes, side by side (compiling dominate
   run_lanes fla-chunk-tf32 --impl fla --ops chunk --contract tf32 --no-shrink & pids+=($!)
   run_lanes fla-varlen --impl fla --ops chunk_varlen & pids+=($!)
   run_lanes fla-pool --impl fla-pool & pids+=($!)
+  # SGLang's GDN kernel files, read from its wheel in .whl/sglang/ (python3 -m pip download --no-deps sglang -d
+  # .whl/sglang; not installed, so kept out of .whl/*.whl): NOT RUN rows when it is absent (docs/peers.md)
+  run_lanes sglang --impl sglang --impl sglang-decode --impl sglang-packed --impl sglang-pool --impl sglang-chunk \
+    --peer-path .whl/sglang --ops recurrent,recurrent_decode,recurrent_varlen,chunk,chunk_varlen \
+    --dtype float32,float16,bfloat16 & pids+=($!)
   if [ -z "${LANES:-}" ] || [[ ",$LANES," == *",precision,"* ]]; then
     python3 -m kvbuffer_ref.validate.cli validate --device cuda --report precision --impl fast --impl fla \
       "${PREC_PEER[@]}" --json "$OUTDIR/precision.json" > "$OUTDIR/precision.md" 2>&1 & pids+=($!)

@@ -450,12 +450,23 @@ def replayssm() -> Implementation:
     return load()
 
 
+def _sglang(kind: str):
+    """SGLang's kernels (``kvbuffer_ref.validate.sglang``), from --peer-path or an installed sglang."""
+    def factory():
+        from . import sglang
+        return getattr(sglang, kind)()
+    return factory
+
+
+_SGLANG = {"sglang": _sglang("sglang"), "sglang-decode": _sglang("sglang_decode"),
+           "sglang-packed": _sglang("sglang_packed"), "sglang-pool": _sglang("sglang_pool"),
+           "sglang-chunk": _sglang("sglang_chunk")}
 _BUILTIN = {"reference": reference, "ref": reference, "kvbuffer_ref": reference,
-            "fast": fast, "kvbuffer_fast": fast, "fla": fla, "fla-pool": fla_pool, "replayssm": replayssm}
+            "fast": fast, "kvbuffer_fast": fast, "fla": fla, "fla-pool": fla_pool, "replayssm": replayssm, **_SGLANG}
 
 
 def builtin_names() -> list[str]:
-    return ["reference", "fast", "fla", "fla-pool", "replayssm"]
+    return ["reference", "fast", "fla", "fla-pool", "replayssm", *_SGLANG]
 
 
 def resolve(spec: str) -> Implementation:

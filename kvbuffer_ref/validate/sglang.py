@@ -1,0 +1,490 @@
+"""SGLang's gated-delta-rule Triton kernels behind the validator (never copied into this repository).
+
+The kernel files are loaded from where the user has them: the wheel or tree given with ``--peer-path``
+(``$KVBUFFER_PEER_PATH``: a ``sglang-*.whl``, a folder holding one, a folder holding the ``sglang``
+package such as site-packages or an unpacked wheel, or an SGLang checkout with ``python/sglang``), else an
+installed ``sglang`` package (found, not imported).  Only the kernel files run: ``sglang/__init__`` and the
+rest of SGLang are never imported.  Their imports from the rest of SGLang are served by shims written to
+a temporary folder, each answering as SGLang answers on the machine it runs on:
+
+    sglang.srt.utils           is_cuda, is_hip, get_device_sm, is_sm90_supported, is_gfx95_supported, ...
+    sglang.srt.utils.common    torch_release
+    sglang.kernels.jit.utils   is_arch_support_pdl (CUDA capability >= 9: the kernels launch with PDL there)
+
+Under the Triton interpreter (a CPU, ``TRITON_INTERPRET=1``) two more adjustments, neither changing what
+is computed: fla's module-level aliases of Triton builtins (``exp = tl.exp`` in ``fla/op.py``, which the
+interpreter does not patch) become jitted functions calling the same builtin, and ``input_guard``'s device
+context (``torch.cpu.device``, absent in torch) becomes a null context.
+
+The kernels (SGLang 0.5.23: ``sglang/kernels/ops/attention/{fla,linear}``) and the lanes each serves:
+
+``sglang``          ``fla.fused_recurrent.fused_recurrent_gated_delta_rule``: q, k, v, log gate g and beta as
+                    the oracle has them, states [N, HV, V, K] (transposed on the way in and out, exact),
+                    ``cu_seqlens`` (int64): recurrent, recurrent_decode (T = 1, the final state copied back),
+                    recurrent_varlen
+``sglang-decode``   ``linear.fused_sigmoid_gating_recurrent.fused_sigmoid_gating_delta_rule_update``: what
+                    SGLang's Triton GDN backend calls per decode step (``TritonGDNKernel.decode``)
+``sglang-packed``   ``fla.fused_recurrent.fused_recurrent_gated_delta_rule_packed_decode``: the packed decode
+                    the backend takes on CUDA (``TritonGDNKernel.packed_decode``)
+``sglang-pool``     ``fla.fused_recurrent.fused_recurrent_gated_delta_rule_update``: whole sequences into a
+                    state pool (its Jet-Nemotron layer)
+``sglang-chunk``    ``fla.chunk.chunk_gated_delta_rule``: the prefill (``TritonGDNKernel.extend``), float16 and
+                    bfloat16 only (it asserts q is not float32), states in a pool by slot, written in place
+
+The three pooled kernels are validated in SGLang's convention (``engine.engine_adapter``): raw gating
+(``A_log``, ``dt_bias``, ``a``, ``b`` in float32, softplus threshold 20) where the kernel gates itself,
+q and k L2-normalised in the kernel (``use_qk_l2norm_in_kernel=True``, as the backend calls them), a
+float32 pool [slots, HV, V, K] addressed by int32 slot indices with ``-1`` pads (SGLang's
+``PAD_SLOT_ID``: the kernels skip a negative slot) and ``cu_seqlens`` where the kernel takes it.  For whole
+sequences without an initial state the adapter zeroes the request's slot first, as SGLang clears a fresh
+request's slot before its forward (``mamba_clear_indices``): these kernels have no has-initial-state flag.
+
+Contracts: the recurrent kernels are elementwise float32 (``tl.sum`` of products, no ``tl.dot``):
+"ieee".  The chunk kernel multiplies 16-bit operands in ``tl.dot``: "bf16".  The chunk kernel does not run
+under the Triton interpreter (triton 3.9: ``NotImplementedError('Block pointers have been removed in favor
+of the tensor descriptor API')``), so on the CPU its lanes are NOT RUN with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .adapters import AdapterError, describe, interpreter_active, unavailable
+from .peers import PEER_ENV
+
+__all__ = ["load_kernels", "locate", "KERNELS", "sglang", "sglang_decode", "sglang_packed", "sglang_pool",
+           "sglang_chunk", "SGLangRecurrent", "SGLangChunk", "decode_step", "packed_step", "pool_step"]
+
+#: Where the kernels live inside the ``sglang`` package.
+KERNELS = Path("kernels/ops/attention")
+_NEEDED = ("fla/fused_recurrent.py", "linear/fused_sigmoid_gating_recurrent.py")
+_MODULES = {"fused_recurrent": "fla.fused_recurrent", "fused_sigmoid": "linear.fused_sigmoid_gating_recurrent"}
+
+_SHIM_UTILS = '''"""Shim of sglang.srt.utils (kvbuffer validate): the queries SGLang's GDN kernel files make."""
+import torch
+
+
+def is_hip():
+    return torch.version.hip is not None
+
+
+def is_cuda():
+    return torch.cuda.is_available() and torch.version.cuda is not None
+
+
+def is_cpu():
+    return False
+
+
+def is_npu():
+    return False
+
+
+def is_xpu():
+    return False
+
+
+def get_device_sm():
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return major * 10 + minor
+    return 0
+
+
+def is_gfx95_supported():
+    return bool(torch.version.hip) and "gfx95" in torch.cuda.get_device_properties(0).gcnArchName
+
+
+def is_sm90_supported():
+    return is_cuda() and torch.cuda.get_device_capability()[0] == 9
+
+
+def cdiv(a, b):
+    return -(a // -b)
+
+
+def next_power_of_2(n):
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cpu_has_amx_support():
+    return False
+'''
+_SHIM_COMMON = '''"""Shim of sglang.srt.utils.common (kvbuffer validate)."""
+import torch
+from packaging import version
+
+torch_release = version.parse(torch.__version__).release
+'''
+_SHIM_JIT = '''"""Shim of sglang.kernels.jit.utils (kvbuffer validate): SGLang's PDL rule (CUDA, capability >= 9)."""
+import torch
+
+
+def is_arch_support_pdl():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+'''
+
+
+# ----------------------------------------------------------------------------- finding the kernel files
+def _version_of_tree(pkg: Path) -> str:
+    for f in (pkg / "_version.py", pkg / "version.py"):
+        if f.is_file():
+            m = re.search(r"""__version__\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", f.read_text())
+            if m:
+                return m.group(1)
+    for meta in sorted(pkg.parent.glob("sglang-*.dist-info/METADATA")):
+        m = re.search(r"^Version: (\S+)", meta.read_text(), re.M)
+        if m:
+            return m.group(1)
+    return "?"
+
+
+_EXTRACTED: dict = {}
+
+
+def _from_wheel(whl: Path) -> tuple:
+    """The wheel's kernel folders extracted to a temporary folder (only fla/ and linear/ .py files)."""
+    key = str(whl.resolve())
+    if key not in _EXTRACTED:
+        root = Path(tempfile.mkdtemp(prefix="kvbuffer-sglang-wheel-"))
+        version = "?"
+        try:
+            with zipfile.ZipFile(whl) as z:
+                for n in z.namelist():
+                    if re.fullmatch(r"sglang/kernels/ops/attention/(fla|linear)/[^/]+\.py", n):
+                        z.extract(n, root)
+                    elif re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", n):
+                        m = re.search(r"^Version: (\S+)", z.read(n).decode(errors="replace"), re.M)
+                        version = m.group(1) if m else version
+        except (OSError, zipfile.BadZipFile) as e:
+            raise AdapterError(f"--peer-path {whl}: not a readable wheel ({e})") from None
+        _EXTRACTED[key] = (root / "sglang" / KERNELS, version)
+    return _EXTRACTED[key]
+
+
+def _tree(path: Path) -> Optional[tuple]:
+    """(kernel folder, version) of a wheel, a folder holding one, or a folder holding the sglang package."""
+    if path.is_file() and path.suffix == ".whl":
+        return _from_wheel(path)
+    if not path.is_dir():
+        return None
+    for pkg in (path / "sglang", path / "python" / "sglang", path):
+        if all((pkg / KERNELS / f).is_file() for f in _NEEDED):
+            return pkg / KERNELS, _version_of_tree(pkg)
+    wheels = sorted(path.glob("sglang-*.whl"))
+    if wheels:
+        return _from_wheel(wheels[-1])
+    return None
+
+
+def locate() -> tuple:
+    """(kernel folder, version, where from) of SGLang's kernels: ``$KVBUFFER_PEER_PATH`` (``--peer-path``)
+    when it holds them, else the installed ``sglang`` package.  AdapterError with what was looked at
+    when neither has them."""
+    looked = []
+    given = os.environ.get(PEER_ENV)
+    if given:
+        found = _tree(Path(given))
+        if found and all((found[0] / f).is_file() for f in _NEEDED):
+            return found[0], found[1], f"--peer-path {given}"
+        looked.append(f"--peer-path {given} holds no sglang kernel files ({', '.join(_NEEDED)} under "
+                      f"sglang/{KERNELS})")
+    spec = importlib.util.find_spec("sglang")  # a top-level package: found, not imported
+    if spec is not None and spec.submodule_search_locations:
+        pkg = Path(list(spec.submodule_search_locations)[0])
+        if all((pkg / KERNELS / f).is_file() for f in _NEEDED):
+            return pkg / KERNELS, _version_of_tree(pkg), f"installed sglang ({pkg})"
+        looked.append(f"the installed sglang ({pkg}) has no {KERNELS}/{_NEEDED[0]} (SGLang 0.5.23's layout)")
+    else:
+        looked.append("no sglang package is installed")
+    raise AdapterError("SGLang's kernels not found: " + "; ".join(looked) + ". Get them without SGLang's "
+                       "dependencies: python3 -m pip download --no-deps sglang -d DIR, then --peer-path DIR "
+                       "(or pip install --no-deps sglang)")
+
+
+# ----------------------------------------------------------------------------- loading them
+def _shims(kernels: Path) -> Path:
+    root = Path(tempfile.mkdtemp(prefix="kvbuffer-sglang-shims-"))
+    files = {
+        "sglang/__init__.py": '"""Shim of sglang (kvbuffer validate): only its GDN kernel files load."""\n',
+        "sglang/srt/__init__.py": "", "sglang/srt/utils/__init__.py": _SHIM_UTILS,
+        "sglang/srt/utils/common.py": _SHIM_COMMON,
+        "sglang/kernels/__init__.py": "", "sglang/kernels/jit/__init__.py": "",
+        "sglang/kernels/jit/utils/__init__.py": _SHIM_JIT,
+        "sglang/kernels/ops/__init__.py": "", "sglang/kernels/ops/attention/__init__.py": "",
+        # the kernel packages: their files are SGLang's own, read where they are
+        "sglang/kernels/ops/attention/fla/__init__.py": f"__path__ = [{str(kernels / 'fla')!r}]\n",
+        "sglang/kernels/ops/attention/linear/__init__.py": f"__path__ = [{str(kernels / 'linear')!r}]\n",
+    }
+    for p, text in files.items():
+        (root / p).parent.mkdir(parents=True, exist_ok=True)
+        (root / p).write_text(text)
+    return root
+
+
+def _interpreter_fixes(modules: dict) -> None:
+    """Under the Triton interpreter: builtin aliases -> jitted functions of the same builtin; input_guard's
+    device context -> a null context where torch has no device context for the tensors' device (CPU)."""
+    import triton.language as tl
+
+    from . import _sglang_interp as ji
+
+    alias = {id(tl.exp): ji.exp, id(tl.math.exp2): ji.exp2, id(tl.log): ji.log, id(tl.log2): ji.log2}
+    for m in modules.values():
+        for n, val in list(vars(m).items()):
+            if id(val) in alias:
+                setattr(m, n, alias[id(val)])
+    utils = modules.get("fla.utils")
+    if utils is not None and not hasattr(getattr(utils, "device_torch_lib", None), "device"):
+        utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+
+
+def load_kernels(chunk: bool = False) -> types.SimpleNamespace:
+    """SGLang's kernel modules (``locate``), imported with the shims first on sys.path, the process's own
+    ``sglang`` modules (if any) set aside meanwhile and restored after.  ``chunk``: also ``fla.chunk``."""
+    kernels, version, source = locate()
+    shims = _shims(kernels)
+    saved = {n: m for n, m in sys.modules.items() if n == "sglang" or n.startswith("sglang.")}
+    for n in saved:
+        del sys.modules[n]
+    sys.path.insert(0, str(shims))
+    loaded = {}
+    try:
+        import warnings
+        with warnings.catch_warnings():  # fla/utils.py warns when it finds no GPU driver
+            warnings.simplefilter("ignore")
+            names = dict(_MODULES, **({"chunk": "fla.chunk"} if chunk else {}))
+            for key, rel in names.items():
+                loaded[key] = importlib.import_module(f"sglang.{KERNELS.as_posix().replace('/', '.')}.{rel}")
+        prefix = f"sglang.{KERNELS.as_posix().replace('/', '.')}."
+        modules = {n[len(prefix):]: m for n, m in sys.modules.items() if n.startswith(prefix)}
+        if interpreter_active():
+            _interpreter_fixes(modules)
+    except Exception as e:
+        raise AdapterError(f"SGLang's kernels from {source}: importing them failed: {type(e).__name__}: {e}") \
+            from None
+    finally:
+        sys.path.remove(str(shims))
+        for n in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+    fr, fs = loaded["fused_recurrent"], loaded["fused_sigmoid"]
+    return types.SimpleNamespace(
+        version=version, source=source,
+        fused_recurrent_gated_delta_rule=fr.fused_recurrent_gated_delta_rule,
+        fused_recurrent_gated_delta_rule_update=fr.fused_recurrent_gated_delta_rule_update,
+        fused_recurrent_gated_delta_rule_packed_decode=fr.fused_recurrent_gated_delta_rule_packed_decode,
+        fused_sigmoid_gating_delta_rule_update=fs.fused_sigmoid_gating_delta_rule_update,
+        chunk_gated_delta_rule=loaded["chunk"].chunk_gated_delta_rule if chunk else None)
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and not interpreter_active()
+
+
+_NOT_BUFFERED = {
+    "direct_gated_delta_rule": "SGLang has no stateless (direct) form",
+    "buffered_decode": "not an SGLang kernel (its decode reads and writes the state every step)",
+    "flush": "SGLang has no buffer", "materialize_state": "SGLang has no buffer",
+    "verify": "SGLang's speculative verify keeps a state per draft (not mapped here)",
+    "accept": "SGLang's speculative verify keeps a state per draft (not mapped here)",
+    "prefill": "SGLang has no buffer hand-off",
+}
+
+
+# ----------------------------------------------------------------------------- sglang: the oracle's convention
+class SGLangRecurrent:
+    """``fused_recurrent_gated_delta_rule`` of SGLang's fla copy in the oracle's convention (the module
+    docstring): every argument by keyword, states [N, HV, V, K] in float32 (transposed here), q/k
+    normalisation in the kernel off (the caller normalises), int64 ``cu_seqlens``, grouped value heads
+    native, scalar gates only (the kernel is launched with IS_KDA=False)."""
+
+    contract = "ieee"
+    channel_gate = False
+    forms = ("u",)
+    varlen = ("recurrent_gated_delta_rule",)
+
+    def __init__(self, kernels):
+        self._k = kernels
+        self.version = kernels.version
+        self.name = f"sglang {kernels.version}"
+        self.interpreted = interpreter_active()
+        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.not_provided = dict(_NOT_BUFFERED, chunk_gated_delta_rule="SGLang's chunk kernel takes 16-bit inputs "
+                                 "only and a state pool: --impl sglang-chunk")
+
+    def recurrent_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   cu_seqlens=None):
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        h0 = None if initial_state is None else initial_state.to(torch.float32).transpose(-1, -2).contiguous()
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(torch.int64)}
+        o, S = self._k.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0,
+                                                        output_final_state=output_final_state,
+                                                        use_qk_l2norm_in_kernel=False, **kw)
+        return o, (None if S is None else S.transpose(-1, -2))
+
+    def recurrent_decode(self, q, k, v, *, g, beta, state, scale=None):
+        """One decode step: the state in, its final state copied back in place."""
+        o, new = self.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
+                                                 output_final_state=True)
+        state.copy_(new)
+        return o
+
+
+class SGLangChunk:
+    """``chunk_gated_delta_rule`` of SGLang's fla copy (its prefill): float16 / bfloat16 q, k, v (it refuses
+    float32), states in a float32 pool [N + 1, HV, V, K] addressed by ``initial_state_indices`` (int32,
+    slot 0 left NaN, never addressed) and written in place (``inplace_update=True``), q/k normalisation in
+    the kernel off, its own chunk size 64, int64 ``cu_seqlens``.  Without an initial state the slots
+    start at zero, as SGLang clears a fresh request's slot."""
+
+    contract = "bf16"
+    channel_gate = False
+    forms = ("u",)
+    varlen = ("chunk_gated_delta_rule",)
+
+    def __init__(self, kernels):
+        self._k = kernels
+        self.name = f"sglang {kernels.version} chunk"
+        self.interpreted = interpreter_active()
+        self.dtypes = (torch.float16,) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.not_provided = dict(_NOT_BUFFERED, recurrent_gated_delta_rule="the chunk kernel only: --impl sglang",
+                                 recurrent_decode="the chunk kernel only: --impl sglang, sglang-decode, sglang-packed")
+
+    def chunk_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               chunk_size=64, cu_seqlens=None):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        pool = torch.zeros(N + 1, HV, V, K, dtype=torch.float32, device=q.device)
+        pool[0] = float("nan")
+        if initial_state is not None:
+            pool[1:] = initial_state.to(torch.float32).transpose(-1, -2)
+        idx = torch.arange(1, N + 1, dtype=torch.int32, device=q.device)
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(torch.int64)}
+        o, _, _ = self._k.chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
+                                                 beta.contiguous(), scale=scale, initial_state=pool,
+                                                 initial_state_indices=idx, use_qk_l2norm_in_kernel=False,
+                                                 inplace_update=True, **kw)
+        return o, (pool[1:].transpose(-1, -2).contiguous() if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- the pooled kernels' steps
+def decode_step(kernels):
+    """``fused_sigmoid_gating_delta_rule_update`` as SGLang's Triton GDN backend calls it per decode step
+    (``TritonGDNKernel.decode``): q, k, v [1, N, H|HV, K|V], a, b [1, N, HV], ``cu_seqlens`` (its
+    query_start_loc), the pool and its slot indices, softplus_beta 1 and threshold 20, q/k L2-normalised
+    in the kernel."""
+    def step(*, q, k, v, A_log, dt_bias, a, b, state, slots, cu_seqlens, scale):
+        return kernels.fused_sigmoid_gating_delta_rule_update(
+            A_log=A_log, a=a, dt_bias=dt_bias, softplus_beta=1.0, softplus_threshold=20.0, q=q, k=k, v=v, b=b,
+            initial_state_source=state, initial_state_indices=slots, scale=scale, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens)
+    return step
+
+
+def packed_step(kernels):
+    """``fused_recurrent_gated_delta_rule_packed_decode`` as ``TritonGDNKernel.packed_decode`` calls it:
+    ``mixed_qkv`` [N, 2 H K + HV V], a, b [N, HV], the output [N, 1, HV, V] allocated by the caller."""
+    def step(*, mixed_qkv, A_log, dt_bias, a, b, state, slots, scale):
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], 1, state.shape[1], state.shape[2])
+        kernels.fused_recurrent_gated_delta_rule_packed_decode(
+            mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state, out=out,
+            ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
+        return out
+    return step
+
+
+def pool_step(kernels):
+    """``fused_recurrent_gated_delta_rule_update``: whole sequences (``cu_seqlens``) from and into the pool
+    by slot, log gates; a request without an initial state gets its slot zeroed first (SGLang clears a fresh
+    request's slot before its forward: the kernel reads every slot it is given)."""
+    def step(*, q, k, v, g, beta, state, slots, cu_seqlens, scale, has_initial_state):
+        fresh = slots[(~has_initial_state.to(slots.device)) & (slots >= 0)].long()
+        state[fresh] = 0
+        return kernels.fused_recurrent_gated_delta_rule_update(
+            q, k, v, g=g, beta=beta, scale=scale, initial_state_source=state, initial_state_indices=slots,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    return step
+
+
+#: The engine conventions of the three pooled kernels (engine.Convention fields).
+CONVENTIONS = {
+    "decode": dict(tokens="decode", qkv="separate", gating="raw", qk_l2norm=True, state_layout="VK", pool=True,
+                   pad_slot=-1, varlen=True),
+    "packed": dict(tokens="decode", qkv="packed", gating="raw", qk_l2norm=True, state_layout="VK", pool=True,
+                   pad_slot=-1, varlen=False),
+    "pool": dict(tokens="sequence", qkv="separate", gating="log", qk_l2norm=True, state_layout="VK", pool=True,
+                 pad_slot=-1, varlen=True),
+}
+
+
+# ----------------------------------------------------------------------------- the factories (--impl names)
+def _load(name: str, chunk: bool = False):
+    """The kernels, or None and an Implementation whose lanes are NOT RUN with the reason."""
+    try:
+        return load_kernels(chunk=chunk), None
+    except AdapterError as e:
+        return None, unavailable(name, str(e))
+
+
+def sglang():
+    """``--impl sglang``: SGLang's ``fused_recurrent_gated_delta_rule`` (recurrent, recurrent_decode,
+    recurrent_varlen)."""
+    k, missing = _load("sglang")
+    return missing or describe(SGLangRecurrent(k))
+
+
+def _engine(kind: str, label: str, step_of):
+    from .engine import engine_adapter
+    k, missing = _load(f"sglang-{kind}")
+    if missing:
+        return missing
+    adapter = engine_adapter(step_of(k), name=f"sglang {k.version} {label}", contract="ieee", **CONVENTIONS[kind])
+    adapter.interpreted = interpreter_active()
+    if kind == "pool":  # log gates, one per value head: the kernel has no per-channel gate
+        adapter.channel_gate = False
+    return describe(adapter)
+
+
+def sglang_decode():
+    """``--impl sglang-decode``: ``fused_sigmoid_gating_delta_rule_update`` in SGLang's decode convention."""
+    return _engine("decode", "fused_sigmoid_gating decode", decode_step)
+
+
+def sglang_packed():
+    """``--impl sglang-packed``: ``fused_recurrent_gated_delta_rule_packed_decode`` (packed mixed_qkv)."""
+    return _engine("packed", "packed decode", packed_step)
+
+
+def sglang_pool():
+    """``--impl sglang-pool``: ``fused_recurrent_gated_delta_rule_update`` (sequences into a slot pool)."""
+    return _engine("pool", "pooled recurrent", pool_step)
+
+
+def sglang_chunk():
+    """``--impl sglang-chunk``: SGLang's ``chunk_gated_delta_rule``; NOT RUN under the Triton interpreter."""
+    if interpreter_active() and os.environ.get("KVBUFFER_PEER_INTERPRET", "0") in ("", "0"):
+        try:
+            version = locate()[1]
+        except AdapterError as e:
+            return unavailable("sglang-chunk", str(e))
+        return unavailable(f"sglang {version} chunk", (
+            "SGLang's chunk kernel does not run under the Triton interpreter (triton 3.9: NotImplementedError('Block "
+            "pointers have been removed in favor of the tensor descriptor API')); run it with --device cuda "
+            "(KVBUFFER_PEER_INTERPRET=1 tries the interpreter anyway)"))
+    k, missing = _load("sglang-chunk", chunk=True)
+    return missing or describe(SGLangChunk(k))

@@ -1,0 +1,202 @@
+"""The built-in SGLang adapters (``kvbuffer_ref.validate.sglang``): each call they make binds to the real
+kernel's signature; the recurrent kernels' lanes pass under the Triton interpreter; the chunk kernel, which
+the interpreter cannot run, through its real signature with SGLang's pooled recurrent kernel behind it; a
+wrong state layout fails; without SGLang the lanes are NOT RUN with how to get it.
+
+SGLang's kernels come from ``$KVBUFFER_PEER_PATH``, else a ``sglang-*.whl`` in the checkout's ``.whl/sglang/``,
+else an installed ``sglang``; without any of them these tests skip.  To run them:
+``python3 -m pip download --no-deps sglang -d .whl/sglang`` (a 39 MB wheel; nothing of it is installed)."""
+
+import inspect
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvbuffer_ref as ref
+from kvbuffer_ref.validate import adapters, Case
+from kvbuffer_ref.validate import sglang as sg
+from kvbuffer_ref.validate.adapters import AdapterError
+from kvbuffer_ref.validate.engine import engine_adapter
+from kvbuffer_ref.validate.peers import PEER_ENV
+from kvbuffer_ref.validate.runner import run_validation
+from kvbuffer_ref.validate.tolerances import compare
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _where():
+    for p in (os.environ.get(PEER_ENV), ROOT / ".whl" / "sglang", ROOT / ".whl"):
+        if p and sg._tree(Path(p)):
+            return str(p)
+    return None
+
+
+WHERE = _where()
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    if WHERE:
+        monkeypatch.setenv(PEER_ENV, WHERE)
+    try:
+        return sg.load_kernels()
+    except AdapterError as e:
+        pytest.skip(f"SGLang's kernels not available ({e})")
+
+
+def _agrees(got, x, **kw):
+    """(o, S) against the float64 recurrence, the float32 recurrence as the baseline (the one table)."""
+    truth = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True,
+                                           **{n: None if t is None else t.double() for n, t in kw.items()})
+    base = ref.recurrent_gated_delta_rule(**x, output_final_state=True, **kw)
+    for name, a, e, b, axis in (("o", got[0], truth[0], base[0], 2), ("state", got[1], truth[1], base[1], 1)):
+        c = compare(a, e, b, name=name, g=x["g"], head_axis=axis)
+        assert c.passed, str(c)
+
+
+def _binding(real, calls, run=None):
+    """A stand-in for ``real`` that binds every call to its signature, records it and runs ``run`` (default:
+    ``real``) on the bound arguments."""
+    sig = inspect.signature(real)
+
+    def fn(*a, **kw):
+        b = sig.bind(*a, **kw)
+        calls.append(dict(b.arguments))
+        return (run or real)(*b.args, **b.kwargs)
+    return fn
+
+
+def test_loading_leaves_no_sglang_module_behind(kernels):
+    assert not any(n == "sglang" or n.startswith("sglang.") for n in sys.modules)
+    assert kernels.version != "?" and kernels.source
+
+
+def test_every_call_binds_to_the_real_kernel_signature(kernels):
+    """The four recurrent entry points, each called the way its adapter calls it, through its real signature."""
+    calls = {}
+    ns = dict(vars(kernels))
+    for name in ("fused_recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule_update",
+                 "fused_recurrent_gated_delta_rule_packed_decode", "fused_sigmoid_gating_delta_rule_update"):
+        ns[name] = _binding(getattr(kernels, name), calls.setdefault(name, []))
+    k = type(kernels)(**ns)
+    # the oracle's convention, grouped heads, an initial state, an explicit scale
+    x = Case(B=2, T=3, H=1, HV=2, K=8, V=5, gate="mild", seed=4).inputs(torch.float32)
+    S0 = torch.randn(2, 2, 8, 5, generator=torch.Generator().manual_seed(0))
+    got = sg.SGLangRecurrent(k).recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
+    _agrees(got, x, initial_state=S0)
+    (kw,) = calls["fused_recurrent_gated_delta_rule"]
+    assert kw["use_qk_l2norm_in_kernel"] is False and kw["initial_state"].shape == (2, 2, 5, 8)  # [N, HV, V, K]
+    assert torch.equal(kw["g"], x["g"]) and torch.equal(kw["beta"], x["beta"])
+    # the engine steps: what engine_adapter hands them, bound to the kernels' signatures
+    N, H, HV, K, V = 3, 1, 2, 8, 5
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randn(5, HV, V, K, generator=g)
+    slots = torch.tensor([3, -1, 1], dtype=torch.int32)
+    raw = dict(A_log=torch.randn(HV, generator=g), dt_bias=torch.randn(HV, generator=g))
+    q, kk, v = torch.randn(1, N, H, K, generator=g), torch.randn(1, N, H, K, generator=g), torch.randn(1, N, HV, V, generator=g)
+    a, b = torch.randn(1, N, HV, generator=g), torch.randn(1, N, HV, generator=g)
+    cu = torch.arange(N + 1, dtype=torch.int32)
+    o = sg.decode_step(k)(q=q, k=kk, v=v, a=a, b=b, state=pool, slots=slots, cu_seqlens=cu, scale=K ** -0.5, **raw)
+    assert o.shape == (1, N, HV, V)
+    (kw,) = calls["fused_sigmoid_gating_delta_rule_update"]
+    assert kw["use_qk_l2norm_in_kernel"] is True and kw["initial_state_indices"] is slots
+    assert kw["softplus_beta"] == 1.0 and kw["softplus_threshold"] == 20.0
+    mixed = torch.cat([q[0].flatten(1), kk[0].flatten(1), v[0].flatten(1)], 1)
+    o = sg.packed_step(k)(mixed_qkv=mixed, a=a[0], b=b[0], state=pool, slots=slots, scale=K ** -0.5, **raw)
+    assert o.shape == (N, 1, HV, V) and torch.equal(o[1], torch.zeros_like(o[1]))  # a pad row: zero output
+    (kw,) = calls["fused_recurrent_gated_delta_rule_packed_decode"]
+    assert kw["use_qk_l2norm_in_kernel"] is True and kw["ssm_state_indices"] is slots
+    o = sg.pool_step(k)(q=q, k=kk, v=v, g=-torch.rand(1, N, HV, generator=g), beta=torch.rand(1, N, HV, generator=g),
+                        state=pool, slots=slots, cu_seqlens=cu, scale=K ** -0.5,
+                        has_initial_state=torch.tensor([False] * N))
+    (kw,) = calls["fused_recurrent_gated_delta_rule_update"]
+    assert kw["use_qk_l2norm_in_kernel"] is True and kw["initial_state_source"] is pool
+
+
+def test_chunk_calls_bind_to_the_real_signature_and_compute_the_recurrence(kernels, monkeypatch):
+    """The chunk kernel does not run under the interpreter: the adapter's call binds to its real signature,
+    and the bound arguments (its pool, slots written in place) run through SGLang's pooled recurrent kernel,
+    which keeps the same pool semantics, against the float64 truth."""
+    monkeypatch.setenv(PEER_ENV, WHERE or "")
+    try:
+        real = sg.load_kernels(chunk=True).chunk_gated_delta_rule
+    except AdapterError as e:
+        pytest.skip(f"SGLang's chunk module does not import here ({e})")
+    calls = []
+
+    def as_recurrent(q, k, v, g, beta, scale=None, initial_state=None, initial_state_indices=None,
+                     cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, inplace_update=True):
+        assert inplace_update and not head_first
+        B, T = q.shape[:2]
+        flat = (lambda t: t.reshape(1, B * T, *t.shape[2:])) if cu_seqlens is None else (lambda t: t)
+        cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T)
+        o = kernels.fused_recurrent_gated_delta_rule_update(
+            flat(q), flat(k), flat(v), g=flat(g), beta=flat(beta), scale=scale, initial_state_source=initial_state,
+            initial_state_indices=initial_state_indices, cu_seqlens=cu, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o.reshape(*v.shape), None, None
+
+    k = type(kernels)(**dict(vars(kernels), chunk_gated_delta_rule=_binding(real, calls, as_recurrent)))
+    adapter = sg.SGLangChunk(k)
+    x = Case(B=2, T=5, H=1, HV=2, K=8, V=3, gate="mild", seed=9).inputs(torch.float32)
+    S0 = torch.randn(2, 2, 8, 3, generator=torch.Generator().manual_seed(3))
+    _agrees(adapter.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, chunk_size=16), x,
+            initial_state=S0)
+    (args,) = calls
+    assert args["use_qk_l2norm_in_kernel"] is False and args["inplace_update"] is True
+    assert args["initial_state"].shape == (3, 2, 3, 8) and args["initial_state_indices"].tolist() == [1, 2]
+    # ragged sequences, int64 offsets, no initial state: the slots start at zero
+    flat = {n: torch.cat([t[0, :4], t[1, :1]]).unsqueeze(0) for n, t in x.items()}
+    o, S = adapter.chunk_gated_delta_rule(**flat, output_final_state=True,
+                                          cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32))
+    assert calls[-1]["cu_seqlens"].dtype == torch.int64
+    for i, sl in enumerate((slice(0, 4), slice(4, 5))):
+        _agrees((o[:, sl], S[i:i + 1]), {n: t[:, sl] for n, t in flat.items()})
+
+
+@pytest.mark.parametrize("name,ops", [
+    ("sglang", ["recurrent", "recurrent_decode", "recurrent_varlen"]),
+    ("sglang-decode", ["recurrent_decode"]),
+    ("sglang-packed", ["recurrent_decode"]),
+    ("sglang-pool", ["recurrent"]),
+])
+def test_lanes_pass_under_the_interpreter(name, ops, kernels, monkeypatch):
+    monkeypatch.setenv(PEER_ENV, WHERE or "")
+    impl = adapters.resolve(name)
+    assert not impl.unavailable and impl.contract == "ieee"
+    rep = run_validation([impl], ops=[(o, None) for o in ops], dtypes=[torch.float32], seed=3, max_examples=2,
+                         progress=None, explain=False)
+    ran = [r for r in rep.lanes if r.status not in ("NOT PROVIDED",)]
+    assert sorted(r.operation for r in ran) == sorted(ops)
+    for lane in ran:
+        assert lane.status == "PASS", lane.failure
+        assert lane.checks > 0
+
+
+def test_a_state_read_in_the_wrong_layout_fails(kernels):
+    """The decode step declared with the oracle's [K, V] layout: SGLang's pool is [V, K], so it fails."""
+    impl = adapters.describe(engine_adapter(sg.decode_step(kernels), name="sglang-kv", contract="ieee",
+                                            **dict(sg.CONVENTIONS["decode"], state_layout="KV")))
+    impl.interpreted = True
+    rep = run_validation([impl], ops=[("recurrent_decode", None)], dtypes=[torch.float32], seed=3, max_examples=1,
+                         progress=None, explain=False, fail_fast=True, shrink=False)
+    (lane,) = [r for r in rep.lanes if r.status != "NOT PROVIDED"]
+    assert lane.status == "FAIL"
+
+
+def test_the_chunk_lanes_say_why_they_do_not_run_under_the_interpreter(kernels, monkeypatch):
+    monkeypatch.setenv(PEER_ENV, WHERE or "")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    impl = adapters.resolve("sglang-chunk")
+    assert "Triton interpreter" in impl.unavailable and "Block pointers" in impl.unavailable
+
+
+def test_without_sglang_every_lane_is_not_run_with_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(PEER_ENV, str(tmp_path))
+    monkeypatch.setattr(sg.importlib.util, "find_spec", lambda name, *a: None)
+    for name in ("sglang", "sglang-decode", "sglang-packed", "sglang-pool", "sglang-chunk"):
+        impl = adapters.resolve(name)
+        assert "SGLang's kernels not found" in impl.unavailable and str(tmp_path) in impl.unavailable
+        assert "pip download --no-deps sglang" in impl.unavailable
