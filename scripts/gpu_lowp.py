@@ -1,6 +1,12 @@
 """Reduced-precision state and u-cache on the GPU: decode time and error growth, in one run.
 
     python3 scripts/gpu_lowp.py [--out PATH] [--batches 64,128,256,512] [--layers 4] [--steps 4096] [--smoke]
+    python3 scripts/gpu_lowp.py --sweep [--candidates NAME,...] [--storages state,state+u] [--budget-s 150]
+                                [--check-all] [--smoke]
+
+``--sweep`` replaces (a) and (b) by the choice of the 16-bit storages' launch: (a) for each launch of
+``CANDIDATES`` (``sweep``; default output ``bench/results/lowp/gpu_lowp_sweep.json``), a table of the
+times and the fastest correct launch per storage and batch.
 
 (a) **Decode time** per token and layer of ``kvbuffer_fast.buffered_decode`` at Qwen3-Next heads
     (H = 16, HV = 32, K = V = 128), C = 16, bf16 q/k/v and cached keys, for four storages: fp32 state
@@ -106,15 +112,17 @@ def tokens(p: Plan, B: int, T: int, gen: torch.Generator, dtype) -> dict:
 
 
 def full_buffer(p: Plan, B: int, state_dtype, u_dtype, gen: torch.Generator) -> KVBuffer:
-    """A buffer of B requests, each with a state and C entries (full: the next step folds)."""
+    """A buffer of B requests, each with a state and C entries (full: the next step folds); drawn on
+    ``gen``'s device (the sweep draws on the GPU: its buffers are gigabytes)."""
     buf = KVBuffer.empty(B, p.H, p.HV, p.K, p.V, p.C, dtype=u_dtype, gate_dtype=F32, key_dtype=p.token_dtype,
                          state_dtype=state_dtype, device=p.device)
-    k = torch.nn.functional.normalize(torch.randn(B, p.C, p.H, p.K, generator=gen), dim=-1)
-    G = (-0.1 * torch.rand(B, p.C, p.HV, generator=gen)).cumsum(1)
+    r = dict(generator=gen, device=gen.device)
+    k = torch.nn.functional.normalize(torch.randn(B, p.C, p.H, p.K, **r), dim=-1)
+    G = (-0.1 * torch.rand(B, p.C, p.HV, **r)).cumsum(1)
     buf.k.copy_(k)
-    buf.u.copy_(0.3 * torch.randn(B, p.C, p.HV, p.V, generator=gen))
+    buf.u.copy_(0.3 * torch.randn(B, p.C, p.HV, p.V, **r))
     buf.G.copy_(G)
-    buf.state.copy_(0.05 * torch.randn(B, p.HV, p.K, p.V, generator=gen))
+    buf.state.copy_(0.05 * torch.randn(B, p.HV, p.K, p.V, **r))
     buf.lengths.fill_(p.C)
     buf.has_state.fill_(True)
     return buf
@@ -130,11 +138,12 @@ def oracle_copy(buf: KVBuffer, wide) -> KVBuffer:
     return KVBuffer(**{n: cv(x) for n, x in buf.tensors().items()})
 
 
-def check_storage(p: Plan, buf: KVBuffer, x: dict) -> dict:
-    """One eager cycle of C steps on a copy of ``buf`` (all B requests: the launch the timing runs),
-    its first min(4, B) requests against the float64 oracle that rounds where the kernels store: the
-    outputs within the table's row of the storage's dtype (the float32 reference with the same storage
-    as the baseline), the final stored states within one ulp of the oracle's, on at most 5 % apart."""
+def check_storage(p: Plan, buf: KVBuffer, x: dict, config=None) -> dict:
+    """One eager cycle of C steps on a copy of ``buf`` (all B requests: the launch the timing runs, with
+    ``config``, None for the launch table's), its first min(4, B) requests against the float64 oracle
+    that rounds where the kernels store: the outputs within the table's row of the storage's dtype (the
+    float32 reference with the same storage as the baseline), the final stored states within one ulp of
+    the oracle's, on at most 5 % apart."""
     n = min(4, buf.batch)
     mine = KVBuffer(**buf.cloned())
     sub = KVBuffer(**{f: None if t is None else t[:n].clone() for f, t in buf.tensors().items()})
@@ -143,7 +152,7 @@ def check_storage(p: Plan, buf: KVBuffer, x: dict) -> dict:
     row = low if torch.finfo(low).bits == 16 else F32
     for t in range(p.C):
         xt = {k: v[:, t:t + 1] for k, v in x.items()}
-        o, mine = fast.buffered_decode(**xt, buffer=mine)
+        o, mine = fast.buffered_decode(**xt, buffer=mine, config=config)
         xn = {k: v[:n] for k, v in xt.items()}
         o64, r64 = ref.buffered_decode(**{k: v.double() for k, v in xn.items()}, buffer=r64)
         o32, r32 = ref.buffered_decode(**{k: v.float() for k, v in xn.items()}, buffer=r32)
@@ -216,6 +225,157 @@ def time_decode(p: Plan, copy: dict, log) -> list:
                     torch.cuda.empty_cache()
             rows.append(row)
     return rows
+
+
+#: The sweep's launches of the decode step for a 16-bit state: name -> DecodeConfig fields set on top of
+#: the launch table's choice for the storage (``config_for("decode", key)``, the key carrying the state's
+#: dtype).  With a bf16 state the table's launch (``[32, 64]`` blocks, one in flight per program) moves
+#: half the fp32 bytes per round trip in the same number of round trips; the candidates put more bytes
+#: in flight per SM (more blocks pipelined, larger blocks, wider tiles) or less instruction work per
+#: byte (tensor-core products instead of per-block reductions), in that order of priority.
+CANDIDATES: dict[str, dict] = {
+    "table": {},
+    "NS=2": dict(NS=2),
+    "dot": dict(dot=True),
+    "dot NS=2": dict(dot=True, NS=2),
+    "KB=64": dict(KB=64),
+    "KB=64 w4": dict(KB=64, num_warps=4),
+    "KB=128 w4": dict(KB=128, num_warps=4),
+    "BV=128 w4": dict(BV=128, num_warps=4),
+    "dot NS=3": dict(dot=True, NS=3),
+    "dot KB=64 w4": dict(dot=True, KB=64, num_warps=4),
+    "NS=3": dict(NS=3),
+    "KB=128 w8": dict(KB=128, num_warps=8),
+    "BV=128 w4 NS=2": dict(BV=128, num_warps=4, NS=2),
+    "dot KB=128 w4": dict(dot=True, KB=128, num_warps=4),
+    "fold_NS=3": dict(fold_NS=3),
+    "fold_KB=64": dict(fold_KB=64),
+}
+#: What each candidate is for (printed beside it in the JSON).
+WHY = {
+    "table": "the launch table's choice (today: the fp32 launch)",
+    "NS=2": "two [32, 64] state blocks in flight per program (the loop software-pipelined through shared memory)",
+    "NS=3": "three blocks in flight per program",
+    "dot": "S0^T k, S0^T q and the scores as two exact 16-bit tensor-core products per block, no reduction in the loop",
+    "dot NS=2": "the products' state operand pipelined (cp.async into shared memory), two blocks in flight",
+    "dot NS=3": "three blocks in flight",
+    "KB=64": "[64, 64] bf16 blocks: the fp32 launch's 8 KB per round trip, two round trips per program",
+    "KB=64 w4": "the same on 4 warps (the fp32 launch's registers per thread)",
+    "KB=128 w4": "the whole [128, 64] tile in one round trip, 4 warps",
+    "KB=128 w8": "the whole tile in one round trip, 8 warps",
+    "BV=128 w4": "[32, 128] blocks (8 KB), half the programs: the per-program key scores amortised over 2x columns",
+    "BV=128 w4 NS=2": "the same with two blocks in flight",
+    "dot KB=64 w4": "products on [64, 64] blocks, 4 warps",
+    "dot KB=128 w4": "products on the whole tile, 4 warps",
+    "fold_NS=3": "the fold launch (1/C of the steps, ~15 % of the cycle) with three blocks in flight",
+    "fold_KB=64": "the fold launch on [64, 64] blocks",
+}
+
+
+def sweep(p: Plan, copy: dict, names: list, storage_names: list, budget_s: float, check_all: bool, log) -> dict:
+    """Decode time per token and layer of each candidate launch (``CANDIDATES``) for each 16-bit storage
+    at each batch, beside the fp32 storage at the table's launch and the read-once floor, as
+    ``time_decode`` times it (layers of distinct states in turn, a whole cycle in one CUDA graph, the L2
+    cleared before each replay).  Each (candidate, storage) is checked against the float64 oracle first
+    (``check_storage``, at the first batch; at every batch with ``check_all``): a wrong one is flagged
+    and not timed.  Storage-major, then candidate, then batch, so that a run cut by ``budget_s``
+    (seconds since the start of the sweep; what is left is marked skipped) has whole candidates."""
+    from kvbuffer_fast.decode import _dot_flags
+    from kvbuffer_fast.launch import config_for, key_of
+
+    t0 = time.perf_counter()
+    table = storages(p.low)
+    runs = [("fp32", "table")] + [(st, c) for st in storage_names for c in names]
+    rows = []
+    base = {}
+    for st in dict.fromkeys(r[0] for r in runs):  # one storage's buffers at every batch, then freed
+        sd, ud = table[st]
+        gen = torch.Generator(device=p.device).manual_seed(1)
+        bufs = {B: [full_buffer(p, B, sd, ud, gen) for _ in range(p.layers)] for B in p.batches}
+        xs = {B: [tokens(p, B, p.C, torch.Generator().manual_seed(B + 10 * i), p.token_dtype)
+                  for i in range(p.layers)] for B in p.batches}
+        for name in [c for s_, c in runs if s_ == st]:
+            bad = None
+            for i, B in enumerate(p.batches):
+                row = dict(storage=st, candidate=name, set=CANDIDATES[name], B=B)
+                rows.append(row)
+                if time.perf_counter() - t0 > budget_s:
+                    row["skipped"] = f"past the sweep's budget of {budget_s:.0f} s"
+                    continue
+                if bad is not None:
+                    row["check"] = bad
+                    continue
+                try:
+                    x0 = xs[B][0]
+                    key = key_of(x0["q"], C=p.C, B=B, HV=p.HV, V=p.V, state_dtype=sd)
+                    cfg = dataclasses.replace(config_for("decode", key), **CANDIDATES[name])
+                    row["config"] = dataclasses.asdict(cfg)
+                    row["dot_taken"] = _dot_flags(cfg, x0["q"], x0["k"], bufs[B][0].k, bufs[B][0].state, False)["DOT"]
+                    if i == 0 or check_all:
+                        row["check"] = check_storage(p, bufs[B][0], x0, cfg)
+                        if not row["check"]["passed"]:
+                            bad = row["check"]
+                            log(f"{st} {name} B={B}: WRONG, not timed: {bad['what']}")
+                            continue
+                    steps = [[{k: v[:, t:t + 1].contiguous() for k, v in x.items()} for t in range(p.C)]
+                             for x in xs[B]]
+                    lb = bufs[B]
+
+                    def run(steps=steps, lb=lb, cfg=cfg):
+                        for t in range(p.C):
+                            for layer in range(p.layers):
+                                fast.buffered_decode(**steps[layer][t], buffer=lb[layer], config=cfg)
+                    ms, method = device_ms(run, p.device == "cpu")
+                    us = ms * 1e3 / (p.C * p.layers)
+                    floor = B * step_bytes(p, sd, ud) / (copy["TBps"] * 1e12) * 1e6
+                    if st == "fp32":
+                        base[B] = us
+                    row.update(us_per_token_layer=us, floor_us=floor, over_floor=us / floor, method=method,
+                               vs_fp32=us / base[B] if B in base else None)
+                    log(f"{st:>14} {name:<15} B={B:<4} {us:8.2f} us  {us / floor:.3f}x floor"
+                        + (f"  {us / base[B]:.3f}x fp32" if B in base else ""))
+                except Exception as e:  # noqa: BLE001 - a failing candidate is reported, the rest still run
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    row["traceback"] = traceback.format_exc(limit=4)
+                    log(f"{st} {name} B={B}: ERROR {row['error']}")
+        bufs = xs = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    best = {}
+    for r in rows:
+        if "us_per_token_layer" in r and r["storage"] != "fp32":
+            k = f"{r['storage']} B={r['B']}"
+            if k not in best or r["us_per_token_layer"] < best[k]["us_per_token_layer"]:
+                best[k] = dict(candidate=r["candidate"], set=r["set"], us_per_token_layer=r["us_per_token_layer"],
+                               vs_fp32=r["vs_fp32"], over_floor=r["over_floor"])
+    return dict(candidates={n: dict(set=CANDIDATES[n], why=WHY.get(n, "")) for n in names}, rows=rows, best=best,
+                seconds=time.perf_counter() - t0)
+
+
+def sweep_table(res: dict, batches) -> str:
+    """One line per (storage, candidate): per batch µs, x floor, x fp32; WRONG / ERROR / skipped."""
+    cells = {}
+    for r in res["rows"]:
+        if "us_per_token_layer" in r:
+            c = f"{r['us_per_token_layer']:.1f} ({r['over_floor']:.2f}f" + (
+                f", {r['vs_fp32']:.3f}x)" if r.get("vs_fp32") is not None else ")")
+        elif r.get("check") and not r["check"].get("passed", True):
+            c = "WRONG"
+        elif "error" in r:
+            c = "ERROR"
+        else:
+            c = "skipped"
+        cells.setdefault((r["storage"], r["candidate"]), {})[r["B"]] = c
+    lines = ["| storage | launch | " + " | ".join(f"B = {b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
+    for (st, name), by_b in cells.items():
+        lines.append(f"| {st} | {name} | " + " | ".join(by_b.get(b, "") for b in batches) + " |")
+    lines.append("(µs per token and layer; f: x the read-once floor; x fp32: against the fp32 storage's table "
+                 "launch at the same batch)")
+    for k, b in res["best"].items():
+        lines.append(f"best {k}: {b['candidate']} {b['us_per_token_layer']:.1f} us, {b['vs_fp32']:.3f}x fp32, "
+                     f"{b['over_floor']:.2f}x floor")
+    return "\n".join(lines)
 
 
 def error_growth(p: Plan, log) -> dict:
@@ -307,6 +467,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4096)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, fp16 for bf16")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the 16-bit storages under each candidate launch (CANDIDATES) instead of (a) and (b)")
+    ap.add_argument("--candidates", help="comma list of CANDIDATES names for --sweep (default: all, in order)")
+    ap.add_argument("--storages", default="state,state+u",
+                    help="--sweep: the 16-bit storages, of state, u, state+u (default state,state+u)")
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="--sweep: no new timing starts after this many seconds of sweeping (default 150)")
+    ap.add_argument("--check-all", action="store_true", help="--sweep: check every batch, not only the first")
     a = ap.parse_args(argv)
     if a.smoke:
         p = Plan(H=1, HV=2, K=16, V=16, C=4, batches=(2,), layers=2, steps=min(a.steps, 32), error_batch=2,
@@ -324,12 +492,36 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
     out = Path(a.out)
+    if a.sweep and a.out == ap.get_default("out"):
+        out = out.with_name("gpu_lowp_sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(script="scripts/gpu_lowp.py", smoke=a.smoke, versions=versions(),
                   plan={k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
                         for k, v in dataclasses.asdict(p).items()})
     result["copy_bandwidth"] = copy_bandwidth(p.device, a.smoke)
     log(f"copy bandwidth {result['copy_bandwidth']['TBps']:.3f} TB/s")
+    if a.sweep:
+        names = [n.strip() for n in a.candidates.split(",")] if a.candidates else list(CANDIDATES)
+        unknown = [n for n in names if n not in CANDIDATES]
+        if unknown:
+            print(f"--candidates: unknown {unknown}; known: {list(CANDIDATES)}", file=sys.stderr)
+            return 2
+        low = "bf16" if p.low == torch.bfloat16 else "fp16"
+        sts = [f"{low}-{x.strip()}" for x in a.storages.split(",")]
+        if any(x not in storages(p.low) for x in sts):
+            print(f"--storages: expected state, u or state+u, got {a.storages!r}", file=sys.stderr)
+            return 2
+        res = sweep(p, result["copy_bandwidth"], names, sts, a.budget_s, a.check_all, log)
+        result["sweep"] = res
+        result["sweep_table"] = sweep_table(res, p.batches)
+        bad = [r for r in res["rows"] if "error" in r or not r.get("check", {}).get("passed", True)]
+        result["ok"] = not bad
+        result["seconds"] = time.perf_counter() - t0
+        out.write_text(json.dumps(result, indent=1, default=str))
+        print(json.dumps(result, default=str))
+        log("\n" + result["sweep_table"])
+        log(f"wrote {out}")
+        return 0 if result["ok"] else 1
     result["decode"] = time_decode(p, result["copy_bandwidth"], log)
     try:
         errors = error_growth(p, log)
