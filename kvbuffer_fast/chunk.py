@@ -176,9 +176,37 @@ def _chunk_prep_kernel(
 
 
 @triton.jit
+def _chunk_innovations(k_ptr, w_ptr, ut_ptr, gc_ptr, u_ptr, h_ptr, s, c, start, L, o_t, o_k, o_v, m_k, m_v, p_kv,
+                       i_hv, i_h, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       CHANNEL: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """Chunk c (tokens start .. start + L - 1) against the state tile s [BK, BV] before it: stores s to
+    h[c] and U = U~ - W s to u; returns (U, G, the chunk's keys) for the fold or the buffer."""
+    tl.store(h_ptr + (c * HV + i_hv) * K * V + p_kv, s.to(h_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+    m_t = o_t < L
+    tok = start + o_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+    w = tl.load(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+    if LOWP:  # w is stored in the keys' dtype
+        ws = tl.dot(w, s.to(k_ptr.dtype.element_ty))
+    else:
+        ws = tl.dot(w, s, input_precision=PREC)
+    u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - ws
+    u = tl.where(m_tv, u, 0.0)
+    tl.store(u_ptr + p_tv, u.to(u_ptr.dtype.element_ty), mask=m_tv)
+    if CHANNEL:
+        G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+    else:
+        G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
+    b_k = tl.load(k_ptr + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    return u, G, b_k
+
+
+@triton.jit
 def _chunk_state_kernel(
     k_ptr, w_ptr, ut_ptr, gc_ptr, start_ptr, len_ptr, coff_ptr, fend_ptr,
-    u_ptr, h_ptr, s0_ptr, sf_ptr, bk_ptr, bu_ptr, bg_ptr,
+    u_ptr, h_ptr, s0_ptr, sf_ptr, bk_ptr, bu_ptr, bg_ptr, CS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
     INITIAL: tl.constexpr, FINAL: tl.constexpr, TAIL: tl.constexpr, LOWP: tl.constexpr = False,
@@ -186,9 +214,11 @@ def _chunk_state_kernel(
     """One (sequence, value head, V-tile): the sequence's chunks in order, the [K, BV] state tile in
     registers; per chunk c the state before it goes to h[c] [K, BV] and U = U~ - W S to u, then the
     state is folded.  LOWP: the two products' operands are rounded to the keys' 16-bit dtype (fp32
-    accumulation, the state kept in fp32).  Chunks from ``fend[n]`` on (the sequence's last one or none) are its buffered tail:
-    not folded, and with TAIL their U, G and keys written into buffer request n; the final state is the
-    state before them."""
+    accumulation, the state kept in fp32).  The folded chunks of a sequence are consecutive, ``CS``
+    tokens each but the last: their addresses are arithmetic in the loop (no table load on the chain
+    of a chunk's loads, so the loop's loads are software-pipelined).  Chunks from ``fend[n]`` on (the
+    sequence's last one or none) are its buffered tail: not folded, and with TAIL their U, G and keys
+    written into buffer request n; the final state is the state before them."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
@@ -208,57 +238,50 @@ def _chunk_state_kernel(
     c0 = tl.load(coff_ptr + i_n)
     c1 = tl.load(coff_ptr + i_n + 1)
     c_fold = tl.load(fend_ptr + i_n)
-    for c in range(c0, c1):
+    first = tl.load(start_ptr + c0, mask=c1 > c0, other=0).to(tl.int64)  # the sequence's first token
+    last = tl.maximum(c_fold - 1, c0)  # its last folded chunk (none if c_fold == c0)
+    head_end = tl.load(start_ptr + last, mask=c_fold > c0, other=0).to(tl.int64) + \
+        tl.load(len_ptr + last, mask=c_fold > c0, other=0)
+    for j in range(0, c_fold - c0):
+        start = first + j * CS
+        L = tl.minimum(head_end - start, CS).to(tl.int32)
+        u, G, b_k = _chunk_innovations(k_ptr, w_ptr, ut_ptr, gc_ptr, u_ptr, h_ptr, s, c0 + j, start, L, o_t, o_k,
+                                       o_v, m_k, m_v, p_kv, i_hv, i_h, H, HV, K, V, CHANNEL, PREC, LOWP)
+        m_t = o_t < L
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_k = b_k.to(tl.float32)
+        if CHANNEL:
+            G_L = _row(G, o_t, L - 1)  # [BK]
+            kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, G_L[None, :] - G, 0.0)), 0.0)
+            s = s * tl.exp(G_L)[:, None]
+        else:
+            G_L = tl.sum(tl.where(o_t == L - 1, G, 0.0), 0)
+            kd = b_k * tl.where(m_t, tl.exp(tl.where(m_t, G_L - G, 0.0)), 0.0)[:, None]
+            s = s * tl.exp(G_L)
+        if LOWP:
+            s = tl.dot(tl.trans(kd.to(k_ptr.dtype.element_ty)), u.to(k_ptr.dtype.element_ty), s)
+        else:
+            s = tl.dot(tl.trans(kd), u, s, input_precision=PREC)
+    for c in range(c_fold, c1):  # the tail: at most one chunk
         start = tl.load(start_ptr + c).to(tl.int64)
         L = tl.load(len_ptr + c)
-        tl.store(h_ptr + (c * HV + i_hv) * K * V + p_kv, s.to(h_ptr.dtype.element_ty), mask=m_s)  # i_hv int64
-        m_t = o_t < L
-        tok = start + o_t
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
-        w = tl.load(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        if LOWP:  # w is stored in the keys' dtype
-            ws = tl.dot(w, s.to(k_ptr.dtype.element_ty))
-        else:
-            ws = tl.dot(w, s, input_precision=PREC)
-        u = tl.load(ut_ptr + p_tv, mask=m_tv, other=0.0) - ws
-        u = tl.where(m_tv, u, 0.0)
-        tl.store(u_ptr + p_tv, u.to(u_ptr.dtype.element_ty), mask=m_tv)
-        p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-        if CHANNEL:
-            G = tl.load(gc_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        else:
-            G = tl.load(gc_ptr + tok * HV + i_hv, mask=m_t, other=0.0)
-        if c >= c_fold:
-            if TAIL:
-                p_b = i_n * C + o_t  # buffer rows of request n
-                tl.store(bu_ptr + (p_b[:, None] * HV + i_hv) * V + o_v[None, :], u.to(bu_ptr.dtype.element_ty),
-                         mask=m_tv)
-                if i_v == 0:
-                    if CHANNEL:
-                        tl.store(bg_ptr + (p_b[:, None] * HV + i_hv) * K + o_k[None, :], G.to(bg_ptr.dtype.element_ty),
-                                 mask=m_tk)
-                    else:
-                        tl.store(bg_ptr + p_b * HV + i_hv, G.to(bg_ptr.dtype.element_ty), mask=m_t)
-                    if i_hv % (HV // H) == 0:
-                        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0)
-                        tl.store(bk_ptr + (p_b[:, None] * H + i_h) * K + o_k[None, :], b_k.to(bk_ptr.dtype.element_ty),
-                                 mask=m_tk)
-        else:
-            b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-            if CHANNEL:
-                G_L = _row(G, o_t, L - 1)  # [BK]
-                kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, G_L[None, :] - G, 0.0)), 0.0)
-                s = s * tl.exp(G_L)[:, None]
-            else:
-                G_L = tl.sum(tl.where(o_t == L - 1, G, 0.0), 0)
-                kd = b_k * tl.where(m_t, tl.exp(tl.where(m_t, G_L - G, 0.0)), 0.0)[:, None]
-                s = s * tl.exp(G_L)
-            if LOWP:
-                s = tl.dot(tl.trans(kd.to(k_ptr.dtype.element_ty)), u.to(k_ptr.dtype.element_ty), s)
-            else:
-                s = tl.dot(tl.trans(kd), u, s, input_precision=PREC)
+        u, G, b_k = _chunk_innovations(k_ptr, w_ptr, ut_ptr, gc_ptr, u_ptr, h_ptr, s, c, start, L, o_t, o_k, o_v,
+                                       m_k, m_v, p_kv, i_hv, i_h, H, HV, K, V, CHANNEL, PREC, LOWP)
+        if TAIL:
+            m_t = o_t < L
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_b = i_n * C + o_t  # buffer rows of request n
+            tl.store(bu_ptr + (p_b[:, None] * HV + i_hv) * V + o_v[None, :], u.to(bu_ptr.dtype.element_ty), mask=m_tv)
+            if i_v == 0:
+                if CHANNEL:
+                    tl.store(bg_ptr + (p_b[:, None] * HV + i_hv) * K + o_k[None, :], G.to(bg_ptr.dtype.element_ty),
+                             mask=m_tk)
+                else:
+                    tl.store(bg_ptr + p_b * HV + i_hv, G.to(bg_ptr.dtype.element_ty), mask=m_t)
+                if i_hv % (HV // H) == 0:
+                    tl.store(bk_ptr + (p_b[:, None] * H + i_h) * K + o_k[None, :], b_k.to(bk_ptr.dtype.element_ty),
+                             mask=m_tk)
     if FINAL:
         tl.store(sf_ptr + i_nh * K * V + p_kv, s, mask=m_s)
 
@@ -417,7 +440,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](
             k, w, ut, gc, starts, lens, offs, fend, u, h,
             dummy if s0 is None else s0, dummy if S is None else S,
-            buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy,
+            buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy, chunk_size,
             **common, C=buffer.capacity if tail else 1, BV=BV, INITIAL=s0 is not None, FINAL=S is not None,
             TAIL=tail, LOWP=lowp, num_warps=cfg.num_warps, num_stages=cfg.stages)
 

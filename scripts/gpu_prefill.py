@@ -271,7 +271,8 @@ def chunk_flops(B, T, HV, K, V, BT=64):
 #: per thread for fp32 and 104 B for bf16, against 200 B and none at BV = 16).  state_stages2: the chunk
 #: loop software-pipelined, the next chunk's W and K loaded during this one's products (spills 872 / 344 B).
 VARIANTS = (("ours", None), ("fast16_off", dict(fast16=False)), ("state_bv32", dict(BV=32)),
-            ("state_stages2", dict(stages=2)), ("out_bv128", dict(out_BV=128)))
+            ("state_stages2", dict(stages=2)), ("state_stages3", dict(stages=3)), ("prep_warps8", dict(prep_warps=8)),
+            ("out_bv128", dict(out_BV=128)))
 
 
 def variant_config(x, change):
@@ -403,6 +404,7 @@ def short_prompts(deadline, C=16):
 
 
 def main(argv=None) -> int:
+    global DEV, SMOKE, VARIANTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="where to write the JSON")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (T = 1k, 4k at B = 1), about 2 minutes")
@@ -410,12 +412,20 @@ def main(argv=None) -> int:
                     "tiny shapes, the timings' code on one shape by the wall clock, no fla")
     ap.add_argument("--budget-s", type=float, default=None, help="stop timing new shapes after this many seconds "
                     "from the start (default 200, --quick 100)")
+    ap.add_argument("--no-short", action="store_true", help="skip the short prompts (T <= C)")
+    ap.add_argument("--variants", default=None, help="a comma list of the VARIANTS to time besides 'ours' "
+                    f"(default all: {', '.join(n for n, _ in VARIANTS[1:])})")
     ap.add_argument("--timings-only", action="store_true", help="skip the correctness part (the compiled tests "
                     "and the validator's gpu profile cover it); the timings still state both errors")
     args = ap.parse_args(argv)
     if args.budget_s is None:
         args.budget_s = 100.0 if args.quick else 200.0
-    global DEV, SMOKE
+    if args.variants is not None:
+        names = {n for n in args.variants.split(",") if n}
+        unknown = names - {n for n, _ in VARIANTS}
+        if unknown:
+            ap.error(f"--variants: unknown {sorted(unknown)}; known: {', '.join(n for n, _ in VARIANTS)}")
+        VARIANTS = tuple((n, c) for n, c in VARIANTS if n == "ours" or n in names)
     if args.smoke:
         DEV, SMOKE = "cpu", True
     elif not torch.cuda.is_available():
@@ -439,7 +449,7 @@ def main(argv=None) -> int:
         for r in checks)
     log(f"[check] all passed: {out['all_passed']} ({time.time() - t0:.0f} s)")
     try:
-        out["short_prompts"] = short_prompts(t0 + args.budget_s)
+        out["short_prompts"] = [] if args.no_short else short_prompts(t0 + args.budget_s)
     except Exception:  # noqa: BLE001
         out["short_prompts_error"] = traceback.format_exc()[-2000:]
         log(out["short_prompts_error"])
