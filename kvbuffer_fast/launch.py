@@ -228,15 +228,20 @@ _CHUNK_ROWS: tuple[Row, ...] = (
     Row(dict(BV=32), dtypes=(torch.float32,), capability=((9, 0), None),
         why="fp32 inputs: the state launch with 32 columns per program took 176 / 682 / 2857 / 5853 against "
             "178 / 730 / 3144 / 6409 us at B = 1, T = 1k / 4k / 16k / 32k"),
+    Row(dict(stages=2), dtypes=(torch.float32,), capability=((9, 0), None),
+        why="fp32 inputs: the state launch's chunk loop (arithmetic chunk addresses) in 2 stages took 150.0 "
+            "against 167.6 us at B = 1, T = 1k (whole call 435.0 against 449.8); 3 stages do not fit at BV = 32"),
     Row(dict(out_BV=128), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
         why="16-bit inputs: the output launch with 128 columns per program took 20.5 / 57.9 / 199 / 412 against "
             "28.2 / 81.0 / 294 / 607 us at B = 1, T = 1k / 4k / 16k / 32k (57.7 against 81.0 at B = 4, T = 1k)"),
+    Row(dict(BV=32), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
+        why="16-bit inputs: the state launch with 32 columns per program took 51.3 / 179.8 against 54.0 / 186.7 "
+            "us (16 columns, 2 stages) at B = 1, T = 1k / 4k, and 161 against 216 us at B = 4, T = 1k (1 stage)"),
     Row(dict(stages=2), dtypes=_SIXTEEN_BIT, columns=(None, 4096), capability=((9, 0), None),
         why="16-bit inputs, one sequence at Qwen3-Next heads: the state launch's chunk loop in 2 stages took "
-            "62.7 / 221 / 856 / 1700 against 70.7 / 258 / 1003 / 2002 us at T = 1k / 4k / 16k / 32k"),
-    Row(dict(BV=32), dtypes=_SIXTEEN_BIT, columns=(8192, None), capability=((9, 0), None),
-        why="16-bit inputs, two or more sequences: the state launch with 32 columns per program took 161 against "
-            "216 us at B = 4, T = 1k (2 stages: 196)"),
+            "62.7 / 221 / 856 / 1700 against 70.7 / 258 / 1003 / 2002 us at T = 1k / 4k / 16k / 32k (16 columns, "
+            "chunk addresses read from the table); with arithmetic addresses and 32 columns 51.3 / 179.8 at "
+            "T = 1k / 4k, 3 stages 51.6 / 180.2"),
 )
 
 TABLES: dict[str, tuple[Row, ...]] = {
