@@ -120,7 +120,6 @@ def _decode_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr = False, SERVED: tl.constexpr = False,
-    DOT: tl.constexpr = False, S_TF32: tl.constexpr = False, W_TF32: tl.constexpr = False,
 ):
     """The token of one (request, value head, V-tile): ONE loop over the key dimension in KB-row blocks
     forms S0^T k, S0^T q and the scores k.k_j, q.k_j of the n buffered keys together; then the u rows
@@ -131,12 +130,12 @@ def _decode_kernel(
     SERVED (behind the grouped fold launch): a full request (n == C) was folded AND served there; here
     it skips the block loop and its stores are masked off (its length stays C until the bookkeeping).
     That launch then touches nothing this kernel reads or writes, so with PDL the programs wait for it
-    only at their end, before exiting.  DOT, S_TF32, W_TF32: ``_dot_flags``."""
+    only at their end, before exiting."""
     _pdl_prologue(PDL, WAIT=not SERVED)  # SERVED: the wait is at the end
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     _decode_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                     scale, i_v, i_bhv, i_b, i_hv, i_h, i_b, i_bhv, True, C, H, HV, K, V, CB, BV, KB, NS, CHANNEL,
-                    STORAGE, PDL, SERVED, False, DOT, S_TF32, W_TF32)
+                    STORAGE, PDL, SERVED, False)
 
 
 @triton.jit
@@ -146,7 +145,6 @@ def _decode_slots_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr = False, SERVED: tl.constexpr = False,
-    DOT: tl.constexpr = False, S_TF32: tl.constexpr = False, W_TF32: tl.constexpr = False,
 ):
     """``_decode_kernel`` on a pool: token row i_b reads and writes buffer row ``bslot[i_b]`` and reads
     state row ``sslot[i_b]`` (-1: none, nothing read, S0 = 0), offsets in int64; a pad row (bslot -1)
@@ -158,7 +156,7 @@ def _decode_slots_kernel(
         s_b = tl.load(sslot_ptr + i_b).to(tl.int64)
         _decode_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
                         o_ptr, scale, i_v, i_bhv, i_b, i_hv, i_h, c_b, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0,
-                        C, H, HV, K, V, CB, BV, KB, NS, CHANNEL, STORAGE, PDL, SERVED, True, DOT, S_TF32, W_TF32)
+                        C, H, HV, K, V, CB, BV, KB, NS, CHANNEL, STORAGE, PDL, SERVED, True)
 
 
 @triton.jit
@@ -168,16 +166,10 @@ def _decode_program(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr, SERVED: tl.constexpr, SLOTS: tl.constexpr,
-    DOT: tl.constexpr = False, S_TF32: tl.constexpr = False, W_TF32: tl.constexpr = False,
 ):
     """The body of the decode kernels for token row t_b (value head i_hv, q/k head i_h, V-tile i_v;
     i_bhv = t_b * HV + i_hv) on buffer row i_b and state row s_bhv (per value head); outside a pool
-    i_b = t_b and s_bhv = i_bhv.  SLOTS: the state row exists only where ``s_ok``.
-    DOT (scalar gates, every operand 16-bit: ``_dot_flags``): S0^T k, S0^T q and the scores are rows 0
-    and 1 of two tensor-core products per block, A [16, KB] (rows k and q) times the state block and
-    times the keys' block transposed, accumulated in fp32 across the loop (no reduction inside it); the
-    products of 16-bit values are exact, in the operands' own dtype or, where two dtypes meet (S_TF32,
-    W_TF32), as TF32 products of their exact fp32 values."""
+    i_b = t_b and s_bhv = i_bhv.  SLOTS: the state row exists only where ``s_ok``."""
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n = tl.load(len_ptr + i_b).to(tl.int32)
@@ -200,11 +192,6 @@ def _decode_program(
     wk = tl.zeros([CB], dtype=tl.float32)
     wq = tl.zeros([CB], dtype=tl.float32)
     qk = tl.zeros([KB], dtype=tl.float32)
-    if DOT:
-        r16 = tl.arange(0, 16)[:, None]
-        acc_s = tl.zeros([16, BV], dtype=tl.float32)  # rows 0, 1: S0^T k, S0^T q
-        acc_w = tl.zeros([16, CB], dtype=tl.float32)  # rows 0, 1: k.k_j, q.k_j
-        p_ct = ((i_b * C + rows[None, :]) * H + i_h) * K + o_kb[:, None]  # the keys' block transposed [KB, CB]
     last = tl.maximum(n - 1, 0)
     m_key = rows < n
     if SERVED:  # a served request skips the block loop (its masked loads would still issue)
@@ -219,29 +206,13 @@ def _decode_program(
                     m_st = ((k0 + o_kb) < tl.where(s_ok, K, 0))[:, None] & m_v[None, :]
                 else:
                     m_st = m_kb[:, None] & m_v[None, :]
-                st = tl.load(p_s + k0 * V, mask=m_st, other=0.0, eviction_policy="evict_first")
-                if not DOT:
-                    st = st.to(tl.float32)
+                st = tl.load(p_s + k0 * V, mask=m_st, other=0.0, eviction_policy="evict_first").to(tl.float32)
             kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
             qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-            if not DOT:
-                kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0,
-                             eviction_policy="evict_last").to(tl.float32)
+            kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0,
+                         eviction_policy="evict_last").to(tl.float32)
             qk += kb * qb
-            if DOT:
-                a = tl.where(r16 == 0, kb[None, :], tl.where(r16 == 1, qb[None, :], 0.0))  # [16, KB]
-                if STORAGE:
-                    if S_TF32:
-                        acc_s = tl.dot(a, st.to(tl.float32), acc_s, input_precision="tf32")
-                    else:
-                        acc_s = tl.dot(a.to(st.dtype), st, acc_s)
-                kct = tl.load(ck_ptr + p_ct + k0, mask=m_kb[:, None] & m_key[None, :], other=0.0,
-                              eviction_policy="evict_last")
-                if W_TF32:
-                    acc_w = tl.dot(a, kct.to(tl.float32), acc_w, input_precision="tf32")
-                else:
-                    acc_w = tl.dot(a.to(kct.dtype), kct, acc_w)
-            elif CHANNEL:
+            if CHANNEL:
                 gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
                 gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb,
                              other=0.0).to(tl.float32)
@@ -262,12 +233,6 @@ def _decode_program(
                 if STORAGE:
                     sk += tl.sum(st * kb[:, None], 0)
                     sq += tl.sum(st * qb[:, None], 0)
-    if DOT:  # the rows out of the products (adding exact zeros)
-        wk = tl.sum(tl.where(r16 == 0, acc_w, 0.0), 0)
-        wq = tl.sum(tl.where(r16 == 1, acc_w, 0.0), 0)
-        if STORAGE:
-            sk = tl.sum(tl.where(r16 == 0, acc_s, 0.0), 0)
-            sq = tl.sum(tl.where(r16 == 1, acc_s, 0.0), 0)
     m_r = rows < n
     uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
                  mask=m_r[:, None] & m_v[None, :], other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -511,8 +476,7 @@ def buffered_decode(
         _require_no_full(buffer)
     s = check_scale(scale, d.K)
     if config is None:
-        config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate,
-                                             state_dtype=None if buffer.state is None else buffer.state.dtype))
+        config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
     cfg = check_config("decode", config)
     if cfg.fold not in ("group", "tile"):
         raise ValueError(f"config.fold: expected 'group' or 'tile', got {cfg.fold!r}")
@@ -533,7 +497,6 @@ def buffered_decode(
             buffer.state if storage else buffer.lengths,  # without storage: a dummy pointer, never dereferenced
             **tokens, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C), BV=BV, KB=_rows(cfg.KB, d.K), NS=cfg.NS,
             CHANNEL=d.channel_gate, STORAGE=storage, SERVED=served, num_warps=cfg.num_warps, **pdl,
-            **_dot_flags(cfg, q, k, buffer.k, buffer.state, d.channel_gate),
         )
         _book_kernel[(d.B,)](tokens["k_ptr"], tokens["g_ptr"], buffer.k, buffer.G, buffer.lengths,
                              flag_view(buffer.has_state), C=C, H=d.H, HV=d.HV, K=d.K, BK=block(d.K),
@@ -551,24 +514,6 @@ def _require_no_full(buffer: KVBuffer) -> None:
             f"C={buffer.capacity}, but the buffer has no state storage to fold into (buffer.state is None); "
             f"call flush() first (it allocates the state) or use a larger capacity"
         )
-
-
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-
-
-def _dot_flags(cfg: DecodeConfig, q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor,
-               state: Optional[torch.Tensor], channel: bool) -> dict:
-    """The decode launch's DOT constexprs for ``cfg.dot``: the state product and the scores as tensor-core
-    products, taken only where every product is exact, so the arithmetic stays fp32 (exact products,
-    fp32 accumulation): scalar gates (per-channel gates put exp(G) inside the sums), and 16-bit q, k,
-    cached keys and state (or none).  Each product runs in its operands' dtype where they share one,
-    else (S_TF32: q / k against the state, W_TF32: against the cached keys) as TF32 products of the
-    operands' fp32 values, which hold a 16-bit value exactly.  Otherwise the FMA path (DOT False)."""
-    if (not cfg.dot or channel or q.dtype not in _SIXTEEN_BIT or k.dtype not in _SIXTEEN_BIT
-            or keys.dtype not in _SIXTEEN_BIT or (state is not None and state.dtype not in _SIXTEEN_BIT)):
-        return dict(DOT=False)
-    tok = q.dtype if q.dtype == k.dtype else None
-    return dict(DOT=True, S_TF32=state is None or state.dtype != tok, W_TF32=keys.dtype != tok)
 
 
 def _columns(BV: int, V: int) -> int:

@@ -35,8 +35,7 @@ class Key:
     C: buffer capacity (0 where the operation has no buffer); columns: B * HV * V, the state columns
     the launch covers (proportional to its programs for any column tile that divides V); dtype: the
     dtype of q and k; channel: per-channel (KDA) gates; capability: (major, minor) of the CUDA device,
-    None under the Triton interpreter; state_dtype: the dtype the state is stored in (float32 where the
-    caller does not say; buffered decode says).
+    None under the Triton interpreter.
     """
 
     C: int = 0
@@ -44,24 +43,23 @@ class Key:
     dtype: torch.dtype = torch.float32
     channel: bool = False
     capability: Optional[tuple[int, int]] = None
-    state_dtype: torch.dtype = torch.float32
 
 
 def key_of(x: torch.Tensor, *, C: int = 0, B: int, HV: int, V: int, channel: bool = False,
-           dtype: Optional[torch.dtype] = None, state_dtype: Optional[torch.dtype] = None) -> Key:
+           dtype: Optional[torch.dtype] = None) -> Key:
     """The :class:`Key` of a launch on ``x``'s device."""
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
     return Key(C=int(C), columns=int(B) * int(HV) * int(V), dtype=dtype or x.dtype, channel=bool(channel),
-               capability=cap, state_dtype=state_dtype or torch.float32)
+               capability=cap)
 
 
 @dataclass(frozen=True)
 class Row:
     """One table row: ``set`` (field -> value) applies where every condition holds.
 
-    Ranges are inclusive (lo, hi), None meaning unbounded; ``dtypes`` (of q and k) and ``state_dtypes``
-    None mean any; ``channel`` None means either gate kind; ``capability`` is a range of (major, minor),
-    never matching the interpreter unless it is None.
+    Ranges are inclusive (lo, hi), None meaning unbounded; ``dtypes`` None means any; ``channel`` None
+    means either gate kind; ``capability`` is a range of (major, minor), never matching the interpreter
+    unless it is None.
     """
 
     set: dict
@@ -71,7 +69,6 @@ class Row:
     dtypes: Optional[tuple] = None
     channel: Optional[bool] = None
     capability: Optional[tuple] = None
-    state_dtypes: Optional[tuple] = None
 
     def matches(self, key: Key) -> bool:
         def inside(x, rng):
@@ -81,8 +78,6 @@ class Row:
         if not inside(key.C, self.C) or not inside(key.columns, self.columns):
             return False
         if self.dtypes is not None and key.dtype not in self.dtypes:
-            return False
-        if self.state_dtypes is not None and key.state_dtype not in self.state_dtypes:
             return False
         if self.channel is not None and key.channel != self.channel:
             return False
@@ -106,17 +101,13 @@ class DecodeConfig:
     (``fold`` 'group': fold_FH value heads per program, [fold_KB, fold_BV] blocks, fold_NS stages,
     serving the tokens of the requests it folds; 'tile': one program per [K, fold_BV] tile, not
     serving) and the bookkeeping launch after it.  ``pdl``: the launches chained by programmatic
-    dependent launch (sm_90+; behind the serving fold launch the decode launch waits at its end).
-    ``dot``: the decode launch forms S0^T k, S0^T q and the scores of the buffered keys as tensor-core
-    products accumulated in fp32, where that is exact (scalar gates; 16-bit q, k, cached keys and
-    state: ``decode._dot_flags``); elsewhere it is ignored."""
+    dependent launch (sm_90+; behind the serving fold launch the decode launch waits at its end)."""
 
     BV: int = 64
     num_warps: int = 2
     KB: int = 32
     NS: int = 1
     pdl: bool = True
-    dot: bool = False
     fold: str = "group"
     fold_FH: int = 8
     fold_BV: int = 64

@@ -228,45 +228,34 @@ def time_decode(p: Plan, copy: dict, log) -> list:
 
 
 #: The sweep's launches of the decode step for a 16-bit state: name -> DecodeConfig fields set on top of
-#: the launch table's choice for the storage (``config_for("decode", key)``, the key carrying the state's
-#: dtype).  With a bf16 state the table's launch (``[32, 64]`` blocks, one in flight per program) moves
-#: half the fp32 bytes per round trip in the same number of round trips; the candidates put more bytes
-#: in flight per SM (more blocks pipelined, larger blocks, wider tiles) or less instruction work per
-#: byte (tensor-core products instead of per-block reductions), in that order of priority.
+#: the launch table's choice (``config_for("decode", key)``).  With a bf16 state the table's launch
+#: (``[32, 64]`` blocks, one in flight per program) moves half the fp32 bytes per round trip in the same
+#: number of round trips; the candidates put more bytes in flight per SM (more blocks pipelined, larger
+#: blocks, wider tiles).
 CANDIDATES: dict[str, dict] = {
     "table": {},
     "NS=2": dict(NS=2),
-    "dot": dict(dot=True),
-    "dot NS=2": dict(dot=True, NS=2),
     "KB=64": dict(KB=64),
     "KB=64 w4": dict(KB=64, num_warps=4),
     "KB=128 w4": dict(KB=128, num_warps=4),
     "BV=128 w4": dict(BV=128, num_warps=4),
-    "dot NS=3": dict(dot=True, NS=3),
-    "dot KB=64 w4": dict(dot=True, KB=64, num_warps=4),
     "NS=3": dict(NS=3),
     "KB=128 w8": dict(KB=128, num_warps=8),
     "BV=128 w4 NS=2": dict(BV=128, num_warps=4, NS=2),
-    "dot KB=128 w4": dict(dot=True, KB=128, num_warps=4),
     "fold_NS=3": dict(fold_NS=3),
     "fold_KB=64": dict(fold_KB=64),
 }
 #: What each candidate is for (printed beside it in the JSON).
 WHY = {
-    "table": "the launch table's choice (today: the fp32 launch)",
+    "table": "the launch table's choice (the fp32 state's launch)",
     "NS=2": "two [32, 64] state blocks in flight per program (the loop software-pipelined through shared memory)",
     "NS=3": "three blocks in flight per program",
-    "dot": "S0^T k, S0^T q and the scores as two exact 16-bit tensor-core products per block, no reduction in the loop",
-    "dot NS=2": "the products' state operand pipelined (cp.async into shared memory), two blocks in flight",
-    "dot NS=3": "three blocks in flight",
     "KB=64": "[64, 64] bf16 blocks: the fp32 launch's 8 KB per round trip, two round trips per program",
     "KB=64 w4": "the same on 4 warps (the fp32 launch's registers per thread)",
     "KB=128 w4": "the whole [128, 64] tile in one round trip, 4 warps",
     "KB=128 w8": "the whole tile in one round trip, 8 warps",
     "BV=128 w4": "[32, 128] blocks (8 KB), half the programs: the per-program key scores amortised over 2x columns",
     "BV=128 w4 NS=2": "the same with two blocks in flight",
-    "dot KB=64 w4": "products on [64, 64] blocks, 4 warps",
-    "dot KB=128 w4": "products on the whole tile, 4 warps",
     "fold_NS=3": "the fold launch (1/C of the steps, ~15 % of the cycle) with three blocks in flight",
     "fold_KB=64": "the fold launch on [64, 64] blocks",
 }
@@ -280,7 +269,6 @@ def sweep(p: Plan, copy: dict, names: list, storage_names: list, budget_s: float
     (``check_storage``, at the first batch; at every batch with ``check_all``): a wrong one is flagged
     and not timed.  Storage-major, then candidate, then batch, so that a run cut by ``budget_s``
     (seconds since the start of the sweep; what is left is marked skipped) has whole candidates."""
-    from kvbuffer_fast.decode import _dot_flags
     from kvbuffer_fast.launch import config_for, key_of
 
     t0 = time.perf_counter()
@@ -307,10 +295,9 @@ def sweep(p: Plan, copy: dict, names: list, storage_names: list, budget_s: float
                     continue
                 try:
                     x0 = xs[B][0]
-                    key = key_of(x0["q"], C=p.C, B=B, HV=p.HV, V=p.V, state_dtype=sd)
+                    key = key_of(x0["q"], C=p.C, B=B, HV=p.HV, V=p.V)
                     cfg = dataclasses.replace(config_for("decode", key), **CANDIDATES[name])
                     row["config"] = dataclasses.asdict(cfg)
-                    row["dot_taken"] = _dot_flags(cfg, x0["q"], x0["k"], bufs[B][0].k, bufs[B][0].state, False)["DOT"]
                     if i == 0 or check_all:
                         row["check"] = check_storage(p, bufs[B][0], x0, cfg)
                         if not row["check"]["passed"]:

@@ -36,10 +36,7 @@ from kvbuffer_ref.validate.tolerances import tolerance_for  # noqa: E402
 
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
-import kvbuffer_fast.decode as decode_mod  # noqa: E402
-from kvbuffer_fast import launch  # noqa: E402
-from kvbuffer_fast.decode import _dot_flags  # noqa: E402
-from kvbuffer_fast.launch import DecodeConfig, Row, config_for, key_of  # noqa: E402
+from kvbuffer_fast.launch import config_for, key_of  # noqa: E402
 from kvbuffer_fast.pool import KVPool  # noqa: E402
 from kvbuffer_ref.buffer import Drafts, KVBuffer  # noqa: E402
 from kvbuffer_ref.entries import fold_dtype  # noqa: E402
@@ -54,15 +51,14 @@ FLIP_FRACTION = 0.03
 B, H, HV, K, V, C = 3, 1, 2, 16, 16, 4
 
 
-def _tokens(seed: int, T: int, channel: bool, Bn: int = B, dtype=torch.float32) -> dict:
-    """Tokens on DEVICE: unit q and k, v ~ N(0, 1) (in ``dtype``), gates in [-0.4, 0], betas in [0, 1] (fp32)."""
+def _tokens(seed: int, T: int, channel: bool, Bn: int = B) -> dict:
+    """fp32 tokens on DEVICE: unit q and k, v ~ N(0, 1), gates in [-0.4, 0], betas in [0, 1]."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(Bn, T, H, K, generator=gen), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(Bn, T, H, K, generator=gen), dim=-1)
     v = torch.randn(Bn, T, HV, V, generator=gen)
     g = -0.4 * torch.rand((Bn, T, HV, K) if channel else (Bn, T, HV), generator=gen)
     beta = torch.rand(Bn, T, HV, generator=gen)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     return {n: x.to(DEVICE) for n, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
 
 
@@ -81,9 +77,9 @@ def _oracle(buf: KVBuffer, wide=torch.float64) -> KVBuffer:
     return KVBuffer(**{n: cv(x) for n, x in buf.tensors().items()})
 
 
-def _new_buffer(state_dtype, u_dtype, channel, Bn=B, Cn=C, key_dtype=torch.float32) -> KVBuffer:
+def _new_buffer(state_dtype, u_dtype, channel, Bn=B, Cn=C) -> KVBuffer:
     return KVBuffer.empty(Bn, H, HV, K, V, Cn, channel_gate=channel, dtype=u_dtype, gate_dtype=torch.float32,
-                          key_dtype=key_dtype, state_dtype=state_dtype, device=DEVICE)
+                          key_dtype=torch.float32, state_dtype=state_dtype, device=DEVICE)
 
 
 def _assert_rounded(name: str, got: torch.Tensor, want: torch.Tensor, mask=None) -> None:
@@ -166,13 +162,6 @@ def test_decode_cycles_round_like_the_reference(low, u16, fold, channel):
     fb = _new_buffer(low, low if u16 else torch.float32, channel)
     cfg = dataclasses.replace(config_for("decode", key_of(x["q"], C=C, B=B, HV=HV, V=V, channel=channel)),
                               fold=fold)
-    _cycles(x, fb, cfg, low)
-
-
-def _cycles(x: dict, fb: KVBuffer, cfg, low) -> None:
-    """The decode steps of ``x`` on ``fb`` with ``cfg`` and a ragged flush after step 2, each checked
-    against the oracle op by op, and the free-running outputs (test_decode_cycles_round_like_the_reference)."""
-    T = x["q"].shape[1]
     free64, free32 = _oracle(fb), _oracle(fb, torch.float32)
     outs, outs64, outs32 = [], [], []
     for t in range(T):
@@ -196,57 +185,6 @@ def _cycles(x: dict, fb: KVBuffer, cfg, low) -> None:
     _assert_outputs("free-running decode.o", torch.cat(outs, 1), torch.cat(outs64, 1), torch.cat(outs32, 1), low,
                     **gate_terms(x)[0])
     _assert_rounded("materialize_state", fast.materialize_state(fb), ref.materialize_state(_oracle(fb)))
-
-
-@pytest.mark.parametrize("low,tok", [(torch.float16, torch.float16),
-                                     pytest.param(torch.bfloat16, torch.bfloat16, marks=CUDA_ONLY),
-                                     pytest.param(torch.float16, torch.bfloat16, marks=CUDA_ONLY)],
-                         ids=["fp16", "bf16", "fp16-state-bf16-tokens"])
-@pytest.mark.parametrize("u16", [False, True], ids=["u32", "u16"])
-@pytest.mark.parametrize("fold", ["group", "tile"])
-def test_decode_dot_products_round_like_the_reference(low, tok, u16, fold):
-    """``DecodeConfig(dot=True)``: with 16-bit tokens, cached keys and state the decode launch takes the
-    tensor-core products (exact products, fp32 accumulation: in the shared 16-bit dtype, or TF32 where
-    the state's and the tokens' dtypes differ); the same cycles as the FMA path, the same oracle and
-    budgets.  K = 40 and V = 24 give a partial key block and partial column tiles."""
-    global K, V
-    dims = K, V
-    K, V = 40, 24
-    try:
-        x = _tokens(51 + 2 * u16 + (fold == "tile"), 3 * C + 2, False, dtype=tok)
-        fb = _new_buffer(low, low if u16 else torch.float32, False, key_dtype=tok)
-        cfg = dataclasses.replace(config_for("decode", key_of(x["q"], C=C, B=B, HV=HV, V=V, state_dtype=low)),
-                                  fold=fold, dot=True, KB=32, BV=16)
-        flags = _dot_flags(cfg, x["q"], x["k"], fb.k, fb.state, False)
-        assert flags["DOT"] and flags["S_TF32"] == (low != tok) and not flags["W_TF32"], flags
-        _cycles(x, fb, cfg, low)
-    finally:
-        K, V = dims
-
-
-def test_dot_is_taken_only_where_exact():
-    """The products replace the FMA sums only with scalar gates and 16-bit q, k, cached keys and state."""
-    cfg = DecodeConfig(dot=True)
-    h, f = torch.zeros(1, dtype=torch.float16), torch.zeros(1)
-    assert _dot_flags(cfg, h, h, h, h, False) == dict(DOT=True, S_TF32=False, W_TF32=False)
-    assert _dot_flags(cfg, h, h, h, None, False)["DOT"]  # no state storage: the scores alone
-    assert not _dot_flags(DecodeConfig(), h, h, h, h, False)["DOT"]
-    assert not _dot_flags(cfg, h, h, h, h, True)["DOT"]  # per-channel gates
-    for args in ((f, h, h, h), (h, f, h, h), (h, h, f, h), (h, h, h, f)):
-        assert not _dot_flags(cfg, *args, False)["DOT"], [a.dtype for a in args]
-
-
-def test_decode_key_carries_the_state_dtype(monkeypatch):
-    """A decode table row keyed on the state's dtype applies to buffers stored in it, and only to them."""
-    seen = []
-    row = Row(dict(dot=True), state_dtypes=(torch.float16,), why="test")
-    monkeypatch.setitem(launch.TABLES, "decode", launch.TABLES["decode"] + (row,))
-    monkeypatch.setattr(decode_mod, "_dot_flags", lambda cfg, *a: seen.append(cfg.dot) or dict(DOT=False))
-    x = _at(_tokens(61, 1, False, dtype=torch.float16), 0)
-    for sd in (torch.float16, torch.float32):
-        fast.buffered_decode(**x, buffer=_new_buffer(sd, torch.float32, False, key_dtype=torch.float16))
-    assert seen == [True, False]
-    assert row.matches(launch.Key(state_dtype=torch.float16)) and not row.matches(launch.Key())
 
 
 @pytest.mark.parametrize("low", LOW)
