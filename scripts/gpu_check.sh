@@ -103,10 +103,13 @@ validate() {  # one process per group of lanes, side by side (compiling dominate
   run_lanes fla-varlen --impl fla --ops chunk_varlen & pids+=($!)
   run_lanes fla-pool --impl fla-pool & pids+=($!)
   # SGLang's GDN kernel files, read from its wheel in .whl/sglang/ (python3 -m pip download --no-deps sglang -d
-  # .whl/sglang; not installed, so kept out of .whl/*.whl): NOT RUN rows when it is absent (docs/peers.md)
-  run_lanes sglang --impl sglang --impl sglang-decode --impl sglang-packed --impl sglang-pool --impl sglang-chunk \
-    --peer-path .whl/sglang --ops recurrent,recurrent_decode,recurrent_varlen,chunk,chunk_varlen \
-    --dtype float32,float16,bfloat16 & pids+=($!)
+  # .whl/sglang; not installed, so kept out of .whl/*.whl): NOT RUN rows when it is absent (docs/peers.md);
+  # one process per kernel, float32 first (its budget is the finding), then the 16-bit lanes
+  run_lanes sglang --impl sglang --peer-path .whl/sglang --dtype float32,bfloat16 & pids+=($!)
+  run_lanes sglang-decode --impl sglang-decode --peer-path .whl/sglang --dtype float32,bfloat16 & pids+=($!)
+  run_lanes sglang-packed --impl sglang-packed --peer-path .whl/sglang --dtype float32,bfloat16 & pids+=($!)
+  run_lanes sglang-pool --impl sglang-pool --peer-path .whl/sglang --dtype float32,bfloat16 & pids+=($!)
+  run_lanes sglang-chunk --impl sglang-chunk --peer-path .whl/sglang --dtype bfloat16,float16 & pids+=($!)
   if [ -z "${LANES:-}" ] || [[ ",$LANES," == *",precision,"* ]]; then
     python3 -m kvbuffer_ref.validate.cli validate --device cuda --report precision --impl fast --impl fla \
       "${PREC_PEER[@]}" --json "$OUTDIR/precision.json" > "$OUTDIR/precision.md" 2>&1 & pids+=($!)
