@@ -15,7 +15,8 @@ Three launches:
 
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), all chunks in parallel: G, A, T, W,
    U~ and the masked, decayed Q K^T (fp32 scratch).  T in 16 x 16 blocks: the diagonal blocks'
-   inverses by forward substitution, all at once (15 steps), then the block rows by products.
+   inverses by forward substitution, all at once (15 steps), then the block rows by products; on
+   register tiles or through an fp32 scratch (``ChunkConfig.solve``: "registers" | "memory").
 2. ``_chunk_state_kernel``, grid (V / BV, N * HV): one program per (sequence, value head, V-tile)
    walks the sequence's chunks in order with its [K, BV] state tile in registers; per chunk it stores
    the state before the chunk (h [NC, HV, K, V] fp32) and U (fp32), then folds the chunk: the
@@ -96,16 +97,69 @@ def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _unit_lower_inverse_memory(a_ptr, start, L, i_hv, HV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 in place of A [BT, BT] (strictly lower, zeros on and above the diagonal stored too), in an
+    fp32 scratch: row r of the chunk at ``a_ptr + ((start + r) * HV + i_hv) * BT``, rows < L written,
+    later rows never read.  In blocks of 16: the inverses of the BT / 16 diagonal blocks at once by forward
+    substitution (row i of every block loaded, 15 steps on [BT / 16, 16, 16]), stored transposed over
+    those blocks; then block row b as X_b = T_bb (E_b - A_{b,<b} X_{<b}): A_{b,<b} and T_bb loaded from
+    block row b, X_{<b} from the rows before it (the block rows already stored; later rows masked to 0),
+    two products, and X_b stored over block row b.  The caller stored A and put a barrier after it; on
+    return rows < L hold X, behind a barrier."""
+    BS: tl.constexpr = 16
+    NB: tl.constexpr = BT // BS
+    o_b = tl.arange(0, NB)
+    o_s = tl.arange(0, BS)
+    o_t = tl.arange(0, BT)
+    p_t = ((start + o_t).to(tl.int64) * HV + i_hv) * BT  # [BT]: the chunk's scratch rows
+    c_d = o_b[:, None] * BS + o_s[None, :]  # [NB, BS]: the diagonal blocks' columns (and rows)
+    # Tt[b, c, j] = T_bb[j, c]: each step's sum runs along the last axis (within a warp in the layout the
+    # loads and the store give) and its result broadcasts back into Tt without a layout conversion
+    eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    Tt = tl.zeros([NB, BS, BS], dtype=tl.float32) + eye[None, :, :]
+    # row 0 of every diagonal block, [NB, 1, BS]: row i is i * HV * BT floats on (one base, constant offsets)
+    p_d0 = a_ptr + (((start + o_b * BS).to(tl.int64) * HV + i_hv) * BT)[:, None, None] + c_d[:, None, :]
+    for i in tl.static_range(1, BS):
+        # row i of every diagonal block (A's zeros on and above the diagonal included)
+        a_i = tl.load(p_d0 + i * HV * BT, mask=(o_b * BS + i < L)[:, None, None], other=0.0)
+        new = tl.where(o_s[None, :] == i, 1.0, 0.0) - tl.sum(a_i * Tt, 2)  # [NB, BS]: row i of each T_bb
+        Tt = tl.where(o_s[None, None, :] == i, new[:, :, None], Tt)
+    tl.debug_barrier()  # every thread's loads of the diagonal blocks are done before they are overwritten
+    r_c = c_d[:, :, None]  # [NB, BS, 1]: Tt[b, c, j] goes to row b * 16 + c, column b * 16 + j
+    tl.store(a_ptr + ((start + r_c).to(tl.int64) * HV + i_hv) * BT + c_d[:, None, :], Tt,
+             mask=(r_c < L) & (o_s[None, None, :] >= 0))
+    tl.debug_barrier()
+    for b in tl.static_range(NB):
+        r = b * BS + o_s  # [BS]: the block's rows
+        p_r = ((start + r).to(tl.int64) * HV + i_hv) * BT
+        m_r = r < L
+        if b == 0:  # X_0 = [T_00, 0]
+            Xb = tl.load(a_ptr + p_t[None, :] + o_s[:, None], mask=((o_t < BS) & (o_t < L))[None, :], other=0.0)
+        else:
+            Ab = tl.load(a_ptr + p_r[:, None] + o_t[None, :], mask=m_r[:, None] & (o_t[None, :] < b * BS), other=0.0)
+            Xp = tl.load(a_ptr + p_t[:, None] + o_t[None, :], mask=((o_t < b * BS) & (o_t < L))[:, None],
+                         other=0.0)  # X_{<b}, the rest 0
+            R = tl.where(r[:, None] == o_t[None, :], 1.0, 0.0) - tl.dot(Ab, Xp, input_precision=PREC)
+            Tbb = tl.load(a_ptr + p_r[None, :] + r[:, None], mask=m_r[None, :], other=0.0)  # stored transposed
+            Xb = tl.dot(Tbb, R, input_precision=PREC)
+        tl.debug_barrier()  # block row b is read by every thread before it is overwritten
+        tl.store(a_ptr + p_r[:, None] + o_t[None, :], Xb, mask=m_r[:, None])
+        tl.debug_barrier()
+
+
+@triton.jit
 def _chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, len_ptr,
-    w_ptr, ut_ptr, gc_ptr, aqk_ptr, scale,
+    w_ptr, ut_ptr, gc_ptr, aqk_ptr, ta_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
-    MMA16: tl.constexpr, LOWP: tl.constexpr = False,
+    MMA16: tl.constexpr, LOWP: tl.constexpr = False, SOLVE: tl.constexpr = "registers",
 ):
     """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
     row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT]).  LOWP: W and
-    U~ are products of 16-bit operands (T diag(beta) rounded to the keys' dtype)."""
+    U~ are products of 16-bit operands (T diag(beta) rounded to the keys' dtype).  SOLVE: "registers"
+    inverts I + A on register tiles (``_unit_lower_inverse``), "memory" through the fp32 scratch ta
+    [N_tok, HV, BT] (``_unit_lower_inverse_memory``)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -121,6 +175,7 @@ def _chunk_prep_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
     b_beta = tl.load(beta_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    p_a = (tok[:, None] * HV + i_hv) * BT + o_t[None, :]  # [BT, BT] scratch rows (aqk, ta)
     lower = o_t[:, None] > o_t[None, :]
     causal = o_t[:, None] >= o_t[None, :]
     # loads sit next to their use and every result is stored as soon as it is final, so that few
@@ -131,47 +186,63 @@ def _chunk_prep_kernel(
         p_g = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
         G = tl.cumsum(tl.load(g_ptr + p_g, mask=m_tk, other=0.0).to(tl.float32), 0)  # [BT, BK]
         tl.store(gc_ptr + p_g, G, mask=m_tk)
+        tl.debug_barrier()  # G's rows are read back below
         A = tl.zeros([BT, BT], dtype=tl.float32)
         QK = tl.zeros([BT, BT], dtype=tl.float32)
+        p_k0 = k_ptr + (start * H + i_h) * K + o_k  # the first token's key and G rows: row j is j rows on
+        p_g0 = gc_ptr + (start * HV + i_hv) * K + o_k
         for j in range(0, L):
-            k_j = _row(b_k, o_t, j)
-            G_j = _row(G, o_t, j)
+            k_j = tl.load(p_k0 + j * H * K, mask=m_k, other=0.0).to(tl.float32)  # rows loaded, not selected
+            G_j = tl.load(p_g0 + j * HV * K, mask=m_k, other=0.0)
             dec = tl.exp(tl.where((o_t >= j)[:, None], G - G_j[None, :], float("-inf")))  # [BT, BK], <= 1
             kk = tl.sum(b_k * dec * k_j[None, :], 1)
             qk = tl.sum(b_q * dec * k_j[None, :], 1)
             A = tl.where(o_t[None, :] == j, kk[:, None], A)
             QK = tl.where(o_t[None, :] == j, qk[:, None], QK)
         A = tl.where(lower, A, 0.0) * b_beta[:, None]
-        QK = tl.where(causal, QK, 0.0)
+        tl.store(aqk_ptr + p_a, tl.where(causal, QK, 0.0), mask=m_t[:, None])
         eg = tl.exp(G)  # [BT, BK]
     else:
         G = tl.cumsum(tl.load(g_ptr + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32), 0)  # [BT]
         tl.store(gc_ptr + tok * HV + i_hv, G, mask=m_t)
         diff = G[:, None] - G[None, :]
+        # the scores first, stored before A is formed: one [BT, BT] accumulator live at a time
         if MMA16:  # the raw 16-bit rows: exact products, fp32 accumulation
-            kt16 = tl.trans(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0))
-            A = tl.dot(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0), kt16)
-            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0), kt16) * scale
+            b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0)
+            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0), tl.trans(b_k)) * scale
         else:
-            kt = tl.trans(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32))
-            A = tl.dot(tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32), kt, input_precision=PREC)
-            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale, kt, input_precision=PREC)
-        A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
+            b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+            QK = tl.dot(tl.load(q_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale, tl.trans(b_k),
+                        input_precision=PREC)
         QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
+        tl.store(aqk_ptr + p_a, QK, mask=m_t[:, None])
+        if MMA16:
+            A = tl.dot(b_k, tl.trans(b_k))
+        else:
+            A = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+        A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
         eg = tl.exp(G)[:, None]  # [BT, 1]
-    tl.store(aqk_ptr + (tok[:, None] * HV + i_hv) * BT + o_t[None, :], QK, mask=m_t[:, None])
-    Tb = _unit_lower_inverse(A, BT, PREC) * b_beta[None, :]  # T diag(beta)
+    if SOLVE == "memory":
+        tl.store(ta_ptr + p_a, A, mask=m_t[:, None])
+        tl.debug_barrier()
+        _unit_lower_inverse_memory(ta_ptr, start, L, i_hv, HV, BT, PREC)
+        Tb = tl.load(ta_ptr + p_a, mask=m_t[:, None], other=0.0) * b_beta[None, :]  # T diag(beta)
+    else:
+        Tb = _unit_lower_inverse(A, BT, PREC) * b_beta[None, :]  # T diag(beta)
     b_v = tl.load(v_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                   other=0.0)
-    kg = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * eg
+    # each product stored before the next: one [BT, 128] fp32 accumulator live at a time
     if LOWP:
         T16 = Tb.to(k_ptr.dtype.element_ty)
         ut = tl.dot(T16, b_v.to(k_ptr.dtype.element_ty))
-        w = tl.dot(T16, kg.to(k_ptr.dtype.element_ty))
     else:
         ut = tl.dot(Tb, b_v.to(tl.float32), input_precision=PREC)
-        w = tl.dot(Tb, kg, input_precision=PREC)
     tl.store(ut_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], ut, mask=m_t[:, None] & m_v[None, :])
+    kg = tl.load(k_ptr + p_qk, mask=m_tk, other=0.0).to(tl.float32) * eg
+    if LOWP:
+        w = tl.dot(T16, kg.to(k_ptr.dtype.element_ty))
+    else:
+        w = tl.dot(Tb, kg, input_precision=PREC)
     tl.store(w_ptr + (tok[:, None] * HV + i_hv) * K + o_k[None, :], w.to(w_ptr.dtype.element_ty), mask=m_tk)
 
 
@@ -407,6 +478,8 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         if final:
             S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
         return o, S, []
+    if cfg.solve not in ("registers", "memory"):
+        raise ValueError(f"config: solve must be 'registers' or 'memory', got {cfg.solve!r}")
     starts, lens, offs, fend, longest = chunk_table(cu, chunk_size, tails, q.device)
     BT = block(longest)
     BK, BVF = block(d.K), block(d.V)
@@ -424,6 +497,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     h = torch.empty(NC, d.HV, d.K, d.V, dtype=k.dtype if fast16 else torch.float32, device=dev)
     gc = torch.empty((NT, d.HV, d.K) if d.channel_gate else (NT, d.HV), **f32)
     aqk = torch.empty(NT, d.HV, BT, **f32)
+    ta = torch.empty(NT, d.HV, BT, **f32) if cfg.solve == "memory" else ut  # the solve's scratch
     q, k, v, g, beta = (as_input(x) for x in (q, k, v, g, beta))
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     tail = buffer is not None
@@ -433,8 +507,8 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
 
     def prep():
         _chunk_prep_kernel[(NC, d.HV)](
-            q, k, v, g, beta, starts, lens, w, ut, gc, aqk, s, **common, BVF=BVF, MMA16=mma16, LOWP=fast16,
-            num_warps=cfg.prep_warps)
+            q, k, v, g, beta, starts, lens, w, ut, gc, aqk, ta, s, **common, BVF=BVF, MMA16=mma16, LOWP=fast16,
+            SOLVE=cfg.solve, num_warps=cfg.prep_warps)
 
     def state():
         _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](

@@ -9,15 +9,19 @@ package roots with the same Triton (e.g. before and after a refactor) rather tha
     python scripts/aot_regs.py all [--root DIR]
 
 KERNEL: decode, fold_group, fold_full (the tile fold), book (kvbuffer_fast/decode.py), verify_prep_group,
-verify_prep, verify_stream (kvbuffer_fast/verify.py; speculative.py in older trees), or ``all``.
+verify_prep, verify_stream (kvbuffer_fast/verify.py; speculative.py in older trees), chunk_prep
+(kvbuffer_fast/chunk.py, bf16 inputs at chunk 64), or ``all``.
 Constexprs take, in order: KEY=VALUE from the command line, the value of the default H200 launch
 below (Qwen3-Next heads, B = 128, C = 16, bf16), the kernel's own default; a constexpr with none of
 these is an error that names it, and names the table gives that the kernel lacks are ignored (a
 renamed switch must then be given on the command line).  num_warps, maxnreg and num_stages are compile options.
+A VALUE starting with ``*`` sets the type of the pointer argument KEY (``k_ptr=*fp32``; by default an
+argument's type follows its name: bf16 tokens and keys, int32 chunk tables, fp32 the rest).
 ``--root DIR`` imports kvbuffer_fast from DIR.  ``ptx_sha256`` digests the PTX's code without debug
 locations, comments and parameter names: equal digests of two roots mean the same kernel code (a
 kernel that lost an unused argument differs only in its ``params`` count: diff the AOT_PTX files).  AOT_PTX=FILE writes the PTX there; AOT_DEBUG=1 prints
-ptxas's whole report.
+ptxas's whole report; AOT_ALIGNED=1 compiles with the pointers 16-byte aligned, as a launch on torch's
+tensors specializes them (vectorized loads and stores).
 """
 
 from __future__ import annotations
@@ -56,14 +60,21 @@ KERNELS = {
     "verify_stream": (("verify", "speculative"), "_verify_stream_kernel",
                       dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
                            ZP=True, PDL=True, H=16, EARLY=True, XPREC="tf32x2", XP="tf32"), dict(num_warps=4)),
+    "chunk_prep": (("chunk",), "_chunk_prep_kernel",
+                   dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, BVF=128, CHANNEL=False, PREC="tf32", MMA16=True,
+                        LOWP=True), dict(num_warps=4)),
 }
 OPTIONS = ("num_warps", "maxnreg", "num_stages")
 _BF16 = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "ck_ptr", "dk_ptr", "beta_ptr"}
 _I64 = {"len_ptr", "nd_ptr", "par_ptr", "snap_ptr"}
+#: Kernels whose arguments of these names are int32 (the chunk tables)
+_I32 = {"_chunk_prep_kernel": {"start_ptr", "len_ptr"}}
 
 
-def _arg_type(name: str) -> str:
+def _arg_type(name: str, kernel: str = "") -> str:
     """The signature type of a runtime argument, from its name (bf16 tokens and keys, fp32 the rest)."""
+    if name in _I32.get(kernel, ()):
+        return "*i32"
     if not name.endswith("_ptr"):
         return "fp32" if name == "scale" else "i32"
     if name in _BF16:
@@ -90,8 +101,9 @@ def find_kernel(name: str):
     raise SystemExit(f"aot_regs: kernel {' / '.join(attrs)} ({name}) is missing; looked in {', '.join(tried)}")
 
 
-def signature(fn, const: dict) -> tuple[dict, dict]:
-    """(signature, constexprs) of ``fn``: every constexpr from ``const`` or the kernel's default."""
+def signature(fn, const: dict, types: dict | None = None) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``fn``: every constexpr from ``const`` or the kernel's default, every
+    argument's type from ``types`` or its name."""
     sig, values = {}, {}
     missing = []
     for p in fn.params:
@@ -104,7 +116,7 @@ def signature(fn, const: dict) -> tuple[dict, dict]:
                 missing.append(p.name)
             sig[p.name] = "constexpr"
         else:
-            sig[p.name] = _arg_type(p.name)
+            sig[p.name] = (types or {}).get(p.name) or _arg_type(p.name, fn.__name__)
     if missing:
         raise SystemExit(f"aot_regs: give {', '.join(m + '=...' for m in missing)} (constexprs of {fn.__name__} "
                          f"without a default)")
@@ -137,7 +149,7 @@ def ptx_instructions(ptx: str) -> int:
     return sum(1 for s in ptx_code(ptx) if s.endswith(";") and not s.startswith("."))
 
 
-def compile_report(name: str, over: dict, opts: dict) -> dict:
+def compile_report(name: str, over: dict, opts: dict, types: dict | None = None) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -145,8 +157,12 @@ def compile_report(name: str, over: dict, opts: dict) -> dict:
     fn, const, kopts = find_kernel(name)
     const.update(over)
     kopts.update(opts)
-    sig, values = signature(fn, const)
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in values.items()})
+    sig, values = signature(fn, const, types)
+    # AOT_ALIGNED=1: pointers 16-byte aligned, as Triton specializes them at a launch on torch's allocations
+    # (vectorized loads and stores); by default no alignment is assumed
+    attrs = {} if os.environ.get("AOT_ALIGNED") != "1" else {
+        (fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items() if t.startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in values.items()}, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=kopts)
     ptx = ck.asm["ptx"]
     if os.environ.get("AOT_PTX"):
@@ -191,16 +207,19 @@ def main(argv) -> int:
         argv = argv[:i] + argv[i + 2:]
     if not argv or argv[0] not in (*KERNELS, "all"):
         raise SystemExit(f"aot_regs: give a kernel: {', '.join(KERNELS)} or all")
-    over, opts = {}, {}
+    over, opts, types = {}, {}, {}
     for kv in argv[1:]:
         k, sep, v = kv.partition("=")
         if not sep:
             raise SystemExit(f"aot_regs: expected KEY=VALUE, got {kv!r}")
-        (opts if k in OPTIONS else over)[k] = _value(v)
+        if v.startswith("*"):
+            types[k] = v
+        else:
+            (opts if k in OPTIONS else over)[k] = _value(v)
     failed = 0
     for name in (KERNELS if argv[0] == "all" else [argv[0]]):
         try:
-            r = compile_report(name, over, opts)
+            r = compile_report(name, over, opts, types)
         except SystemExit as e:  # a missing kernel or constexpr: said, and the others still compile
             if argv[0] != "all":
                 raise

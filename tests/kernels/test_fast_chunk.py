@@ -39,6 +39,19 @@ def _assert_all(results):
         assert r.passed, str(r)
 
 
+@pytest.mark.parametrize("channel,chunk_size", [(False, 32), (True, 16)], ids=["32-scalar", "16-channel"])
+def test_chunk_memory_solve_varlen(channel, chunk_size):
+    """The prep launch's solve through its scratch (``ChunkConfig(solve="memory")``) on a variable-length
+    batch: sequences of 0, 5, 37 and 20 tokens (short chunks next to full ones, one- and two-block tiles,
+    neighbouring sequences' scratch rows), each against its own float64 recurrence."""
+    case = Case(B=4, T=37, H=1, HV=2, K=8, V=12, channel_gate=channel, gate="mixed", seed=7)
+    cfg = ChunkConfig(solve="memory")
+    impl = type("Impl", (), {"chunk_gated_delta_rule": staticmethod(
+        lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=cfg))})
+    _assert_all(P.check_varlen(impl, case, torch.float32, lengths=[0, 5, 37, 20], chunk_size=chunk_size,
+                               device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,channel,gate,initial", [
     ((2, 37, 1, 2, 8, 12), False, "mild", True),      # B = 2, a group of 2, V not a power of two
@@ -55,12 +68,14 @@ def test_chunk_matches_oracle(dtype, shape, channel, gate, initial):
         _assert_all(P.check_chunk(fast, case, dtype, chunk_size=16, device=DEVICE, with_initial_state=initial))
 
 
+@pytest.mark.parametrize("solve", ["registers", "memory"])
 @pytest.mark.parametrize("T,chunk_size,channel", [(70, 64, False), (50, 32, True)], ids=["64-scalar", "32-channel"])
-def test_chunk_tiles(T, chunk_size, channel):
+def test_chunk_tiles(T, chunk_size, channel, solve):
     """Chunks of 4 and 2 inverse blocks, a short last chunk, from an initial state, with V = 40 cut into
-    16-column tiles by the state and the output launches (three state tiles, the last one partly masked)."""
+    16-column tiles by the state and the output launches (three state tiles, the last one partly masked);
+    the prep launch's triangular solve on register tiles and through its scratch (``ChunkConfig.solve``)."""
     case = Case(B=1, T=T, H=1, HV=2, K=8, V=40, channel_gate=channel, gate="strong", seed=T)
-    cfg = ChunkConfig(BV=16, out_BV=16)
+    cfg = ChunkConfig(BV=16, out_BV=16, solve=solve)
     impl = type("Impl", (), {"chunk_gated_delta_rule": staticmethod(
         lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=cfg))})
     _assert_all(P.check_chunk(impl, case, torch.float32, chunk_size=chunk_size, device=DEVICE))
