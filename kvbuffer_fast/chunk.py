@@ -15,8 +15,8 @@ Three launches:
 
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), all chunks in parallel: G, A, T, W,
    U~ and the masked, decayed Q K^T (fp32 scratch).  T in 16 x 16 blocks: the diagonal blocks'
-   inverses by forward substitution, all at once (15 steps), then the block rows by products; on
-   register tiles or through an fp32 scratch (``ChunkConfig.solve``: "registers" | "memory").
+   inverses by forward substitution, all at once (15 steps), then the block rows by products, through
+   an fp32 scratch (rows loaded, not selected from register tiles).
 2. ``_chunk_state_kernel``, grid (V / BV, N * HV): one program per (sequence, value head, V-tile)
    walks the sequence's chunks in order with its [K, BV] state tile in registers; per chunk it stores
    the state before the chunk (h [NC, HV, K, V] fp32) and U (fp32), then folds the chunk: the
@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state, check_tokens
+from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state
 from kvbuffer_ref.recurrent import check_cu_seqlens
 
 from ._common import as_input, block, checked_tokens, device_guard, new_output
@@ -65,39 +65,7 @@ def _row(x, o_r, i):
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for A [BT, BT] strictly lower triangular, in blocks of 16: the inverses of the BT / 16
-    diagonal blocks at once by forward substitution (15 steps on [BT / 16, 16, 16]), then the block rows
-    in order, X_b = T_bb (E_b - A_{b,<b} X_{<b}), two products each."""
-    BS: tl.constexpr = 16
-    NB: tl.constexpr = BT // BS
-    o_b = tl.arange(0, NB)
-    o_s = tl.arange(0, BS)
-    o_t = tl.arange(0, BT)
-    A4 = tl.reshape(A, [NB, BS, NB, BS])
-    D = tl.sum(tl.where((o_b[:, None, None, None] == o_b[None, None, :, None]), A4, 0.0), 2)  # [NB, BS, BS]
-    eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
-    Ti = tl.zeros([NB, BS, BS], dtype=tl.float32) + eye[None, :, :]
-    for i in range(1, BS):
-        a_i = tl.sum(tl.where(o_s[None, :, None] == i, D, 0.0), 1)  # [NB, BS]: row i of each block
-        new = tl.where(o_s[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * Ti, 1)
-        Ti = tl.where(o_s[None, :, None] == i, new[:, None, :], Ti)
-    A3 = tl.reshape(A, [NB, BS, BT])
-    X = tl.zeros([NB, BS, BT], dtype=tl.float32)
-    for b in tl.static_range(NB):
-        Ab = tl.sum(tl.where(o_b[:, None, None] == b, A3, 0.0), 0)  # [BS, BT]: block row b of A
-        Ab = tl.where(o_t[None, :] < b * BS, Ab, 0.0)
-        R = tl.where(o_s[:, None] + b * BS == o_t[None, :], 1.0, 0.0)
-        if b > 0:
-            R -= tl.dot(Ab, tl.reshape(X, [BT, BT]), input_precision=PREC)
-        Tbb = tl.sum(tl.where(o_b[:, None, None] == b, Ti, 0.0), 0)  # [BS, BS]
-        Xb = tl.dot(Tbb, R, input_precision=PREC)
-        X = tl.where(o_b[:, None, None] == b, Xb[None, :, :], X)
-    return tl.reshape(X, [BT, BT])
-
-
-@triton.jit
-def _unit_lower_inverse_memory(a_ptr, start, L, i_hv, HV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+def _unit_lower_inverse(a_ptr, start, L, i_hv, HV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 in place of A [BT, BT] (strictly lower, zeros on and above the diagonal stored too), in an
     fp32 scratch: row r of the chunk at ``a_ptr + ((start + r) * HV + i_hv) * BT``, rows < L written,
     later rows never read.  In blocks of 16: the inverses of the BT / 16 diagonal blocks at once by forward
@@ -153,13 +121,12 @@ def _chunk_prep_kernel(
     w_ptr, ut_ptr, gc_ptr, aqk_ptr, ta_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, CHANNEL: tl.constexpr, PREC: tl.constexpr,
-    MMA16: tl.constexpr, LOWP: tl.constexpr = False, SOLVE: tl.constexpr = "registers",
+    MMA16: tl.constexpr, LOWP: tl.constexpr = False,
 ):
     """One (chunk, value head): G, A, T = (I + A)^-1, W, U~ and the causal decayed Q K^T, stored per token
     row (scratch: w [N_tok, HV, K], ut [N_tok, HV, V], gc [N_tok, HV]*, aqk [N_tok, HV, BT]).  LOWP: W and
-    U~ are products of 16-bit operands (T diag(beta) rounded to the keys' dtype).  SOLVE: "registers"
-    inverts I + A on register tiles (``_unit_lower_inverse``), "memory" through the fp32 scratch ta
-    [N_tok, HV, BT] (``_unit_lower_inverse_memory``)."""
+    U~ are products of 16-bit operands (T diag(beta) rounded to the keys' dtype).  I + A is inverted
+    through the fp32 scratch ta [N_tok, HV, BT] (``_unit_lower_inverse``)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -222,13 +189,10 @@ def _chunk_prep_kernel(
             A = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
         A = tl.where(lower, A * tl.exp(tl.where(lower, diff, 0.0)), 0.0) * b_beta[:, None]
         eg = tl.exp(G)[:, None]  # [BT, 1]
-    if SOLVE == "memory":
-        tl.store(ta_ptr + p_a, A, mask=m_t[:, None])
-        tl.debug_barrier()
-        _unit_lower_inverse_memory(ta_ptr, start, L, i_hv, HV, BT, PREC)
-        Tb = tl.load(ta_ptr + p_a, mask=m_t[:, None], other=0.0) * b_beta[None, :]  # T diag(beta)
-    else:
-        Tb = _unit_lower_inverse(A, BT, PREC) * b_beta[None, :]  # T diag(beta)
+    tl.store(ta_ptr + p_a, A, mask=m_t[:, None])
+    tl.debug_barrier()
+    _unit_lower_inverse(ta_ptr, start, L, i_hv, HV, BT, PREC)
+    Tb = tl.load(ta_ptr + p_a, mask=m_t[:, None], other=0.0) * b_beta[None, :]  # T diag(beta)
     b_v = tl.load(v_ptr + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                   other=0.0)
     # each product stored before the next: one [BT, 128] fp32 accumulator live at a time
@@ -478,8 +442,6 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         if final:
             S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
         return o, S, []
-    if cfg.solve not in ("registers", "memory"):
-        raise ValueError(f"config: solve must be 'registers' or 'memory', got {cfg.solve!r}")
     starts, lens, offs, fend, longest = chunk_table(cu, chunk_size, tails, q.device)
     BT = block(longest)
     BK, BVF = block(d.K), block(d.V)
@@ -497,7 +459,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     h = torch.empty(NC, d.HV, d.K, d.V, dtype=k.dtype if fast16 else torch.float32, device=dev)
     gc = torch.empty((NT, d.HV, d.K) if d.channel_gate else (NT, d.HV), **f32)
     aqk = torch.empty(NT, d.HV, BT, **f32)
-    ta = torch.empty(NT, d.HV, BT, **f32) if cfg.solve == "memory" else ut  # the solve's scratch
+    ta = torch.empty(NT, d.HV, BT, **f32)  # the triangular solve's scratch
     q, k, v, g, beta = (as_input(x) for x in (q, k, v, g, beta))
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     tail = buffer is not None
@@ -508,7 +470,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     def prep():
         _chunk_prep_kernel[(NC, d.HV)](
             q, k, v, g, beta, starts, lens, w, ut, gc, aqk, ta, s, **common, BVF=BVF, MMA16=mma16, LOWP=fast16,
-            SOLVE=cfg.solve, num_warps=cfg.prep_warps)
+            num_warps=cfg.prep_warps)
 
     def state():
         _chunk_state_kernel[(triton.cdiv(d.V, BV), N * d.HV)](

@@ -185,9 +185,6 @@ class ChunkConfig:
     #: 16-bit q, k and v on CUDA: W and U~ (prep) and the output's two products also take 16-bit operands,
     #: h and U are stored in that dtype (the state pass's products always do); False keeps those fp32
     fast16: bool = True
-    #: the prep launch's triangular solve: "registers" (register tiles) or "memory" (through an fp32 scratch
-    #: of BT floats per token and value head)
-    solve: str = "registers"
 
 
 @dataclass(frozen=True)

@@ -270,12 +270,10 @@ def chunk_flops(B, T, HV, K, V, BT=64):
 #: with twice the columns (fewer loads of W and K per state column; ptxas for sm_90 reports spills of 520 B
 #: per thread for fp32 and 104 B for bf16, against 200 B and none at BV = 16).  state_stages2: the chunk
 #: loop software-pipelined, the next chunk's W and K loaded during this one's products (spills 872 / 344 B).
-#: solve_memory (and on 8 warps): the prep launch's triangular solve through its fp32 scratch instead of
-#: register tiles (ChunkConfig.solve).  A candidate equal to one timed before it in the same row is skipped.
+#: A candidate equal to one timed before it in the same row is skipped.
 VARIANTS = (("ours", None), ("fast16_off", dict(fast16=False)), ("state_bv32", dict(BV=32)),
             ("state_stages2", dict(stages=2)), ("state_stages3", dict(stages=3)), ("prep_warps8", dict(prep_warps=8)),
-            ("out_bv128", dict(out_BV=128)), ("solve_memory", dict(solve="memory")),
-            ("solve_memory_w8", dict(solve="memory", prep_warps=8)))
+            ("out_bv128", dict(out_BV=128)))
 
 
 def variant_config(x, change):

@@ -15,7 +15,6 @@ if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels ar
 import pytest  # noqa: E402
 
 import kvbuffer_fast as fast  # noqa: E402
-import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
 from kvbuffer_fast.launch import (  # noqa: E402
     SM90_SHARED_BYTES, TABLES, ChunkConfig, DirectConfig, Key, chunk_smem_bytes, config_for)
@@ -40,15 +39,12 @@ def _assert_all(results):
 
 
 @pytest.mark.parametrize("channel,chunk_size", [(False, 32), (True, 16)], ids=["32-scalar", "16-channel"])
-def test_chunk_memory_solve_varlen(channel, chunk_size):
-    """The prep launch's solve through its scratch (``ChunkConfig(solve="memory")``) on a variable-length
-    batch: sequences of 0, 5, 37 and 20 tokens (short chunks next to full ones, one- and two-block tiles,
-    neighbouring sequences' scratch rows), each against its own float64 recurrence."""
+def test_chunk_solve_varlen(channel, chunk_size):
+    """The prep launch's triangular solve through its scratch on a variable-length batch: sequences of 0,
+    5, 37 and 20 tokens (short chunks next to full ones, one- and two-block tiles, neighbouring sequences'
+    scratch rows), each against its own float64 recurrence."""
     case = Case(B=4, T=37, H=1, HV=2, K=8, V=12, channel_gate=channel, gate="mixed", seed=7)
-    cfg = ChunkConfig(solve="memory")
-    impl = type("Impl", (), {"chunk_gated_delta_rule": staticmethod(
-        lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=cfg))})
-    _assert_all(P.check_varlen(impl, case, torch.float32, lengths=[0, 5, 37, 20], chunk_size=chunk_size,
+    _assert_all(P.check_varlen(fast, case, torch.float32, lengths=[0, 5, 37, 20], chunk_size=chunk_size,
                                device=DEVICE))
 
 
@@ -68,14 +64,12 @@ def test_chunk_matches_oracle(dtype, shape, channel, gate, initial):
         _assert_all(P.check_chunk(fast, case, dtype, chunk_size=16, device=DEVICE, with_initial_state=initial))
 
 
-@pytest.mark.parametrize("solve", ["registers", "memory"])
 @pytest.mark.parametrize("T,chunk_size,channel", [(70, 64, False), (50, 32, True)], ids=["64-scalar", "32-channel"])
-def test_chunk_tiles(T, chunk_size, channel, solve):
+def test_chunk_tiles(T, chunk_size, channel):
     """Chunks of 4 and 2 inverse blocks, a short last chunk, from an initial state, with V = 40 cut into
-    16-column tiles by the state and the output launches (three state tiles, the last one partly masked);
-    the prep launch's triangular solve on register tiles and through its scratch (``ChunkConfig.solve``)."""
+    16-column tiles by the state and the output launches (three state tiles, the last one partly masked)."""
     case = Case(B=1, T=T, H=1, HV=2, K=8, V=40, channel_gate=channel, gate="strong", seed=T)
-    cfg = ChunkConfig(BV=16, out_BV=16, solve=solve)
+    cfg = ChunkConfig(BV=16, out_BV=16)
     impl = type("Impl", (), {"chunk_gated_delta_rule": staticmethod(
         lambda *a, **kw: fast.chunk_gated_delta_rule(*a, **kw, config=cfg))})
     _assert_all(P.check_chunk(impl, case, torch.float32, chunk_size=chunk_size, device=DEVICE))
