@@ -165,20 +165,34 @@ def lane_seed(seed: int, impl: str, op: str, dtype: str) -> int:
     return zlib.crc32(f"{seed}|{impl}|{op}|{dtype}".encode()) & 0x7FFFFFFF
 
 
+#: Seconds a lane may spend shrinking a failure, counted from the first failing example: past them every
+#: new candidate the shrinker tries is answered as passing without being run (the examples that failed
+#: still run and fail), so hypothesis stops at the smallest failing case found so far and replays it.  On
+#: a GPU every candidate of another shape is a Triton compile: unbounded, a shrink ran past its stage
+#: (H200, SGLang's chunk_varlen: 84 shrink tries in 176 s, 2 examples drawn).
+SHRINK_SECONDS = 60.0
+
+
 class Progress:
     """Cases done / total of a long lane, to stderr, at most every ``every`` seconds (a lane that ends
-    sooner prints nothing), so no lane is silent for longer."""
+    sooner prints nothing), so no lane is silent for longer.  While a failure is shrunk, the shrink tries
+    and the time left of ``SHRINK_SECONDS`` (the cases count every try: past the total while shrinking)."""
 
     def __init__(self, label: str, total: int, every: float = 2.0, stream=None):
         self.label, self.total, self.every, self.stream = label, total, every, stream
         self.t0 = self.last = time.perf_counter()
         self.printed = False
 
-    def tick(self, done: int) -> None:
+    def tick(self, done: int, shrinking: Optional[tuple] = None) -> None:
+        """shrinking: (tries, seconds spent) of the shrink of a failure, None before one is found."""
         now = time.perf_counter()
         if self.stream is not None and now - self.last >= self.every:
             self.last, self.printed = now, True
-            print(f"  ... {self.label}: {done}/{self.total} cases, {now - self.t0:.0f}s", file=self.stream, flush=True)
+            what = f"{done}/{self.total} cases"
+            if shrinking is not None:
+                what = (f"failure found, shrinking it: {shrinking[0]} tries, {shrinking[1]:.0f} of "
+                        f"{SHRINK_SECONDS:.0f}s")
+            print(f"  ... {self.label}: {what}, {now - self.t0:.0f}s", file=self.stream, flush=True)
 
 
 def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: Optional[int], shrink: bool,
@@ -256,7 +270,8 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                    report_multiple_bugs=False, phases=phases, suppress_health_check=list(HealthCheck),
                    verbosity=Verbosity.quiet)
     lseed = lane_seed(seed, impl.name, op.name, dtype_name(dt))
-    state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None, ratios={})
+    state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None, ratios={},
+                                 found=None, found_at=0, failed=set(), unrun=0)
     channel_ok = case_kw.get("channel_gate") is not False
     anchors = []
     for a in ANCHORS.get(op.key, []):
@@ -324,7 +339,8 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                     state["ratios"][k] = max(state["ratios"].get(k, 0.0), r)
         state["checks"] += informative
         state["vacuous"] += informative == 0
-        prog.tick(state["cases"])
+        if state["found"] is None:
+            prog.tick(state["cases"])
 
     def _leaks(first: dict, later: dict) -> bool:
         """A later call failed: is it the order of calls?  Yes when that call, run again, passes, or when the
@@ -336,7 +352,26 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                 return False
         return ok(later) or not ok(first)
 
-    test = given(params=with_layout(op.strategy(sizes, case_kw)))(body)
+    def bounded(params):
+        """``body``, with the shrink of a failure bounded by ``SHRINK_SECONDS`` (see there)."""
+        key = repr(params)
+        found = state["found"]
+        if found is not None and key not in state["failed"] and time.perf_counter() - found > SHRINK_SECONDS:
+            state["unrun"] += 1
+            return
+        try:
+            body(params)
+        except BaseException:
+            state["failed"].add(key)
+            if state["found"] is None:
+                state["found"], state["found_at"] = time.perf_counter(), state["cases"]
+            raise
+        finally:
+            if state["found"] is not None:
+                prog.tick(state["cases"], (state["cases"] - state["found_at"],
+                                           time.perf_counter() - state["found"]))
+
+    test = given(params=with_layout(op.strategy(sizes, case_kw)))(bounded)
     fixed = anchors + edges
     if not replay:
         for a in reversed(fixed):

@@ -455,6 +455,8 @@ def _engine(kind: str, label: str, step_of):
         return missing
     adapter = engine_adapter(step_of(k), name=f"sglang {k.version} {label}", contract="ieee", **CONVENTIONS[kind])
     adapter.interpreted = interpreter_active()
+    # SGLang runs these kernels on bfloat16 q, k, v (the model's dtype); the interpreter mishandles bfloat16
+    adapter.dtypes = tuple(adapter.dtypes) + ((torch.bfloat16,) if _on_gpu() else ())
     if kind == "pool":  # log gates, one per value head: the kernel has no per-channel gate
         adapter.channel_gate = False
     return describe(adapter)

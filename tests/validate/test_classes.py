@@ -106,6 +106,37 @@ def test_progress_reports_cases_done_to_its_stream():
     assert "decode[u] / x / float32: 3/10 cases" in out.getvalue()
 
 
+def test_progress_while_shrinking_says_so_instead_of_counting_past_the_total():
+    out = io.StringIO()
+    p = runner.Progress("chunk_varlen / x / bfloat16", 2, every=0.0, stream=out)
+    p.tick(84, (82, 150.0))
+    assert "84/2" not in out.getvalue() and "shrinking it: 82 tries, 150 of" in out.getvalue()
+
+
+def test_a_shrink_stops_at_its_time_budget(monkeypatch):
+    """Past SHRINK_SECONDS the shrinker's new candidates go unrun: the failure found is still reported,
+    replayed, and the lane ends after a few calls (an unbounded shrink of a compiled lane outlasted its stage)."""
+    tried = []
+
+    def wrong_when(q, k, v, *, g, beta, scale=None):  # no anchor or boundary case has these shapes: drawn, shrunk
+        tried.append(q.shape)
+        B, T, _, K = q.shape
+        return ref.direct_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale) + float(B > 1 and T > 2 and 8 < K < 64)
+
+    impl = _direct(wrong_when)
+    monkeypatch.setattr(runner, "SHRINK_SECONDS", 0.0)
+    rep = runner.run_validation([impl], ops=lanes.select_ops("direct"), dtypes=[torch.float64], seed=11,
+                                max_examples=40, shrink=True, progress=None, explain=False)
+    (r,) = [x for x in rep.lanes if x.status != "NOT PROVIDED"]
+    assert r.status == "FAIL" and r.failure["case"] is not None
+    bounded = len(tried)
+    monkeypatch.setattr(runner, "SHRINK_SECONDS", 600.0)
+    tried.clear()
+    runner.run_validation([impl], ops=lanes.select_ops("direct"), dtypes=[torch.float64], seed=11,
+                          max_examples=40, shrink=True, progress=None, explain=False)
+    assert bounded < len(tried)
+
+
 def test_without_triton_the_fast_rows_are_listed_as_not_run(monkeypatch):
     def no_triton():
         raise adapters.AdapterError("kvbuffer_fast needs triton, which is not installed")

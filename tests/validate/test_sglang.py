@@ -25,6 +25,9 @@ from kvbuffer_ref.validate.runner import run_validation
 from kvbuffer_ref.validate.tolerances import compare
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The suite's device: CUDA where there is one (Triton compiles for it; no interpreter), else the CPU under the
+#: Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 on a machine without CUDA).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _where():
@@ -83,8 +86,8 @@ def test_every_call_binds_to_the_real_kernel_signature(kernels):
         ns[name] = _binding(getattr(kernels, name), calls.setdefault(name, []))
     k = type(kernels)(**ns)
     # the oracle's convention, grouped heads, an initial state, an explicit scale
-    x = Case(B=2, T=3, H=1, HV=2, K=8, V=5, gate="mild", seed=4).inputs(torch.float32)
-    S0 = torch.randn(2, 2, 8, 5, generator=torch.Generator().manual_seed(0))
+    x = Case(B=2, T=3, H=1, HV=2, K=8, V=5, gate="mild", seed=4).inputs(torch.float32, DEVICE)
+    S0 = torch.randn(2, 2, 8, 5, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     got = sg.SGLangRecurrent(k).recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
     _agrees(got, x, initial_state=S0)
     (kw,) = calls["fused_recurrent_gated_delta_rule"]
@@ -93,12 +96,13 @@ def test_every_call_binds_to_the_real_kernel_signature(kernels):
     # the engine steps: what engine_adapter hands them, bound to the kernels' signatures
     N, H, HV, K, V = 3, 1, 2, 8, 5
     g = torch.Generator().manual_seed(1)
-    pool = torch.randn(5, HV, V, K, generator=g)
-    slots = torch.tensor([3, -1, 1], dtype=torch.int32)
-    raw = dict(A_log=torch.randn(HV, generator=g), dt_bias=torch.randn(HV, generator=g))
-    q, kk, v = torch.randn(1, N, H, K, generator=g), torch.randn(1, N, H, K, generator=g), torch.randn(1, N, HV, V, generator=g)
-    a, b = torch.randn(1, N, HV, generator=g), torch.randn(1, N, HV, generator=g)
-    cu = torch.arange(N + 1, dtype=torch.int32)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    pool = rnd(5, HV, V, K)
+    slots = torch.tensor([3, -1, 1], dtype=torch.int32, device=DEVICE)
+    raw = dict(A_log=rnd(HV), dt_bias=rnd(HV))
+    q, kk, v = rnd(1, N, H, K), rnd(1, N, H, K), rnd(1, N, HV, V)
+    a, b = rnd(1, N, HV), rnd(1, N, HV)
+    cu = torch.arange(N + 1, dtype=torch.int32, device=DEVICE)
     o = sg.decode_step(k)(q=q, k=kk, v=v, a=a, b=b, state=pool, slots=slots, cu_seqlens=cu, scale=K ** -0.5, **raw)
     assert o.shape == (1, N, HV, V)
     (kw,) = calls["fused_sigmoid_gating_delta_rule_update"]
@@ -109,9 +113,9 @@ def test_every_call_binds_to_the_real_kernel_signature(kernels):
     assert o.shape == (N, 1, HV, V) and torch.equal(o[1], torch.zeros_like(o[1]))  # a pad row: zero output
     (kw,) = calls["fused_recurrent_gated_delta_rule_packed_decode"]
     assert kw["use_qk_l2norm_in_kernel"] is True and kw["ssm_state_indices"] is slots
-    o = sg.pool_step(k)(q=q, k=kk, v=v, g=-torch.rand(1, N, HV, generator=g), beta=torch.rand(1, N, HV, generator=g),
-                        state=pool, slots=slots, cu_seqlens=cu, scale=K ** -0.5,
-                        has_initial_state=torch.tensor([False] * N))
+    o = sg.pool_step(k)(q=q, k=kk, v=v, g=-torch.rand(1, N, HV, generator=g).to(DEVICE),
+                        beta=torch.rand(1, N, HV, generator=g).to(DEVICE), state=pool, slots=slots, cu_seqlens=cu,
+                        scale=K ** -0.5, has_initial_state=torch.tensor([False] * N))
     (kw,) = calls["fused_recurrent_gated_delta_rule_update"]
     assert kw["use_qk_l2norm_in_kernel"] is True and kw["initial_state_source"] is pool
 
@@ -119,39 +123,57 @@ def test_every_call_binds_to_the_real_kernel_signature(kernels):
 def test_chunk_calls_bind_to_the_real_signature_and_compute_the_recurrence(kernels, monkeypatch):
     """The chunk kernel does not run under the interpreter: the adapter's call binds to its real signature,
     and the bound arguments (its pool, slots written in place) run through SGLang's pooled recurrent kernel,
-    which keeps the same pool semantics, against the float64 truth."""
+    which keeps the same pool semantics, against the float64 truth.  The stand-in returns what the wheel's
+    ``chunk_gated_delta_rule`` returns (``fla/chunk.py``: ``return o, None, h``, h the per-chunk states, not the
+    final state), with a NaN decoy as h: the adapter must read o from the first element and the final state
+    from the pool slots it addressed (the kernel's ``INPLACE_UPDATE`` store, ``fla/chunk_delta_h.py``), exactly."""
     monkeypatch.setenv(PEER_ENV, WHERE or "")
     try:
         real = sg.load_kernels(chunk=True).chunk_gated_delta_rule
     except AdapterError as e:
         pytest.skip(f"SGLang's chunk module does not import here ({e})")
-    calls = []
+    calls, wrote = [], []
 
     def as_recurrent(q, k, v, g, beta, scale=None, initial_state=None, initial_state_indices=None,
                      cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, inplace_update=True):
         assert inplace_update and not head_first
+        before = initial_state.clone()
         B, T = q.shape[:2]
         flat = (lambda t: t.reshape(1, B * T, *t.shape[2:])) if cu_seqlens is None else (lambda t: t)
-        cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T)
+        cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=q.device)
         o = kernels.fused_recurrent_gated_delta_rule_update(
             flat(q), flat(k), flat(v), g=flat(g), beta=flat(beta), scale=scale, initial_state_source=initial_state,
             initial_state_indices=initial_state_indices, cu_seqlens=cu, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return o.reshape(*v.shape), None, None
+        o = o.reshape(*v.shape)
+        h_decoy = torch.full((B, 1, *initial_state.shape[1:]), float("nan"), device=q.device)
+        wrote.append((o, before, initial_state.clone()))
+        return o, None, h_decoy
 
     k = type(kernels)(**dict(vars(kernels), chunk_gated_delta_rule=_binding(real, calls, as_recurrent)))
     adapter = sg.SGLangChunk(k)
-    x = Case(B=2, T=5, H=1, HV=2, K=8, V=3, gate="mild", seed=9).inputs(torch.float32)
-    S0 = torch.randn(2, 2, 8, 3, generator=torch.Generator().manual_seed(3))
-    _agrees(adapter.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, chunk_size=16), x,
-            initial_state=S0)
+    x = Case(B=2, T=5, H=1, HV=2, K=8, V=3, gate="mild", seed=9).inputs(torch.float32, DEVICE)
+    S0 = torch.randn(2, 2, 8, 3, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    got = adapter.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, chunk_size=16)
+    _agrees(got, x, initial_state=S0)
     (args,) = calls
-    assert args["use_qk_l2norm_in_kernel"] is False and args["inplace_update"] is True
-    assert args["initial_state"].shape == (3, 2, 3, 8) and args["initial_state_indices"].tolist() == [1, 2]
+    assert args["use_qk_l2norm_in_kernel"] is False and args["inplace_update"] is True and args["scale"] is None
+    assert "head_first" not in args and "cu_seqlens" not in args  # defaults: False, None
+    pool, idx = args["initial_state"], args["initial_state_indices"]
+    assert pool.shape == (3, 2, 3, 8) and pool.dtype == torch.float32 and pool.is_contiguous()  # [N + 1, HV, V, K]
+    assert idx.dtype == torch.int32 and idx.tolist() == [1, 2]
+    assert torch.equal(args["g"], x["g"].float()) and torch.equal(args["beta"], x["beta"])
+    # what the adapter read back: o the first returned element, the state the slots written in place
+    (o_kernel, pool_before, pool_after), = wrote
+    assert torch.equal(pool_before[1:], S0.transpose(-1, -2)) and torch.isnan(pool_before[0]).all()  # [V, K] per slot
+    assert got[0] is o_kernel
+    assert torch.equal(got[1], pool_after[1:].transpose(-1, -2)) and torch.isnan(pool_after[0]).all()
     # ragged sequences, int64 offsets, no initial state: the slots start at zero
     flat = {n: torch.cat([t[0, :4], t[1, :1]]).unsqueeze(0) for n, t in x.items()}
     o, S = adapter.chunk_gated_delta_rule(**flat, output_final_state=True,
-                                          cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32))
-    assert calls[-1]["cu_seqlens"].dtype == torch.int64
+                                          cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32, device=DEVICE))
+    assert calls[-1]["cu_seqlens"].dtype == torch.int64 and calls[-1]["initial_state_indices"].tolist() == [1, 2]
+    assert torch.equal(wrote[-1][1][1:], torch.zeros_like(wrote[-1][1][1:]))
+    assert torch.equal(S, wrote[-1][2][1:].transpose(-1, -2))
     for i, sl in enumerate((slice(0, 4), slice(4, 5))):
         _agrees((o[:, sl], S[i:i + 1]), {n: t[:, sl] for n, t in flat.items()})
 
@@ -162,12 +184,12 @@ def test_chunk_calls_bind_to_the_real_signature_and_compute_the_recurrence(kerne
     ("sglang-packed", ["recurrent_decode"]),
     ("sglang-pool", ["recurrent"]),
 ])
-def test_lanes_pass_under_the_interpreter(name, ops, kernels, monkeypatch):
+def test_lanes_pass(name, ops, kernels, monkeypatch):
     monkeypatch.setenv(PEER_ENV, WHERE or "")
     impl = adapters.resolve(name)
     assert not impl.unavailable and impl.contract == "ieee"
     rep = run_validation([impl], ops=[(o, None) for o in ops], dtypes=[torch.float32], seed=3, max_examples=2,
-                         progress=None, explain=False)
+                         progress=None, explain=False, device=DEVICE)
     ran = [r for r in rep.lanes if r.status not in ("NOT PROVIDED",)]
     assert sorted(r.operation for r in ran) == sorted(ops)
     for lane in ran:
@@ -181,9 +203,9 @@ def test_a_state_read_in_the_wrong_layout_fails(kernels):
                                             **dict(sg.CONVENTIONS["decode"], state_layout="KV")))
     impl.interpreted = True
     rep = run_validation([impl], ops=[("recurrent_decode", None)], dtypes=[torch.float32], seed=3, max_examples=1,
-                         progress=None, explain=False, fail_fast=True, shrink=False)
+                         progress=None, explain=False, fail_fast=True, shrink=False, device=DEVICE)
     (lane,) = [r for r in rep.lanes if r.status != "NOT PROVIDED"]
-    assert lane.status == "FAIL"
+    assert lane.status == "FAIL" and lane.klass != "raised", lane.failure
 
 
 def test_the_chunk_lanes_say_why_they_do_not_run_under_the_interpreter(kernels, monkeypatch):
