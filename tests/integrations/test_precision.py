@@ -29,14 +29,6 @@ from kvbuffer_ref.validate.tolerances import compare, tolerance_for  # noqa: E40
 F64_REL = tolerance_for(torch.float64).floor * torch.finfo(torch.float64).eps  # the float64 row's floor
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @functools.lru_cache(maxsize=None)
 def model(model_type: str):
     m = kt.build_model(model_type, seed=0)

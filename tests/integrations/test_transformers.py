@@ -43,15 +43,6 @@ MODELS = ["qwen3_next", "qwen3_5", "kimi_linear"]
 CAPACITIES = [4, 16, 64]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is several times faster than torch's default on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @functools.lru_cache(maxsize=None)
 def model(model_type: str, dtype: torch.dtype = torch.float32):
     if dtype == torch.float32:

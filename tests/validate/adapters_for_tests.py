@@ -112,3 +112,16 @@ decode_double_gate = types.SimpleNamespace(name="decode-double-gate", dtypes=(to
 #: Claims to run on the Triton interpreter (the report refuses bfloat16 for it on the CPU).
 decode_interpreted = types.SimpleNamespace(name="decode-interpreted", dtypes=(torch.float32, torch.float16),
                                            interpreted=True, recurrent_decode=_step)
+
+
+def agrees_with_recurrence(got, x, **kw):
+    """An adapter's (o, S) against the float64 recurrence over the inputs ``x`` (and keywords ``kw``,
+    e.g. an initial state), with the float32 recurrence as the baseline: the one error table decides."""
+    from kvbuffer_ref.validate.tolerances import compare
+
+    truth = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True,
+                                           **{n: None if t is None else t.double() for n, t in kw.items()})
+    base = ref.recurrent_gated_delta_rule(**x, output_final_state=True, **kw)
+    for name, a, e, b, axis in (("o", got[0], truth[0], base[0], 2), ("state", got[1], truth[1], base[1], 1)):
+        c = compare(a, e, b, name=name, g=x["g"], head_axis=axis)
+        assert c.passed, str(c)

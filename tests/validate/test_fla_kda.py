@@ -8,22 +8,12 @@ import inspect
 import pytest
 import torch
 
-import kvbuffer_ref as ref
 from kvbuffer_ref.validate import adapters, Case
 from kvbuffer_ref.validate.runner import run_validation
-from kvbuffer_ref.validate.tolerances import compare
+
+from .adapters_for_tests import agrees_with_recurrence
 
 pytest.importorskip("fla")
-
-
-def _agrees(got, x, **kw):
-    """The adapter's (o, S) against the float64 recurrence, with the float32 recurrence as the baseline."""
-    truth = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True,
-                                           **{n: None if t is None else t.double() for n, t in kw.items()})
-    base = ref.recurrent_gated_delta_rule(**x, output_final_state=True, **kw)
-    for name, a, e, b, axis in (("o", got[0], truth[0], base[0], 2), ("state", got[1], truth[1], base[1], 1)):
-        c = compare(a, e, b, name=name, g=x["g"], head_axis=axis)
-        assert c.passed, str(c)
 
 
 def _recording(fn, calls):
@@ -42,7 +32,7 @@ def test_recurrent_gates_go_to_kda_or_the_gated_delta_rule_exactly(channel):
     # grouped heads (HV = 2H), an initial state, the default scale
     x = Case(B=2, T=3, H=1, HV=2, K=4, V=6, channel_gate=channel, gate="mild", seed=4).inputs(torch.float32)
     S0 = torch.randn(2, 2, 4, 6, generator=torch.Generator().manual_seed(0))
-    _agrees(impl.obj.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True), x, initial_state=S0)
+    agrees_with_recurrence(impl.obj.recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True), x, initial_state=S0)
     (a, kw), = kda if channel else gdn
     assert not (gdn if channel else kda)
     assert torch.equal(kw["g"], x["g"]) and torch.equal(kw["beta"], x["beta"])
@@ -59,7 +49,7 @@ def test_per_channel_decode_steps_and_varlen_batches_reach_kda():
     S0 = S.clone()
     o = torch.cat([impl.obj.recurrent_decode(*(x[n][:, t:t + 1] for n in "qkv"), g=x["g"][:, t:t + 1],
                                              beta=x["beta"][:, t:t + 1], state=S) for t in range(2)], 1)
-    _agrees((o, S), x, initial_state=S0)
+    agrees_with_recurrence((o, S), x, initial_state=S0)
     # two sequences of 2 and 1 tokens flattened into one row, each with its own initial state
     y = Case(B=2, T=2, H=1, HV=2, K=4, V=5, channel_gate=True, gate="mild", seed=8).inputs(torch.float32)
     flat = {n: torch.cat([t[0], t[1, :1]]).unsqueeze(0) for n, t in y.items()}
@@ -68,7 +58,7 @@ def test_per_channel_decode_steps_and_varlen_batches_reach_kda():
                                                cu_seqlens=torch.tensor([0, 2, 3], dtype=torch.int32))
     for i, sl in enumerate((slice(0, 2), slice(2, 3))):
         xi = {n: t[:, sl] for n, t in flat.items()}
-        _agrees((o[:, sl], S[i:i + 1]), xi, initial_state=S2[i:i + 1])
+        agrees_with_recurrence((o[:, sl], S[i:i + 1]), xi, initial_state=S2[i:i + 1])
 
 
 @pytest.mark.parametrize("channel", [True, False])
@@ -98,7 +88,7 @@ def test_chunk_calls_bind_to_fla_signatures_exactly(channel):
     S0 = torch.randn(1, 2, 4, 3, generator=torch.Generator().manual_seed(3))
     # the method itself (on the CPU the adapter hides it: not provided)
     got = type(impl.obj).chunk_gated_delta_rule(impl.obj, **x, initial_state=S0, output_final_state=True, chunk_size=3)
-    _agrees(got, x, initial_state=S0)
+    agrees_with_recurrence(got, x, initial_state=S0)
     (args,) = bound
     assert torch.equal(args["g"], x["g"]) and torch.equal(args["beta"], x["beta"])
     assert args["use_qk_l2norm_in_kernel"] is False and args["initial_state"].dtype == torch.float32

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvbuffer_ref as ref
 from kvbuffer_ref.validate import adapters, Case
 from kvbuffer_ref.validate import sglang as sg
 from kvbuffer_ref.validate.adapters import AdapterError
 from kvbuffer_ref.validate.engine import engine_adapter
 from kvbuffer_ref.validate.peers import PEER_ENV
 from kvbuffer_ref.validate.runner import run_validation
-from kvbuffer_ref.validate.tolerances import compare
+
+from .adapters_for_tests import agrees_with_recurrence
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The suite's device: CUDA where there is one (Triton compiles for it; no interpreter), else the CPU under the
@@ -48,16 +48,6 @@ def kernels(monkeypatch):
         return sg.load_kernels()
     except AdapterError as e:
         pytest.skip(f"SGLang's kernels not available ({e})")
-
-
-def _agrees(got, x, **kw):
-    """(o, S) against the float64 recurrence, the float32 recurrence as the baseline (the one table)."""
-    truth = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True,
-                                           **{n: None if t is None else t.double() for n, t in kw.items()})
-    base = ref.recurrent_gated_delta_rule(**x, output_final_state=True, **kw)
-    for name, a, e, b, axis in (("o", got[0], truth[0], base[0], 2), ("state", got[1], truth[1], base[1], 1)):
-        c = compare(a, e, b, name=name, g=x["g"], head_axis=axis)
-        assert c.passed, str(c)
 
 
 def _binding(real, calls, run=None):
@@ -89,7 +79,7 @@ def test_every_call_binds_to_the_real_kernel_signature(kernels):
     x = Case(B=2, T=3, H=1, HV=2, K=8, V=5, gate="mild", seed=4).inputs(torch.float32, DEVICE)
     S0 = torch.randn(2, 2, 8, 5, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     got = sg.SGLangRecurrent(k).recurrent_gated_delta_rule(**x, initial_state=S0, output_final_state=True)
-    _agrees(got, x, initial_state=S0)
+    agrees_with_recurrence(got, x, initial_state=S0)
     (kw,) = calls["fused_recurrent_gated_delta_rule"]
     assert kw["use_qk_l2norm_in_kernel"] is False and kw["initial_state"].shape == (2, 2, 5, 8)  # [N, HV, V, K]
     assert torch.equal(kw["g"], x["g"]) and torch.equal(kw["beta"], x["beta"])
@@ -154,7 +144,7 @@ def test_chunk_calls_bind_to_the_real_signature_and_compute_the_recurrence(kerne
     x = Case(B=2, T=5, H=1, HV=2, K=8, V=3, gate="mild", seed=9).inputs(torch.float32, DEVICE)
     S0 = torch.randn(2, 2, 8, 3, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     got = adapter.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, chunk_size=16)
-    _agrees(got, x, initial_state=S0)
+    agrees_with_recurrence(got, x, initial_state=S0)
     (args,) = calls
     assert args["use_qk_l2norm_in_kernel"] is False and args["inplace_update"] is True and args["scale"] is None
     assert "head_first" not in args and "cu_seqlens" not in args  # defaults: False, None
@@ -175,7 +165,7 @@ def test_chunk_calls_bind_to_the_real_signature_and_compute_the_recurrence(kerne
     assert torch.equal(wrote[-1][1][1:], torch.zeros_like(wrote[-1][1][1:]))
     assert torch.equal(S, wrote[-1][2][1:].transpose(-1, -2))
     for i, sl in enumerate((slice(0, 4), slice(4, 5))):
-        _agrees((o[:, sl], S[i:i + 1]), {n: t[:, sl] for n, t in flat.items()})
+        agrees_with_recurrence((o[:, sl], S[i:i + 1]), {n: t[:, sl] for n, t in flat.items()})
 
 
 @pytest.mark.parametrize("name,ops", [
