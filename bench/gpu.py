@@ -1,12 +1,14 @@
 """The GPU runner: every benchmarked operation as a model runs it, in device time, in one call.
 
     python3 -m bench.gpu [--out DIR] [--before DIR] [--batches 64,128,256,512] [--layers 4]
-                         [--ops OP,...] [--peer-path REPLAYSSM_CHECKOUT] [--set OP.FIELD=VALUE ...] [--smoke]
+                         [--ops OP,...] [--peer-path REPLAYSSM_CHECKOUT] [--sglang-path WHEEL_OR_DIR]
+                         [--set OP.FIELD=VALUE ...] [--smoke]
 
 For each batch and each operation of ``bench/workloads.py`` (decode over a whole buffer cycle, the
 fold included; verify of d drafts; accept of m; a speculative round; with their peers: the recurrent
 baseline, the per-draft-state baseline, fla's fused_recurrent and chunk kernels; the serving pool
-``kvbuffer_fast.pool.KVPool``; ReplaySSM's decode and speculative kernels from ``--peer-path``), the runner
+``kvbuffer_fast.pool.KVPool``; ReplaySSM's decode and speculative kernels from ``--peer-path``; SGLang's
+packed decode from ``--sglang-path``, by default the checkout's ``.whl/sglang/``), the runner
 
 1. builds ``--layers`` layers of distinct states and buffers and compares layer 0's eager result,
    compiled, with the float64 oracle: a wrong result is recorded and not timed;
@@ -148,10 +150,11 @@ def _row(case, ms: float, method: str, copy: dict) -> dict:
                                                             for c in case.checks], note=case.note)
 
 
-def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None, peer_path=None) -> dict:
+def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None, peer_path=None,
+            sglang_path=None) -> dict:
     """Every case of ``plan`` against the kvbuffer_fast on ``sys.path``: rows, skips, failures.  A peer's
-    case (ReplaySSM's kernels, from ``peer_path``) is timed even where its error is past the budget: its
-    row carries the comparisons and ``within_budget: false``."""
+    case (ReplaySSM's kernels from ``peer_path``, SGLang's from ``sglang_path``) is timed even where its
+    error is past the budget: its row carries the comparisons and ``within_budget: false``."""
     import torch
 
     from bench import workloads as W
@@ -159,7 +162,7 @@ def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None, peer_
     import kvbuffer_fast
 
     device = "cpu" if smoke else "cuda"
-    api = W.Api(overrides, peer_path=peer_path)
+    api = W.Api(overrides, peer_path=peer_path, sglang_path=sglang_path)
     package = Path(kvbuffer_fast.__file__).resolve().parent.parent
     out = dict(versions(), api=api.name, package=str(package), sources_sha256=sources_digest(package), rows=[],
                skips=[], failures=[])
@@ -267,6 +270,11 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-path", metavar="CHECKOUT",
                     help="a ReplaySSM checkout (github.com/Johnny-Liou/ReplaySSM): times its kernels "
                          "(replayssm_decode, replayssm_round), loaded from there; without it those ops are skipped")
+    ap.add_argument("--sglang-path", metavar="WHEEL_OR_DIR", default=None,
+                    help="SGLang's wheel (a sglang-*.whl, a folder holding one, or a tree with the sglang package) "
+                         "for sglang_decode, its kernel files read from there, SGLang never installed (default: "
+                         "the checkout's .whl/sglang/; without the wheel the op is skipped with the reason; '' "
+                         "skips it)")
     ap.add_argument("--budget-s", type=float, default=TIME_BUDGET_S, help="time budget of the whole run")
     ap.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # one package root, into JSON
     ap.add_argument("--package-root", help=argparse.SUPPRESS)
@@ -274,6 +282,10 @@ def main(argv=None) -> int:
 
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    if args.sglang_path is None:
+        from bench.workloads import SGLANG_PATH
+
+        args.sglang_path = SGLANG_PATH
     if args.package_root:  # the worker of --before: its packages first (bench/ stays this tree's)
         sys.path.insert(0, args.package_root)
     from bench import workloads as W
@@ -300,22 +312,25 @@ def main(argv=None) -> int:
         got = Path(kvbuffer_fast.__file__).resolve().parent.parent
         if args.package_root and got != Path(args.package_root).resolve():
             raise SystemExit(f"bench.gpu worker: kvbuffer_fast came from {got}, not {args.package_root}")
-        res = measure(plan, {}, args.smoke, start + args.budget_s, ops, args.peer_path)
+        res = measure(plan, {}, args.smoke, start + args.budget_s, ops, args.peer_path, args.sglang_path)
         Path(args.worker).write_text(json.dumps(res))
         return 0
 
     result = dict(kind="kvbuffer-gpu-runner", smoke=args.smoke, started=time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                      time.gmtime()),
-                  plan=plan.as_dict(), overrides=overrides, peer_path=args.peer_path, **git_commit())
+                  plan=plan.as_dict(), overrides=overrides, peer_path=args.peer_path, sglang_path=args.sglang_path,
+                  **git_commit())
     trees = {}
     if args.before:  # first, while this process holds no device memory
         passthru = ["--budget-s", str(args.budget_s / 2)] + (["--smoke"] if args.smoke else [])
         for flag, value in (("--batches", args.batches), ("--layers", args.layers), ("--ops", args.ops),
-                            ("--peer-path", args.peer_path), ("--fill", args.fill)):
+                            ("--peer-path", args.peer_path), ("--sglang-path", args.sglang_path),
+                            ("--fill", args.fill)):
             passthru += [flag, str(value)] if value is not None else []
         trees["before"] = measure_before(Path(args.before), passthru, timeout=args.budget_s / 2 + 120)
     remaining = args.budget_s - (time.time() - start)
-    trees["after"] = measure(plan, overrides, args.smoke, time.time() + remaining, ops, args.peer_path)
+    trees["after"] = measure(plan, overrides, args.smoke, time.time() + remaining, ops, args.peer_path,
+                             args.sglang_path)
     for tree in trees.values():
         ratios(tree["rows"])
     result.update({k: v for k, v in trees["after"].items() if k in ("device", "torch", "triton", "fla", "python",

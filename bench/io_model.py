@@ -3,6 +3,7 @@
 Every count is for the whole batch of one launch (or one averaged decode step) of one layer and
 counts the state and the buffer only: the per-token activations (q, k, v, g, beta in, o out) are a
 few KiB per request against a state of MiBs, and both sides of every comparison move the same ones.
+The engine's packed decode step is the exception: its count adds its token rows, as it reads them.
 
 With ``|S| = HV*K*V*state_bytes`` per request and one buffered entry
 ``E = H*K*key_bytes + HV*V*cache_bytes + HV*Gk*cache_bytes`` (the key per q/k head; u and the
@@ -19,6 +20,9 @@ per-draft-state verify of d tokens          ``(1 + d)|S|`` (the state read, d st
 per-draft-state accept                      ``2|S|`` (one intermediate copied over the state)
 buffered verify of d tokens over n entries  ``|S| + (n + d)E`` (nothing written but the drafts)
 buffered accept of m drafts                 ``2mE`` (m draft entries read and appended)
+an engine's packed decode step (SGLang's    ``2|S|`` plus its token rows: ``mixed_qkv`` in and
+fused_recurrent_gated_delta_rule_packed_    o out (token dtype), a and b (fp32), one int32 slot
+decode)                                     index per request
 ==========================================  ================================================
 
 The *read-once floor* of an operation is its bytes at the copy bandwidth measured in the same run:
@@ -30,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["Shapes", "state_bytes", "entry_bytes", "recurrent_step", "buffered_cycle_step", "per_draft_verify",
-           "per_draft_accept", "buffered_verify", "buffered_accept", "floor_us"]
+__all__ = ["Shapes", "state_bytes", "entry_bytes", "recurrent_step", "packed_decode_step", "buffered_cycle_step",
+           "per_draft_verify", "per_draft_accept", "buffered_verify", "buffered_accept", "floor_us"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,14 @@ def entry_bytes(s: Shapes, B: int = 1) -> int:
 
 def recurrent_step(s: Shapes, B: int) -> float:
     return 2 * state_bytes(s, B)
+
+
+def packed_decode_step(s: Shapes, B: int, token_bytes: int = 2, gate_bytes: int = 4) -> float:
+    """An engine's packed decode step: the state read and written in place, and the token rows of the
+    batch (``mixed_qkv`` [B, 2 H K + HV V] in and o [B, HV, V] out in the token dtype, a and b [B, HV] of
+    ``gate_bytes``, one int32 slot index per request)."""
+    row = (2 * s.H * s.K + 2 * s.HV * s.V) * token_bytes + 2 * s.HV * gate_bytes + 4
+    return 2 * state_bytes(s, B) + B * row
 
 
 def buffered_cycle_step(s: Shapes, B: int, C: int) -> float:

@@ -41,7 +41,7 @@ def _x(x) -> str:
 # ----------------------------------------------------------------------------- the runner's JSON
 def group_table(rows: list, group: str):
     """One row per batch: every op of the group (device µs, times its floor), then every ratio of an op of
-    the group to each of its peers present (``vs_<peer>``: ours to the baselines, to fla, to ReplaySSM)."""
+    the group to each of its peers present (``vs_<peer>``: ours to the baselines, to fla, to ReplaySSM, to SGLang)."""
     from bench.workloads import OPS, PEERS
 
     ops = [o for o in OPS if OPS[o] == group and any(r["op"] == o for r in rows)]
@@ -62,11 +62,11 @@ def group_table(rows: list, group: str):
 
 
 def peer_errors(rows: list) -> list:
-    """[op, B, comparison, worst rel, budget, within] of every peer row (ReplaySSM's): its error against the
-    float64 oracle beside its time."""
+    """[op, B, comparison, worst rel, budget, within] of every peer row (ReplaySSM's, SGLang's): its error
+    against the float64 oracle beside its time."""
     out = []
     for r in rows:
-        if r["op"].startswith("replayssm"):
+        if r["op"].startswith(("replayssm", "sglang")):
             for c in r.get("checks", []):
                 out.append([r["op"], r["B"], c.get("name"), f"{c.get('worst_rel', float('nan')):.2e}",
                             f"{c.get('budget', float('nan')):.2e}", "yes" if c.get("passed") else "NO"])
@@ -115,9 +115,13 @@ def runner_markdown(result: dict) -> str:
             md += [f"## {title}", "", _table(h, rows), ""]
     perr = peer_errors(after.get("rows", []))
     if perr:
-        md += ["## ReplaySSM against the float64 oracle", "",
-               f"Its kernels from `{result.get('peer_path')}`, layer 0's comparisons (requests 0 and B - 1) under the "
-               "tolerance table of the token dtype; a peer is timed even past the budget.", "",
+        ops = {p[0] for p in perr}
+        where = ([f"ReplaySSM's kernels from `{result.get('peer_path')}`"] if any(o.startswith("replayssm") for o in ops)
+                 else []) + ([f"SGLang's from `{result.get('sglang_path')}`"] if any(o.startswith("sglang") for o in ops)
+                             else [])
+        md += ["## Peers against the float64 oracle", "",
+               ", ".join(where) + "; layer 0's comparisons (requests 0 and B - 1) under the tolerance table of the "
+               "token dtype; a peer is timed even past the budget.", "",
                _table(["op", "B", "comparison", "worst rel-RMS", "budget", "within"], perr), ""]
     if result.get("before_after"):
         rows = [[r["op"], r["B"], _us(r["before_us"]), _us(r["after_us"]), _x(r["ratio"])]

@@ -32,6 +32,9 @@ decode,   ``pool_*``                       the same through the serving pool (``
 round
 decode,   ``replayssm_*``                  ReplaySSM's kernels from ``--peer-path`` (decode, round, cycle)
 round
+decode    ``sglang_decode``                SGLang's packed decode from ``--sglang-path`` (default: the
+                                           checkout's ``.whl/sglang/``): one token, its fp32 state pool
+                                           updated in place by slot
 ========  ===============================  ============================================================
 
 Each package root is driven through its own API (``Api``): the config API (``config=`` objects from
@@ -47,6 +50,7 @@ import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -55,7 +59,11 @@ import torch.nn.functional as F
 from bench import io_model as io
 
 __all__ = ["Plan", "GPU", "SMOKE", "Api", "Workload", "Case", "Skip", "OPS", "GROUPS", "PEERS", "build",
-           "parse_overrides"]
+           "parse_overrides", "SGLANG_PATH"]
+
+#: Where ``sglang_decode`` looks for SGLang's wheel by default: the checkout's ``.whl/sglang/`` (a folder
+#: holding a ``sglang-*.whl``; its kernel files are read from the wheel, SGLang is never installed).
+SGLANG_PATH = str(Path(__file__).resolve().parents[1] / ".whl" / "sglang")
 
 
 @dataclass(frozen=True)
@@ -123,12 +131,15 @@ class Api:
     never written.
     """
 
-    def __init__(self, overrides: Optional[dict] = None, peer_path: Optional[str] = None):
+    def __init__(self, overrides: Optional[dict] = None, peer_path: Optional[str] = None,
+                 sglang_path: Optional[str] = SGLANG_PATH):
         import kvbuffer_fast as fast
 
         self.fast = fast
         self.peer_path = peer_path
+        self.sglang_path = sglang_path
         self._replayssm = None
+        self._sglang = None
         here = os.path.dirname(fast.__file__)  # not find_spec: an editable install maps names to its own tree
         self.config_api = os.path.exists(os.path.join(here, "baselines.py"))
         self.overrides = overrides or {}
@@ -176,6 +187,34 @@ class Api:
             except AdapterError as e:
                 raise Skip(str(e)) from None
         return self._replayssm
+
+    def sglang(self, device: str):
+        """SGLang's GDN kernel modules (``kvbuffer_ref.validate.sglang.load_kernels``) from ``--sglang-path``
+        only: a ``sglang-*.whl``, a folder holding one, or a tree holding the ``sglang`` package.  Skip where
+        none is given or it holds no kernels.  Under the Triton interpreter (``device == "cpu"``) the
+        loader adds its interpreter stand-ins; on CUDA the kernel files run as SGLang ships them."""
+        if self._sglang is None:
+            self._sglang = self._load_sglang()
+        if isinstance(self._sglang, Skip):
+            raise Skip(str(self._sglang))
+        return self._sglang
+
+    def _load_sglang(self):
+        if not self.sglang_path:
+            return Skip("no --sglang-path: give SGLang's wheel (python3 -m pip download --no-deps sglang -d DIR, "
+                        "then --sglang-path DIR) to time its packed decode; nothing of SGLang is installed")
+        try:
+            sg = importlib.import_module("kvbuffer_ref.validate.sglang")
+        except ImportError as e:
+            return Skip(f"this kvbuffer_ref has no SGLang loader (kvbuffer_ref.validate.sglang): {e}")
+        if "path" not in inspect.signature(sg.load_kernels).parameters:
+            return Skip("this kvbuffer_ref's SGLang loader takes no path (load_kernels(path=)): sglang_decode "
+                        "runs against a package root that has it")
+        from kvbuffer_ref.validate.adapters import AdapterError
+        try:
+            return sg.load_kernels(path=self.sglang_path)
+        except AdapterError as e:
+            return Skip(f"--sglang-path: {e}")
 
     def kwargs(self, op: str, fn: Callable, x: dict, C: int = 0) -> dict:
         """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x``:
@@ -839,6 +878,57 @@ class _Builder:
     def pool_round_per_layer(self) -> Case:
         return self._pool_round("pool_round_per_layer", per_layer=True)
 
+    # ------------------------------------------------------------------ SGLang (--sglang-path)
+    def sglang_decode(self) -> Case:
+        """SGLang's ``fused_recurrent_gated_delta_rule_packed_decode`` as its Triton GDN backend calls it
+        (``TritonGDNKernel.packed_decode``): packed ``mixed_qkv``, raw gates, q/k L2-normalised in the kernel,
+        each layer's float32 pool [B, HV, V, K] updated in place by int32 slot indices (a shuffled
+        permutation, as an engine's slots are).  One token per request per layer, the layers in turn."""
+        from bench import replayssm as R  # pack (q | k | v rows) and raw_gates: SGLang's convention too
+        from kvbuffer_ref.validate.cases import QK_L2NORM_EPS
+
+        kern = self.api.sglang(self.wl.device)
+        fn = kern.fused_recurrent_gated_delta_rule_packed_decode
+        s, B, dev, dt = self.s, self.B, self.wl.device, self.wl.dtype
+        hist = self.wl.history(buffered=0)
+        xs = self._tokens(1, seed=1)
+        slots = torch.randperm(B, generator=torch.Generator().manual_seed(7)).to(device=dev, dtype=torch.int32)
+        sl = slots.long()
+        layers = []
+        for layer, x in enumerate(xs):
+            pool = torch.empty(B, s.HV, s.V, s.K, device=dev)
+            pool[sl] = hist.buffer.state.float().transpose(-1, -2)  # request b's state in slot slots[b]
+            A_log, dt_bias, a, b = R.raw_gates(x["g"][:, 0], x["beta"][:, 0], seed=400 + layer)
+            layers.append(dict(mixed_qkv=R.pack(x), a=a, b=b, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+                               out=torch.empty(B, 1, s.HV, s.V, device=dev, dtype=dt)))
+        scale = self.scale
+
+        def step(ly):
+            fn(**ly, scale=scale, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
+        ly0 = layers[0]
+        step(ly0)
+        # the oracle's inputs: q and k as the kernel normalises them, the gates and betas its raw inputs give
+        # (softplus threshold 20, as SGLang launches it), all in float64
+        x0 = xs[0]
+        l2 = lambda t: t.double() / torch.sqrt((t.double() ** 2).sum(-1, keepdim=True) + QK_L2NORM_EPS)  # noqa: E731
+        z = ly0["a"].double() + ly0["dt_bias"].double()
+        g = -ly0["A_log"].double().exp() * torch.where(z <= 20.0, torch.log1p(z.exp()), z)
+        beta = torch.sigmoid(ly0["b"].double())
+        truth = self.wl.truth(dict(q=l2(x0["q"]), k=l2(x0["k"]), v=x0["v"], g=g[:, None], beta=beta[:, None]), hist)
+        checks = [self.wl.compare("sglang_decode.o", ly0["out"], truth),
+                  self.wl.compare("sglang_decode.state", ly0["initial_state"][sl].transpose(-1, -2), truth,
+                                  state=True)]
+
+        def run():
+            for ly in layers:
+                step(ly)
+        nbytes = io.packed_decode_step(s, B, token_bytes=torch.empty(0, dtype=dt).element_size())
+        c = self.case("sglang_decode", "decode", run, self.L, nbytes, checks, sglang=kern.version)
+        c.peer, c.note = True, (f"SGLang {kern.version}'s fused_recurrent_gated_delta_rule_packed_decode (from "
+                                f"{kern.source}): packed mixed_qkv, raw gates, q/k L2 norm in the kernel, each "
+                                "layer's fp32 pool [B, HV, V, K] in place by shuffled int32 slots")
+        return c
+
     # ------------------------------------------------------------------ ReplaySSM (--peer-path)
     def _blocks(self) -> torch.Tensor:
         """vLLM's state indices: a block per request, 1..B in a shuffled order (block 0 is the null block)."""
@@ -1030,7 +1120,7 @@ class _Builder:
 #: op -> group, in the order the runner measures them.
 OPS = {
     "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
-    "pool_decode": "decode", "replayssm_decode": "decode",
+    "pool_decode": "decode", "replayssm_decode": "decode", "sglang_decode": "decode",
     "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
     "fla_chunk_tokens": "verify",
     "accept": "accept", "per_draft_state_accept": "accept",
@@ -1041,14 +1131,15 @@ OPS = {
 GROUPS = ("decode", "verify", "accept", "round")
 #: The op each group is about, and the peers its ratios are taken against (same run, same batch).
 PEERS = {
-    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode"),
-    "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode"),
+    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode", "sglang_decode"),
+    "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode", "sglang_decode"),
     "verify": ("per_draft_state_verify", "fla_fused_recurrent_tokens", "fla_chunk_tokens"),
     "accept": ("per_draft_state_accept",),
     "round": ("per_draft_state_round", "fla_fused_recurrent_tokens", "replayssm_round"),
     "pool_round": ("round", "per_draft_state_round", "replayssm_round"),
     "pool_round_per_layer": ("pool_round", "replayssm_round"),
     "replayssm_decode": ("recurrent_decode",),
+    "sglang_decode": ("recurrent_decode",),
     "replayssm_round": ("per_draft_state_round",),
     "round_cycle": ("replayssm_round_cycle", "round"),
     "tree_round": ("per_draft_state_tree_round", "round"),

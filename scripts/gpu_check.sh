@@ -13,7 +13,8 @@
 #              --report precision; each group's log and JSON in OUTDIR/validate-NAME.{log,json}; LANES=a,b
 #              (group names as in validate() below, and precision) runs only those groups
 #   memcheck, racecheck   compute-sanitizer over scripts/sanitize.py's edge shapes (racecheck: --quick)
-#   runner     the benchmark runner (python3 -m bench.gpu) into OUTDIR/latest (--before DIR: an older root too)
+#   runner     the benchmark runner (python3 -m bench.gpu) into OUTDIR/latest (--before DIR: an older root too;
+#              sglang_decode times SGLang's packed decode from the wheel in .whl/sglang/, its default --sglang-path)
 #   prefill    scripts/gpu_prefill.py --timings-only (the chunk kernels against fla)
 #   lowp       scripts/gpu_lowp.py (bf16 state and cache: time and error growth)
 #   tp         scripts/tp_nccl.py (NCCL with 2 GPUs, else --simulate on one)

@@ -190,10 +190,18 @@ def _tree(path: Path) -> Optional[tuple]:
     return None
 
 
-def locate() -> tuple:
+def locate(path=None) -> tuple:
     """(kernel folder, version, where from) of SGLang's kernels: ``$KVBUFFER_PEER_PATH`` (``--peer-path``)
     when it holds them, else the installed ``sglang`` package.  AdapterError with what was looked at
-    when neither has them."""
+    when neither has them.  ``path`` (a wheel, a folder holding one, or a tree, as ``--peer-path``): that
+    place only, nothing else looked at (the benchmark's ``--sglang-path``)."""
+    if path is not None:
+        found = _tree(Path(path))
+        if found and all((found[0] / f).is_file() for f in _NEEDED):
+            return found[0], found[1], str(path)
+        raise AdapterError(f"SGLang's kernels not found: {path} holds no sglang-*.whl and no sglang kernel files "
+                           f"({', '.join(_NEEDED)} under sglang/{KERNELS}). Get the wheel without SGLang's "
+                           f"dependencies: python3 -m pip download --no-deps sglang -d {path}")
     looked = []
     given = os.environ.get(PEER_ENV)
     if given:
@@ -252,10 +260,10 @@ def _interpreter_fixes(modules: dict) -> None:
         utils.custom_device_ctx = lambda index: contextlib.nullcontext()
 
 
-def load_kernels(chunk: bool = False) -> types.SimpleNamespace:
-    """SGLang's kernel modules (``locate``), imported with the shims first on sys.path, the process's own
+def load_kernels(chunk: bool = False, path=None) -> types.SimpleNamespace:
+    """SGLang's kernel modules (``locate(path)``), imported with the shims first on sys.path, the process's own
     ``sglang`` modules (if any) set aside meanwhile and restored after.  ``chunk``: also ``fla.chunk``."""
-    kernels, version, source = locate()
+    kernels, version, source = locate(path)
     shims = _shims(kernels)
     saved = {n: m for n, m in sys.modules.items() if n == "sglang" or n.startswith("sglang.")}
     for n in saved:

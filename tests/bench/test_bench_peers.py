@@ -1,6 +1,7 @@
-"""The peers in the benchmark: the serving pool's ops run end to end under --smoke (CPU, Triton interpreter),
-ReplaySSM's ops skip there with the reason, and their cases (ring layout, cursors, the state the kernels
-would reconstruct) match the oracle when driven through the PyTorch model of ReplaySSM's kernels."""
+"""The peers in the benchmark: the serving pool's ops and SGLang's packed decode (where its wheel is in the
+checkout's .whl/sglang/) run end to end under --smoke (CPU, Triton interpreter), ReplaySSM's ops skip there
+with the reason, and their cases (ring layout, cursors, the state the kernels would reconstruct) match the
+oracle when driven through the PyTorch model of ReplaySSM's kernels."""
 
 from __future__ import annotations
 
@@ -19,27 +20,41 @@ ROOT = Path(__file__).resolve().parents[2]
 POOL_OPS = "buffered_decode,pool_decode,round,pool_round,pool_round_per_layer"
 
 
+def _sglang_wheel() -> bool:
+    from bench.workloads import SGLANG_PATH
+    from kvbuffer_ref.validate import sglang as sg
+
+    return bool(sg._tree(Path(SGLANG_PATH)))
+
+
 def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for name in [n for n in env if n.startswith("PYTEST_")]:
         env.pop(name)
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out), "--peer-path", "/nonexistent",
-                        "--ops", POOL_OPS + ",replayssm_decode,replayssm_round"], cwd=ROOT, env=env,
+                        "--ops", POOL_OPS + ",sglang_decode,replayssm_decode,replayssm_round"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((out / "gpu.json").read_text())
     tree = data["trees"]["after"]
     assert not tree["failures"], tree["failures"]
     rows = {row["op"]: row for row in tree["rows"]}
-    assert set(rows) == set(POOL_OPS.split(","))
+    wheel = _sglang_wheel()
+    assert set(rows) == set(POOL_OPS.split(",")) | ({"sglang_decode"} if wheel else set())
     for row in rows.values():
         assert row["checks"] and all(c["passed"] for c in row["checks"]) and row["within_budget"], row
     assert rows["pool_decode"]["ops_per_replay"] == 2 * 4  # layers x a cycle of C steps
     assert rows["pool_round"]["vs_round"] > 0 and rows["pool_round_per_layer"]["vs_pool_round"] > 0
     skipped = {s["op"]: s["reason"] for s in tree["skips"]}
-    assert set(skipped) == {"replayssm_decode", "replayssm_round"}
-    assert all("Triton interpreter" in why for why in skipped.values())
+    assert set(skipped) == {"replayssm_decode", "replayssm_round"} | (set() if wheel else {"sglang_decode"})
+    assert all("Triton interpreter" in skipped[op] for op in ("replayssm_decode", "replayssm_round"))
+    if wheel:  # SGLang's packed decode: one token per layer, checked (output and pool state), a peer of both decodes
+        assert rows["sglang_decode"]["ops_per_replay"] == 2 and len(rows["sglang_decode"]["checks"]) == 2
+        assert rows["buffered_decode"]["vs_sglang_decode"] > 0 and rows["pool_decode"]["vs_sglang_decode"] > 0
+        assert data["sglang_path"].endswith(os.path.join(".whl", "sglang"))
+    else:
+        assert "--sglang-path" in skipped["sglang_decode"]
     md = (out / "report.md").read_text()
     assert "pool_round / round" in md and "pool_round_per_layer / pool_round" in md and "replayssm_round" in md
 
