@@ -41,6 +41,25 @@ def _tails(tail, lengths: list[int], capacity: int) -> list[int]:
     return [tail] * len(lengths)
 
 
+#: Each prompt's buffer length and has-state flag, on a device, by (tails, owns, device): a repeated call
+#: copies nothing from the host (a host-to-device copy waits for the stream and cannot be captured in a
+#: CUDA graph), as the chunk tables (``kvbuffer_fast.chunk.chunk_table``).
+_ROWS: dict = {}
+_MAX_ROWS = 256
+
+
+def _buffer_rows(tails: list[int], owns: list[bool], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lengths [N] int64, has_state [N] bool) on ``device``, cached."""
+    key = (tuple(tails), tuple(owns), str(torch.device(device)))
+    hit = _ROWS.get(key)
+    if hit is None:
+        if len(_ROWS) >= _MAX_ROWS:
+            _ROWS.pop(next(iter(_ROWS)))
+        hit = _ROWS[key] = (torch.tensor(tails, dtype=torch.long, device=device),
+                            torch.tensor(owns, dtype=torch.bool, device=device))
+    return hit
+
+
 def prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,6 +110,7 @@ def prefill(
     o, S = run_chunks(q, k, v, g, beta, d, cu, s, chunk_size, initial_state, True, cfg, tails=tails, buffer=buf)
     owns = [n - t > 0 or initial_state is not None for n, t in zip(lengths, tails)]
     buf = buf.replace(state=S)
-    buf.lengths.copy_(torch.tensor(tails, dtype=torch.long))
-    buf.has_state.copy_(torch.tensor(owns, dtype=torch.bool))
+    lengths, has_state = _buffer_rows(tails, owns, q.device)
+    buf.lengths.copy_(lengths)
+    buf.has_state.copy_(has_state)
     return o, buf

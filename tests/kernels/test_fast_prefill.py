@@ -124,3 +124,41 @@ def test_prefill_bad_arguments():
     with pytest.raises(TypeError, match="PrefillConfig"):
         fast.prefill(**x, capacity=4, config=object())
     assert isinstance(PrefillConfig(), PrefillConfig)
+
+
+def test_a_repeated_prefill_makes_no_host_tensor(monkeypatch):
+    """The chunk table and the buffer's lengths / has-state rows are cached on the device: a second call
+    with the same prompt lengths builds no host tensor (whose copy to a GPU would wait for the stream and
+    could not be captured in a CUDA graph), and hands off the same buffer."""
+    x = Case(B=2, T=21, H=1, HV=2, K=8, V=8, seed=4).inputs(torch.float32, DEVICE)
+    o1, b1 = fast.prefill(**x, capacity=8, tail=5)
+    made = []
+    real = torch.tensor
+
+    def counting(*a, **kw):
+        made.append(a)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "tensor", counting)
+    o2, b2 = fast.prefill(**x, capacity=8, tail=5)
+    monkeypatch.undo()
+    assert made == []
+    assert torch.equal(o1, o2) and torch.equal(b1.lengths, b2.lengths) and torch.equal(b1.has_state, b2.has_state)
+    assert b2.lengths.tolist() == [5, 5] and b2.has_state.tolist() == [True, True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_prefill_replays_in_a_cuda_graph():
+    """A prefill of fixed prompt lengths, captured once (after a warm-up call that compiles and caches),
+    replays to the eager call's outputs and buffer."""
+    x = Case(B=2, T=40, H=2, HV=4, K=16, V=16, seed=6).inputs(torch.float32, DEVICE)
+    o_eager, b_eager = fast.prefill(**x, capacity=16)
+    static = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static["o"], static["buf"] = fast.prefill(**x, capacity=16)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static["o"], o_eager)
+    for name in ("lengths", "has_state", "state", "u", "G", "k"):
+        assert torch.equal(getattr(static["buf"], name), getattr(b_eager, name)), name
