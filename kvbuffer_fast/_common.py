@@ -59,6 +59,24 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+#: Host-built index tensors already on a device (the chunk tables, prefill's buffer rows), by a key of
+#: host values and the device: a repeated call makes no host-to-device copy (which would wait for the
+#: stream, and cannot be captured in a CUDA graph).  The oldest entry goes past ``_MAX_ON_DEVICE``.
+_ON_DEVICE: dict = {}
+_MAX_ON_DEVICE = 512
+
+
+def on_device(key: tuple, device, make):
+    """``make()`` (tensors built on ``device`` from host values), cached by (``key``, the device)."""
+    full = (*key, str(torch.device(device or "cpu")))
+    hit = _ON_DEVICE.get(full)
+    if hit is None:
+        if len(_ON_DEVICE) >= _MAX_ON_DEVICE:
+            _ON_DEVICE.pop(next(iter(_ON_DEVICE)))
+        hit = _ON_DEVICE[full] = make()
+    return hit
+
+
 def values_checked(x: torch.Tensor) -> bool:
     """Whether the checks that read device values (lengths, has_state, counts) may run for tensors on
     ``x``'s device: False while a CUDA graph is being captured there (a host read would break the

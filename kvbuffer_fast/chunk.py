@@ -50,7 +50,7 @@ from triton.runtime.errors import OutOfResources
 from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state
 from kvbuffer_ref.recurrent import check_cu_seqlens
 
-from ._common import as_input, block, checked_tokens, device_guard, new_output
+from ._common import as_input, block, checked_tokens, device_guard, new_output, on_device
 from .launch import ChunkConfig, check_config, chunk_smem_bytes, config_for, key_of
 
 __all__ = ["chunk_gated_delta_rule", "chunk_launches_for", "chunk_table", "precision_for"]
@@ -380,24 +380,14 @@ def precision_for(x: torch.Tensor) -> str:
     return "tf32" if x.dtype in _SIXTEEN_BIT else "tf32x3"
 
 
-#: Chunk tables already on a device, by (offsets, chunk size, tails, device): a repeated call makes no
-#: host-to-device copy (which would wait for the stream, and cannot be captured in a CUDA graph).
-_TABLES: dict = {}
-_MAX_TABLES = 256
-
-
 def chunk_table(cu: list[int], chunk_size: int, tails: Optional[list[int]] = None, device=None):
     """The chunks of sequences at offsets ``cu`` [N + 1]: (start [NC] int32, len [NC] int32, offsets
     [N + 1] int32 of each sequence's first chunk, fold ends [N] int32: each sequence's first chunk that
     is not folded, the longest chunk).  ``tails`` [N]: the last ``tails[n]`` tokens of sequence n form
-    one chunk of their own (the prefill tail; 0 for none), which is not folded.  Cached per device."""
-    key = (tuple(cu), chunk_size, None if tails is None else tuple(tails), str(torch.device(device or "cpu")))
-    hit = _TABLES.get(key)
-    if hit is None:
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.pop(next(iter(_TABLES)))
-        hit = _TABLES[key] = _make_table(cu, chunk_size, tails, device)
-    return hit
+    one chunk of their own (the prefill tail; 0 for none), which is not folded.  Cached per device
+    (``_common.on_device``)."""
+    key = ("chunks", tuple(cu), chunk_size, None if tails is None else tuple(tails))
+    return on_device(key, device, lambda: _make_table(cu, chunk_size, tails, device))
 
 
 def _make_table(cu: list[int], chunk_size: int, tails: Optional[list[int]], device):

@@ -23,7 +23,7 @@ from kvbuffer_ref.checks import Dims, check_capacity, check_chunk_size, check_sc
 from kvbuffer_ref.prefill import default_tail
 from kvbuffer_ref.recurrent import check_cu_seqlens
 
-from ._common import checked_tokens
+from ._common import checked_tokens, on_device
 from .chunk import run_chunks
 from .launch import PrefillConfig, check_config, config_for, key_of
 
@@ -41,23 +41,11 @@ def _tails(tail, lengths: list[int], capacity: int) -> list[int]:
     return [tail] * len(lengths)
 
 
-#: Each prompt's buffer length and has-state flag, on a device, by (tails, owns, device): a repeated call
-#: copies nothing from the host (a host-to-device copy waits for the stream and cannot be captured in a
-#: CUDA graph), as the chunk tables (``kvbuffer_fast.chunk.chunk_table``).
-_ROWS: dict = {}
-_MAX_ROWS = 256
-
-
 def _buffer_rows(tails: list[int], owns: list[bool], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lengths [N] int64, has_state [N] bool) on ``device``, cached."""
-    key = (tuple(tails), tuple(owns), str(torch.device(device)))
-    hit = _ROWS.get(key)
-    if hit is None:
-        if len(_ROWS) >= _MAX_ROWS:
-            _ROWS.pop(next(iter(_ROWS)))
-        hit = _ROWS[key] = (torch.tensor(tails, dtype=torch.long, device=device),
-                            torch.tensor(owns, dtype=torch.bool, device=device))
-    return hit
+    """(lengths [N] int64, has_state [N] bool) on ``device``, cached like the chunk tables
+    (``_common.on_device``), so a repeated call copies nothing from the host."""
+    return on_device(("prefill rows", tuple(tails), tuple(owns)), device, lambda: (
+        torch.tensor(tails, dtype=torch.long, device=device), torch.tensor(owns, dtype=torch.bool, device=device)))
 
 
 def prefill(
