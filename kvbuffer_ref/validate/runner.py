@@ -271,7 +271,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                    verbosity=Verbosity.quiet)
     lseed = lane_seed(seed, impl.name, op.name, dtype_name(dt))
     state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None, ratios={},
-                                 found=None, found_at=0, failed=set(), unrun=0)
+                                 found=None, found_at=0, failed=set())
     channel_ok = case_kw.get("channel_gate") is not False
     anchors = []
     for a in ANCHORS.get(op.key, []):
@@ -357,7 +357,6 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         key = repr(params)
         found = state["found"]
         if found is not None and key not in state["failed"] and time.perf_counter() - found > SHRINK_SECONDS:
-            state["unrun"] += 1
             return
         try:
             body(params)
