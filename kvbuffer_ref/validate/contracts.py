@@ -219,7 +219,7 @@ def calibrate(n: int = 300, seed: int = 0, max_T: int = 136, contracts=("tf32", 
                     base = rel_rms_slices(b, e, ax)
                     ranges, amp = _range_terms(e, ax, None, torch.float32, m)
                     spans = gate_spans(x["g"], torch.float32)
-                    rest = tol.kappa * base + tol.floor * eps + tol.gate_floor * spans * eps * amp + ranges
+                    rest = tol.kappa * base + tol.floor * eps + (tol.gate_floor * spans + tol.reorder_floor) * eps * amp + ranges
                     shape = cond ** term.power  # the term's conditioning factor
                     need = float(((rel - rest) / (term.unit * _contract_growth(c, T) * amp * shape)).max())
                     ratio = float((rel / (tol.kappa * base).clamp_min(1e-300)).max())

@@ -5,7 +5,7 @@ relative RMS error ``||x - ref|| / ||ref||`` of each (request, head) slice; the 
 what counts.  It passes when, for every (request, head) slice s,
 
     rel(actual)[s] <= kappa * rel(baseline)[s] + floor * eps(dtype)
-                      + gate_floor * span[s] * eps(compute) * amplification[s]
+                      + (gate_floor * span[s] + reorder_floor) * eps(compute) * amplification[s]
                       + tiny(dtype) / rms(ref[s])
 
 Each slice is held to the baseline's error on that same slice (a slice the baseline itself gets
@@ -30,6 +30,13 @@ is taken as ``-RESET_GATE`` by every form, ``kvbuffer_ref.checks``): each additi
 ``u |G_m|``, and decays across an underflowing gate are 0.  It is 0 for g = 0 and grows with the
 tokens summed after a reset.  Comparisons of forms that keep no cumulative gates (the recurrence
 itself) pass ``g=None``: no gate term.
+
+``reorder_floor`` is the rounding of a sum taken in another order than the recurrence's, relative to
+the size of the rows summed: a chunked form folds a chunk's innovations into the state it entered with
+in one subtraction (``S - K^T W S``), so a state that the chunk nearly erases (beta near 1 on nearly
+repeated keys) keeps an absolute error of a few eps times the state it entered with, where the
+recurrence, shrinking it a token at a time, keeps eps times its current size.  Like the gate term it
+applies to the forms that keep cumulative gates (``g`` passed) and scales with the amplification.
 
 ``amplification[s]`` is how much larger than the slice the rows the delta rule sums are (a decay off
 by d changes each row by d times its size): ``max(1, scale / ||ref[s]||, ||magnitude[s]|| / ||ref[s]||)``
@@ -66,11 +73,14 @@ __all__ = ["Tolerance", "TOLERANCES", "ContractTerm", "CONTRACT_TERMS", "active_
 @dataclass(frozen=True)
 class Tolerance:
     """kappa: allowed multiple of the baseline's slice error; floor: noise floor in units of eps;
-    gate_floor: multiples of the gate span's rounding bound allowed (cumulative-gate rounding)."""
+    gate_floor: multiples of the gate span's rounding bound allowed (cumulative-gate rounding);
+    reorder_floor: eps(compute) allowed per unit of amplification for a form that sums in another order
+    than the recurrence (chunked, buffered, direct: the comparisons that pass ``g``)."""
 
     kappa: float
     floor: float
     gate_floor: float = 1.0
+    reorder_floor: float = 0.0
 
 
 #: The one tolerance table, keyed by the dtype of the output under test.
@@ -81,11 +91,13 @@ class Tolerance:
 #: is O(1).  gate_floor = 4: the derived first-order bound of a decay's rounding is 1 x span x
 #: eps(compute) (``gate_spans``); the correct forms' error, measured per slice over many random cases,
 #: reached 1.3 x sum_t |g_t| x eps(float32), which is at most 2.6 x span (docs/testing.md, "Calibration").
+#: reorder_floor = 8: the chunked form's error on states it nearly erases, in eps(compute) x amplification,
+#: reached 2.4 over 3,000 random cases weighted to such states (docs/testing.md, "Calibration").
 TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float64: Tolerance(kappa=4.0, floor=4096.0, gate_floor=4.0),
-    torch.float32: Tolerance(kappa=4.0, floor=64.0, gate_floor=4.0),
-    torch.float16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0),
-    torch.bfloat16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0),
+    torch.float64: Tolerance(kappa=4.0, floor=4096.0, gate_floor=4.0, reorder_floor=8.0),
+    torch.float32: Tolerance(kappa=4.0, floor=64.0, gate_floor=4.0, reorder_floor=8.0),
+    torch.float16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0, reorder_floor=8.0),
+    torch.bfloat16: Tolerance(kappa=4.0, floor=2.0, gate_floor=4.0, reorder_floor=8.0),
 }
 
 
@@ -407,7 +419,8 @@ class Comparison:
         terms = f"{tol.kappa:g} x baseline {self.baseline_rel:.3e} + {tol.floor:g} x eps {torch.finfo(self.dtype).eps:.2e}"
         if self.gate_span is not None:
             eps_c = torch.finfo(compute_dtype(self.dtype)).eps
-            terms += f" + {tol.gate_floor:g} x gate span {self.gate_span:.3g} x eps {eps_c:.2e}"
+            terms += (f" + ({tol.gate_floor:g} x gate span {self.gate_span:.3g} + reorder {tol.reorder_floor:g})"
+                      f" x eps {eps_c:.2e}")
             if self.gate_scale > 1.0:
                 terms += f" x {self.gate_scale:.3g} (the size of the slice's rows / its norm)"
         if self.contract_term:
@@ -481,7 +494,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Optional[tor
         # gates that do not map one-to-one onto the compared slices: the largest span holds for all
         spans = torch.full_like(rel, float(spans.max()) if spans.numel() else 0.0)
     ranges, amp = _range_terms(expected, head_axis, valid, dtype, magnitude)
-    span_term = 0.0 if spans is None else tol.gate_floor * spans * torch.finfo(compute).eps * amp
+    span_term = 0.0 if spans is None else (tol.gate_floor * spans + tol.reorder_floor) * torch.finfo(compute).eps * amp
     budgets = tol.kappa * base + tol.floor * torch.finfo(dtype).eps + span_term + ranges
     contract = current_contract() if contract is None else contract
     if contract not in CONTRACT_TERMS:

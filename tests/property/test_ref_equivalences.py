@@ -38,6 +38,10 @@ def _chunked(draw):
 @counted()
 @given(setup=_chunked())
 @example(setup=(16, Drawn(Case(B=2, T=37, H=1, HV=2, K=5, V=3, gate="mixed", beta="mixed", seed=3), band="tiny")))
+# a state the chunk nearly erases (K = 1, beta in [0, 1], no decay, v 1e-3): the chunk's one subtraction
+# leaves eps x the state it entered with, 5,000 times the final state (the budget's reorder term)
+@example(setup=(16, Drawn(Case(B=1, T=17, H=1, HV=1, K=1, V=1, gate="zero", beta="uniform", seed=0), k_norm=True,
+                          v_decades=-3.0)))
 def test_chunk_equals_recurrent(dtype, setup):
     chunk_size, d = setup
     informative(d.inputs(), _s0(d))

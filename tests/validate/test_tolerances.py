@@ -51,7 +51,7 @@ def test_the_budget_line_prints_the_deciding_slice_s_gate_span():
     c = compare(a, e, e.float(), g=g)
     # A = 2, 5, 5.5: (sum A + sum |g|) / 2 = (12.5 + 5.5) / 2
     assert c.worst_slice == (1, 0) and c.gate_span == pytest.approx(9.0)
-    assert "gate span 9 x eps" in str(c)
+    assert "gate span 9 + reorder 8) x eps" in str(c)
     assert not c.passed
 
 
@@ -60,7 +60,7 @@ def test_the_budget_adds_up_to_its_printed_terms():
     g = -torch.rand(2, 3, 2, dtype=torch.float64) * 8
     c = compare(a, e, a, g=g)
     tol = TOLERANCES[torch.float32]
-    expect = tol.kappa * c.baseline_rel + tol.floor * EPS32 + tol.gate_floor * c.gate_span * EPS32 * c.gate_scale \
+    expect = tol.kappa * c.baseline_rel + tol.floor * EPS32 + (tol.gate_floor * c.gate_span + tol.reorder_floor) * EPS32 * c.gate_scale \
         + c.range_term
     assert c.budget == pytest.approx(expect, rel=1e-12)
 
