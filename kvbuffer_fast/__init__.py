@@ -12,6 +12,7 @@ from .recurrent import recurrent_gated_delta_rule
 from .accept import accept
 from .chunk import chunk_gated_delta_rule
 from .direct import direct_gated_delta_rule
+from .engine_inputs import engine_inputs
 from .prefill import prefill
 from .verify import verify
 from .pool import KVPool
@@ -24,5 +25,5 @@ DEFAULT_CAPACITY = 16
 
 __all__ = [
     "recurrent_gated_delta_rule", "buffered_decode", "flush", "materialize_state", "verify", "accept",
-    "chunk_gated_delta_rule", "direct_gated_delta_rule", "prefill", "KVPool", "DEFAULT_CAPACITY",
+    "chunk_gated_delta_rule", "direct_gated_delta_rule", "prefill", "engine_inputs", "KVPool", "DEFAULT_CAPACITY",
 ]

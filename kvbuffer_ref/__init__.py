@@ -9,6 +9,7 @@ from .buffer import Drafts, KVBuffer
 from .chunk import chunk_gated_delta_rule
 from .decode import buffered_decode, flush, materialize_state
 from .direct import direct_gated_delta_rule
+from .engine_inputs import engine_inputs
 from .pool import KVPool, head_layout
 from .prefill import default_tail, prefill
 from .recurrent import recurrent_gated_delta_rule
@@ -40,4 +41,5 @@ __all__ = [
     "path_to",
     "prefill",
     "default_tail",
+    "engine_inputs",
 ]

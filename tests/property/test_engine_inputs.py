@@ -1,0 +1,193 @@
+"""engine_inputs: an engine's packed tokens and raw gates as the operations' inputs (docs/serving.md).
+
+The reference against its formula in float64 (written out here independently, per element); the kernel
+against the float64 reference under the tolerance table (the float32 row, no baseline: an elementwise map,
+held to the floor of a few eps), over strided and packed layouts, decode [N, D] and varlen [B, T, D] forms
+and the whole domain of the gating inputs (a = +-inf, b = +-inf, a + dt_bias past the softplus threshold,
+large A_log); then engine_inputs feeding the pool's decode, which must equal the reference pool's.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvbuffer_fast
+import kvbuffer_ref
+from kvbuffer_ref.checks import RESET_GATE
+from kvbuffer_ref.engine_inputs import engine_inputs as ref_inputs
+from kvbuffer_fast.engine_inputs import engine_inputs as fast_inputs
+from kvbuffer_ref.validate.tolerances import compare
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+@st.composite
+def packed(draw):
+    """(mixed_qkv, a, b, A_log, dt_bias, H, K, qk_l2norm): random sizes, a strided view half the time."""
+    H = draw(st.integers(1, 3))
+    HV = H * draw(st.integers(1, 3))
+    K, V = draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    lead = draw(st.sampled_from([(draw(st.integers(0, 5)),), (draw(st.integers(1, 2)), draw(st.integers(1, 6)))]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    D = 2 * H * K + HV * V
+    pad = draw(st.sampled_from([0, 5]))
+    rows = torch.randn(*lead, D + pad, generator=gen) * 10 ** draw(st.integers(-2, 2))
+    x = rows.to(dtype)[..., pad:] if pad else rows.to(dtype)  # a view at a row stride of D + pad
+    a = torch.randn(*lead, HV, generator=gen) * draw(st.sampled_from([1.0, 10.0, 40.0]))
+    b = torch.randn(*lead, HV, generator=gen) * draw(st.sampled_from([1.0, 30.0]))
+    specials = [math.inf, -math.inf, 25.0, -100.0, 0.0]
+    for t in (a, b):
+        if t.numel() and draw(st.booleans()):
+            flat = t.view(-1)
+            for _ in range(draw(st.integers(1, 3))):
+                flat[draw(st.integers(0, flat.numel() - 1))] = draw(st.sampled_from(specials))
+    A_log = torch.rand(HV, generator=gen) * draw(st.sampled_from([2.0, 8.0])) - 4.0
+    dt_bias = torch.randn(HV, generator=gen)
+    return x, a, b, A_log, dt_bias, H, K, draw(st.booleans())
+
+
+def _formula(x, a, b, A_log, dt_bias, H, K, norm):
+    """The map, element by element in float64 with math (independent of the reference's tensor code)."""
+    B, T = (x.shape[0], 1) if x.dim() == 2 else x.shape[:2]
+    HV = A_log.shape[0]
+    rows = x.reshape(B * T, x.shape[-1]).double().tolist()
+    aa, bb = a.reshape(B * T, HV).double().tolist(), b.reshape(B * T, HV).double().tolist()
+    q, k, g, beta = [], [], [], []
+    for r, ar, br in zip(rows, aa, bb):
+        for dst, off in ((q, 0), (k, H * K)):
+            heads = []
+            for h in range(H):
+                e = r[off + h * K:off + (h + 1) * K]
+                n = math.sqrt(sum(t * t for t in e) + 1e-6) if norm else 1.0
+                heads.append([t / n for t in e])
+            dst.append(heads)
+        gr, brow = [], []
+        for h in range(HV):
+            z = ar[h] + float(dt_bias[h])
+            sp = z if z > 20 else math.log1p(math.exp(z)) if z < 700 else z
+            gr.append(-RESET_GATE[torch.float64] if math.isinf(sp) else 0.0 if sp == 0 else
+                      max(-math.exp(float(A_log[h])) * sp, -RESET_GATE[torch.float64]))
+            brow.append(1.0 / (1.0 + math.exp(-br[h])) if br[h] >= 0 else math.exp(br[h]) / (1.0 + math.exp(br[h])))
+        g.append(gr)
+        beta.append(brow)
+    t = lambda v, *s: torch.tensor(v, dtype=torch.float64).reshape(B, T, *s)  # noqa: E731
+    return t(q, H, K), t(k, H, K), t(g, HV), t(beta, HV)
+
+
+@given(setup=packed())
+def test_reference_is_the_formula(setup):
+    x, a, b, A_log, dt_bias, H, K, norm = setup
+    x64 = x.double()
+    q, k, v, g, beta = ref_inputs(x64, a.double(), b.double(), A_log=A_log.double(), dt_bias=dt_bias.double(),
+                                  num_heads=H, head_k_dim=K, qk_l2norm=norm)
+    fq, fk, fg, fb = _formula(x, a, b, A_log, dt_bias, H, K, norm)
+    for name, got, want in (("q", q, fq), ("k", k, fk), ("g", g, fg), ("beta", beta, fb)):
+        assert got.dtype == torch.float64 and got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=name)
+    assert torch.equal(v.flatten(2), x64.reshape(*v.shape[:2], x.shape[-1])[..., 2 * H * K:])
+
+
+def _slices(name, t):
+    """A [B, T, heads, ...] view with the heads at axis 2 for compare (g, beta: one element per slice row)."""
+    return t[..., None] if name in ("g", "beta") else t
+
+
+@given(setup=packed())
+def test_kernel_matches_the_reference(setup):
+    x, a, b, A_log, dt_bias, H, K, norm = setup
+    kw = dict(A_log=A_log, dt_bias=dt_bias, num_heads=H, head_k_dim=K, qk_l2norm=norm)
+    before = [t.clone() for t in (x, a, b, A_log, dt_bias)]
+    got = fast_inputs(x, a, b, **kw)
+    for t, t0 in zip((x, a, b, A_log, dt_bias), before):
+        assert torch.equal(t, t0) or (torch.isnan(t0).any() and torch.equal(t.isnan(), t0.isnan()))
+    truth = ref_inputs(x.double(), a.double(), b.double(), **{**kw, "A_log": A_log.double(),
+                                                              "dt_bias": dt_bias.double()})
+    low = -RESET_GATE[torch.float32]  # every gate below it has decay 0 in float32, as the operations take it
+    for name, f, r in zip(NAMES, got, truth):
+        assert f.is_contiguous() and f.shape == r.shape, name
+        assert f.dtype == (x.dtype if name == "v" else torch.float32), name
+        if name == "v":
+            assert torch.equal(f.flatten(2), x.reshape(f.shape[0], f.shape[1], x.shape[-1])[..., 2 * H * K:])
+            continue
+        if name == "g":
+            r = r.clamp(min=low)
+        c = compare(_slices(name, f), _slices(name, r), None, name=name, dtype=torch.float32)
+        assert c.passed, str(c)
+
+
+def test_strided_last_dimension_and_empty_batches():
+    H, HV, K, V = 2, 4, 8, 4
+    D = 2 * H * K + HV * V
+    x = torch.randn(D, 3).t()  # [3, D] with a last-dimension stride of 3
+    a, b = torch.randn(3, HV), torch.randn(3, HV)
+    p = dict(A_log=torch.randn(HV), dt_bias=torch.randn(HV), num_heads=H, head_k_dim=K)
+    for f, r in zip(fast_inputs(x, a, b, **p), ref_inputs(x, a, b, **p)):
+        torch.testing.assert_close(f.to(r.dtype), r, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-30)
+    out = fast_inputs(x[:0], a[:0], b[:0], **p)
+    assert [list(t.shape) for t in out] == [[0, 1, H, K], [0, 1, H, K], [0, 1, HV, V], [0, 1, HV], [0, 1, HV]]
+
+
+@pytest.mark.parametrize("fn", [ref_inputs, fast_inputs], ids=["ref", "fast"])
+@pytest.mark.parametrize("change, match", [
+    (dict(x=torch.zeros(3, 2 * 2 * 8 + 4 * 4 + 1)), "mixed_qkv: the last dimension 49 must be 2 H K"),
+    (dict(a=torch.zeros(3, 5)), r"a: expected \[N, HV\] = \[3, 4\]"),
+    (dict(b=torch.zeros(2, 4)), r"b: expected \[N, HV\] = \[3, 4\]"),
+    (dict(A_log=torch.zeros(3), dt_bias=torch.zeros(3)), "A_log: the number of value heads HV=3"),
+    (dict(dt_bias=torch.zeros(5)), r"dt_bias: expected \[HV\] = \[4\]"),
+    (dict(nan_a=True), r"a: NaN at index \(1, 2\)"),
+    (dict(inf_A=True), "A_log: expected finite values"),
+    (dict(H=0), "num_heads: expected a positive int"),
+    (dict(x=torch.zeros(2, 3, 4, 2 * 2 * 8 + 16)), "mixed_qkv: expected \\[N, 2 H K \\+ HV V\\]"),
+])
+def test_bad_arguments_are_named(fn, change, match):
+    H, HV, K, V = 2, 4, 8, 4
+    x = change.get("x", torch.randn(3, 2 * H * K + HV * V))
+    a = change.get("a", torch.randn(3, HV))
+    if change.get("nan_a"):
+        a[1, 2] = float("nan")
+    A_log = change.get("A_log", torch.randn(HV))
+    if change.get("inf_A"):
+        A_log[1] = float("inf")
+    with pytest.raises(ValueError, match=match):
+        fn(x, a, change.get("b", torch.randn(3, HV)), A_log=A_log, dt_bias=change.get("dt_bias", torch.randn(HV)),
+           num_heads=change.get("H", H), head_k_dim=K)
+
+
+def test_the_kernel_refuses_float64():
+    x = torch.randn(2, 2 * 8 + 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        fast_inputs(x, torch.randn(2, 1), torch.randn(2, 1), A_log=torch.zeros(1), dt_bias=torch.zeros(1),
+                    num_heads=1, head_k_dim=8)
+
+
+def test_feeding_the_pool_decode():
+    """An engine's decode step: engine_inputs then the pool's decode (float16 packed rows, float32 pool, -1
+    pads among the slots), through C + 2 steps (a fold), against the reference pool in float64 on the same
+    rows: the float16 row of the table (the outputs are float16)."""
+    H, HV, K, V, C, B = 2, 4, 16, 8, 4, 3
+    gen = torch.Generator().manual_seed(3)
+    A_log, dt_bias = torch.rand(HV, generator=gen) - 2, torch.randn(HV, generator=gen)
+    kw = dict(layers=1, num_state_slots=4, num_buffer_slots=4, capacity=C, max_drafts=2, num_heads=H,
+              num_value_heads=HV, head_k_dim=K, head_v_dim=V)
+    pools = kvbuffer_ref.KVPool(**kw), kvbuffer_fast.KVPool(**kw)
+    slots = torch.tensor([2, -1, 0])
+    for p in pools:
+        got = p.acquire(4)
+        assert sorted(got.tolist()) == [0, 1, 2, 3]
+    for step in range(C + 2):  # past a fold
+        x = (torch.randn(B, 2 * H * K + HV * V, generator=gen)).half()
+        a, b = torch.randn(B, HV, generator=gen) * 3, torch.randn(B, HV, generator=gen)
+        p_ref = ref_inputs(x.double(), a.double(), b.double(), A_log=A_log.double(), dt_bias=dt_bias.double(),
+                           num_heads=H, head_k_dim=K)
+        p_fast = fast_inputs(x, a, b, A_log=A_log, dt_bias=dt_bias, num_heads=H, head_k_dim=K)
+        outs = []
+        for p, (q, k, v, g, beta) in zip(pools, (p_ref, p_fast)):
+            outs.append(p.decode(q, k, v, g=g, beta=beta, layer=0, slots=slots))
+        rows = slots >= 0
+        assert outs[1].dtype == torch.float16
+        c = compare(outs[1][rows], outs[0][rows], None, name=f"decode step {step}", dtype=torch.float16)
+        assert c.passed, str(c)
