@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["Shapes", "state_bytes", "entry_bytes", "recurrent_step", "packed_decode_step", "buffered_cycle_step",
+__all__ = ["Shapes", "state_bytes", "entry_bytes", "recurrent_step", "packed_decode_step", "engine_inputs_step",
+           "buffered_cycle_step",
            "per_draft_verify", "per_draft_accept", "buffered_verify", "buffered_accept", "floor_us"]
 
 
@@ -76,6 +77,14 @@ def packed_decode_step(s: Shapes, B: int, token_bytes: int = 2, gate_bytes: int 
     ``gate_bytes``, one int32 slot index per request)."""
     row = (2 * s.H * s.K + 2 * s.HV * s.V) * token_bytes + 2 * s.HV * gate_bytes + 4
     return 2 * state_bytes(s, B) + B * row
+
+
+def engine_inputs_step(s: Shapes, B: int, token_bytes: int = 2) -> float:
+    """``engine_inputs`` of one token per request: the packed row and a, b read; q, k (float32), v (the
+    token dtype), g and beta (float32) written."""
+    read = (2 * s.H * s.K + s.HV * s.V) * token_bytes + 2 * s.HV * 4
+    written = 2 * s.H * s.K * 4 + s.HV * s.V * token_bytes + 2 * s.HV * 4
+    return B * (read + written)
 
 
 def buffered_cycle_step(s: Shapes, B: int, C: int) -> float:

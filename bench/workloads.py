@@ -170,6 +170,13 @@ class Api:
         except (ImportError, AttributeError) as e:
             raise Skip(f"this kvbuffer_fast has no serving pool (kvbuffer_fast.pool.KVPool): {e}") from None
 
+    def engine_inputs(self):
+        """kvbuffer_fast.engine_inputs (Skip where this package has none)."""
+        fn = getattr(importlib.import_module("kvbuffer_fast"), "engine_inputs", None)
+        if fn is None:
+            raise Skip("this kvbuffer_fast has no engine_inputs")
+        return fn
+
     def replayssm(self, device: str):
         """(decode module, speculative module) of ReplaySSM's kernels from ``--peer-path`` (Skip: none given,
         or the Triton interpreter, which rejects their masks)."""
@@ -836,6 +843,46 @@ class _Builder:
         return self.case("pool_decode", "decode", run, self.L * C, io.buffered_cycle_step(self.s, self.B, C), checks,
                          C=C)
 
+    def pool_decode_engine(self) -> Case:
+        """``pool_decode`` as an engine runs it: each step starts from the packed rows ``mixed_qkv`` and the
+        raw gates (``A_log``, ``dt_bias`` per layer, ``a``, ``b`` per token), turned into q, k (L2-normalised),
+        v, g, beta by ``kvbuffer_fast.engine_inputs`` (one launch), then the pool's decode: the work
+        ``sglang_decode``'s one kernel does, for a like-for-like comparison."""
+        from bench import replayssm as R  # pack (q | k | v rows) and raw_gates
+        import kvbuffer_ref as ref
+
+        prep = self.api.engine_inputs()
+        C, s = self.p.C, self.s
+        pool, slots, hist = self._pool(buffered=C)
+        xs = self._tokens(C, seed=2)
+        raw = []  # per layer, per step: the engine's inputs
+        for layer, x in enumerate(xs):
+            A_log, dt_bias, a, b = R.raw_gates(x["g"], x["beta"], seed=500 + layer)  # a, b [B, C, HV]
+            rows = R.pack(x).view(self.B, C, -1)
+            raw.append([dict(mixed_qkv=rows[:, t].contiguous(), a=a[:, t].contiguous(), b=b[:, t].contiguous(),
+                             A_log=A_log, dt_bias=dt_bias) for t in range(C)])
+
+        def step(layer, r):
+            q, k, v, g, beta = prep(**r, num_heads=s.H, head_k_dim=s.K)
+            return pool.decode(q, k, v, g=g, beta=beta, layer=layer, slots=slots)
+        outs = [step(0, r) for r in raw[0]]
+        # the oracle's inputs: the reference map of the same rows and gates, in float64
+        r64 = [ref.engine_inputs(**{n: t.double() for n, t in r.items()}, num_heads=s.H, head_k_dim=s.K)
+               for r in raw[0]]
+        x64 = {n: torch.cat([r[i] for r in r64], dim=1) for i, n in enumerate(("q", "k", "v", "g", "beta"))}
+        checks = [self.wl.compare(f"pool_decode_engine[C={C}] cycle.o", torch.cat(outs, dim=1),
+                                  self.wl.truth(x64, hist))]
+
+        def run():
+            for t in range(C):
+                for layer in range(self.L):
+                    step(layer, raw[layer][t])
+        nbytes = io.buffered_cycle_step(self.s, self.B, C) + io.engine_inputs_step(self.s, self.B,
+                                                                                     self.wl.dtype.itemsize)
+        c = self.case("pool_decode_engine", "decode", run, self.L * C, nbytes, checks, C=C)
+        c.note = "engine_inputs (packed rows, raw gates, q/k norm) then the pool's decode, every step"
+        return c
+
     def _pool_round(self, op: str, per_layer: bool) -> Case:
         n, d, m, B, dev = self.p.fill, self.p.drafts, self.p.accepted, self.B, self.wl.device
         pool, slots, hist = self._pool(buffered=n)
@@ -885,7 +932,7 @@ class _Builder:
         each layer's float32 pool [B, HV, V, K] updated in place by int32 slot indices (a shuffled
         permutation, as an engine's slots are).  One token per request per layer, the layers in turn."""
         from bench import replayssm as R  # pack (q | k | v rows) and raw_gates: SGLang's convention too
-        from kvbuffer_ref.validate.cases import QK_L2NORM_EPS
+        import kvbuffer_ref as ref
 
         kern = self.api.sglang(self.wl.device)
         fn = kern.fused_recurrent_gated_delta_rule_packed_decode
@@ -907,14 +954,12 @@ class _Builder:
             fn(**ly, scale=scale, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
         ly0 = layers[0]
         step(ly0)
-        # the oracle's inputs: q and k as the kernel normalises them, the gates and betas its raw inputs give
-        # (softplus threshold 20, as SGLang launches it), all in float64
-        x0 = xs[0]
-        l2 = lambda t: t.double() / torch.sqrt((t.double() ** 2).sum(-1, keepdim=True) + QK_L2NORM_EPS)  # noqa: E731
-        z = ly0["a"].double() + ly0["dt_bias"].double()
-        g = -ly0["A_log"].double().exp() * torch.where(z <= 20.0, torch.log1p(z.exp()), z)
-        beta = torch.sigmoid(ly0["b"].double())
-        truth = self.wl.truth(dict(q=l2(x0["q"]), k=l2(x0["k"]), v=x0["v"], g=g[:, None], beta=beta[:, None]), hist)
+        # the oracle's inputs: the reference map of the kernel's packed rows and raw gates (q and k normalised as
+        # the kernel normalises them, softplus threshold 20 as SGLang launches it), in float64
+        q, k, v, g, beta = ref.engine_inputs(*(ly0[n].double() for n in ("mixed_qkv", "a", "b")),
+                                             A_log=ly0["A_log"].double(), dt_bias=ly0["dt_bias"].double(),
+                                             num_heads=s.H, head_k_dim=s.K)
+        truth = self.wl.truth(dict(q=q, k=k, v=v, g=g, beta=beta), hist)
         checks = [self.wl.compare("sglang_decode.o", ly0["out"], truth),
                   self.wl.compare("sglang_decode.state", ly0["initial_state"][sl].transpose(-1, -2), truth,
                                   state=True)]
@@ -1120,7 +1165,7 @@ class _Builder:
 #: op -> group, in the order the runner measures them.
 OPS = {
     "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
-    "pool_decode": "decode", "replayssm_decode": "decode", "sglang_decode": "decode",
+    "pool_decode": "decode", "pool_decode_engine": "decode", "replayssm_decode": "decode", "sglang_decode": "decode",
     "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
     "fla_chunk_tokens": "verify",
     "accept": "accept", "per_draft_state_accept": "accept",
@@ -1133,6 +1178,7 @@ GROUPS = ("decode", "verify", "accept", "round")
 PEERS = {
     "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode", "sglang_decode"),
     "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode", "sglang_decode"),
+    "pool_decode_engine": ("pool_decode", "sglang_decode", "replayssm_decode"),
     "verify": ("per_draft_state_verify", "fla_fused_recurrent_tokens", "fla_chunk_tokens"),
     "accept": ("per_draft_state_accept",),
     "round": ("per_draft_state_round", "fla_fused_recurrent_tokens", "replayssm_round"),

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("triton", reason="triton not installed: the benchmarks time the Triton kernels")
 
 ROOT = Path(__file__).resolve().parents[2]
-POOL_OPS = "buffered_decode,pool_decode,round,pool_round,pool_round_per_layer"
+POOL_OPS = "buffered_decode,pool_decode,pool_decode_engine,round,pool_round,pool_round_per_layer"
 
 
 def _sglang_wheel() -> bool:
@@ -45,6 +45,7 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     for row in rows.values():
         assert row["checks"] and all(c["passed"] for c in row["checks"]) and row["within_budget"], row
     assert rows["pool_decode"]["ops_per_replay"] == 2 * 4  # layers x a cycle of C steps
+    assert rows["pool_decode_engine"]["ops_per_replay"] == 2 * 4 and rows["pool_decode_engine"]["vs_pool_decode"] > 0
     assert rows["pool_round"]["vs_round"] > 0 and rows["pool_round_per_layer"]["vs_pool_round"] > 0
     skipped = {s["op"]: s["reason"] for s in tree["skips"]}
     assert set(skipped) == {"replayssm_decode", "replayssm_round"} | (set() if wheel else {"sglang_decode"})
@@ -52,6 +53,7 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     if wheel:  # SGLang's packed decode: one token per layer, checked (output and pool state), a peer of both decodes
         assert rows["sglang_decode"]["ops_per_replay"] == 2 and len(rows["sglang_decode"]["checks"]) == 2
         assert rows["buffered_decode"]["vs_sglang_decode"] > 0 and rows["pool_decode"]["vs_sglang_decode"] > 0
+        assert rows["pool_decode_engine"]["vs_sglang_decode"] > 0
         assert data["sglang_path"].endswith(os.path.join(".whl", "sglang"))
     else:
         assert "--sglang-path" in skipped["sglang_decode"]
