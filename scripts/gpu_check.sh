@@ -80,7 +80,7 @@ print("\n".join(u.unquote(u.urlparse(i["download_info"]["url"]).path) for i in j
   return $rc
 }
 # -v: each test's verdict as it ends, so a run cut by the limit still names its failures (grep FAILED)
-has tests && stage tests "${TESTS_LIMIT:-300}" python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py \
+has tests && stage tests "${TESTS_LIMIT:-300}" python3 -m pytest tests/property/test_fast_decode.py tests/property/test_fast_verify.py tests/property/test_engine_inputs.py \
   tests/kernels tests/pool -v -p no:cacheprovider -n 8 --dist loadgroup
 has models && { export -f models; stage models 150 bash -c models; }
 validate() {  # one process per group of lanes, side by side (compiling dominates; the GPU work is small)

@@ -22,6 +22,16 @@ from kvbuffer_fast.engine_inputs import engine_inputs as fast_inputs
 from kvbuffer_ref.validate.tolerances import compare
 
 NAMES = ("q", "k", "v", "g", "beta")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dev(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on DEVICE; on a GPU as a view at a row stride past its last dimension (rows of a wider tensor)."""
+    if DEVICE == "cpu":
+        return x
+    wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 5, dtype=x.dtype, device=DEVICE)
+    wide[..., 5:] = x.to(DEVICE)
+    return wide[..., 5:]
 
 
 @st.composite
@@ -100,10 +110,12 @@ def _slices(name, t):
 def test_kernel_matches_the_reference(setup):
     x, a, b, A_log, dt_bias, H, K, norm = setup
     kw = dict(A_log=A_log, dt_bias=dt_bias, num_heads=H, head_k_dim=K, qk_l2norm=norm)
-    before = [t.clone() for t in (x, a, b, A_log, dt_bias)]
-    got = fast_inputs(x, a, b, **kw)
-    for t, t0 in zip((x, a, b, A_log, dt_bias), before):
-        assert torch.equal(t, t0) or (torch.isnan(t0).any() and torch.equal(t.isnan(), t0.isnan()))
+    args = [_dev(t) for t in (x, a, b, A_log, dt_bias)]
+    before = [t.clone() for t in args]
+    got = fast_inputs(*args[:3], **{**kw, "A_log": args[3], "dt_bias": args[4]})
+    for t, t0 in zip(args, before):
+        assert torch.equal(t, t0)
+    got = [t.cpu() for t in got]
     truth = ref_inputs(x.double(), a.double(), b.double(), **{**kw, "A_log": A_log.double(),
                                                               "dt_bias": dt_bias.double()})
     low = -RESET_GATE[torch.float32]  # every gate below it has decay 0 in float32, as the operations take it
@@ -122,9 +134,9 @@ def test_kernel_matches_the_reference(setup):
 def test_strided_last_dimension_and_empty_batches():
     H, HV, K, V = 2, 4, 8, 4
     D = 2 * H * K + HV * V
-    x = torch.randn(D, 3).t()  # [3, D] with a last-dimension stride of 3
-    a, b = torch.randn(3, HV), torch.randn(3, HV)
-    p = dict(A_log=torch.randn(HV), dt_bias=torch.randn(HV), num_heads=H, head_k_dim=K)
+    x = torch.randn(D, 3, device=DEVICE).t()  # [3, D] with a last-dimension stride of 3
+    a, b = torch.randn(3, HV, device=DEVICE), torch.randn(3, HV, device=DEVICE)
+    p = dict(A_log=torch.randn(HV, device=DEVICE), dt_bias=torch.randn(HV, device=DEVICE), num_heads=H, head_k_dim=K)
     for f, r in zip(fast_inputs(x, a, b, **p), ref_inputs(x, a, b, **p)):
         torch.testing.assert_close(f.to(r.dtype), r, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-30)
     out = fast_inputs(x[:0], a[:0], b[:0], **p)
@@ -173,7 +185,7 @@ def test_feeding_the_pool_decode():
     A_log, dt_bias = torch.rand(HV, generator=gen) - 2, torch.randn(HV, generator=gen)
     kw = dict(layers=1, num_state_slots=4, num_buffer_slots=4, capacity=C, max_drafts=2, num_heads=H,
               num_value_heads=HV, head_k_dim=K, head_v_dim=V)
-    pools = kvbuffer_ref.KVPool(**kw), kvbuffer_fast.KVPool(**kw)
+    pools = kvbuffer_ref.KVPool(**kw), kvbuffer_fast.KVPool(**kw, device=DEVICE)
     slots = torch.tensor([2, -1, 0])
     for p in pools:
         got = p.acquire(4)
@@ -183,10 +195,11 @@ def test_feeding_the_pool_decode():
         a, b = torch.randn(B, HV, generator=gen) * 3, torch.randn(B, HV, generator=gen)
         p_ref = ref_inputs(x.double(), a.double(), b.double(), A_log=A_log.double(), dt_bias=dt_bias.double(),
                            num_heads=H, head_k_dim=K)
-        p_fast = fast_inputs(x, a, b, A_log=A_log, dt_bias=dt_bias, num_heads=H, head_k_dim=K)
+        p_fast = fast_inputs(*(_dev(t) for t in (x, a, b)), A_log=A_log.to(DEVICE), dt_bias=dt_bias.to(DEVICE),
+                             num_heads=H, head_k_dim=K)
         outs = []
         for p, (q, k, v, g, beta) in zip(pools, (p_ref, p_fast)):
-            outs.append(p.decode(q, k, v, g=g, beta=beta, layer=0, slots=slots))
+            outs.append(p.decode(q, k, v, g=g, beta=beta, layer=0, slots=slots.to(q.device)).cpu())
         rows = slots >= 0
         assert outs[1].dtype == torch.float16
         c = compare(outs[1][rows], outs[0][rows], None, name=f"decode step {step}", dtype=torch.float16)
