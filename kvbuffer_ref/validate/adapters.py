@@ -79,7 +79,7 @@ from .cases import NORMAL, SMALL, Sizes
 
 __all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "OPERATION_ATTRS", "AdapterError", "Implementation", "describe", "resolve", "builtin_names",
            "reference", "reference_from", "fast", "fast_from", "fla", "FlaAdapter", "fla_pool", "stepwise_recurrent",
-           "interpreter_active", "POISON_ENV", "unavailable", "default_implementations"]
+           "interpreter_active", "POISON_ENV", "unavailable", "default_implementations", "returned_changed"]
 
 #: Every operation attribute the validator knows, in report order.
 OPERATION_ATTRS = (
@@ -611,9 +611,11 @@ class Guarded:
     ``layout`` (a ``random.Random``) every tensor argument that is not updated in place, and not a
     buffer, is passed as a non-contiguous or offset view (``layout_views``)."""
 
-    def __init__(self, obj, in_place: dict, layout=None):
+    def __init__(self, obj, in_place: dict, layout=None, returned: Optional[list] = None):
         self._obj, self._in_place, self._layout = obj, in_place, layout
         self.calls = 0
+        #: (label, tensor, its bits) of every plain tensor an operation returned (``returned_changed``)
+        self.returned = [] if returned is None else returned
 
     def __getattr__(self, attr):
         fn = getattr(self._obj, attr)
@@ -624,19 +626,78 @@ class Guarded:
             names = _POSITIONAL.get(attr, ("q", "k", "v"))
             given = dict(zip(names, args), **kw)
             free = set(self._in_place.get(attr, ()))
+            back = {}
             if self._layout is not None:
-                given = layout_views(given, self._layout, skip=free)
+                # an argument updated in place is passed as a view too, and what the call wrote through the view
+                # is copied back to the caller's tensor: a kernel that updates a contiguous copy of a strided
+                # argument (``state.contiguous()``) leaves the caller's tensor as it was; a kernel that raises on
+                # the view (it requires a contiguous one) is called again with the caller's tensor
+                views = layout_views({n: x for n, x in given.items() if n in free}, self._layout)
+                back = {n: (given[n], x) for n, x in views.items()
+                        if isinstance(x, torch.Tensor) and x is not given[n]}
+                given = dict(layout_views(given, self._layout, skip=free), **views)
             before = {}
             for n, x in given.items():
                 if n not in free:
                     before.update({lab: (t, _bits(t).clone()) for lab, t in _tensors_of(n, x).items()})
             self.calls += 1
             pos = [given[n] for n in names if n in given]
-            out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
+            try:
+                out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
+            except Exception:
+                if not back:
+                    raise
+                # refusing a strided in-place argument (e.g. "state must be contiguous") is allowed: the call
+                # is made again with the caller's own tensors
+                given = dict(given, **{n: orig for n, (orig, _) in back.items()})
+                back = {}
+                pos = [given[n] for n in names if n in given]
+                out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
+            for orig, view in back.values():
+                orig.copy_(view)
             for lab, (t, bits) in before.items():
                 if not torch.equal(_bits(t), bits):
                     raise ContractViolation("inputs-changed", f"input {lab} changed by the call to {attr} "
                                             f"(shape {list(t.shape)}; the implementation declares in place only "
                                             f"{sorted(free) or 'nothing'} for it)")
+            for lab, t in _returned_tensors(attr, out):
+                for ilab, (x, _) in before.items():
+                    if _shares_memory(t, x):
+                        raise ContractViolation("state-leak", f"{lab} shares memory with the input {ilab} "
+                                                f"(outputs are new memory, docs/conventions.md: a later in-place "
+                                                f"update of the one changes the other)")
+                self.returned.append((f"{lab} of call {self.calls}", t, _bits(t).clone()))
             return out
         return call
+
+
+def _returned_tensors(attr: str, out) -> list:
+    """(label, tensor) of the plain tensors an operation returned (a buffer or drafts object is not one)."""
+    items = out if isinstance(out, tuple) else (out,)
+    return [(f"{attr}'s returned value {i}" if len(items) > 1 else f"{attr}'s returned tensor", t)
+            for i, t in enumerate(items) if isinstance(t, torch.Tensor) and t.numel()]
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``a`` and ``b`` overlap (same storage, overlapping spans)."""
+    if not a.numel() or not b.numel() or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(x):
+        lo = x.data_ptr()
+        hi = lo + x.element_size() * (1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride())))
+        return lo, hi
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def returned_changed(returned: list, since: int = 0) -> Optional[str]:
+    """The first of ``returned[since:]`` (``Guarded.returned``) whose values changed after it was returned,
+    or None: a later call that overwrites a tensor an earlier call returned (a workspace or an output buffer
+    returned without a copy) changes the caller's result."""
+    for lab, t, bits in returned[since:]:
+        if not torch.equal(_bits(t), bits):
+            return lab
+    return None

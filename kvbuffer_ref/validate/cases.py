@@ -26,6 +26,8 @@ BETA_REGIMES = ("zero", "one", "uniform", "mixed")
 #: q/k norm regimes: "unit" (L2-normalised rows) or "any" (rows of norm in [0.25, 4] for q and
 #: [0.4, 1.25 / sqrt(beta_max)] for k, so the delta rule stays contractive; a zero row stays possible).
 NORM_REGIMES = ("unit", "any")
+#: (with ``Case.qk_l2norm``, "any" also makes one token per request tiny: q and k rows of norm 10^-3.5 .. 10^-2,
+#: where the in-kernel norm's epsilon is visible)
 #: The epsilon of the in-kernel q/k L2 norm ``x / sqrt(sum x^2 + eps)`` (``use_qk_l2norm_in_kernel`` of
 #: fla, vLLM, SGLang; the models' own ``l2norm``): what ``Case.qk_l2norm`` computes the truth with.
 QK_L2NORM_EPS = 1e-6
@@ -179,6 +181,14 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float64, device="cpu") ->
     if case.zero_key and T > 0:
         t = int(torch.randint(0, T, (1,), generator=gen))
         k[:, t] = 0.0
+    if case.qk_l2norm and case.norm == "any" and T > 0:
+        # one token per request whose q and k rows are tiny (norm 10^-3.5 .. 10^-2), where the epsilon of the
+        # in-kernel norm is visible: x / sqrt(|x|^2 + eps) differs from x / (|x| + eps) or x / |x| by up to 70%
+        t = torch.randint(0, T, (B,), generator=gen)
+        tiny = 10.0 ** (-3.5 + 1.5 * torch.rand(B, 2, generator=gen, dtype=torch.float64))
+        rows = torch.arange(B)
+        q[rows, t] = q[rows, t] / q[rows, t].norm(dim=-1, keepdim=True).clamp(min=1e-300) * tiny[:, :1, None]
+        k[rows, t] = k[rows, t] / k[rows, t].norm(dim=-1, keepdim=True).clamp(min=1e-300) * tiny[:, 1:, None]
     return cast_inputs(dict(q=q, k=k, v=v, g=g, beta=beta), dtype, device)
 
 

@@ -358,7 +358,11 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
             counts = flushes[t - P]
             if counts is not None:
                 counts = torch.minimum(torch.as_tensor(counts, device=buf.lengths.device), buf.lengths)
+            left = (torch.zeros_like(buf.lengths) if counts is None else buf.lengths - counts).cpu().tolist()
             buf = impl.flush(buf, count=counts)
+            if buf.lengths.cpu().tolist() != left:  # flush folds exactly the first `count` entries
+                raise AssertionError(f"[partial-flush] flush(count={None if counts is None else counts.tolist()}) "
+                                     f"left buffer lengths {buf.lengths.cpu().tolist()}, expected {left}")
         o, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
         outs.append(o)
     name = f"decode[C={capacity},{form}]"

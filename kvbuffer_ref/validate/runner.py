@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import properties as P
-from .adapters import ContractViolation, Guarded, Implementation, interpreter_active
+from .adapters import ContractViolation, Guarded, Implementation, interpreter_active, returned_changed
 from .cases import GPU
 from .lanes import ANCHORS, INTERPRETED_EXAMPLES, Lane, ValidationError, dtype_name, edge_params, op_params, plan
 from .lanes import _with_layout as with_layout
@@ -143,13 +143,14 @@ def attribute(impl: Implementation, op, params: dict, dt, device: str) -> tuple[
     return "wrong-result", "the output differs from the float64 truth"
 
 
-def _checked(impl: Implementation, op, params: dict, dt, device: str):
+def _checked(impl: Implementation, op, params: dict, dt, device: str, returned: Optional[list] = None):
     """One property check of ``params`` through ``Guarded`` (inputs compared bit for bit after each call;
-    strided / offset views when ``params['layout']``)."""
+    strided / offset views when ``params['layout']``); ``returned`` collects the tensors the calls return
+    (``Guarded.returned``)."""
     layout = params.get("layout") or None
     if layout is True:
         layout = random.Random(params["case"].seed)
-    return op.check(Guarded(impl.obj, impl.in_place, layout), params, dt, device, op.form)
+    return op.check(Guarded(impl.obj, impl.in_place, layout, returned), params, dt, device, op.form)
 
 
 def _tagged(e: BaseException) -> Optional[str]:
@@ -299,11 +300,18 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         informative = 0
         single = params.get("edge") or (not sizes.sequences and bool(anchors) and params != anchors[0])
         calls = [("the call", params)] if single else call_sequence(params, anchors)
+        kept: list = []  # what the calls returned: a later call must not change an earlier call's results
         for i, (what, p) in enumerate(calls):
             P.LEDGER.clear()
             state["calls"] += 1
+            earlier = len(kept)
             try:
-                comps = _checked(impl, op, p, dt, device)
+                comps = _checked(impl, op, p, dt, device, kept)
+                changed = returned_changed(kept[:earlier])
+                if changed:
+                    raise ContractViolation("state-leak", f"{changed} changed when {what} ran (a workspace or output "
+                                            f"buffer returned without a copy: the caller's earlier result is "
+                                            f"overwritten)")
             except AssertionError as e:
                 klass = _tagged(e)
                 if klass is None:
