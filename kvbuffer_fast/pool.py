@@ -44,7 +44,7 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_int_tensor,
                                  require_tensor)
-from kvbuffer_ref.pool import check_slots, on_device, per_row, set_layout
+from kvbuffer_ref.pool import check_slots, on_device, per_row, set_layout, varlen_admit
 
 from . import decode as _decode
 from ._common import (CACHE_DTYPES, STATE_DTYPES, as_input, block, checked_tokens, device_guard, flag_view,
@@ -73,6 +73,8 @@ class KVPool:
                  max_drafts: int, num_heads: int, num_value_heads: int, head_k_dim: int, head_v_dim: int,
                  head_range: Optional[tuple] = None, channel_gate: bool = False, dtype: torch.dtype = torch.float32,
                  key_dtype: Optional[torch.dtype] = None, state_dtype: torch.dtype = torch.float32, device=None):
+        if key_dtype is not None and not (isinstance(key_dtype, torch.dtype) and key_dtype.is_floating_point):
+            raise TypeError(f"key_dtype: expected a floating-point torch.dtype, got {key_dtype}")
         for name, dt, allowed in (("state_dtype", state_dtype, STATE_DTYPES), ("dtype", dtype, CACHE_DTYPES)):
             if dt not in allowed:
                 raise TypeError(f"{name}: kvbuffer_fast stores it in one of {[str(a) for a in allowed]}, got {dt}")
@@ -166,8 +168,10 @@ class KVPool:
         """``s`` as int64 with the pads sent to the sink row N (for torch indexing)."""
         return torch.where(s >= 0, s.to(torch.int64), self.num_buffer_slots)
 
-    def _check_tokens(self, q, k, v, g, beta, s: torch.Tensor, T: Optional[int] = None):
-        """The token checks over the valid rows; their heads and dims must be the pool's.  Returns g."""
+    def _check_tokens(self, q, k, v, g, beta, s: torch.Tensor, T: Optional[int] = None,
+                      num_drafts: Optional[torch.Tensor] = None):
+        """The token checks over the valid rows (and, with verify's ``num_drafts`` [B], their drafts below
+        it: padding drafts may hold anything); their heads and dims must be the pool's.  Returns g."""
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             require_tensor(name, x)
             on_device(name, x, self.device)
@@ -175,6 +179,8 @@ class KVPool:
                 raise ValueError(f"{name}: expected {s.shape[0]} rows (one per entry of slots), got shape "
                                  f"{list(x.shape)}")
         valid = (s >= 0)[:, None].expand(s.shape[0], q.shape[1]) if values_checked(s) else None
+        if valid is not None and num_drafts is not None:
+            valid = valid & (torch.arange(q.shape[1], device=s.device)[None, :] < num_drafts[:, None])
         d, g = checked_tokens(q, k, v, g, beta, valid=valid)
         for name, got, want in (("q", d.H, self.num_heads), ("v", d.HV, self.num_value_heads),
                                 ("q", d.K, self.head_k_dim), ("v", d.V, self.head_v_dim)):
@@ -266,28 +272,49 @@ class KVPool:
 
     # ------------------------------------------------------------------ operations
     def admit(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None, tail=None,
-              initial_state=None, chunk_size: int = 64) -> torch.Tensor:
-        """As ``kvbuffer_ref.pool.KVPool.admit``: the prompts through ``kvbuffer_fast.prefill`` (the chunk
-        kernels; the tail written into the buffer rows in the u-cache form), then scattered into the slots
-        (not capturable in a CUDA graph: prompts vary in length)."""
+              initial_state=None, chunk_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As ``kvbuffer_ref.pool.KVPool.admit`` (``cu_seqlens``: prompts of any lengths concatenated in a
+        batch of one, a pad's prompt not read; o [1, T, HV, V], a pad's tokens unspecified): the prompts
+        through ``kvbuffer_fast.prefill`` (the chunk kernels; the tail written into the buffer rows in the
+        u-cache form), then scattered into the slots (not capturable in a CUDA graph: prompts vary in
+        length)."""
         layer = self._layer(layer)
         s, _ = self._rows("slots", slots)
         rows = (s >= 0).nonzero().flatten()
-        self._check_tokens(q, k, v, g, beta, s)
         t = self._t
         sv = s[rows].to(torch.int64)
+        if cu_seqlens is None:
+            self._check_tokens(q, k, v, g, beta, s)
+        else:
+            for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+                require_tensor(name, x)
+            idx, cu, s0 = varlen_admit(s.to(torch.int64), q, cu_seqlens, initial_state)
+            x = {n: y.index_select(1, idx) for n, y in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+            self._check_tokens(*(x[n] for n in ("q", "k", "v", "g", "beta")), torch.zeros(1, dtype=torch.int64,
+                                                                                         device=s.device))
         busy = (t["lengths"][layer, sv] > 0) | t["has_state"][layer, sv] | t["pending"][layer, sv]
         if bool(busy.any()):
             i = int(rows[busy.nonzero()[0, 0]])
             raise ValueError(f"slots: entry [{i}] is slot {int(s[i])}, which already holds entries or a state in "
                              f"layer {layer}; admit takes freshly acquired slots")
-        pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        o_rows, buf = fast_prefill(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], capacity=self.capacity,
-                                   tail=tail, scale=scale, initial_state=pick(initial_state), chunk_size=chunk_size)
+        if cu_seqlens is not None:
+            o = new_output((1, q.shape[1], v.shape[2], v.shape[3]), v.dtype, q.device)
+            if sv.numel() == 0:
+                return o
+            o_rows, buf = fast_prefill(x.pop("q"), x.pop("k"), x.pop("v"), **x, capacity=self.capacity, tail=tail,
+                                       scale=scale, initial_state=s0, chunk_size=chunk_size, cu_seqlens=cu)
+        else:
+            pick = lambda x: None if x is None else x[rows]  # noqa: E731
+            o_rows, buf = fast_prefill(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], capacity=self.capacity,
+                                       tail=tail, scale=scale, initial_state=pick(initial_state),
+                                       chunk_size=chunk_size)
         buf = buf.replace(state=buf.state.to(t["state"].dtype), u=buf.u.to(t["u"].dtype), G=buf.G.to(t["G"].dtype),
                           k=buf.k.to(t["k"].dtype))
         write = self._claims(slice(layer, layer + 1), sv, True, folds=buf.has_state[None])[2]
         self._scatter(layer, sv, buf, write[0])
+        if cu_seqlens is not None:
+            o[:, idx] = o_rows.to(v.dtype)
+            return o
         o = new_output((s.shape[0],) + tuple(o_rows.shape[1:]), v.dtype, q.device)
         o[rows] = o_rows.to(v.dtype)
         return o
@@ -355,15 +382,15 @@ class KVPool:
         drafts to the room (``_room_kernel``)."""
         layer = self._layer(layer)
         s, _ = self._rows("slots", slots)
-        d, g = self._check_tokens(q, k, v, g, beta, s)
+        if num_drafts is not None:
+            require_int_tensor("num_drafts", num_drafts, tuple(s.shape), "[B]", self.device)
+        d, g = self._check_tokens(q, k, v, g, beta, s, num_drafts=num_drafts)
         if d.T > self.max_drafts:
             raise ValueError(f"q: {d.T} drafts per request, but the pool's draft room holds max_drafts="
                              f"{self.max_drafts}")
         B, Dn = d.B, d.T
         if parents is not None:
             require_int_tensor("parents", parents, (B, Dn), "[B, D]", self.device)
-        if num_drafts is not None:
-            require_int_tensor("num_drafts", num_drafts, (B,), "[B]", self.device)
         t, dev = self._t, q.device
         C, H, HV, K, V = self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
         GK = K if self.channel_gate else 1

@@ -38,18 +38,19 @@ own for the result.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
 
 from .buffer import Drafts, KVBuffer
-from .checks import check_capacity, check_tokens, require_tensor, same_device
+from .checks import check_capacity, check_count_arg, check_tokens, require_tensor, same_device
 from .decode import buffered_decode, flush, materialize_state
 from .entries import fold_count
 from .prefill import prefill
 from .speculative import accept, path_to, verify
 
-__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device"]
+__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device", "varlen_admit"]
 
 
 def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int, max_drafts: int,
@@ -64,12 +65,18 @@ def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int
         if isinstance(n, bool) or not isinstance(n, int) or n < least:
             raise ValueError(f"{name}: expected an int >= {least}, got {n!r}")
     check_capacity(capacity)
+    if not isinstance(channel_gate, bool):
+        raise TypeError(f"channel_gate: expected a bool, got {type(channel_gate).__name__}")
+    try:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected a torch.device or a device string, got {device!r} ({e})") from None
     pool.key_head_start, pool.num_heads, pool.num_value_heads = head_layout(num_heads, num_value_heads, head_range)
     pool.head_range = (0, num_value_heads) if head_range is None else tuple(head_range)
     pool.layers, pool.num_state_slots, pool.num_buffer_slots = layers, num_state_slots, num_buffer_slots
     pool.capacity, pool.max_drafts, pool.head_k_dim, pool.head_v_dim = capacity, max_drafts, head_k_dim, head_v_dim
     pool.channel_gate = channel_gate
-    pool.device = torch.device(device) if device is not None else torch.device("cpu")
+    pool.device = device
 
 
 def on_device(name: str, x: torch.Tensor, device) -> None:
@@ -89,9 +96,9 @@ def per_row(name: str, x, slots: torch.Tensor) -> torch.Tensor:
             raise TypeError(f"{name}: expected an integer tensor, got {x.dtype}")
         on_device(name, x, slots.device)
         return x.to(torch.int64)
-    if isinstance(x, bool) or not isinstance(x, int):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name}: expected an int or an integer tensor [B], got {type(x).__name__}")
-    return torch.full(slots.shape, x, dtype=torch.int64, device=slots.device)
+    return check_count_arg(name, x, slots.shape[0], slots.device, "the int64 range")
 
 
 def _accepted_lengths(drafts: Drafts, counts, nodes, rows: torch.Tensor) -> list:
@@ -163,6 +170,29 @@ def check_slots(name: str, slots, num_slots: int, device, live: Optional[torch.T
     return s
 
 
+def varlen_admit(s: torch.Tensor, q: torch.Tensor, cu_seqlens, initial_state=None):
+    """``admit``'s variable-length batch: which prompts it keeps.  s: the checked slots [N] (-1 for a pad);
+    q: [1, T, H, K] (the N prompts concatenated); cu_seqlens: [N + 1] (``recurrent.check_cu_seqlens``).
+    Returns (the tokens of the valid entries' prompts as an int64 index into T on q's device, their offsets
+    [n + 1] as a tensor like ``cu_seqlens``, their initial states or None).  A pad's prompt is skipped (its
+    tokens are never read)."""
+    from .recurrent import check_cu_seqlens
+
+    cu = check_cu_seqlens(cu_seqlens, q, initial_state)
+    if len(cu) - 1 != s.shape[0]:
+        raise ValueError(f"cu_seqlens: expected {s.shape[0] + 1} offsets (one prompt per entry of slots), got "
+                         f"{len(cu)}")
+    keep = [n for n, b in enumerate(s.tolist()) if b >= 0]
+    idx = [t for n in keep for t in range(cu[n], cu[n + 1])]
+    offsets = [0]
+    for n in keep:
+        offsets.append(offsets[-1] + cu[n + 1] - cu[n])
+    s0 = None if initial_state is None else initial_state[torch.tensor(keep, dtype=torch.int64,
+                                                                       device=initial_state.device)]
+    return (torch.tensor(idx, dtype=torch.int64, device=q.device),
+            torch.tensor(offsets, dtype=cu_seqlens.dtype, device=cu_seqlens.device), s0)
+
+
 class KVPool:
     """The reference serving pool (see the module docstring for the layout).
 
@@ -185,6 +215,10 @@ class KVPool:
                    capacity=capacity, max_drafts=max_drafts, num_heads=num_heads, num_value_heads=num_value_heads,
                    head_k_dim=head_k_dim, head_v_dim=head_v_dim, head_range=head_range, channel_gate=channel_gate,
                    device=device)
+        for name, dt in (("dtype", dtype), ("key_dtype", key_dtype), ("state_dtype", state_dtype),
+                         ("gate_dtype", gate_dtype)):
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise TypeError(f"{name}: expected a floating-point torch.dtype, got {dt}")
         L, S, N, C, D, K, V = (self.layers, self.num_state_slots, self.num_buffer_slots, self.capacity,
                                self.max_drafts, self.head_k_dim, self.head_v_dim)
         H, HV = self.num_heads, self.num_value_heads
@@ -347,14 +381,22 @@ class KVPool:
 
     # ------------------------------------------------------------------ operations
     def admit(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None, tail=None,
-              initial_state=None, chunk_size: int = 64) -> torch.Tensor:
+              initial_state=None, chunk_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Prefill hand-off of one prompt per entry of ``slots`` (acquired, empty slots) in ``layer``.
 
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV]*; beta: [B, T, HV]; initial_state
         [B, HV, K, V] or None; ``tail`` as ``kvbuffer_ref.prefill``.  The head of each prompt is folded
         into a state slot (taken only if the prompt has a head or an initial state), the tail is buffered.
         Returns o [B, T, HV, V] (pad rows: zeros).
+
+        ``cu_seqlens`` ([N + 1] int32 / int64 offsets): prompts of any lengths, as engines batch them: the N
+        prompts of the N entries of ``slots`` concatenated along T in a batch of one (q [1, T, H, K], ...,
+        initial_state [N, HV, K, V]); ``tail`` None gives each prompt its default tail, an int the same
+        for all.  Returns o [1, T, HV, V] (a pad's tokens: zeros; its prompt is not read).
         """
+        if cu_seqlens is not None:
+            return self._admit_varlen(q, k, v, g, beta, layer, slots, scale, tail, initial_state, chunk_size,
+                                      cu_seqlens)
         layer, s, rows = self._addressed(slots, layer)
         B = s.shape[0]
         self._check_tokens(q, k, v, g, beta, B)
@@ -370,6 +412,31 @@ class KVPool:
         self._scatter(layer, s[rows], buf, buf.has_state)
         o = torch.zeros(B, *o_rows.shape[1:], dtype=o_rows.dtype, device=o_rows.device)
         o[rows] = o_rows
+        return o
+
+    def _admit_varlen(self, q, k, v, g, beta, layer, slots, scale, tail, initial_state, chunk_size, cu_seqlens):
+        """``admit`` of a variable-length batch (``cu_seqlens``): the valid entries' prompts gathered and
+        prefilled together (``prefill(cu_seqlens=)``), scattered into their slots."""
+        layer, s, rows = self._addressed(slots, layer)
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            require_tensor(name, x)
+        idx, cu, s0 = varlen_admit(s, q, cu_seqlens, initial_state)
+        self._check_tokens(q, k, v, g, beta, 1)
+        sv = s[rows]
+        busy = (self.lengths[layer, sv] > 0) | self.has_state[layer, sv] | self.pending[layer, sv]
+        if bool(busy.any()):
+            raise ValueError(f"slots: entry [{int(rows[busy.nonzero()[0, 0]])}] is slot "
+                             f"{int(sv[busy.nonzero()[0, 0]])}, which already holds entries or a state in "
+                             f"layer {layer}; admit takes freshly acquired slots")
+        if sv.numel() == 0:
+            return torch.zeros(1, q.shape[1], v.shape[2], v.shape[3], dtype=v.dtype, device=q.device)
+        x = {n: t.index_select(1, idx) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+        o_rows, buf = prefill(x.pop("q"), x.pop("k"), x.pop("v"), **x, capacity=self.capacity, tail=tail, scale=scale,
+                              initial_state=s0, chunk_size=chunk_size, cu_seqlens=cu)
+        self._check_free_states(layer, sv, buf.has_state)
+        self._scatter(layer, sv, buf, buf.has_state)
+        o = torch.zeros(1, q.shape[1], *o_rows.shape[2:], dtype=o_rows.dtype, device=o_rows.device)
+        o[:, idx] = o_rows
         return o
 
     def _no_pending(self, layer: int, s: torch.Tensor, op: str) -> None:
@@ -423,6 +490,31 @@ class KVPool:
         self.pending[layer, sv] = True
         o = torch.zeros(B, *o_rows.shape[1:], dtype=o_rows.dtype, device=o_rows.device)
         o[rows] = o_rows
+        return o
+
+    def _admit_varlen(self, q, k, v, g, beta, layer, slots, scale, tail, initial_state, chunk_size, cu_seqlens):
+        """``admit`` of a variable-length batch (``cu_seqlens``): the valid entries' prompts gathered and
+        prefilled together (``prefill(cu_seqlens=)``), scattered into their slots."""
+        layer, s, rows = self._addressed(slots, layer)
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            require_tensor(name, x)
+        idx, cu, s0 = varlen_admit(s, q, cu_seqlens, initial_state)
+        self._check_tokens(q, k, v, g, beta, 1)
+        sv = s[rows]
+        busy = (self.lengths[layer, sv] > 0) | self.has_state[layer, sv] | self.pending[layer, sv]
+        if bool(busy.any()):
+            raise ValueError(f"slots: entry [{int(rows[busy.nonzero()[0, 0]])}] is slot "
+                             f"{int(sv[busy.nonzero()[0, 0]])}, which already holds entries or a state in "
+                             f"layer {layer}; admit takes freshly acquired slots")
+        if sv.numel() == 0:
+            return torch.zeros(1, q.shape[1], v.shape[2], v.shape[3], dtype=v.dtype, device=q.device)
+        x = {n: t.index_select(1, idx) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+        o_rows, buf = prefill(x.pop("q"), x.pop("k"), x.pop("v"), **x, capacity=self.capacity, tail=tail, scale=scale,
+                              initial_state=s0, chunk_size=chunk_size, cu_seqlens=cu)
+        self._check_free_states(layer, sv, buf.has_state)
+        self._scatter(layer, sv, buf, buf.has_state)
+        o = torch.zeros(1, q.shape[1], *o_rows.shape[2:], dtype=o_rows.dtype, device=o_rows.device)
+        o[:, idx] = o_rows
         return o
 
     def _drafts(self, layer: int, s: torch.Tensor) -> Drafts:
