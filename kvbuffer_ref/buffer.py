@@ -190,6 +190,15 @@ class KVBuffer(_Slots):
         """
         check_capacity(capacity)
         form_names = cls.form_fields(form)
+        for name, flag in (("channel_gate", channel_gate), ("with_state", with_state)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device: expected a torch.device or a device string, got {device!r} "
+                                 f"({e})") from None
         for name, n, least in (("batch", batch, 0), ("num_heads", num_heads, 1), ("num_value_heads", num_value_heads, 1),
                                ("head_k_dim", head_k_dim, 1), ("head_v_dim", head_v_dim, 1)):
             if isinstance(n, bool) or not isinstance(n, int):

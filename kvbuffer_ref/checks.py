@@ -174,11 +174,15 @@ def check_scale(scale, K: int) -> float:
     """Return the query scale: ``scale`` if given (a positive finite number), else K ** -0.5."""
     if scale is None:
         return K ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or isinstance(scale, torch.Tensor):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    if not (scale > 0 and scale != float("inf")):
+    try:  # a Python or NumPy int or float (numpy.float32, numpy.int64 included)
+        value = float(scale)
+    except OverflowError:
+        value = float("inf")
+    if not (value > 0 and value != float("inf")):
         raise ValueError(f"scale: expected a positive finite number, got {scale}")
-    return float(scale)
+    return value
 
 
 def check_chunk_size(chunk_size) -> int:

@@ -18,6 +18,9 @@ __all__ = ["prefill", "default_tail"]
 def default_tail(T: int, capacity: int) -> int:
     """Tokens left in the buffer after a prompt of T tokens: all of them while T <= C (no state is
     formed: direct mode), else ``T mod C`` (the head folded into the state is a whole number of buffers)."""
+    check_capacity(capacity)
+    if isinstance(T, bool) or not isinstance(T, int) or T < 0:
+        raise ValueError(f"T: expected an int >= 0 (the prompt's tokens), got {T!r}")
     return T if T <= capacity else T % capacity
 
 
@@ -88,8 +91,11 @@ def _prefill_ragged(q, k, v, *, g, beta, capacity, tail, scale, initial_state, f
                          scale=scale, initial_state=s0, form=form, chunk_size=chunk_size)
         outs.append(o)
         bufs.append(buf)
-    if not bufs:
-        raise ValueError("cu_seqlens: expected at least one sequence (N >= 1)")
+    if not bufs:  # no prompt (cu_seqlens = [0]): an empty buffer of N = 0 requests
+        s0 = None if initial_state is None else initial_state[:0]
+        o, buf = prefill(q[:0], k[:0], v[:0], g=g[:0], beta=beta[:0], capacity=capacity, tail=tail, scale=scale,
+                         initial_state=s0, form=form, chunk_size=chunk_size)
+        return o.new_zeros(1, 0, *o.shape[2:]), buf
     fields = {name: None if x is None else torch.cat([getattr(bf, name) for bf in bufs], dim=0)
               for name, x in bufs[0].tensors().items()}
     return torch.cat(outs, dim=1), KVBuffer(**fields)

@@ -13,7 +13,8 @@ import torch
 
 from .buffer import Drafts, KVBuffer
 from .core import ancestors, cumulative_gates, innovations, outputs
-from .checks import check_buffer, check_counts, check_gate_values, check_nodes, check_num_drafts, check_parents
+from .checks import (check_buffer, check_count_arg, check_counts, check_gate_values, check_nodes, check_num_drafts,
+                     check_parents, require_float, require_rank, require_tensor)
 from .entries import Entries, append, entries_of, memory_of, stale_state, tail_gate
 from .inputs import prepare_tokens
 
@@ -72,7 +73,18 @@ def verify(
 
 
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
-    """Draft indices from the root down to ``node`` (empty for node -1). parents: [D]."""
+    """Draft indices from the root down to ``node`` (empty for node -1). parents: [D], each in -1..i-1."""
+    if isinstance(parents, (list, tuple)):
+        parents = torch.tensor(parents, dtype=torch.long)
+    require_tensor("parents", parents)
+    require_rank("parents", parents, 1, "[D]")
+    D = parents.shape[0]
+    check_parents(parents[None], 1, D, parents.device)
+    if isinstance(node, torch.Tensor) and node.dim() == 0:
+        node = node[None]
+    node = int(check_count_arg("node", node, 1, parents.device, f"-1..{D - 1}")[0])
+    if not -1 <= node < D:
+        raise ValueError(f"node: {node} is out of range, expected -1 (none) or a draft index in 0..{D - 1}")
     path = []
     while node >= 0:
         path.append(node)
@@ -85,9 +97,15 @@ def _check_drafts(buffer: KVBuffer, drafts: Drafts) -> None:
         raise TypeError(f"drafts: expected the Drafts returned by verify, got {type(drafts).__name__}")
     if drafts.form != buffer.form:
         raise ValueError(f"drafts: computed for a {drafts.form!r}-form buffer, but buffer is {buffer.form!r}-form")
+    for name in ("k",) + Drafts.form_fields(drafts.form):
+        require_float(f"drafts.{name}", require_tensor(f"drafts.{name}", getattr(drafts, name)))
+    require_rank("drafts.k", drafts.k, 4, "[B, D, H, K]")
     if drafts.k.shape[0] != buffer.batch or drafts.k.shape[2:] != buffer.k.shape[2:]:
         raise ValueError(f"drafts: keys of shape {list(drafts.k.shape)} do not fit the buffer's "
                          f"[B, C, H, K] = {list(buffer.k.shape)}")
+    B, D = drafts.k.shape[:2]
+    check_parents(drafts.parents, B, D, drafts.k.device, name="drafts.parents")
+    check_num_drafts(drafts.num_drafts, B, D, drafts.k.device, name="drafts.num_drafts")
 
 
 def accept(

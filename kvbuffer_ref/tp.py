@@ -120,8 +120,16 @@ def tp_shards(num_heads: int, num_value_heads: int, world_size: int, *,
             for r in range(_positive("world_size", world_size))]
 
 
+def _shard(name: str, x) -> "HeadShard":
+    if not isinstance(x, HeadShard):
+        raise TypeError(f"{name}: expected a HeadShard (tp_shard / tp_shards), got {type(x).__name__}")
+    return x
+
+
 def _heads(name: str, x: torch.Tensor, head_axis: int, expected: int, what: str) -> int:
     require_tensor(name, x)
+    if isinstance(head_axis, bool) or not isinstance(head_axis, int):
+        raise TypeError(f"head_axis: expected an int, got {type(head_axis).__name__}")
     if not -x.dim() <= head_axis < x.dim():
         raise ValueError(f"{name}: head_axis {head_axis} is out of range for a {x.dim()}-d tensor "
                          f"(shape {list(x.shape)})")
@@ -137,6 +145,7 @@ def shard_tokens(shard: HeadShard, *, head_axis: int = 2, **tensors) -> dict:
     ``initial_state`` [B, HV, K, V] (head axis 1) to its value heads.  Any of them may be left out or
     None (returned as None)."""
     known = {"q": "key", "k": "key", "v": "value", "g": "value", "beta": "value", "initial_state": "value"}
+    _shard("shard", shard)
     out = {}
     for name, x in tensors.items():
         if name not in known:
@@ -156,8 +165,13 @@ def gather_heads(parts: Sequence[torch.Tensor], shards: Sequence[HeadShard], *, 
     """The full-model tensor from per-rank value-head tensors: ``parts[i]`` holds the value heads of
     ``shards[i]`` on ``head_axis`` (outputs [B, T, HV, V]: 2; states [B, HV, K, V]: 1).  The shards must
     be one layout's ranks, each given once (any order)."""
+    if not isinstance(parts, (list, tuple)) or not isinstance(shards, (list, tuple)):
+        raise TypeError(f"parts, shards: expected a list of tensors and a list of HeadShards, got "
+                        f"{type(parts).__name__} and {type(shards).__name__}")
     if len(parts) != len(shards) or not parts:
         raise ValueError(f"parts: expected one tensor per shard ({len(shards)}), got {len(parts)}")
+    for i, sh in enumerate(shards):
+        _shard(f"shards[{i}]", sh)
     first = shards[0]
     if sorted(s.rank for s in shards) != list(range(first.world_size)) or any(
             (s.world_size, s.num_heads, s.num_value_heads) != (first.world_size, first.num_heads,
@@ -167,6 +181,13 @@ def gather_heads(parts: Sequence[torch.Tensor], shards: Sequence[HeadShard], *, 
     order = sorted(range(len(shards)), key=lambda i: shards[i].value_heads[0])
     for i in order:
         _heads(f"parts[{i}]", parts[i], head_axis, shards[i].local_value_heads, "value heads (the shard's)")
+    ref, axis = parts[order[0]], head_axis % parts[order[0]].dim()
+    for i in order:
+        x = parts[i]
+        if (x.dim() != ref.dim() or x.shape[:axis] != ref.shape[:axis] or x.shape[axis + 1:] != ref.shape[axis + 1:]
+                or x.device != ref.device):
+            raise ValueError(f"parts[{i}]: expected the shape (but for the head axis {axis}) and device of "
+                             f"parts[{order[0]}] {list(ref.shape)} on {ref.device}, got {list(x.shape)} on {x.device}")
     return torch.cat([parts[i] for i in order], dim=head_axis)
 
 
@@ -177,6 +198,7 @@ def all_gather_heads(local: torch.Tensor, shard: HeadShard, *, group=None, head_
     projected partial sums; this is for tests and checks."""
     import torch.distributed as dist
 
+    _shard("shard", shard)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size != shard.world_size or me != shard.rank:
         raise ValueError(f"shard: rank {shard.rank} of {shard.world_size}, but this process is rank {me} of the "
@@ -190,6 +212,9 @@ def all_gather_heads(local: torch.Tensor, shard: HeadShard, *, group=None, head_
 
 def check_pool_shard(pool, shard: HeadShard) -> None:
     """ValueError unless ``pool`` (either KVPool) holds exactly ``shard``'s heads."""
+    _shard("shard", shard)
+    if not all(hasattr(pool, n) for n in ("key_head_start", "num_heads", "num_value_heads", "head_range")):
+        raise TypeError(f"pool: expected a KVPool (kvbuffer_ref.pool or kvbuffer_fast.pool), got {type(pool).__name__}")
     got = (pool.key_head_start, pool.num_heads, pool.num_value_heads, tuple(pool.head_range))
     want = (shard.key_heads[0], shard.local_heads, shard.local_value_heads, shard.value_heads)
     if got != want:

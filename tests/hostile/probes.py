@@ -26,6 +26,7 @@ import traceback
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():  # before triton is imported (tests/conftest.py does this too)
@@ -923,11 +924,149 @@ def _shape_check(shape):
     return check
 
 
+def _result_check(pred, what: str):
+    """A check that the result satisfies ``pred`` (no comparison with the oracle: a shape or a value)."""
+    def check(result):
+        assert pred(result), what
+        return []
+    return check
+
+
+def _prefill_no_prompt(pkg, dtype):
+    def make():
+        x = tokens(dtype, B=1, T=0)
+        kw = dict(x, capacity=C, cu_seqlens=torch.tensor([0]))
+        return Setup(pkg.prefill, kw, _result_check(
+            lambda r: tuple(r[0].shape) == (1, 0, HV, V) and r[1].batch == 0 and r[1].state.shape[0] == 0,
+            "expected o [1, 0, HV, V] and a buffer of 0 requests"))
+    return make
+
+
+def _pool(pkg, dtype, **over):
+    kw = dict(layers=1, num_state_slots=2, num_buffer_slots=2, capacity=C, max_drafts=T, num_heads=H,
+              num_value_heads=HV, head_k_dim=K, head_v_dim=V, dtype=dtype)
+    return pkg.KVPool(**{**kw, **over})
+
+
+def _pool_verify_nan_padding(pkg, dtype):
+    """A pool's verify with NaN in the padding drafts (past num_drafts) of a request: computed, equal to the
+    float64 oracle pool's on the valid drafts."""
+    def make():
+        pool = _pool(pkg, dtype)
+        s = pool.acquire(2)
+        pool.admit(**tokens(dtype, T=P, seed=1), layer=0, slots=s)
+        x = {n: a.clone() for n, a in tokens(dtype, seed=2).items()}
+        for a in x.values():
+            a[0, 1:] = NAN
+        twin = _pool(ref, F64)
+        twin.admit(**f64(tokens(dtype, T=P, seed=1)), layer=0, slots=twin.acquire(2))
+        nd = torch.tensor([1, T])
+        want = twin.verify(**f64(x), layer=0, slots=s, num_drafts=nd)
+
+        def check(o):
+            valid = (torch.arange(T)[None, :] < nd[:, None])[:, :, None, None]
+            got, exp = torch.where(valid, o.double(), 0.0), torch.where(valid, want, 0.0)
+            assert torch.allclose(got, exp, rtol=1e-5, atol=1e-6), f"max error {(got - exp).abs().max():.3g}"
+            return []
+        return Setup(pool.verify, dict(x, layer=0, slots=s, num_drafts=nd), check)
+    return make
+
+
+def _pool_call(pkg, dtype, op: str, **kw):
+    def make():
+        pool = _pool(pkg, dtype)
+        s = pool.acquire(2)
+        pool.admit(**tokens(dtype, T=P, seed=1), layer=0, slots=s)
+        return Setup(getattr(pool, op), dict(kw, layer=0, slots=s), _result_check(lambda r: True, ""))
+    return make
+
+
+def edge_call_probes() -> list:
+    """Scalars of NumPy types, the helpers path_to / default_tail / tp_*, prefill of no prompt, drafts
+    whose own index fields are bad, pools with bad construction arguments or per-row ints, a pool's verify
+    with NaN padding drafts."""
+    t = torch.tensor
+    out = []
+    for op in ("ref.recurrent_gated_delta_rule", "ref.verify", "fast.recurrent_gated_delta_rule", "fast.verify",
+               "fast.buffered_decode", "fast.baselines.recurrent_decode"):
+        out += [token_probe(op, "scale/numpy-float32", "exact", over=_set("scale", np.float32(0.5))),
+                token_probe(op, "scale/numpy-int64", "exact", over=_set("scale", np.int64(1))),
+                token_probe(op, "scale/huge-int", "error", "scale", over=_set("scale", 10 ** 400))]
+    path = lambda parents, node, want: lambda: Setup(ref.path_to, dict(parents=parents, node=node),  # noqa: E731
+                                                     _result_check(lambda r: r == want, f"expected {want}"))
+    out += [
+        Probe("ref.path_to/cycle", path(t([1, 0]), 0, None), "error", "parents", crashy=True),
+        Probe("ref.path_to/self-loop", path(t([0]), 0, None), "error", "parents", crashy=True),
+        Probe("ref.path_to/node-past-D", path(t([-1, 0, 1]), 5, None), "error", "node"),
+        Probe("ref.path_to/node-below--1", path(t([-1, 0]), -2, None), "error", "node"),
+        Probe("ref.path_to/parent-below--1", path(t([-1, -3]), 1, None), "error", "parents"),
+        Probe("ref.path_to/parents-rank-2", path(t([[-1, 0]]), 1, None), "error", "parents"),
+        Probe("ref.path_to/parents-float", path(t([-1.0, 0.0]), 1, None), "error", "parents"),
+        Probe("ref.path_to/tree", path(t([-1, 0, 0]), 2, [0, 2]), "exact"),
+        Probe("ref.path_to/node-0-d-tensor", path(t([-1, 0], dtype=torch.int32), t(1), [0, 1]), "exact"),
+        Probe("ref.path_to/none", path(t([-1, 0]), -1, []), "exact"),
+        call_probe("ref.default_tail/capacity-0", ref.default_tail, lambda: dict(T=5, capacity=0), "error", "capacity"),
+        call_probe("ref.default_tail/T=-1", ref.default_tail, lambda: dict(T=-1, capacity=2), "error", "T"),
+        call_probe("ref.default_tail/T-float", ref.default_tail, lambda: dict(T=5.5, capacity=2), "error", "T"),
+        Probe("ref.prefill/cu_seqlens/no-prompt", _prefill_no_prompt(ref, F64), "exact"),
+        Probe("fast.prefill/cu_seqlens/no-prompt", _prefill_no_prompt(fast, F32), "exact"),
+        accept_probe("ref.accept", "drafts/num_drafts-float", "error", "drafts.num_drafts", counts=1,
+                     drafts_fn=lambda d: d.__class__(**{**d.tensors(), "num_drafts": t([3.0, 3.0])})),
+        accept_probe("ref.accept", "drafts/num_drafts-above-D", "error", "drafts.num_drafts", nodes=t([2, 0]),
+                     tree=True, drafts_fn=lambda d: d.__class__(**{**d.tensors(), "num_drafts": t([9, 9])})),
+        accept_probe("ref.accept", "drafts/parents-cycle", "error", "drafts.parents", nodes=t([2, 0]), tree=True,
+                     drafts_fn=lambda d: d.__class__(**{**d.tensors(), "parents": t([[-1, 2, 1], [-1, 0, 1]])}),
+                     crashy=True),
+        accept_probe("ref.accept", "drafts/u-int", "error", "drafts.u", counts=1,
+                     drafts_fn=lambda d: d.__class__(**{**d.tensors(), "u": d.u.long()})),
+    ]
+    shard = ref.tp_shard(2, 4, 2, 0)
+    part = torch.zeros(1, 1, 2, 3)
+    out += [
+        call_probe("ref.shard_tokens/shard-None", ref.shard_tokens, lambda: dict(shard=None, q=torch.zeros(1, 1, 2, 4)),
+                   "error", "shard"),
+        call_probe("ref.gather_heads/shards-not-shards", ref.gather_heads, lambda: dict(parts=[part, part], shards=[1, 2]),
+                   "error", "shards[0]"),
+        call_probe("ref.gather_heads/parts-a-tensor", ref.gather_heads,
+                   lambda: dict(parts=torch.zeros(2, 1, 1, 2, 3), shards=ref.tp_shards(2, 4, 2)), "error", "parts"),
+        call_probe("ref.gather_heads/parts-of-other-T", ref.gather_heads,
+                   lambda: dict(parts=[part, torch.zeros(1, 2, 2, 3)], shards=ref.tp_shards(2, 4, 2)), "error", "parts[1]"),
+        call_probe("ref.check_pool_shard/pool-None", ref.check_pool_shard, lambda: dict(pool=None, shard=shard),
+                   "error", "pool"),
+        call_probe("ref.check_pool_shard/shard-None", ref.check_pool_shard,
+                   lambda: dict(pool=_pool(ref, F64), shard=None), "error", "shard"),
+        call_probe("KVBuffer.empty/channel_gate-str", KVBuffer.empty,
+                   lambda: dict(batch=B, num_heads=H, num_value_heads=HV, head_k_dim=K, head_v_dim=V, capacity=C,
+                                channel_gate="no"), "error", "channel_gate"),
+        call_probe("KVBuffer.empty/device-junk", KVBuffer.empty,
+                   lambda: dict(batch=B, num_heads=H, num_value_heads=HV, head_k_dim=K, head_v_dim=V, capacity=C,
+                                device="nonsense"), "error", "device"),
+    ]
+    for name, pkg, dtype in (("ref", ref, F64), ("fast", fast, F32)):
+        n = f"{name}.KVPool"
+        mk = lambda pkg=pkg, dtype=dtype, **o: lambda: dict(  # noqa: E731
+            layers=1, num_state_slots=2, num_buffer_slots=2, capacity=C, max_drafts=T, num_heads=H,
+            num_value_heads=HV, head_k_dim=K, head_v_dim=V, **{"dtype": dtype, **o})
+        out += [
+            call_probe(f"{n}/dtype-int64", pkg.KVPool, mk(dtype=torch.int64), "error", "dtype"),
+            call_probe(f"{n}/key_dtype-int32", pkg.KVPool, mk(key_dtype=torch.int32), "error", "key_dtype"),
+            call_probe(f"{n}/state_dtype-int32", pkg.KVPool, mk(state_dtype=torch.int32), "error", "state_dtype"),
+            call_probe(f"{n}/channel_gate-str", pkg.KVPool, mk(channel_gate="no"), "error", "channel_gate"),
+            call_probe(f"{n}/device-junk", pkg.KVPool, mk(device="nonsense"), "error", "device"),
+            Probe(f"{n}.flush/count-huge-int", _pool_call(pkg, dtype, "flush", count=2 ** 70), "error", "count"),
+            Probe(f"{n}.flush/count-numpy-int", _pool_call(pkg, dtype, "flush", count=np.int64(1)), "exact"),
+            Probe(f"{n}.verify/nan-padding-drafts", _pool_verify_nan_padding(pkg, dtype), "exact"),
+        ]
+        if pkg is ref:
+            out.append(call_probe(f"{n}/gate_dtype-int32", pkg.KVPool, mk(gate_dtype=torch.int32), "error", "gate_dtype"))
+    return out
+
+
 def all_probes() -> list:
     from .adversarial import adversarial_probes
 
     probes = token_probes() + flush_probes() + accept_probes() + prefill_probes() + empty_probes() \
-        + per_draft_accept_probes() + adversarial_probes()
+        + per_draft_accept_probes() + adversarial_probes() + edge_call_probes()
     ids = [p.id for p in probes]
     dup = {i for i in ids if ids.count(i) > 1}
     assert not dup, f"duplicate probe ids {sorted(dup)}"
