@@ -2,7 +2,8 @@
 
 ``_recurrent_kernel``, grid (V / BV, B * HV): each program owns a [K, BV] tile of one request's state
 for one value head; it loads the tile once, runs the gated delta rule over the T tokens and stores
-the tile back.  Value columns are independent (u_t = beta (v_t - S~^T k_t) is computed per column),
+the tile back.  With ``cu_seqlens`` (B = 1, N sequences along T) the grid is (V / BV, N * HV) and a
+program runs its sequence's tokens cu[n] .. cu[n + 1] - 1, read from the offsets on the device.  Value columns are independent (u_t = beta (v_t - S~^T k_t) is computed per column),
 so tiles never talk to each other.  State traffic per launch: 2 |S| (read + write).
 """
 
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbuffer_ref.checks import check_scale, check_state, check_tokens
+from kvbuffer_ref.checks import Dims, check_scale, check_state, check_tokens
+from kvbuffer_ref.recurrent import check_cu_seqlens
 
 from ._common import (_program_ids, _tile_offsets, as_input, block, checked_tokens, device_guard, new_output,
                       require_fp32_state, require_inplace)
@@ -48,30 +50,38 @@ def _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, i_bt, i_h,
 @triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr,
-    scale, T,
+    cu_ptr, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """T tokens of one (request, value head) on its [K, BV] state tile, updated in place."""
+    """The tokens of one (request or sequence, value head) on its [K, BV] state tile, updated in place."""
     i_v, i_bh, i_b, i_hv, i_h = _program_ids(H, HV)
     o_k, o_v, m_k, m_v = _tile_offsets(i_v, BK, BV, K, V)
     m_s = m_k[:, None] & m_v[None, :]
     p_s = state_ptr + (i_bh * K + o_k[:, None]) * V + o_v[None, :]
     s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-    for t in range(T):
-        s = _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, i_b * T + t, i_h, i_hv, o_k, o_v, m_k,
+    if VARLEN:  # sequence i_b: tokens cu[i_b] .. cu[i_b + 1] - 1 of the batch of one
+        first = tl.load(cu_ptr + i_b).to(tl.int64)
+        end = tl.load(cu_ptr + i_b + 1).to(tl.int64)
+    else:
+        first = i_b * T
+        end = first + T
+    for t in range(first, end):
+        s = _gated_delta_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, t, i_h, i_hv, o_k, o_v, m_k,
                               m_v, scale, H, HV, K, V, CHANNEL)
     tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_s)
 
 
 def recurrent_step(q, k, v, g, beta, state: torch.Tensor, scale: Optional[float],
-                   config: Optional[RecurrentConfig]) -> torch.Tensor:
-    """The recurrent kernel over the tokens, ``state`` [B, HV, K, V] (contiguous) updated IN PLACE;
-    returns o [B, T, HV, V] in v's dtype (kvbuffer_fast.baselines.recurrent_decode is this)."""
+                   config: Optional[RecurrentConfig], cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The recurrent kernel over the tokens, ``state`` [B, HV, K, V] (contiguous; [N, HV, K, V] with
+    ``cu_seqlens``, checked by the caller) updated IN PLACE; returns o [B, T, HV, V] in v's dtype
+    (kvbuffer_fast.baselines.recurrent_decode is this)."""
     d, g = checked_tokens(q, k, v, g, beta)
     if state is None:
         raise ValueError("state: the recurrent step needs a state [B, HV, K, V] to update in place, got None")
-    check_state("state", state, d, q.device)
+    N = d.B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    check_state("state", state, Dims(**{**d.__dict__, "B": N}), q.device)
     require_fp32_state("state", state)
     require_inplace("state", state)
     s = check_scale(scale, d.K)
@@ -79,15 +89,15 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor, scale: Optional[float]
         config = config_for("recurrent", key_of(q, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
     cfg = check_config("recurrent", config)
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
-    if d.B == 0 or d.T == 0:
+    if N == 0 or d.T == 0:
         return o
     BV = max(16, min(cfg.BV, block(d.V)))
     with device_guard(q):
-        _recurrent_kernel[(triton.cdiv(d.V, BV), d.B * d.HV)](
+        _recurrent_kernel[(triton.cdiv(d.V, BV), N * d.HV)](
             as_input(q), as_input(k), as_input(v), as_input(g), as_input(beta), o, state,
-            s, d.T,
+            q if cu_seqlens is None else as_input(cu_seqlens), s, d.T,
             H=d.H, HV=d.HV, K=d.K, V=d.V, BK=block(d.K), BV=BV, CHANNEL=d.channel_gate,
-            num_warps=cfg.num_warps,
+            VARLEN=cu_seqlens is not None, num_warps=cfg.num_warps,
         )
     return o
 
@@ -102,6 +112,7 @@ def recurrent_gated_delta_rule(
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
     config: Optional[RecurrentConfig] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``kvbuffer_ref.recurrent_gated_delta_rule`` on the recurrent kernel (inputs are not modified).
@@ -112,13 +123,19 @@ def recurrent_gated_delta_rule(
         S~ = exp(g) S (per-channel: diag(exp(g)) S);  u = beta (v - S~^T k);  S = S~ + k u^T;  o = S^T q
 
     Returns o [B, T, HV, V] in v's dtype and, if ``output_final_state``, the final float32 state
-    [B, HV, K, V].  ``config``: a :class:`kvbuffer_fast.launch.RecurrentConfig`, None for the table's.
+    [B, HV, K, V].  ``cu_seqlens`` (int32 / int64 [N + 1] offsets on q's device, B = 1): N sequences
+    concatenated along T, each from its own initial state ([N, HV, K, V]) to its own final state
+    ([N, HV, K, V]); an empty sequence's final state is its initial state.  ``config``: a
+    :class:`kvbuffer_fast.launch.RecurrentConfig`, None for the table's.
     """
     d = check_tokens(q, k, v, g, beta)
-    check_state("initial_state", initial_state, d, q.device)
+    N = d.B
+    if cu_seqlens is not None:
+        N = len(check_cu_seqlens(cu_seqlens, q, initial_state)) - 1
+    check_state("initial_state", initial_state, Dims(**{**d.__dict__, "B": N}), q.device)
     if initial_state is None:
-        state = torch.zeros(d.B, d.HV, d.K, d.V, dtype=torch.float32, device=q.device)
+        state = torch.zeros(N, d.HV, d.K, d.V, dtype=torch.float32, device=q.device)
     else:
         state = initial_state.to(torch.float32, copy=True).contiguous()
-    o = recurrent_step(q, k, v, g, beta, state, scale, config)
+    o = recurrent_step(q, k, v, g, beta, state, scale, config, cu_seqlens=cu_seqlens)
     return o, (state if output_final_state else None)

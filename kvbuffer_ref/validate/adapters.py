@@ -212,7 +212,7 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
 
 
 # ----------------------------------------------------------------------------- ready adapters
-#: The forms kvbuffer_ref takes variable-length batches in (``cu_seqlens``; kvbuffer_fast: the chunk form).
+#: The forms kvbuffer_ref and kvbuffer_fast take variable-length batches in (``cu_seqlens``).
 _VARLEN = ("recurrent_gated_delta_rule", "chunk_gated_delta_rule")
 
 def reference_from(package: str = "kvbuffer_ref", *, as_truth: bool = True) -> Implementation:
@@ -282,7 +282,7 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
                           dtypes=dtypes, forms=("u",), channel_gate=True,
                           interpreted=interpreter_active(), not_provided=missing,
                           sizes=SMALL if interpreter_active() else NORMAL, in_place=dict(FAST_IN_PLACE),
-                          lane_contracts=lane_contracts, varlen=("chunk_gated_delta_rule",))
+                          lane_contracts=lane_contracts, varlen=_VARLEN)
 
 
 def unavailable(name: str, reason: str) -> Implementation:

@@ -87,3 +87,21 @@ def test_config_of_another_class_is_a_type_error():
     x = Case(B=1, T=1, H=1, HV=1, K=8, V=8, seed=1).inputs(torch.float32, DEVICE)
     with pytest.raises(TypeError, match="config: expected a kvbuffer_fast.launch.RecurrentConfig"):
         fast.recurrent_gated_delta_rule(**x, config=DecodeConfig())
+
+
+@pytest.mark.parametrize("channel,initial", [(False, True), (True, False)], ids=["scalar-S0", "channel"])
+def test_recurrent_varlen(channel, initial):
+    """cu_seqlens: sequences of 0, 5, 13 and 1 tokens in a batch of one (an empty one first), each from its
+    own initial state (or none) to its own final state, against its own float64 recurrence; int32 offsets."""
+    case = Case(B=4, T=13, H=1, HV=2, K=8, V=12, channel_gate=channel, gate="mixed", seed=11)
+    for r in P.check_varlen(fast, case, torch.float32, lengths=[0, 5, 13, 1], device=DEVICE, initial=initial):
+        assert r.passed, str(r)
+
+
+def test_recurrent_varlen_bad_offsets_are_named():
+    x = Case(B=1, T=8, H=1, HV=2, K=8, V=8, seed=1).inputs(torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing offsets from 0 to T = 8"):
+        fast.recurrent_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 5, 4, 8], device=DEVICE))
+    with pytest.raises(ValueError, match="initial_state: with cu_seqlens expected"):
+        fast.recurrent_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 3, 8], device=DEVICE),
+                                        initial_state=torch.zeros(1, 2, 8, 8, device=DEVICE))
