@@ -1062,11 +1062,100 @@ def edge_call_probes() -> list:
     return out
 
 
+def _engine_args(N=3, dtype=F32, **over) -> dict:
+    """engine_inputs' arguments: N packed rows of H = 1, HV = 2, K = 5, V = 3 and raw gates."""
+    gen = torch.Generator().manual_seed(5)
+    x = dict(mixed_qkv=torch.randn(N, 2 * H * K + HV * V, generator=gen).to(dtype),
+             a=torch.randn(N, HV, generator=gen), b=torch.randn(N, HV, generator=gen),
+             A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV, generator=gen), num_heads=H, head_k_dim=K)
+    for name, value in over.items():
+        x[name] = value(x) if callable(value) else value
+    return x
+
+
+def _engine_check(kwargs: dict, dtype) -> Callable:
+    """engine_inputs' five outputs against the reference in float64 (gates below -RESET_GATE of the output's
+    dtype taken as it: the same decay), under the table's floor for ``dtype``."""
+    def check(result):
+        args = {n: (t.to(F64) if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
+        truth = ref.engine_inputs(args.pop("mixed_qkv"), args.pop("a"), args.pop("b"), **args)
+        comps = []
+        for name, got, want in zip(("q", "k", "v", "g", "beta"), result, truth):
+            assert got.shape == want.shape, f"{name}: shape {list(got.shape)}, expected {list(want.shape)}"
+            if name == "g":
+                want = want.clamp(min=-RESET_GATE[F64 if dtype == F64 else F32])
+            if name in ("g", "beta"):
+                got, want = got[..., None], want[..., None]
+            if got.numel():
+                comps.append(compare(got.to(F64) if dtype == F64 else got, want, None, name=name, dtype=dtype))
+        return comps
+    return check
+
+
+def engine_inputs_probes() -> list:
+    """engine_inputs (packed rows, raw gates) of both packages: named errors for bad shapes, dtypes and values;
+    the exact answer over the gating domain (a, b = +-inf, 0 x inf), strided and expanded rows, no rows."""
+    out = []
+    for pkg, mod, dtype in (("ref", ref, F64), ("fast", fast, F32)):
+        fn = mod.engine_inputs
+
+        def probe(name, expect, arg=None, dt=dtype, fn=fn, pkg=pkg, **over):
+            def make():
+                kw = _engine_args(dtype=dt, **over)
+                return Setup(lambda **k: fn(k.pop("mixed_qkv"), k.pop("a"), k.pop("b"), **k), kw,
+                             _engine_check(kw, dt) if expect == "exact" else None)
+            return Probe(f"{pkg}.engine_inputs/{name}", make, expect, arg)
+
+        def poke(name, index, value):
+            def f(x):
+                t = x[name].clone()
+                t[index] = value
+                return t
+            return f
+
+        out += [
+            probe("mixed_qkv/last-dim", "error", "mixed_qkv", mixed_qkv=lambda x: x["mixed_qkv"][:, :-1]),
+            probe("mixed_qkv/rank-4", "error", "mixed_qkv", mixed_qkv=lambda x: x["mixed_qkv"][None, None]),
+            probe("mixed_qkv/int", "error", "mixed_qkv", mixed_qkv=lambda x: x["mixed_qkv"].to(torch.int32)),
+            probe("mixed_qkv/not-a-tensor", "error", "mixed_qkv", mixed_qkv=[[1.0]]),
+            probe("a/rows", "error", "a", a=lambda x: x["a"][:2]),
+            probe("b/heads", "error", "b", b=lambda x: x["b"][:, :1]),
+            probe("a/nan", "error", "a", a=poke("a", (1, 0), NAN)),
+            probe("b/nan", "error", "b", b=poke("b", (2, 1), NAN)),
+            probe("A_log/inf", "error", "A_log", A_log=poke("A_log", 0, INF)),
+            probe("dt_bias/nan", "error", "dt_bias", dt_bias=poke("dt_bias", 1, NAN)),
+            probe("A_log/rank-2", "error", "A_log", A_log=lambda x: x["A_log"][None]),
+            probe("dt_bias/length", "error", "dt_bias", dt_bias=lambda x: x["dt_bias"][:1]),
+            probe("num_heads/0", "error", "num_heads", num_heads=0),
+            probe("head_k_dim/bool", "error", "head_k_dim", head_k_dim=True),
+            probe("num_heads/not-a-divisor", "error", "num_heads", num_heads=3,
+                  mixed_qkv=lambda x: torch.zeros(3, 2 * 3 * K + HV * V, dtype=x["mixed_qkv"].dtype)),
+            probe("a/other-device", "error", ("mixed_qkv", "a"), a=lambda x: x["a"].to("meta")),
+            probe("a/+-inf", "exact", a=lambda x: poke("a", (0, 1), -INF)({"a": poke("a", (0, 0), INF)(x)})),
+            probe("b/+-inf", "exact", b=lambda x: poke("b", (0, 1), -INF)({"b": poke("b", (2, 0), INF)(x)})),
+            probe("A_log/large-with-a=-inf", "exact", A_log=lambda x: torch.full_like(x["A_log"], 80.0),
+                  a=poke("a", (1, 1), -INF)),
+            probe("a/past-threshold", "exact", a=lambda x: x["a"] * 30),
+            probe("mixed_qkv/zero-rows", "exact", mixed_qkv=poke("mixed_qkv", 0, 0.0)),
+            probe("mixed_qkv/strided-rows", "exact",
+                  mixed_qkv=lambda x: torch.cat([x["mixed_qkv"], x["mixed_qkv"][:, :4]], 1)[:, :x["mixed_qkv"].shape[1]]),
+            probe("mixed_qkv/expanded", "exact", mixed_qkv=lambda x: x["mixed_qkv"][:1].expand(3, -1)),
+            probe("varlen-3d", "exact", mixed_qkv=lambda x: x["mixed_qkv"][None], a=lambda x: x["a"][None],
+                  b=lambda x: x["b"][None]),
+            probe("no-rows", "exact", mixed_qkv=lambda x: x["mixed_qkv"][:0], a=lambda x: x["a"][:0],
+                  b=lambda x: x["b"][:0]),
+        ]
+    out.append(Probe("fast.engine_inputs/float64", lambda: Setup(
+        lambda **k: fast.engine_inputs(k.pop("mixed_qkv"), k.pop("a"), k.pop("b"), **k), _engine_args(dtype=F64)),
+        "error", "mixed_qkv"))
+    return out
+
+
 def all_probes() -> list:
     from .adversarial import adversarial_probes
 
     probes = token_probes() + flush_probes() + accept_probes() + prefill_probes() + empty_probes() \
-        + per_draft_accept_probes() + adversarial_probes() + edge_call_probes()
+        + per_draft_accept_probes() + adversarial_probes() + edge_call_probes() + engine_inputs_probes()
     ids = [p.id for p in probes]
     dup = {i for i in ids if ids.count(i) > 1}
     assert not dup, f"duplicate probe ids {sorted(dup)}"
