@@ -1151,11 +1151,77 @@ def engine_inputs_probes() -> list:
     return out
 
 
+def _varlen_args(cu, B=1, T=6, initial=True, **over) -> dict:
+    x = tokens(F32, B=B, T=T, seed=3)
+    kw = dict(x, cu_seqlens=cu, output_final_state=True)
+    n = (len(cu) - 1) if isinstance(cu, (list, torch.Tensor)) and torch.as_tensor(cu).dim() == 1 else 1
+    if initial:
+        kw["initial_state"] = torch.randn(max(n, 0), HV, K, V, generator=torch.Generator().manual_seed(4))
+    kw.update(over)
+    return kw
+
+
+def _varlen_check(kw: dict) -> Callable:
+    """Outputs and final states against the float64 reference of each sequence alone."""
+    def check(result):
+        o, S = result
+        x = {n: kw[n] for n in ("q", "k", "v", "g", "beta")}
+        S0 = kw.get("initial_state")
+        o64, S64 = ref.recurrent_gated_delta_rule(**f64(x), cu_seqlens=kw["cu_seqlens"], output_final_state=True,
+                                                  initial_state=None if S0 is None else S0.to(F64))
+        ob, Sb = ref.recurrent_gated_delta_rule(**x, cu_seqlens=kw["cu_seqlens"], output_final_state=True,
+                                                initial_state=S0)
+        return [_cmp(o, o64, ob, F32, x["g"], name="o"), _cmp(S, S64, Sb, F32, None, name="state", head_axis=1)]
+    return check
+
+
+def varlen_probes() -> list:
+    """cu_seqlens of the recurrent and chunk forms of both packages and of prefill: named errors for bad
+    offsets (type, dtype, rank, device, range, order, a batch of two, initial states of the wrong count);
+    the exact answer with empty sequences and int64 offsets."""
+    t = torch.tensor
+    out = []
+    ops = [("ref.recurrent_gated_delta_rule", ref.recurrent_gated_delta_rule, {}),
+           ("fast.recurrent_gated_delta_rule", fast.recurrent_gated_delta_rule, {}),
+           ("ref.chunk_gated_delta_rule", ref.chunk_gated_delta_rule, dict(chunk_size=2)),
+           ("fast.chunk_gated_delta_rule", fast.chunk_gated_delta_rule, dict(chunk_size=16))]
+    for name, fn, extra in ops:
+        def probe(case, expect, arg, cu, crashy=False, fn=fn, extra=extra, **over):
+            def make():
+                kw = dict(_varlen_args(cu, **over), **extra)
+                return Setup(fn, kw, _varlen_check(kw) if expect == "exact" else None)
+            return Probe(f"{name}/cu_seqlens/{case}", make, expect, arg, crashy=crashy)
+        out += [
+            probe("list", "error", "cu_seqlens", [0, 2, 6]),
+            probe("float", "error", "cu_seqlens", t([0.0, 2.0, 6.0])),
+            probe("rank-2", "error", "cu_seqlens", t([[0, 2, 6]])),
+            probe("not-from-0", "error", "cu_seqlens", t([1, 2, 6])),
+            probe("short-of-T", "error", "cu_seqlens", t([0, 2, 5])),
+            probe("decreasing", "error", "cu_seqlens", t([0, 4, 2, 6])),
+            probe("past-T", "error", "cu_seqlens", t([0, 2 ** 40, 6]), crashy=True),
+            probe("negative", "error", "cu_seqlens", t([0, -3, 6]), crashy=True),
+            probe("other-device", "error", "cu_seqlens", t([0, 2, 6], device="meta")),
+            probe("batch-of-two", "error", "q", t([0, 2, 6]), B=2),
+            probe("initial-state-count", "error", "initial_state", t([0, 2, 6]),
+                  initial_state=torch.zeros(3, HV, K, V)),
+            probe("empty-sequences", "exact", None, t([0, 0, 2, 2, 6, 6], dtype=torch.int32)),
+            probe("int64-no-initial", "exact", None, t([0, 5, 6]), initial=False),
+        ]
+    for name, fn in (("ref.prefill", ref.prefill), ("fast.prefill", fast.prefill)):
+        for case, cu, arg in (("decreasing", t([0, 4, 2, 6]), "cu_seqlens"), ("float", t([0.0, 6.0]), "cu_seqlens"),
+                              ("batch-of-two", t([0, 6]), "q")):
+            def make(cu=cu, fn=fn, B=2 if case == "batch-of-two" else 1):
+                x = tokens(F32, B=B, T=6, seed=3)
+                return Setup(fn, dict(x, capacity=C, cu_seqlens=cu))
+            out.append(Probe(f"{name}/cu_seqlens/{case}", make, "error", arg))
+    return out
+
+
 def all_probes() -> list:
     from .adversarial import adversarial_probes
 
     probes = token_probes() + flush_probes() + accept_probes() + prefill_probes() + empty_probes() \
-        + per_draft_accept_probes() + adversarial_probes() + edge_call_probes() + engine_inputs_probes()
+        + per_draft_accept_probes() + adversarial_probes() + edge_call_probes() + engine_inputs_probes() + varlen_probes()
     ids = [p.id for p in probes]
     dup = {i for i in ids if ids.count(i) > 1}
     assert not dup, f"duplicate probe ids {sorted(dup)}"
