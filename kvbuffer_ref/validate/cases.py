@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbuffer_ref.engine_inputs import NORM_EPS
+
 __all__ = ["GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES", "QK_L2NORM_EPS", "Case", "make_inputs", "cast_inputs",
            "upcast_inputs", "l2norm_qk", "Sizes", "NORMAL", "SMALL", "GPU"]
 
@@ -29,8 +31,9 @@ NORM_REGIMES = ("unit", "any")
 #: (with ``Case.qk_l2norm``, "any" also makes one token per request tiny: q and k rows of norm 10^-3.5 .. 10^-2,
 #: where the in-kernel norm's epsilon is visible)
 #: The epsilon of the in-kernel q/k L2 norm ``x / sqrt(sum x^2 + eps)`` (``use_qk_l2norm_in_kernel`` of
-#: fla, vLLM, SGLang; the models' own ``l2norm``): what ``Case.qk_l2norm`` computes the truth with.
-QK_L2NORM_EPS = 1e-6
+#: fla, vLLM, SGLang; the models' own ``l2norm``): what ``Case.qk_l2norm`` computes the truth with, the
+#: same as ``kvbuffer_ref.engine_inputs``'.
+QK_L2NORM_EPS = NORM_EPS
 
 
 @dataclass(frozen=True)
