@@ -492,31 +492,6 @@ class KVPool:
         o[rows] = o_rows
         return o
 
-    def _admit_varlen(self, q, k, v, g, beta, layer, slots, scale, tail, initial_state, chunk_size, cu_seqlens):
-        """``admit`` of a variable-length batch (``cu_seqlens``): the valid entries' prompts gathered and
-        prefilled together (``prefill(cu_seqlens=)``), scattered into their slots."""
-        layer, s, rows = self._addressed(slots, layer)
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            require_tensor(name, x)
-        idx, cu, s0 = varlen_admit(s, q, cu_seqlens, initial_state)
-        self._check_tokens(q, k, v, g, beta, 1)
-        sv = s[rows]
-        busy = (self.lengths[layer, sv] > 0) | self.has_state[layer, sv] | self.pending[layer, sv]
-        if bool(busy.any()):
-            raise ValueError(f"slots: entry [{int(rows[busy.nonzero()[0, 0]])}] is slot "
-                             f"{int(sv[busy.nonzero()[0, 0]])}, which already holds entries or a state in "
-                             f"layer {layer}; admit takes freshly acquired slots")
-        if sv.numel() == 0:
-            return torch.zeros(1, q.shape[1], v.shape[2], v.shape[3], dtype=v.dtype, device=q.device)
-        x = {n: t.index_select(1, idx) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
-        o_rows, buf = prefill(x.pop("q"), x.pop("k"), x.pop("v"), **x, capacity=self.capacity, tail=tail, scale=scale,
-                              initial_state=s0, chunk_size=chunk_size, cu_seqlens=cu)
-        self._check_free_states(layer, sv, buf.has_state)
-        self._scatter(layer, sv, buf, buf.has_state)
-        o = torch.zeros(1, q.shape[1], *o_rows.shape[2:], dtype=o_rows.dtype, device=o_rows.device)
-        o[:, idx] = o_rows
-        return o
-
     def _drafts(self, layer: int, s: torch.Tensor) -> Drafts:
         """The pending drafts of the slots ``s`` as a Drafts of D = max_drafts rows."""
         return Drafts(k=self.dk[layer, s], u=self.du[layer, s], G=self.dG[layer, s],
