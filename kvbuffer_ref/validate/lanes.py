@@ -147,6 +147,7 @@ def _flush_params(s, kw):
         steps = p["case"].T - p["history"]
         p["flushes"] = d(kst.flush_schedules(p["case"].B, steps, p["capacity"], min_flushes=1, lengths=p["lengths"]),
                          label="flushes")
+        p.update(d(kst.index_args(), label="index arguments"))
         return p
     return draw()
 
@@ -209,8 +210,11 @@ def _anchors() -> dict:
                        flushes={0: [3, 2], 1: None, 2: [1, 0]}),
                   dict(case=c(2, 7, 1, 2, 3, 5, True, "strong"), capacity=4, history=4, lengths=[4, 2],
                        flushes={0: [2, 1], 2: [1, 2]})],
+        # an empty buffer over a folded state; a buffer without state storage (every request in direct mode)
         "materialize": [dict(case=c(2, 18, 2, 4, 8, 12, False), capacity=18, lengths=[18, 3]),
-                        dict(case=c(2, 6, 1, 2, 5, 6, True, "strong"), capacity=4, lengths=[4, 2])],
+                        dict(case=c(2, 6, 1, 2, 5, 6, True, "strong"), capacity=4, lengths=[4, 2]),
+                        dict(case=c(1, 5, 1, 2, 4, 3, False), capacity=3, lengths=[0]),
+                        dict(case=c(2, 3, 1, 2, 3, 4, True), capacity=3, lengths=[3, 3], stateless=True)],
         "verify_chain": [dict(case=c(2, 13, 2, 4, 6, 12, False), capacity=4, history=6, lengths=[4, 2],
                               parents=[[-1, 0, 1, 2, 3]] * 2, num_drafts=[5, 3], nodes=[4, 1], after=2,
                               use_counts=True)],
@@ -275,10 +279,14 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
                for e, d in big]
         out += [dict(case=c(T + 3, B=1), capacity=8, history=T, lengths=[5], edge=f"history={T}"),
                 dict(case=c(C + 3, B=2), capacity=C, history=C, lengths=[C, C - 3], edge=f"rows={C}")]
-        if key == "flush":  # partial flushes across the boundary (all of them on the rows case)
+        for p in out:  # a single-request case holding its whole history has no state storage (state=None)
+            p["stateless"] = True
+        if key == "flush":  # partial flushes across the boundary (all of them on the rows case), counts shared by
+            # every request passed as a Python int, counts as int32 tensors
             for p in out:
                 steps = p["case"].T - p["history"]
                 p["flushes"] = {0: [1] * p["case"].B, steps - 1: [0] * p["case"].B}
+                p.update(index_dtype="int32", scalar=True)
             out[-1]["flushes"] = {0: [C - 1, 0], 1: None, 2: [1, 1]}
     elif key == "materialize":
         out = [dict(case=c(4, **d), capacity=3, lengths=ragged(d.get("B", base["B"]), 3), edge=e) for e, d in big]
@@ -290,8 +298,10 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
 
         def dr(B, n):
             par = list(range(-1, n - 1)) if chain else [-1] + [i // 2 for i in range(n - 1)]
+            # full chains passed as the defaults (parents=None, num_drafts=None); int32 parents and counts; an
+            # accepted count or node every request shares passed as a Python int
             return dict(parents=[par] * B, num_drafts=[n] * B, nodes=[n - 1 - (b % 2) for b in range(B)],
-                        use_counts=chain)
+                        use_counts=chain, defaults=chain, index_dtype="int32", scalar=True)
         out = [dict(case=c(3 + 3 + 1, **d), capacity=3, history=3, lengths=[3] * d.get("B", base["B"]), after=1,
                     edge=e, **dr(d.get("B", base["B"]), 3)) for e, d in big]
         out += [dict(case=c(T + 3 + 1, B=1), capacity=8, history=T, lengths=[6], after=1, edge=f"history={T}",
@@ -303,7 +313,7 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
                     edge=f"prompt={T},chunk={cs}") for cs in s.edge_chunks]
         out += [dict(case=c(6, **d), capacity=3, prompt=5, tail=None, chunk_size=s.edge_chunks[0], initial=True,
                      edge=e) for e, d in big]
-        out += [dict(case=c(C + 2, B=1), capacity=C, prompt=C, tail=C, chunk_size=s.edge_chunks[0], initial=False,
+        out += [dict(case=c(C + 2, B=1), capacity=C, prompt=C, tail=None, chunk_size=s.edge_chunks[0], initial=False,
                      edge=f"rows={C}")]
     return [dict(p, layout=False) for p in out]
 

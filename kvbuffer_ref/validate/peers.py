@@ -445,7 +445,10 @@ class ReplaySSM:
             "ReplaySSM adapter: accept must get the buffer its verify got"
         if (counts is None) == (nodes is None):
             raise ValueError("accept: give exactly one of counts= or nodes=")
-        cnt = [int(x) for x in (counts if counts is not None else nodes + 1).tolist()]
+        arg = counts if counts is not None else nodes
+        # a Python int stands for every request
+        arg = [int(arg)] * buffer.batch if isinstance(arg, int) else [int(x) for x in arg.tolist()]
+        cnt = arg if counts is not None else [n + 1 for n in arg]
         bad = [b for b, (c, n) in enumerate(zip(cnt, drafts.num_drafts)) if not 0 <= c <= n]
         if bad:
             raise ValueError(f"accept: counts {cnt} outside 0..num_drafts {drafts.num_drafts}")

@@ -45,6 +45,8 @@ __all__ = [
     "check_prefill",
     "poison_unused",
     "poison_unused_",
+    "poison_padding",
+    "INDEX_DTYPES",
     "owned_state",
     "check_materialize",
     "LEDGER",
@@ -148,6 +150,38 @@ def poison_unused_(buffer: KVBuffer) -> KVBuffer:
 def poison_unused(buffer: KVBuffer) -> KVBuffer:
     """A poisoned copy of ``buffer`` (see ``poison_unused_``); the buffer itself is untouched."""
     return poison_unused_(KVBuffer(**{f: None if x is None else x.contiguous() for f, x in buffer.cloned().items()}))
+
+
+#: The index dtypes drawn for the integer arguments of the buffer operations (parents, num_drafts, flush and
+#: accept counts, accepted nodes): any integer dtype is accepted (docs/conventions.md, "Domain").
+INDEX_DTYPES = {"int64": torch.int64, "int32": torch.int32}
+
+
+def _index(values, index_dtype: str, device) -> torch.Tensor:
+    """``values`` as an integer tensor of the drawn index dtype (``INDEX_DTYPES``)."""
+    return torch.as_tensor(values, device=device).to(INDEX_DTYPES[index_dtype])
+
+
+def _scalar_or(values: torch.Tensor, scalar: bool):
+    """A per-request count or node argument: the Python int every request shares when ``scalar`` and all values
+    are equal (the int form of the argument, docs/conventions.md), else the tensor itself."""
+    flat = values.cpu().tolist()
+    if scalar and flat and len(set(flat)) == 1:
+        return int(flat[0])
+    return values
+
+
+def poison_padding(x: dict, num_drafts: Sequence[int]) -> dict:
+    """Copies of verify's token inputs with NaN in every padding row (draft index >= num_drafts[b]): rows that
+    are never read (docs/conventions.md, "Domain"), so a kernel that lets a padding row reach a verified one
+    (a dense product that masks by multiplying by 0, 0 * NaN = NaN) fails."""
+    out = {}
+    for n, t in x.items():
+        t = t.clone()
+        for b, m in enumerate(num_drafts):
+            t[b, int(m):] = float("nan")
+        out[n] = t
+    return out
 
 
 def owned_state(buffer: KVBuffer) -> torch.Tensor:
@@ -335,12 +369,16 @@ def check_direct(impl, case: Case, dtype: torch.dtype, device="cpu") -> list[Com
 
 def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int, lengths: Sequence[int],
                  form: str = "u", flushes: Optional[dict] = None, device="cpu",
-                 cache_dtype: Optional[torch.dtype] = None, poison: bool = False) -> list[Comparison]:
+                 cache_dtype: Optional[torch.dtype] = None, poison: bool = False, index_dtype: str = "int64",
+                 scalar: bool = False, stateless: bool = False) -> list[Comparison]:
     """Buffered decode of tokens ``history..T-1`` after a ragged buffer == recurrence over all T.
 
     flushes: {step: counts} flushes ``counts`` ([B] ints, each <= the length at that point, or None
-    for all) before decode step ``step``.  Also compares the final state (flush of everything).
-    poison: start from ``poison_unused(buffer)``.  The final state compared is ``owned_state``: a
+    for all) before decode step ``step``, passed as a tensor of ``index_dtype`` ("int64", "int32"), or with
+    ``scalar`` as the Python int every request shares when the counts are equal.  Also compares the final
+    state (flush of everything).  poison: start from ``poison_unused(buffer)``.  stateless: when no request
+    owns a state, the buffer has no state storage (``state=None``); a decode step into a full buffer is then
+    preceded by ``flush(count=0)``, which allocates it.  The final state compared is ``owned_state``: a
     request that owns no state has S = 0 whatever its storage row holds.
     """
     _caller_normalised(case, "decode")
@@ -352,6 +390,8 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
                     key_dtype=dtype)
     if poison:
         buf = poison_unused(buf)
+    if stateless and not bool(buf.has_state.any()):
+        buf = buf.replace(state=None)
     outs = []
     for t in range(P, case.T):
         if flushes and (t - P) in flushes:
@@ -359,10 +399,18 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
             if counts is not None:
                 counts = torch.minimum(torch.as_tensor(counts, device=buf.lengths.device), buf.lengths)
             left = (torch.zeros_like(buf.lengths) if counts is None else buf.lengths - counts).cpu().tolist()
-            buf = impl.flush(buf, count=counts)
+            arg = None if counts is None else _scalar_or(_index(counts, index_dtype, buf.lengths.device), scalar)
+            buf = impl.flush(buf, count=arg)
             if buf.lengths.cpu().tolist() != left:  # flush folds exactly the first `count` entries
-                raise AssertionError(f"[partial-flush] flush(count={None if counts is None else counts.tolist()}) "
+                shown = arg.tolist() if torch.is_tensor(arg) else arg
+                raise AssertionError(f"[partial-flush] flush(count={shown}) "
                                      f"left buffer lengths {buf.lengths.cpu().tolist()}, expected {left}")
+        if buf.state is None and bool((buf.lengths >= capacity).any()):
+            # the contract's way to give a buffer without storage somewhere to fold: flush(count=0) allocates it
+            buf = impl.flush(buf, count=_scalar_or(_index([0] * case.B, index_dtype, buf.lengths.device), scalar))
+            if buf.state is None:
+                raise AssertionError("[arguments] flush(count=0) of a buffer without state storage (state=None) "
+                                     "returned no state storage; flush allocates it (docs/conventions.md)")
         o, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
         outs.append(o)
     name = f"decode[C={capacity},{form}]"
@@ -419,13 +467,18 @@ def verify_magnitudes(x: dict, parents: torch.Tensor, num_drafts: torch.Tensor, 
 def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int,
                         lengths: Sequence[int], parents: Sequence[Sequence[int]], num_drafts: Sequence[int],
                         nodes: Sequence[int], after: int, form: str = "u", device="cpu",
-                        use_counts: bool = False, poison: bool = False) -> list[Comparison]:
+                        use_counts: bool = False, poison: bool = False, index_dtype: str = "int64",
+                        scalar: bool = False, defaults: bool = False) -> list[Comparison]:
     """Verify D drafts (a tree per request), accept one node per request, then decode ``after`` tokens.
 
     Token layout: history ``0..P-1``, drafts ``P..P+D-1`` (node i = token P+i), then ``after`` tokens.
     Checks: every verified node's output == the recurrence along its root-to-node path; after
     ``accept``, decoding == the recurrence over history + accepted path + the new tokens (rejected
-    drafts leave no trace), and the final state matches.  poison: as in ``check_decode``.
+    drafts leave no trace), and the final state matches.  poison: as in ``check_decode``, and verify's
+    padding rows (past ``num_drafts[b]``) hold NaN (``poison_padding``).  index_dtype: the dtype of
+    ``parents``, ``num_drafts`` and accept's ``counts`` / ``nodes`` ("int64", "int32"); scalar: accept's
+    argument as the Python int every request shares when they are equal; defaults: ``parents=None,
+    num_drafts=None`` (the full chain of D drafts, which the case must then be).
     """
     P, D, B = history, len(parents[0]), case.B
     assert case.T == P + D + after, "case.T must be history + drafts + after"
@@ -444,7 +497,14 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
         buf = poison_unused(buf)
     par = torch.tensor(parents, dtype=torch.long, device=device)
     nd = torch.tensor(num_drafts, dtype=torch.long, device=device)
-    o, drafts = impl.verify(**_sl(x, slice(P, P + D)), buffer=buf, parents=par, num_drafts=nd, **_scale(case))
+    if defaults and (par.tolist() != [list(range(-1, D - 1))] * B or nd.tolist() != [D] * B):
+        raise ValueError("defaults: parents=None, num_drafts=None stand for the full chain of D drafts")
+    toks = _sl(x, slice(P, P + D))
+    if poison:
+        toks = poison_padding(toks, num_drafts)
+    drafts_kw = {} if defaults else dict(parents=_index(par, index_dtype, device),
+                                         num_drafts=_index(nd, index_dtype, device))
+    o, drafts = impl.verify(**toks, buffer=buf, **drafts_kw, **_scale(case))
     # expected verify outputs, path by path
     exp = torch.zeros(B, D, case.HV, case.V, dtype=torch.float64)
     bas = torch.zeros_like(exp) if S_hist_c is not None else None
@@ -461,9 +521,9 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     # accept, then decode the remaining tokens; truth per request over its own committed history
     node_t = torch.tensor(nodes, dtype=torch.long, device=device)
     if use_counts:
-        buf = impl.accept(buf, drafts, counts=node_t + 1)
+        buf = impl.accept(buf, drafts, counts=_scalar_or(_index(node_t + 1, index_dtype, device), scalar))
     else:
-        buf = impl.accept(buf, drafts, nodes=node_t)
+        buf = impl.accept(buf, drafts, nodes=_scalar_or(_index(node_t, index_dtype, device), scalar))
     outs = []
     for t in range(P + D, case.T):
         ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
@@ -502,6 +562,11 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
     kw = dict(_scale(case), **({"initial_state": S0d} if initial else {}))
     o, buf = impl.prefill(**_sl(x, slice(0, prompt)), capacity=capacity, tail=tail, form=form, chunk_size=chunk_size,
                           **kw)
+    want = [ref.default_tail(prompt, capacity) if tail is None else tail] * case.B
+    if buf.capacity != capacity or buf.lengths.cpu().tolist() != want:  # the hand-off keeps exactly `tail` tokens
+        raise AssertionError(f"[arguments] prefill(T={prompt}, capacity={capacity}, tail={tail}) returned a buffer of "
+                             f"capacity {buf.capacity} holding {buf.lengths.cpu().tolist()} entries, expected {want}"
+                             + (" (the default tail: T while T <= C, else T mod C)" if tail is None else ""))
     outs = [o]
     for t in range(prompt, case.T):
         ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
@@ -515,10 +580,11 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
 
 
 def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, lengths: Sequence[int],
-                      form: str = "u", device="cpu", poison: bool = False) -> list[Comparison]:
+                      form: str = "u", device="cpu", poison: bool = False, stateless: bool = False) -> list[Comparison]:
     """materialize_state(impl) of a ragged buffer holding all T tokens == the recurrence's final state,
     twice in a row (the first call must leave the buffer as it was).  poison: unused slots and the
-    state storage of direct-mode requests hold NaN (it must never be read, nor returned)."""
+    state storage of direct-mode requests hold NaN (it must never be read, nor returned).  stateless: when no
+    request owns a state, the buffer has no state storage (``state=None``)."""
     _caller_normalised(case, "materialize_state")
     x = case.inputs(dtype, device)
     xd = torch.promote_types(dtype, torch.float32)
@@ -527,6 +593,8 @@ def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, le
                     key_dtype=dtype)
     if poison:
         buf = poison_unused(buf)
+    if stateless and not bool(buf.has_state.any()):
+        buf = buf.replace(state=None)
     name = f"materialize_state[C={capacity},{form}]"
     mS = magnitudes(**x)[1]
     res = []

@@ -109,6 +109,17 @@ def _simplify(p: dict) -> list[tuple[str, str, dict]]:
         out.append(("arguments", "output_final_state=False (True passes)", dict(p, final=True)))
     if p.get("initial"):
         out.append(("arguments", "an initial_state (none passes)", dict(p, initial=False)))
+    if p.get("defaults"):
+        out.append(("arguments", "parents=None, num_drafts=None (the same chain passed explicitly passes)",
+                    dict(p, defaults=False)))
+    if p.get("index_dtype", "int64") != "int64":
+        out.append(("arguments", f"{p['index_dtype']} index tensors (int64 ones pass)", dict(p, index_dtype="int64")))
+    if p.get("scalar"):
+        out.append(("arguments", "a count or node shared by every request passed as a Python int (the same as a "
+                                 "tensor passes)", dict(p, scalar=False)))
+    if p.get("stateless"):
+        out.append(("arguments", "a buffer without state storage, state=None (with storage it passes)",
+                    dict(p, stateless=False)))
     if p.get("use_counts"):
         out.append(("arguments", "accept by counts (the same acceptance by nodes passes)", dict(p, use_counts=False)))
     if c.norm != "unit":

@@ -103,7 +103,8 @@ def acceptances(num_drafts: list[int]):
 # may use them too).  Each returns a dict of keyword arguments for the matching ``properties.check_*``
 # plus ``case``; every size is bounded by the keyword arguments so a slow implementation (the Triton
 # interpreter) can be given small cases.
-__all__ += ["capacities", "buffer_setups", "flush_schedules", "chain_setups", "tree_setups", "prefill_setups"]
+__all__ += ["capacities", "index_args", "buffer_setups", "flush_schedules", "chain_setups", "tree_setups",
+            "prefill_setups"]
 
 
 def capacities(max_capacity: int = 6, big: int = 0):
@@ -121,19 +122,26 @@ def buffer_setups(draw, *, max_capacity: int = 6, max_history: int = 10, min_new
 
     Half of the time P = C (even past max_history): a request holding all of it is in direct mode with a full buffer (its next
     token folds and it starts owning a state) while the others own a state and fill up as they decode.
+    ``stateless``: when no request owns a state, the buffer is passed without state storage (``state=None``).
     """
     C = draw(capacities(max_capacity, big_capacity), label="capacity")
     P = draw(st.one_of(st.just(C), st.integers(0, max_history)), label="history")
     new = draw(st.integers(min_new, max_new), label="new tokens")
     case = draw(cases(T=P + new, **case_kw), label="case")
     lengths = draw(st.lists(_length(min(P, C)), min_size=case.B, max_size=case.B), label="lengths")
-    return dict(case=case, capacity=C, history=P, lengths=lengths)
+    return dict(case=case, capacity=C, history=P, lengths=lengths, stateless=draw(st.booleans(), label="stateless"))
 
 
 def _length(most: int):
     """A buffer length in 0..most, full (``most``) half of the time: a full buffer is where the next
     token folds, the path most worth exercising."""
     return st.one_of(st.just(most), st.integers(0, most))
+
+
+def index_args():
+    """How the integer arguments of the buffer operations are passed: ``index_dtype`` ("int64", "int32": any
+    integer dtype is accepted) and ``scalar`` (a count or node every request shares as a Python int)."""
+    return st.fixed_dictionaries({"index_dtype": st.sampled_from(["int64", "int32"]), "scalar": st.booleans()})
 
 
 def flush_schedules(B: int, steps: int, capacity: int, *, max_flushes: int = 4, min_flushes: int = 0,
@@ -187,17 +195,23 @@ def _draft_setup(draw, chain: bool, max_capacity: int, max_B: int, max_drafts: i
     after = draw(st.integers(0, max_after), label="after")
     case = draw(cases(B=B, T=P + D + after, **case_kw), label="case")
     lengths = draw(st.lists(_length(min(P, C)), min_size=B, max_size=B), label="lengths")
+    defaults = chain and draw(st.sampled_from((False, False, False, True)), label="default parents and num_drafts")
+    if defaults:  # parents=None, num_drafts=None: the full chain of D drafts
+        parents, counts = [list(range(-1, D - 1))] * B, [D] * B
     if chain:
         nodes = [draw(st.integers(0, c), label="accepted") - 1 for c in counts]
     else:
         nodes = draw(acceptances(counts), label="accepted node")
     return dict(case=case, capacity=C, history=P, lengths=lengths, parents=parents, num_drafts=counts,
-                nodes=nodes, after=after, use_counts=draw(st.booleans(), label="use_counts") if chain else False)
+                nodes=nodes, after=after, use_counts=draw(st.booleans(), label="use_counts") if chain else False,
+                defaults=defaults, **draw(index_args(), label="index arguments"))
 
 
 def chain_setups(*, max_capacity: int = 6, max_B: int = 3, max_drafts: int = 6, max_history: int = 8,
                  max_after: int = 3, big_capacity: int = 0, **case_kw):
-    """Chain verification: ragged draft counts, accepted counts (as ``nodes`` = count - 1, use_counts=True)."""
+    """Chain verification: ragged draft counts, accepted counts (as ``nodes`` = count - 1, use_counts=True);
+    a quarter of the time the full chain of D drafts passed as the defaults (``defaults``: parents=None,
+    num_drafts=None); index arguments as ``index_args``."""
     return _draft_setup(True, max_capacity, max_B, max_drafts, max_history, max_after, case_kw, big_capacity)
 
 
