@@ -204,3 +204,43 @@ def test_feeding_the_pool_decode():
         assert outs[1].dtype == torch.float16
         c = compare(outs[1][rows], outs[0][rows], None, name=f"decode step {step}", dtype=torch.float16)
         assert c.passed, str(c)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need a GPU")
+def test_an_engine_decode_step_replays_in_a_cuda_graph():
+    """engine_inputs then the pool's decode, captured once and replayed with new packed rows and gates
+    copied into the captured inputs (as an engine replays its decode graph): each replay's output equals
+    the same step run eagerly on a twin pool."""
+    H, HV, K, V, C, B = 2, 4, 16, 8, 4, 3
+    kw = dict(layers=1, num_state_slots=4, num_buffer_slots=4, capacity=C, max_drafts=2, num_heads=H,
+              num_value_heads=HV, head_k_dim=K, head_v_dim=V, device=DEVICE)
+    pools = kvbuffer_fast.KVPool(**kw), kvbuffer_fast.KVPool(**kw)
+    for p in pools:
+        p.acquire(4)
+    slots = torch.tensor([2, -1, 0], device=DEVICE, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    A_log, dt_bias = (torch.rand(HV, generator=gen) - 2).to(DEVICE), torch.randn(HV, generator=gen).to(DEVICE)
+
+    def draw():
+        return (torch.randn(B, 2 * H * K + HV * V, generator=gen).to(DEVICE, torch.bfloat16),
+                torch.randn(B, HV, generator=gen).to(DEVICE), torch.randn(B, HV, generator=gen).to(DEVICE))
+
+    def step(pool, x, a, b):
+        q, k, v, g, beta = fast_inputs(x, a, b, A_log=A_log, dt_bias=dt_bias, num_heads=H, head_k_dim=K)
+        return pool.decode(q, k, v, g=g, beta=beta, layer=0, slots=slots)
+
+    static = list(draw())
+    step(pools[0], *static)  # a warm-up call (compiles) on the graph's pool, mirrored on the twin
+    step(pools[1], *static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(pools[0], *static)
+    for replay in range(C + 2):  # across a fold
+        new = draw()
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        want = step(pools[1], *new)
+        torch.cuda.synchronize()
+        rows = slots >= 0
+        assert torch.equal(out[rows], want[rows]), f"replay {replay}"
