@@ -21,6 +21,11 @@
 # The fla wheel is installed from .whl/ when present.  Each stage has its own time limit; a failing stage
 # is reported and the later ones still run.  Prints one JSON line last: the device, the torch and triton
 # versions, each stage's exit status and seconds.
+# Compiled kernels carry over between device calls: Triton's cache lives in $TRITON_CACHE_DIR (default
+# /tmp/kvbuffer-triton-cache), is unpacked first from .triton-cache/cache.tgz when that file is there (carry
+# .triton-cache, a folder .git/info/exclude ignores) and packed last into OUTDIR/triton-cache.tgz when it
+# fits in what a device call returns (15 MiB); copying that file to .triton-cache/cache.tgz here makes the
+# next call skip every compile whose kernel source, specialisation, Triton version and GPU are unchanged.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?give an output dir}
@@ -45,6 +50,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || echo "gpu_check: installing .whl/*.whl failed: the fla rows will be skipped" ) 9>/tmp/site.lock
 fi
 export PYTHONPATH=$(pwd):/tmp/site:${PYTHONPATH:-}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kvbuffer-triton-cache}
+if [ -f .triton-cache/cache.tgz ]; then
+  ( flock 9
+    [ -e "$TRITON_CACHE_DIR/.unpacked" ] || { mkdir -p "$TRITON_CACHE_DIR" && tar -xzf .triton-cache/cache.tgz \
+        -C "$TRITON_CACHE_DIR" && touch "$TRITON_CACHE_DIR/.unpacked" \
+        && echo "gpu_check: Triton cache unpacked ($(find "$TRITON_CACHE_DIR" -type f ! -name .unpacked | wc -l) files)"; } \
+    || echo "gpu_check: .triton-cache/cache.tgz did not unpack: compiling from scratch" ) 9>/tmp/triton-cache.lock
+fi
 STATUS=()
 stage() {  # stage NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
@@ -141,6 +154,16 @@ has runner && stage runner 270 python3 -m bench.gpu --out "$OUTDIR/latest" --bud
 has prefill && stage prefill 200 python3 scripts/gpu_prefill.py --timings-only --budget-s 170 --out "$OUTDIR/prefill.json"
 has lowp && stage lowp 170 python3 scripts/gpu_lowp.py --out "$OUTDIR/lowp.json"
 has tp && stage tp 120 bash -c 'n=$(python3 -c "import torch;print(torch.cuda.device_count())"); if [ "$n" -ge 2 ]; then python3 scripts/tp_nccl.py; else python3 scripts/tp_nccl.py --simulate; fi'
+if [ -d "$TRITON_CACHE_DIR" ]; then  # the compiled kernels, for the next call (carried as .triton-cache/cache.tgz)
+  tar -czf "$OUTDIR/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude=.unpacked . 2>/dev/null
+  size=$(stat -c %s "$OUTDIR/triton-cache.tgz" 2>/dev/null || echo 0)
+  if [ "$size" -gt $((15 * 1024 * 1024)) ]; then
+    echo "gpu_check: the Triton cache packs to $size bytes, past the 15 MiB a call returns: not kept"
+    rm -f "$OUTDIR/triton-cache.tgz"
+  else
+    echo "gpu_check: Triton cache packed into $OUTDIR/triton-cache.tgz ($size bytes)"
+  fi
+fi
 python3 - "$OUTDIR" "{$(IFS=,; echo "${STATUS[*]}")}" <<'PY'
 import json, sys, torch, triton
 out, stages = sys.argv[1], json.loads(sys.argv[2])
