@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.checks import RESET_GATE, check_buffer, check_gate_values, check_tokens, require_tensor
+from kvbuffer_ref.checks import RESET_GATE, byte_range, check_buffer, check_gate_values, check_tokens, require_tensor
 
 try:  # grid dependency control (Triton >= 3.3): used only when a launch asks for PDL
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -99,12 +99,6 @@ def require_inplace(name: str, x: Optional[torch.Tensor]) -> None:
                          f"(got strides {tuple(x.stride())} for shape {list(x.shape)})")
 
 
-def _byte_range(x: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses an (non-empty) tensor's elements span: from its sizes and strides."""
-    start = x.data_ptr()
-    return start, start + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
-
-
 def require_no_overlap(written: dict, read: dict) -> None:
     """A ValueError naming both arguments when a tensor a call writes (``written``: name -> tensor or None)
     shares memory with another it writes or one it reads (``read``): a kernel would read values it has
@@ -112,7 +106,7 @@ def require_no_overlap(written: dict, read: dict) -> None:
     tensors span (data_ptr, sizes, strides) on one device: host arithmetic only, no device access, so it
     runs under CUDA graph capture too.  Disjoint parts of one storage (slots of a pool) pass; views whose
     ranges interleave count as sharing."""
-    spans = {n: (x.device, *_byte_range(x)) for n, x in {**read, **written}.items()
+    spans = {n: (x.device, *byte_range(x)) for n, x in {**read, **written}.items()
              if x is not None and x.numel() and x.device.type != "meta"}
     names = list(spans)
     for i, a in enumerate(names):

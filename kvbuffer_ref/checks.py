@@ -43,6 +43,7 @@ __all__ = [
     "require_device",
     "require_int_tensor",
     "shape_str",
+    "byte_range",
 ]
 
 
@@ -102,6 +103,13 @@ def same_device(a, b) -> bool:
         current = torch.cuda.current_device()
         return (current if a.index is None else a.index) == (current if b.index is None else b.index)
     return a.index == b.index
+
+
+def byte_range(x: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses a (non-empty) tensor's elements span: from its sizes and strides (host
+    arithmetic only: no device access, so it runs under CUDA graph capture too)."""
+    start = x.data_ptr()
+    return start, start + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
 
 
 def require_device(name: str, x: torch.Tensor, device: torch.device) -> None:

@@ -75,6 +75,8 @@ from typing import Any, Optional
 
 import torch
 
+from kvbuffer_ref.checks import byte_range
+
 from .cases import NORMAL, SMALL, Sizes
 
 __all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "OPERATION_ATTRS", "AdapterError", "Implementation", "describe", "resolve", "builtin_names",
@@ -684,12 +686,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-
-    def span(x):
-        lo = x.data_ptr()
-        hi = lo + x.element_size() * (1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride())))
-        return lo, hi
-    (a0, a1), (b0, b1) = span(a), span(b)
+    (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
     return a0 < b1 and b0 < a1
 
 
