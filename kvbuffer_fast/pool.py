@@ -283,40 +283,32 @@ class KVPool:
         rows = (s >= 0).nonzero().flatten()
         t = self._t
         sv = s[rows].to(torch.int64)
+        tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
         if cu_seqlens is None:
             self._check_tokens(q, k, v, g, beta, s)
+            x = {n: y[rows] for n, y in tokens.items()}
+            s0, varlen = (None if initial_state is None else initial_state[rows]), {}
         else:
-            for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-                require_tensor(name, x)
-            idx, cu, s0 = varlen_admit(s.to(torch.int64), q, cu_seqlens, initial_state)
-            x = {n: y.index_select(1, idx) for n, y in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
-            self._check_tokens(*(x[n] for n in ("q", "k", "v", "g", "beta")), torch.zeros(1, dtype=torch.int64,
-                                                                                         device=s.device))
+            x, idx, cu, s0 = varlen_admit(s.to(torch.int64), tokens, cu_seqlens, initial_state)
+            self._check_tokens(*x.values(), torch.zeros(1, dtype=torch.int64, device=s.device))
+            varlen = dict(cu_seqlens=cu)
         busy = (t["lengths"][layer, sv] > 0) | t["has_state"][layer, sv] | t["pending"][layer, sv]
         if bool(busy.any()):
             i = int(rows[busy.nonzero()[0, 0]])
             raise ValueError(f"slots: entry [{i}] is slot {int(s[i])}, which already holds entries or a state in "
                              f"layer {layer}; admit takes freshly acquired slots")
-        if cu_seqlens is not None:
-            o = new_output((1, q.shape[1], v.shape[2], v.shape[3]), v.dtype, q.device)
-            if sv.numel() == 0:
-                return o
-            o_rows, buf = fast_prefill(x.pop("q"), x.pop("k"), x.pop("v"), **x, capacity=self.capacity, tail=tail,
-                                       scale=scale, initial_state=s0, chunk_size=chunk_size, cu_seqlens=cu)
-        else:
-            pick = lambda x: None if x is None else x[rows]  # noqa: E731
-            o_rows, buf = fast_prefill(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], capacity=self.capacity,
-                                       tail=tail, scale=scale, initial_state=pick(initial_state),
-                                       chunk_size=chunk_size)
+        o_rows, buf = fast_prefill(x.pop("q"), x.pop("k"), x.pop("v"), **x, capacity=self.capacity, tail=tail,
+                                   scale=scale, initial_state=s0, chunk_size=chunk_size, **varlen)
         buf = buf.replace(state=buf.state.to(t["state"].dtype), u=buf.u.to(t["u"].dtype), G=buf.G.to(t["G"].dtype),
                           k=buf.k.to(t["k"].dtype))
         write = self._claims(slice(layer, layer + 1), sv, True, folds=buf.has_state[None])[2]
         self._scatter(layer, sv, buf, write[0])
-        if cu_seqlens is not None:
+        if cu_seqlens is None:
+            o = new_output((s.shape[0],) + tuple(o_rows.shape[1:]), v.dtype, q.device)
+            o[rows] = o_rows.to(v.dtype)
+        else:
+            o = new_output((1, q.shape[1]) + tuple(o_rows.shape[2:]), v.dtype, q.device)
             o[:, idx] = o_rows.to(v.dtype)
-            return o
-        o = new_output((s.shape[0],) + tuple(o_rows.shape[1:]), v.dtype, q.device)
-        o[rows] = o_rows.to(v.dtype)
         return o
 
     def decode(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None, config=None) -> torch.Tensor:

@@ -170,26 +170,29 @@ def check_slots(name: str, slots, num_slots: int, device, live: Optional[torch.T
     return s
 
 
-def varlen_admit(s: torch.Tensor, q: torch.Tensor, cu_seqlens, initial_state=None):
-    """``admit``'s variable-length batch: which prompts it keeps.  s: the checked slots [N] (-1 for a pad);
-    q: [1, T, H, K] (the N prompts concatenated); cu_seqlens: [N + 1] (``recurrent.check_cu_seqlens``).
-    Returns (the tokens of the valid entries' prompts as an int64 index into T on q's device, their offsets
-    [n + 1] as a tensor like ``cu_seqlens``, their initial states or None).  A pad's prompt is skipped (its
-    tokens are never read)."""
+def varlen_admit(s: torch.Tensor, tokens: dict, cu_seqlens, initial_state=None):
+    """``admit``'s variable-length batch: the prompts of the valid entries.  s: the checked slots [N] (-1 for
+    a pad); tokens: q, k, v, g, beta with the N prompts concatenated along T in a batch of one (q
+    [1, T, H, K]); cu_seqlens: [N + 1] (``recurrent.check_cu_seqlens``).  Returns (the valid entries'
+    prompts gathered along T, their tokens as an int64 index into T on q's device, their offsets [n + 1]
+    as a tensor like ``cu_seqlens``, their initial states or None).  A pad's prompt is never read."""
     from .recurrent import check_cu_seqlens
 
+    for name, x in tokens.items():
+        require_tensor(name, x)
+    q = tokens["q"]
     cu = check_cu_seqlens(cu_seqlens, q, initial_state)
     if len(cu) - 1 != s.shape[0]:
         raise ValueError(f"cu_seqlens: expected {s.shape[0] + 1} offsets (one prompt per entry of slots), got "
                          f"{len(cu)}")
     keep = [n for n, b in enumerate(s.tolist()) if b >= 0]
-    idx = [t for n in keep for t in range(cu[n], cu[n + 1])]
+    idx = torch.tensor([t for n in keep for t in range(cu[n], cu[n + 1])], dtype=torch.int64, device=q.device)
     offsets = [0]
     for n in keep:
         offsets.append(offsets[-1] + cu[n + 1] - cu[n])
     s0 = None if initial_state is None else initial_state[torch.tensor(keep, dtype=torch.int64,
                                                                        device=initial_state.device)]
-    return (torch.tensor(idx, dtype=torch.int64, device=q.device),
+    return ({n: x.index_select(1, idx) for n, x in tokens.items()}, idx,
             torch.tensor(offsets, dtype=cu_seqlens.dtype, device=cu_seqlens.device), s0)
 
 
@@ -394,49 +397,32 @@ class KVPool:
         initial_state [N, HV, K, V]); ``tail`` None gives each prompt its default tail, an int the same
         for all.  Returns o [1, T, HV, V] (a pad's tokens: zeros; its prompt is not read).
         """
-        if cu_seqlens is not None:
-            return self._admit_varlen(q, k, v, g, beta, layer, slots, scale, tail, initial_state, chunk_size,
-                                      cu_seqlens)
         layer, s, rows = self._addressed(slots, layer)
-        B = s.shape[0]
-        self._check_tokens(q, k, v, g, beta, B)
-        busy = (self.lengths[layer, s[rows]] > 0) | self.has_state[layer, s[rows]] | self.pending[layer, s[rows]]
-        if bool(busy.any()):
-            raise ValueError(f"slots: entry [{int(rows[busy.nonzero()[0, 0]])}] is slot "
-                             f"{int(s[rows[busy.nonzero()[0, 0]]])}, which already holds entries or a state in "
-                             f"layer {layer}; admit takes freshly acquired slots")
-        pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        o_rows, buf = prefill(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], capacity=self.capacity,
-                              tail=tail, scale=scale, initial_state=pick(initial_state), chunk_size=chunk_size)
-        self._check_free_states(layer, s[rows], buf.has_state)
-        self._scatter(layer, s[rows], buf, buf.has_state)
-        o = torch.zeros(B, *o_rows.shape[1:], dtype=o_rows.dtype, device=o_rows.device)
-        o[rows] = o_rows
-        return o
-
-    def _admit_varlen(self, q, k, v, g, beta, layer, slots, scale, tail, initial_state, chunk_size, cu_seqlens):
-        """``admit`` of a variable-length batch (``cu_seqlens``): the valid entries' prompts gathered and
-        prefilled together (``prefill(cu_seqlens=)``), scattered into their slots."""
-        layer, s, rows = self._addressed(slots, layer)
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            require_tensor(name, x)
-        idx, cu, s0 = varlen_admit(s, q, cu_seqlens, initial_state)
-        self._check_tokens(q, k, v, g, beta, 1)
+        tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
+        if cu_seqlens is None:
+            self._check_tokens(q, k, v, g, beta, s.shape[0])
+            x = {n: t[rows] for n, t in tokens.items()}
+            s0, varlen = (None if initial_state is None else initial_state[rows]), {}
+        else:
+            x, idx, cu, s0 = varlen_admit(s, tokens, cu_seqlens, initial_state)
+            self._check_tokens(q, k, v, g, beta, 1)
+            varlen = dict(cu_seqlens=cu)
         sv = s[rows]
         busy = (self.lengths[layer, sv] > 0) | self.has_state[layer, sv] | self.pending[layer, sv]
         if bool(busy.any()):
             raise ValueError(f"slots: entry [{int(rows[busy.nonzero()[0, 0]])}] is slot "
                              f"{int(sv[busy.nonzero()[0, 0]])}, which already holds entries or a state in "
                              f"layer {layer}; admit takes freshly acquired slots")
-        if sv.numel() == 0:
-            return torch.zeros(1, q.shape[1], v.shape[2], v.shape[3], dtype=v.dtype, device=q.device)
-        x = {n: t.index_select(1, idx) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
         o_rows, buf = prefill(x.pop("q"), x.pop("k"), x.pop("v"), **x, capacity=self.capacity, tail=tail, scale=scale,
-                              initial_state=s0, chunk_size=chunk_size, cu_seqlens=cu)
+                              initial_state=s0, chunk_size=chunk_size, **varlen)
         self._check_free_states(layer, sv, buf.has_state)
         self._scatter(layer, sv, buf, buf.has_state)
-        o = torch.zeros(1, q.shape[1], *o_rows.shape[2:], dtype=o_rows.dtype, device=o_rows.device)
-        o[:, idx] = o_rows
+        if cu_seqlens is None:
+            o = torch.zeros(s.shape[0], *o_rows.shape[1:], dtype=o_rows.dtype, device=o_rows.device)
+            o[rows] = o_rows
+        else:
+            o = torch.zeros(1, q.shape[1], *o_rows.shape[2:], dtype=o_rows.dtype, device=o_rows.device)
+            o[:, idx] = o_rows
         return o
 
     def _no_pending(self, layer: int, s: torch.Tensor, op: str) -> None:

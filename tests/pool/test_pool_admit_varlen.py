@@ -77,3 +77,14 @@ def test_bad_varlen_admits_name_the_argument(kind):
     with pytest.raises(ValueError, match="q: with cu_seqlens the sequences are concatenated along T in a batch of B = 1"):
         pool.admit(**two, layer=0, slots=s, cu_seqlens=torch.tensor([0, 2, 5], device=dev))
     assert int(pool.tensors()["lengths"].sum()) == 0  # nothing written
+
+
+@pytest.mark.parametrize("kind", ["ref", "fast"])
+def test_a_varlen_admit_of_pads_only_writes_nothing(kind):
+    _, dtype, dev = KINDS[kind]
+    pool = _pool(kind)
+    pool.acquire(2)
+    x = {f: t.to(dev) for f, t in Tokens(2, H, HV, K, V, dtype, "cpu").draw(1, 4).items()}
+    o = pool.admit(**x, layer=0, slots=torch.tensor([-1, -1], device=dev), cu_seqlens=torch.tensor([0, 1, 4], device=dev))
+    assert o.shape == (1, 4, HV, V)
+    assert int(pool.tensors()["lengths"].sum()) == 0 and not bool(pool.tensors()["has_state"].any())
