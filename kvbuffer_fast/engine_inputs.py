@@ -63,7 +63,7 @@ def _engine_inputs_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, q_ptr, k_ptr, 
     tl.store(beta_ptr + i * HV + c, tl.where(bv >= 0, 1.0 / (1.0 + e), e / (1.0 + e)), mask=mh)
 
 
-def _rows(x: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, int, int]:
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``x`` with a contiguous last dimension, and its (request, position) strides in elements."""
     if x.stride(-1) != 1:
         x = as_input(x)
@@ -91,9 +91,9 @@ def engine_inputs(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, 
     beta = new_output((B, T, HV), torch.float32, dev)
     if B * T == 0:
         return q, k, v, g, beta
-    x, sx_b, sx_t = _rows(mixed_qkv, B, T)
-    a_, sa_b, sa_t = _rows(a, B, T)
-    b_, sb_b, sb_t = _rows(b, B, T)
+    x, sx_b, sx_t = _rows(mixed_qkv)
+    a_, sa_b, sa_t = _rows(a)
+    b_, sb_b, sb_t = _rows(b)
     with device_guard(mixed_qkv):
         _engine_inputs_kernel[(B * T,)](
             x, a_, b_, as_input(A_log), as_input(dt_bias), q, k, v, g, beta, T, sx_b, sx_t, sa_b, sa_t, sb_b, sb_t,

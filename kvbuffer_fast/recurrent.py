@@ -3,8 +3,9 @@
 ``_recurrent_kernel``, grid (V / BV, B * HV): each program owns a [K, BV] tile of one request's state
 for one value head; it loads the tile once, runs the gated delta rule over the T tokens and stores
 the tile back.  With ``cu_seqlens`` (B = 1, N sequences along T) the grid is (V / BV, N * HV) and a
-program runs its sequence's tokens cu[n] .. cu[n + 1] - 1, read from the offsets on the device.  Value columns are independent (u_t = beta (v_t - S~^T k_t) is computed per column),
-so tiles never talk to each other.  State traffic per launch: 2 |S| (read + write).
+program runs its sequence's tokens cu[n] .. cu[n + 1] - 1, read from the offsets on the device.  Value
+columns are independent (u_t = beta (v_t - S~^T k_t) is computed per column), so tiles never talk to
+each other.  State traffic per launch: 2 |S| (read + write).
 """
 
 from __future__ import annotations
