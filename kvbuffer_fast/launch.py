@@ -228,11 +228,11 @@ _CHUNK_ROWS: tuple[Row, ...] = (
     Row(dict(BV=32), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
         why="16-bit inputs: the state launch with 32 columns per program took 51.3 / 179.8 against 54.0 / 186.7 "
             "us (16 columns, 2 stages) at B = 1, T = 1k / 4k, and 161 against 216 us at B = 4, T = 1k (1 stage)"),
-    Row(dict(stages=2), dtypes=_SIXTEEN_BIT, columns=(None, 4096), capability=((9, 0), None),
-        why="16-bit inputs, one sequence at Qwen3-Next heads: the state launch's chunk loop in 2 stages took "
-            "62.7 / 221 / 856 / 1700 against 70.7 / 258 / 1003 / 2002 us at T = 1k / 4k / 16k / 32k (16 columns, "
-            "chunk addresses read from the table); with arithmetic addresses and 32 columns 51.3 / 179.8 at "
-            "T = 1k / 4k, 3 stages 51.6 / 180.2"),
+    Row(dict(stages=3), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
+        why="16-bit inputs: the state launch's chunk loop in 3 stages took 45.6 / 148.8 / 584.1 / 1137.0 against "
+            "51.2 / 180.0 / 699.2 / 1390.2 us (2 stages) at B = 1, T = 1k / 4k / 16k / 32k, and 153.7 / 552.2 / "
+            "2163.6 / 4311.2 against 157.2 / 593.3 / 2340.5 / 4674.1 us (1 stage) at B = 4; whole calls 94.3 / "
+            "326.2 / 1275.5 / 2559.4 against 98.4 / 358.2 / 1395.9 / 2804.9 us at B = 1"),
 )
 
 TABLES: dict[str, tuple[Row, ...]] = {
