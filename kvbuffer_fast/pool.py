@@ -11,9 +11,8 @@ programs read and write nothing).  Launches per call (no torch kernels between t
 * decode: the state-slot bookkeeping (``_claims_kernel``, ``_commit_kernel``), then decode's fold,
   decode and bookkeeping launches (``_fold_group_slots_kernel``, ``_decode_slots_kernel``,
   ``_book_slots_kernel``);
-* verify: the addressed rows' buffer entries, parents, draft counts and state slots gathered
-  (``_verify_rows_kernel``), verify's two phases (phase 2 reading the states from the slots), the
-  drafts written to the slots' draft room (``_room_kernel``);
+* verify: verify's two phases on the pool (``kvbuffer_fast.verify.verify_pool``): the rows' buffer
+  entries and state slots read, and their drafts written to the slots' draft rooms, by slot index;
 * accept: the state-slot bookkeeping (which rows' accepted paths overflow), accept's fold and copy
   launches;
 * flush: the state-slot bookkeeping, flush's fold launch (keys and gates moved in torch).
@@ -41,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbuffer_ref.buffer import KVBuffer
+from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_int_tensor,
                                  require_tensor)
 from kvbuffer_ref.pool import check_slots, on_device, per_row, set_layout, varlen_admit
@@ -54,7 +53,7 @@ from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
 from .prefill import prefill as fast_prefill
 from .launch import Key, check_config, config_for, key_of
-from .verify import _verify
+from .verify import PoolLayer, verify_pool
 
 __all__ = ["KVPool"]
 
@@ -368,10 +367,9 @@ class KVPool:
     def verify(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, parents=None, num_drafts=None,
                scale=None, config=None) -> torch.Tensor:
         """As ``kvbuffer_ref.pool.KVPool.verify`` (pad rows: unspecified outputs); the drafts go to the
-        slots' draft room, pending.  The kernels of ``kvbuffer_fast.verify`` on the addressed rows' buffer
-        entries (gathered by one launch, ``_verify_rows_kernel``: C rows each, with the parents, draft
-        counts and state slots), the state read from the pool's slots by index; one launch writes the
-        drafts to the room (``_room_kernel``)."""
+        slots' draft room, pending.  The two launches of ``kvbuffer_fast.verify`` addressing the pool
+        (``kvbuffer_fast.verify.verify_pool``): the buffer rows, state slots and draft rooms read and
+        written in place by slot index, nothing gathered or copied."""
         layer = self._layer(layer)
         s, _ = self._rows("slots", slots)
         if num_drafts is not None:
@@ -380,39 +378,16 @@ class KVPool:
         if d.T > self.max_drafts:
             raise ValueError(f"q: {d.T} drafts per request, but the pool's draft room holds max_drafts="
                              f"{self.max_drafts}")
-        B, Dn = d.B, d.T
         if parents is not None:
-            require_int_tensor("parents", parents, (B, Dn), "[B, D]", self.device)
-        t, dev = self._t, q.device
-        C, H, HV, K, V = self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
-        GK = K if self.channel_gate else 1
-        rows = KVBuffer(k=torch.empty(B, C, H, K, dtype=t["k"].dtype, device=dev),
-                        u=torch.empty(B, C, HV, V, dtype=t["u"].dtype, device=dev),
-                        G=torch.empty(B, C, HV, *t["G"].shape[4:], dtype=t["G"].dtype, device=dev),
-                        lengths=torch.empty(B, dtype=torch.int64, device=dev),
-                        has_state=torch.empty(B, dtype=torch.bool, device=dev), state=None)
-        # has_state False: the states (has_state <=> a state slot) are read by the kernel from the pool's slots
-        cur, nd = (torch.empty(B, dtype=torch.int64, device=dev) for _ in range(2))
-        par = torch.empty(B, Dn, dtype=torch.int64, device=dev)
-        if B > 0:
-            n = (C * H * K, C * HV * V, C * HV * GK)
-            BLOCK = min(4096, block(max(n)))
-            with device_guard(s):
-                _verify_rows_kernel[(triton.cdiv(max(n), BLOCK), B)](
-                    s, t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], t["state_slot"][layer],
-                    s if parents is None else as_input(parents), s if num_drafts is None else num_drafts,
-                    rows.k, rows.u, rows.G, rows.lengths, flag_view(rows.has_state), cur, par, nd, Dn,
-                    NK=n[0], NU=n[1], NG=n[2], PARENTS=parents is not None, NUM_DRAFTS=num_drafts is not None,
-                    BLOCK=BLOCK, BT=block(Dn, 2), num_warps=4)
-        o, drafts = _verify(q, k, v, g, beta, rows, par, nd, scale, config, pool_state=(t["state"][layer], cur))
-        if B > 0:
-            n = (H * K, HV * V, HV * GK)
-            BLOCK = min(4096, block(Dn * max(n)))
-            with device_guard(s):
-                _room_kernel[(max(1, triton.cdiv(Dn * max(n), BLOCK)), B)](
-                    s, drafts.k, drafts.u, drafts.G, drafts.parents, drafts.num_drafts, t["dk"][layer], t["du"][layer],
-                    t["dG"][layer], t["parents"][layer], t["num_drafts"][layer], flag_view(t["pending"][layer]), Dn,
-                    self.max_drafts, NK=n[0], NU=n[1], NG=n[2], BLOCK=BLOCK, BD=block(self.max_drafts, 2), num_warps=4)
+            require_int_tensor("parents", parents, (d.B, d.T), "[B, D]", self.device)
+        t = self._t
+        layer_rows = KVBuffer(k=t["k"][layer], u=t["u"][layer], G=t["G"][layer], lengths=t["lengths"][layer],
+                              has_state=t["has_state"][layer], state=None)
+        room = Drafts(parents=t["parents"][layer], num_drafts=t["num_drafts"][layer], k=t["dk"][layer],
+                      u=t["du"][layer], G=t["dG"][layer])
+        pool = PoolLayer(slots=s, buffer=layer_rows, state=t["state"][layer], state_slot=t["state_slot"][layer],
+                         room=room, pending=t["pending"][layer])
+        o = verify_pool(q, k, v, g, beta, pool, parents, num_drafts, scale, config)
         return o
 
     def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
@@ -679,59 +654,3 @@ def _commit_kernel(slot_ptr, sslot_ptr, refs_ptr, state_ptr, plan_ptr, pend_ptr,
         if ACCEPT:
             tl.store(pend_ptr + row, 0, mask=valid)
             tl.store(nd_ptr + row, 0, mask=valid)
-
-
-@triton.jit
-def _verify_rows_kernel(slot_ptr, k_ptr, u_ptr, g_ptr, len_ptr, sslot_ptr, par_in_ptr, nd_in_ptr,
-                        rk_ptr, ru_ptr, rg_ptr, rlen_ptr, rown_ptr, cur_ptr, par_ptr, nd_ptr, T,
-                        NK: tl.constexpr, NU: tl.constexpr, NG: tl.constexpr, PARENTS: tl.constexpr,
-                        NUM_DRAFTS: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr):
-    """Grid (blocks, B): verify's inputs for call row ``program_id(1)`` from its slot's buffer row (NK, NU,
-    NG elements of k, u, G per row; BLOCK per program; a pad's rows are not read), and from program 0 its
-    length (pads: 0), ownership flag (0: the state slot tells), state slot ``cur`` (pads: -1), parents
-    (``par_in`` with PARENTS, else the chain; pads: the chain) and draft count (``nd_in`` with NUM_DRAFTS,
-    else T; pads: 0)."""
-    i_p = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    c_b = tl.load(slot_ptr + i_b).to(tl.int64)
-    valid = c_b >= 0
-    if valid:
-        _copy_block(k_ptr + c_b * NK, rk_ptr + i_b * NK, NK, i_p, BLOCK)
-        _copy_block(u_ptr + c_b * NU, ru_ptr + i_b * NU, NU, i_p, BLOCK)
-        _copy_block(g_ptr + c_b * NG, rg_ptr + i_b * NG, NG, i_p, BLOCK)
-    if i_p == 0:
-        tl.store(rlen_ptr + i_b, tl.load(len_ptr + c_b, mask=valid, other=0))
-        tl.store(rown_ptr + i_b, 0)
-        tl.store(cur_ptr + i_b, tl.load(sslot_ptr + c_b, mask=valid, other=-1))
-        o_t = tl.arange(0, BT)
-        m_t = o_t < T
-        par = o_t - 1
-        if PARENTS:
-            par = tl.where(valid, tl.load(par_in_ptr + i_b * T + o_t, mask=m_t, other=-1).to(tl.int32), par)
-        tl.store(par_ptr + i_b * T + o_t, par.to(par_ptr.dtype.element_ty), mask=m_t)
-        nd = T
-        if NUM_DRAFTS:
-            nd = tl.load(nd_in_ptr + i_b).to(tl.int32)
-        tl.store(nd_ptr + i_b, tl.where(valid, nd, 0).to(nd_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _room_kernel(slot_ptr, dk_ptr, du_ptr, dg_ptr, dpar_ptr, dnd_ptr, rk_ptr, ru_ptr, rg_ptr, rpar_ptr, rnd_ptr,
-                 pend_ptr, T, D, NK: tl.constexpr, NU: tl.constexpr, NG: tl.constexpr, BLOCK: tl.constexpr,
-                 BD: tl.constexpr):
-    """Grid (blocks, B): verify's T drafts of call row ``program_id(1)`` (NK, NU, NG elements of k, u, G
-    per draft; BLOCK per program) into its slot's draft room of D drafts; program 0 writes the room's
-    parents (-1 past T), draft count and pending flag.  A pad writes nothing."""
-    i_p = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    c_b = tl.load(slot_ptr + i_b).to(tl.int64)
-    if c_b >= 0:
-        _copy_block(dk_ptr + i_b * T * NK, rk_ptr + c_b * D * NK, T * NK, i_p, BLOCK)
-        _copy_block(du_ptr + i_b * T * NU, ru_ptr + c_b * D * NU, T * NU, i_p, BLOCK)
-        _copy_block(dg_ptr + i_b * T * NG, rg_ptr + c_b * D * NG, T * NG, i_p, BLOCK)
-        if i_p == 0:
-            o_d = tl.arange(0, BD)
-            par = tl.load(dpar_ptr + i_b * T + o_d, mask=o_d < T, other=-1)
-            tl.store(rpar_ptr + c_b * D + o_d, par.to(rpar_ptr.dtype.element_ty), mask=o_d < D)
-            tl.store(rnd_ptr + c_b, tl.load(dnd_ptr + i_b).to(rnd_ptr.dtype.element_ty))
-            tl.store(pend_ptr + c_b, 1)

@@ -41,7 +41,7 @@ is written to the buffer.  The launch (tile sizes, warps, the early loads, PDL) 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -54,7 +54,7 @@ from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, c
                       checked_tokens, device_guard, flag_view, new_output, pdl_launch, values_checked)
 from .launch import VerifyConfig, check_config, config_for, key_of
 
-__all__ = ["verify", "MAX_DRAFTS"]
+__all__ = ["verify", "MAX_DRAFTS", "PoolLayer", "verify_pool"]
 
 #: The largest draft count per request one launch handles (the [2D, 2D] algebra lives in registers).
 MAX_DRAFTS = 64
@@ -80,17 +80,38 @@ def _ancestors(par, dr, m_t, o_r, o_c, t):
 
 
 @triton.jit
-def _draft_rows(len_ptr, nd_ptr, i_b, D, BD: tl.constexpr):
-    """The request's buffer length n and draft count t, and the R = 2 BD rows every verify kernel works
+def _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD: tl.constexpr):
+    """The request's buffer length n (buffer row c_b) and draft count t (call row i_b), and the R = 2 BD rows every verify kernel works
     on: o_r (row index), dr (the draft a row belongs to), is_q (query rows BD..2BD-1), m_in (rows that
     exist in the [B, D, ...] inputs) and m_t (rows of real drafts; padding rows are zeroed by selects,
     never by multiplying)."""
-    n = tl.load(len_ptr + i_b).to(tl.int32)
+    n = tl.load(len_ptr + c_b).to(tl.int32)
     t = tl.load(nd_ptr + i_b).to(tl.int32)
     o_r = tl.arange(0, 2 * BD)
     dr = o_r % BD
     is_q = o_r >= BD
     return n, t, o_r, dr, is_q, dr < D, dr < t
+
+
+@triton.jit
+def _buffer_row(bslot_ptr, i_b, POOL: tl.constexpr):
+    """The buffer row of call row i_b: ``bslot[i_b]`` in a pool (-1: a pad, nothing to do), else i_b."""
+    if POOL:
+        c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    else:
+        c_b = i_b
+    return c_b
+
+
+@triton.jit
+def _room_meta(par_ptr, nd_ptr, rpar_ptr, rnd_ptr, pend_ptr, i_b, c_b, D, DR, BDR: tl.constexpr):
+    """A pool's draft room row c_b: the call's parents of row i_b (-1 past its D drafts, up to the room's DR),
+    its draft count, and the pending flag."""
+    o_d = tl.arange(0, BDR)
+    par = tl.load(par_ptr + i_b * D + o_d, mask=o_d < D, other=-1)
+    tl.store(rpar_ptr + c_b * DR + o_d, par.to(rpar_ptr.dtype.element_ty), mask=o_d < DR)
+    tl.store(rnd_ptr + c_b, tl.load(nd_ptr + i_b).to(rnd_ptr.dtype.element_ty))
+    tl.store(pend_ptr + c_b, 1)
 
 
 @triton.jit
@@ -211,10 +232,10 @@ def _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, s
 def _verify_prep_group_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr,
     ck_ptr, cg_ptr, len_ptr, p_ptr, l_ptr,
-    scale, D,
+    scale, D, bslot_ptr, rpar_ptr, rnd_ptr, pend_ptr, DR,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    BG: tl.constexpr, MMA16: tl.constexpr,
+    BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr,
 ):
     """Phase 1 for scalar gates, one program per (request, q/k head).  The scores of the drafts' keys /
     queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value heads that
@@ -226,16 +247,38 @@ def _verify_prep_group_kernel(
     (such a load cannot be moved above the store: the pointers might alias).
     MMA16 (q, k and the buffered keys all bf16 or all fp16): the scores are 16-bit MMAs of the raw rows
     (exact products, fp32 sums: nothing to split), and the query scale multiplies the finished scores'
-    query rows; otherwise fp32 dots of the rows k_i, s q_i in PREC."""
-    R: tl.constexpr = 2 * BD
-    GROUP: tl.constexpr = HV // H
+    query rows; otherwise fp32 dots of the rows k_i, s q_i in PREC.
+    POOL: call row i_b works on buffer row ``bslot[i_b]`` of a serving pool (-1: a pad, nothing done) and
+    writes its drafts to that row's draft room (DR drafts per row), with the room's parents, draft count
+    and pending flag; else buffer row i_b and drafts of D rows per request (DR = D)."""
     _pdl_prologue(PDL)
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
-    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
+    c_b = _buffer_row(bslot_ptr, i_b, POOL)
+    if c_b >= 0:
+        _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr,
+                                   len_ptr, p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_b, i_h, c_b,
+                                   C, H, HV, K, BD, BC, KC, PREC, BG, MMA16, POOL, BDR)
+
+
+@triton.jit
+def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr,
+                               len_ptr, p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_b, i_h, c_b,
+                               C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                               BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
+                               BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr):
+    """The body of ``_verify_prep_group_kernel``: call row i_b, q/k head i_h, buffer row c_b (the drafts'
+    k and G go to rows c_b * DR + draft; a pool's room metadata from the program of q/k head 0)."""
+    R: tl.constexpr = 2 * BD
+    GROUP: tl.constexpr = HV // H
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD)
     o_c = tl.arange(0, R)
     p_kq = ((i_b * D + dr) * H + i_h) * K
+    p_dk = ((c_b * DR + dr) * H + i_h) * K
+    if POOL:
+        if i_h == 0:
+            _room_meta(par_ptr, nd_ptr, rpar_ptr, rnd_ptr, pend_ptr, i_b, c_b, D, DR, BDR)
     m_cin = (o_c < BD) & (o_c < D)
     m_ct = (o_c < BD) & (o_c < t)
     par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
@@ -243,7 +286,7 @@ def _verify_prep_group_kernel(
     anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
     o_m = tl.arange(0, BC)
     m_n = o_m < n
-    p_ck = ((i_b * C + o_m) * H + i_h) * K
+    p_ck = ((c_b * C + o_m) * H + i_h) * K
     tl.static_assert(BG >= GROUP)
     o_g = tl.arange(0, BG)
     hv_g = (i_h * GROUP + o_g)[:, None]
@@ -254,7 +297,7 @@ def _verify_prep_group_kernel(
                         other=0.0).to(tl.float32)
     g_in2 = tl.load(g_ptr + (i_b * D + o_c[None, :]) * HV + hv_g, mask=m_g & m_cin[None, :],
                     other=0.0).to(tl.float32)
-    gc2 = tl.load(cg_ptr + (i_b * C + o_m[None, :]) * HV + hv_g, mask=m_g & m_n[None, :],
+    gc2 = tl.load(cg_ptr + (c_b * C + o_m[None, :]) * HV + hv_g, mask=m_g & m_n[None, :],
                   other=0.0).to(tl.float32)
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
@@ -272,7 +315,7 @@ def _verify_prep_group_kernel(
             kc, gcc = _chunk_entries(ck_ptr, ck_ptr, p_ck, p_ck, m_n, k0, K, KC, False)
             SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
             SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)
-        tl.store(dk_ptr + p_kq[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
+        tl.store(dk_ptr + p_dk[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
                  mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
     if MMA16:  # the query rows carry the scale (kq = [k; s q] in the fp32 path); SS's query columns go unused
         s_r = tl.where(is_q, scale, 1.0)
@@ -281,7 +324,7 @@ def _verify_prep_group_kernel(
     for j in tl.static_range(GROUP):
         i_hv = i_h * GROUP + j
         i_bhv = i_b * HV + i_hv
-        p_rt = (i_b * D + dr) * HV + i_hv
+        p_rt = (c_b * DR + dr) * HV + i_hv  # the drafts' G rows
         sel = (o_g == j)[:, None]  # this value head's row of the loads issued before the chunk loop
         beta_in = tl.sum(tl.where(sel, beta_in2, 0.0), 0)
         beta_cin = tl.sum(tl.where(sel, beta_cin2, 0.0), 0)
@@ -299,35 +342,57 @@ def _verify_prep_group_kernel(
 def _verify_prep_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr,
     ck_ptr, cg_ptr, len_ptr, p_ptr, l_ptr,
-    scale, D,
+    scale, D, bslot_ptr, rpar_ptr, rnd_ptr, pend_ptr, DR,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    POOL: tl.constexpr, BDR: tl.constexpr,
 ):
     """Phase 1 for per-channel (KDA) gates, one program per (request, value head): the decays depend on
     the key column, so they go inside the scores (``_chunk_channel``, row by row).  Writes L and L W
     ([R, R + BC]), P = L diag(sgn) Y ([R, K]; Y = the rows k_i, s q_i scaled by exp(G_i) per column),
     Drafts.G and (one program per q/k head) Drafts.k.  The key dimension is walked in chunks of KC
-    columns, twice (the scores, then P and G), so that few registers are live."""
-    R: tl.constexpr = 2 * BD  # rows: draft keys 0..BD-1, draft queries BD..2BD-1
-    GROUP: tl.constexpr = HV // H
+    columns, twice (the scores, then P and G), so that few registers are live.  POOL: as
+    ``_verify_prep_group_kernel``'s (the room metadata from the program of value head 0)."""
     _pdl_prologue(PDL)
     i_bhv = tl.program_id(0).to(tl.int64)
     i_b = i_bhv // HV
+    c_b = _buffer_row(bslot_ptr, i_b, POOL)
+    if c_b >= 0:
+        _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr, len_ptr,
+                             p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_bhv, c_b,
+                             C, H, HV, K, BD, BC, KC, PREC, POOL, BDR)
+
+
+@triton.jit
+def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr, len_ptr,
+                         p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_bhv, c_b,
+                         C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
+                         POOL: tl.constexpr, BDR: tl.constexpr):
+    """The body of ``_verify_prep_kernel``: program i_bhv = (call row, value head) on buffer row c_b."""
+    R: tl.constexpr = 2 * BD  # rows: draft keys 0..BD-1, draft queries BD..2BD-1
+    GROUP: tl.constexpr = HV // H
+    i_b = i_bhv // HV
     i_hv = i_bhv % HV
     i_h = i_hv // GROUP
-    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD)
+    if POOL:
+        if i_hv == 0:
+            _room_meta(par_ptr, nd_ptr, rpar_ptr, rnd_ptr, pend_ptr, i_b, c_b, D, DR, BDR)
     o_c = tl.arange(0, R)  # column index of the [R, R] matrices (columns < BD: draft keys)
     m_own = dr < tl.where(i_hv % GROUP == 0, D, 0)  # one program per (request, q/k head) keeps the keys
     p_kq = ((i_b * D + dr) * H + i_h) * K
     p_rt = (i_b * D + dr) * HV + i_hv  # [R] offsets of per-(draft, value head) rows
+    p_drt = (c_b * DR + dr) * HV + i_hv  # ... of the drafts' G rows
+    p_dk = ((c_b * DR + dr) * H + i_h) * K
     beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
     m_cin = (o_c < BD) & (o_c < D)
     par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
     beta_cin = tl.load(beta_ptr + (i_b * D + o_c) * HV + i_hv, mask=m_cin, other=0.0)
     o_m = tl.arange(0, BC)
     m_n = o_m < n
-    p_ck = ((i_b * C + o_m) * H + i_h) * K
-    p_cg = (i_b * C + o_m) * HV + i_hv
+    p_ck = ((c_b * C + o_m) * H + i_h) * K
+    p_cg = (c_b * C + o_m) * HV + i_hv
     m_ct = (o_c < BD) & (o_c < t)
     b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
     b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)  # b = [beta; 1]
@@ -340,7 +405,7 @@ def _verify_prep_kernel(
         k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, True)
         kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, True)
         o_k = k0 + tl.arange(0, KC)
-        tl.store(dk_ptr + p_kq[:, None] + o_k[None, :],
+        tl.store(dk_ptr + p_dk[:, None] + o_k[None, :],
                  tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
                  mask=(m_own & ~is_q)[:, None] & (o_k < K)[None, :])
         Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, True)
@@ -355,7 +420,7 @@ def _verify_prep_kernel(
         o_k = k0 + tl.arange(0, KC)
         kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, True)
         Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, False)
-        tl.store(dg_ptr + p_rt[:, None] * K + o_k[None, :], Gr_c.to(dg_ptr.dtype.element_ty),
+        tl.store(dg_ptr + p_drt[:, None] * K + o_k[None, :], Gr_c.to(dg_ptr.dtype.element_ty),
                  mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
         Y = kq * tl.exp(Gr_c)
         P = tl.dot(L, tl.where(is_q[:, None], Y, -Y), input_precision=PREC)
@@ -401,7 +466,9 @@ def _verify_stream_kernel(
     it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
     products in precision XP); otherwise in PREC."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, i_bhv, True, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False)
+    _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v,
+                           i_bhv, i_b, i_hv, i_h, i_bhv, True, i_b, D, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC,
+                           ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False)
 
 
 @triton.jit
@@ -411,19 +478,25 @@ def _verify_stream_slots_kernel(
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, sslot_ptr,
+    bslot_ptr, DR,
 ):
-    """``_verify_stream_kernel`` on a pool's states: request i_b's S0 is state slot ``sslot[i_b]`` of
-    ``state_ptr`` (-1: none, nothing read), int64 offsets."""
+    """``_verify_stream_kernel`` on a serving pool: call row i_b reads buffer row c_b = ``bslot[i_b]``
+    (-1: a pad, nothing done) and state slot ``sslot[c_b]`` of ``state_ptr`` (-1: none, nothing read), and
+    writes its drafts' u to row c_b's draft room (DR drafts per row); int64 offsets."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
-    s_b = tl.load(sslot_ptr + i_b).to(tl.int64)
-    _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0,
-                           C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, True)
+    c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
+    if c_b >= 0:
+        s_b = tl.load(sslot_ptr + c_b).to(tl.int64)
+        _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
+                               i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0, c_b, DR,
+                               C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT,
+                               XP, True)
 
 
 @triton.jit
 def _verify_stream_program(
     v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
-    i_v, i_bhv, i_b, i_hv, i_h, s_bhv, s_ok,
+    i_v, i_bhv, i_b, i_hv, i_h, s_bhv, s_ok, c_b, DR,
     C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
@@ -431,12 +504,13 @@ def _verify_stream_program(
 ):
     """The body of the phase-2 kernels: program (i_v, i_bhv) of request i_b, its state read at row s_bhv
     (per value head; i_bhv outside a pool; SLOTS: the request owns a state, and it is read, only where
-    ``s_ok``; its buffer's has_state is not read)."""
+    ``s_ok``; its buffer's has_state is not read), its buffer entries at buffer row c_b and its drafts'
+    u written to rows c_b * DR + draft (i_b and D outside a pool)."""
     R: tl.constexpr = 2 * BD
     _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, D, BD)
+    n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD)
     if SLOTS:  # a pool's request owns a state exactly when it has a state slot
         owns = s_ok
     else:
@@ -446,7 +520,7 @@ def _verify_stream_program(
     X = tl.zeros([R, BV], dtype=tl.float32)
     p_rv = ((i_b * D + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
     o_m = tl.arange(0, BC)
-    p_u = cu_ptr + ((i_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :]
+    p_u = cu_ptr + ((c_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :]
     if EARLY:
         v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
         uc = tl.load(p_u, mask=(o_m < n)[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
@@ -498,7 +572,8 @@ def _verify_stream_program(
     out = tl.where(m_t[:, None], out, 0.0)
     m_out = m_in[:, None] & m_v[None, :]
     tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
-    tl.store(du_ptr + p_rv, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
+    p_du = ((c_b * DR + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
+    tl.store(du_ptr + p_du, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
 
 
 def verify(
@@ -529,10 +604,52 @@ def verify(
     return _verify(q, k, v, g, beta, buffer, parents, num_drafts, scale, config)
 
 
-def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, config, pool_state=None):
-    """``verify``'s body.  ``pool_state``: None, or (state [S, HV, K, V], slots [B]) of a serving pool
-    (``kvbuffer_fast.pool``): request b's S0 is state slot ``slots[b]`` (-1: none, S0 = 0) instead of
-    ``buffer.state`` (which is then None)."""
+class PoolLayer(NamedTuple):
+    """One layer of a serving pool (``kvbuffer_fast.pool.KVPool``) as verify's kernels address it: call row b
+    works on buffer row ``slots[b]`` (-1: a pad, nothing read or written) of ``buffer`` (the layer's rows,
+    state None), reads state slot ``state_slot[slots[b]]`` of ``state`` (-1: none, S0 = 0) and writes its
+    drafts into that row's draft room ``room`` (a Drafts of [rows, DR, ...] tensors: k, u, G, parents,
+    num_drafts) with its ``pending`` flag set."""
+
+    slots: torch.Tensor
+    buffer: KVBuffer
+    state: torch.Tensor
+    state_slot: torch.Tensor
+    room: Drafts
+    pending: torch.Tensor
+
+
+def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, config) -> torch.Tensor:
+    """``verify`` on a pool's layer (``PoolLayer``), the drafts written to the addressed rows' draft rooms;
+    returns o [B, D, HV, V] (pad rows: unspecified).  The caller checked the tokens and the slots;
+    parents / num_drafts are checked here over the valid rows (while no CUDA graph is captured)."""
+    d = check_tokens(q, k, v, g, beta)
+    parents, num_drafts = _default_drafts(parents, num_drafts, d.B, d.T, q)
+    if values_checked(q):
+        valid = pool.slots >= 0
+        chain = torch.arange(-1, d.T - 1, device=q.device)
+        require_int_tensor("parents", parents, (d.B, d.T), "[B, D]", q.device)
+        require_int_tensor("num_drafts", num_drafts, (d.B,), "[B]", q.device)
+        parents = check_parents(torch.where(valid[:, None], parents, chain[None, :]), d.B, d.T, q.device)
+        num_drafts = check_num_drafts(torch.where(valid, num_drafts, 0), d.B, d.T, q.device)
+    else:
+        _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
+    if d.T > MAX_DRAFTS:
+        raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
+                         f"{MAX_DRAFTS} in one launch; verify them in parts or use kvbuffer_ref.verify")
+    s = check_scale(scale, d.K)
+    cfg = (check_config("verify", config) if config is not None
+           else config_for("verify", _key(q, k, d, pool.buffer)))
+    o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
+    if d.B == 0 or d.T == 0:
+        return o
+    _launch(q, k, v, g, beta, pool.buffer, parents.to(torch.long).contiguous(),
+            num_drafts.to(torch.long).contiguous(), s, o, pool.room, d, cfg, pool)
+    return o
+
+
+def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, config):
+    """``verify``'s body."""
     d = check_tokens(q, k, v, g, beta)
     checked = checked_buffer(buffer, "verify", d, q.device)
     parents, num_drafts = _default_drafts(parents, num_drafts, d.B, d.T, q)
@@ -558,7 +675,7 @@ def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, conf
     drafts = Drafts(parents=parents, num_drafts=num_drafts, k=dk, u=du, G=dG)
     if d.B == 0 or d.T == 0:
         return o, drafts
-    _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg, pool_state)
+    _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg)
     return o, drafts
 
 
@@ -580,11 +697,12 @@ def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
 
 
 def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o, drafts: Drafts, d,
-            cfg: VerifyConfig, pool_state=None) -> None:
+            cfg: VerifyConfig, pool: Optional[PoolLayer] = None) -> None:
     """Phase 1 then phase 2 (module docstring).  Phase 1's products: FMA ("ieee"); phase 2's fp32
-    products: tf32x3 on CUDA, FMA in the interpreter; phase 2's X S0 splits only the state for 16-bit q and k (exact in TF32).  ``pool_state``:
-    as ``_verify``'s (phase 2 then reads the pool's state slots)."""
-    storage = buffer.state is not None or pool_state is not None
+    products: tf32x3 on CUDA, FMA in the interpreter; phase 2's X S0 splits only the state for 16-bit q
+    and k (exact in TF32).  ``pool``: the kernels address a pool's layer (``PoolLayer``; ``buffer`` and
+    ``drafts`` are then its rows and its draft room)."""
+    storage = buffer.state is not None or pool is not None
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
     BV = max(16, min(cfg.BV, block(d.V)))
@@ -601,8 +719,12 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     # solves, where cancellation is common (nearly orthogonal q and k): FMA ("ieee") everywhere
     prep = dict(C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC, PREC="ieee",
                 num_warps=cfg.prep_warps, **({"maxnreg": cfg.prep_maxnreg} if cfg.prep_maxnreg else {}), **pdl)
+    DR = d.T if pool is None else drafts.k.shape[1]  # draft rows per buffer row
+    room = ((num_drafts,) * 4 if pool is None  # dummy pointers outside a pool
+            else (pool.slots, drafts.parents, drafts.num_drafts, flag_view(pool.pending)))
     args = (as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, drafts.G, drafts.k,
-            buffer.k, buffer.G, buffer.lengths, pk, lw, s, d.T)
+            buffer.k, buffer.G, buffer.lengths, pk, lw, s, d.T, *room, DR)
+    prep.update(POOL=pool is not None, BDR=block(DR, 2))
     with device_guard(q):
         if zp:
             mma16 = q.dtype == k.dtype == buffer.k.dtype and q.dtype in _SIXTEEN_BIT
@@ -610,12 +732,14 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
                                                     **prep)
         else:
             _verify_prep_kernel[(d.B * d.HV,)](*args, **prep)
-        if pool_state is None:
+        if pool is None:
             stream, state, slots = _verify_stream_kernel, buffer.state, {}
+            own = flag_view(buffer.has_state)
         else:
-            stream, state, slots = _verify_stream_slots_kernel, pool_state[0], dict(sslot_ptr=pool_state[1])
+            stream, state, own = _verify_stream_slots_kernel, pool.state, buffer.lengths  # own: unread
+            slots = dict(sslot_ptr=pool.state_slot, bslot_ptr=pool.slots, DR=DR)
         stream[(triton.cdiv(d.V, BV), d.B * d.HV)](
-            as_input(v), num_drafts, o, drafts.u, buffer.u, buffer.lengths, flag_view(buffer.has_state),
+            as_input(v), num_drafts, o, drafts.u, buffer.u, buffer.lengths, own,
             state if storage else buffer.lengths,  # a dummy pointer when there is no state storage
             pk, lw, d.T, C=buffer.capacity, HV=d.HV, K=d.K, V=d.V, BD=BD, BC=BC, KB=KB, BV=BV, NS=cfg.NS,
             STORAGE=storage, PREC=prec, ZP=zp, H=d.H, q_ptr=as_input(q), k_ptr=as_input(k), EARLY=cfg.early,
