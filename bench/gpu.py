@@ -4,11 +4,11 @@
                          [--ops OP,...] [--peer-path REPLAYSSM_CHECKOUT] [--sglang-path WHEEL_OR_DIR]
                          [--set OP.FIELD=VALUE ...] [--smoke]
 
-For each batch and each operation of ``bench/workloads.py`` (decode over a whole buffer cycle, the
-fold included; verify of d drafts; accept of m; a speculative round; with their peers: the recurrent
-baseline, the per-draft-state baseline, fla's fused_recurrent and chunk kernels; the serving pool
-``kvbuffer_fast.pool.KVPool``; ReplaySSM's decode and speculative kernels from ``--peer-path``; SGLang's
-packed decode from ``--sglang-path``, by default the checkout's ``.whl/sglang/``), the runner
+For each batch and each operation of ``bench/workloads.py`` (a read of the state alone; decode over a
+whole buffer cycle, the fold included; verify of d drafts; accept of m; a speculative round; with their
+peers: the recurrent baseline, the per-draft-state baseline, fla's fused_recurrent and chunk kernels; the
+serving pool ``kvbuffer_fast.pool.KVPool``; ReplaySSM's decode and speculative kernels from ``--peer-path``;
+SGLang's packed decode from ``--sglang-path``, by default the checkout's ``.whl/sglang/``), the runner
 
 1. builds ``--layers`` layers of distinct states and buffers and compares layer 0's eager result,
    compiled, with the float64 oracle: a wrong result is recorded and not timed;
@@ -16,7 +16,8 @@ packed decode from ``--sglang-path``, by default the checkout's ``.whl/sglang/``
    replay with ``triton.testing.do_bench`` (the L2 cleared before every replay; the median), divided
    by the operations in it: device µs per operation and layer;
 3. records the bytes the operation must move (``bench/io_model.py``), the read-once floor at the copy
-   bandwidth measured in the same run, and the ratios to its peers at the same batch.
+   bandwidth measured in the same run, and the ratios to its peers at the same batch (every decode op's
+   to ``read_state``, a kernel that only reads the states: the measured floor of a state read).
 
 ``--before DIR`` measures a second package root too: ``DIR`` holds an older ``kvbuffer_fast`` and
 ``kvbuffer_ref``, imported in a subprocess with ``PYTHONPATH=DIR`` and driven through its own API,

@@ -12,6 +12,8 @@ cumulative gate per value head; Gk = K for per-channel gates, else 1):
 ==========================================  ================================================
 operation                                   bytes
 ==========================================  ================================================
+a state read (``read_state``, one fp32      ``|S| + 4*HV*V/BV`` (the state read, one fp32 sum
+sum written per [K, BV] tile)               written per tile)
 recurrent step (ours, fla's)                ``2|S|`` (read + write)
 buffered decode, per step of a C-step       ``|S| + |S|/C + E*((C + sum_{j<C} j)/C + 1)``: the
 cycle from full buffers (fold fused into    state read every step, the fold's state write once
@@ -34,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["Shapes", "state_bytes", "entry_bytes", "recurrent_step", "packed_decode_step", "engine_inputs_step",
-           "buffered_cycle_step",
+__all__ = ["Shapes", "state_bytes", "entry_bytes", "read_state", "recurrent_step", "packed_decode_step",
+           "engine_inputs_step", "buffered_cycle_step",
            "per_draft_verify", "per_draft_accept", "buffered_verify", "buffered_accept", "floor_us"]
 
 
@@ -65,6 +67,11 @@ def entry_bytes(s: Shapes, B: int = 1) -> int:
     """One buffered (k, u, G) entry of B requests."""
     gk = s.K if s.channel_gate else 1
     return B * (s.H * s.K * s.key_bytes + s.HV * s.V * s.cache_bytes + s.HV * gk * s.cache_bytes)
+
+
+def read_state(s: Shapes, B: int, BV: int) -> float:
+    """``bench/read_state.py``: the state read once, one fp32 sum written per [K, BV] tile."""
+    return state_bytes(s, B) + B * s.HV * (s.V // BV) * 4
 
 
 def recurrent_step(s: Shapes, B: int) -> float:

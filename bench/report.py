@@ -39,23 +39,35 @@ def _x(x) -> str:
 
 
 # ----------------------------------------------------------------------------- the runner's JSON
+READ = "read_state"  # the measured floor of a state read: the decode ops' "x read"
+
+
 def group_table(rows: list, group: str):
-    """One row per batch: every op of the group (device µs, times its floor), then every ratio of an op of
-    the group to each of its peers present (``vs_<peer>``: ours to the baselines, to fla, to ReplaySSM, to SGLang)."""
+    """One row per batch: every op of the group (device µs, times its floor and, where ``read_state`` ran,
+    times read_state's µs: "x read"), then every ratio of an op of the group to each of its other peers present
+    (``vs_<peer>``: ours to the baselines, to fla, to ReplaySSM, to SGLang)."""
     from bench.workloads import OPS, PEERS
 
     ops = [o for o in OPS if OPS[o] == group and any(r["op"] == o for r in rows)]
     present = {r["op"] for r in rows}
-    pairs = [(o, p) for o in ops for p in PEERS.get(o, ()) if p in present]
-    header = ["B"] + [f"{o} µs (x floor)" for o in ops] + [f"{o} / {p}" for o, p in pairs]
+
+    def read(o: str) -> bool:  # o's cell carries "x read"
+        return READ in ops and READ in PEERS.get(o, ())
+    pairs = [(o, p) for o in ops for p in PEERS.get(o, ()) if p in present and p != READ]
+    header = (["B"] + [f"{o} µs (x floor{', x read' if read(o) else ''})" for o in ops]
+              + [f"{o} / {p}" for o, p in pairs])
     by = {(r["op"], r["B"]): r for r in rows}
     out = []
     for B in sorted({r["B"] for r in rows if r["op"] in ops}):
         line = [B]
         for o in ops:
             r = by.get((o, B))
-            line.append(f"{_us(r['device_us'])} ({r['vs_floor']:.2f})" + ("" if r.get("within_budget", True)
-                                                                         else " [past budget]") if r else "–")
+            if r is None:
+                line.append("–")
+                continue
+            vs_read = r.get(f"vs_{READ}")
+            x = f"{r['vs_floor']:.2f}" + ((", –" if vs_read is None else f", {vs_read:.2f}") if read(o) else "")
+            line.append(f"{_us(r['device_us'])} ({x})" + ("" if r.get("within_budget", True) else " [past budget]"))
         line += [_x(by.get((o, B), {}).get(f"vs_{p}")) for o, p in pairs]
         out.append(line)
     return header, out
@@ -102,7 +114,9 @@ def runner_markdown(result: dict) -> str:
         "", "Device µs per operation and layer: the operation on every layer captured in one CUDA graph, its replay "
         "timed by `triton.testing.do_bench` (L2 cleared before each replay, median), divided by the operations in it. "
         "In parentheses: times the read-once floor (the bytes the operation must move at the copy bandwidth of the "
-        "same run). Ratios: the group's operation over its peers at the same batch, same run; below 1 is faster. "
+        "same run) and, for a decode op, times `read_state` at the same batch (x read: a kernel that only reads "
+        "the states, the measured floor of a state read). Ratios: the group's operation over its peers at the same "
+        "batch, same run; below 1 is faster. "
         "Every timed operation matched the float64 oracle first.", ""]
     for name, tree in result.get("trees", {}).items():
         bad = tree.get("failures", [])

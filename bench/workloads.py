@@ -13,6 +13,8 @@ Operations (``OPS``), grouped with the peers they are compared with:
 ========  ===============================  ============================================================
 group     op                               what one operation is
 ========  ===============================  ============================================================
+decode    ``read_state``                   each layer's fp32 state read once and nothing else
+                                           (``bench/read_state.py``): the measured floor of a state read
 decode    ``recurrent_decode``             the recurrent baseline: one token, the state updated in place
 decode    ``fla_fused_recurrent``          fla's ``fused_recurrent_gated_delta_rule``, one token
 decode    ``buffered_decode``              one step, averaged over a whole cycle of C steps from full
@@ -515,6 +517,33 @@ class _Builder:
                     decode(**steps[layer][t], buffer=bufs[layer], **kw)
         return self.case("buffered_decode", "decode", run, self.L * C, io.buffered_cycle_step(self.s, self.B, C),
                          checks, C=C)
+
+    def read_state(self) -> Case:
+        """The measured floor of a state read: each layer's fp32 state [B, HV, K, V] read once by
+        ``bench/read_state.py``'s kernel, every layer in turn.  Each of its tilings is checked (its tile sums
+        against torch's) and timed as the runner times a case; the case runs the fastest."""
+        from bench import read_state as R
+        from bench.gpu import device_ms  # the runner's timer (here, not at the top: bench.gpu imports this module)
+
+        s, B, dev = self.s, self.B, self.wl.device
+        gen = torch.Generator(device=dev).manual_seed(17)
+        states = self._layers(lambda _: torch.randn(B, s.HV, s.K, s.V, device=dev, generator=gen))
+        checks, runs, us = [], {}, {}
+        for t in dict.fromkeys(R.fit(x, s.K, s.V) for x in R.TILINGS):  # distinct tilings, in order
+            outs = [torch.empty(B * s.HV, s.V // t.BV, device=dev) for _ in states]
+            R.launch(states[0], outs[0], t)
+            checks.append(R.sums_check(f"read_state[{t}].sums", states[0], outs[0], t.BV))
+
+            def run(t=t, outs=outs):
+                for st, o in zip(states, outs):
+                    R.launch(st, o, t)
+            runs[t], us[t] = run, device_ms(run, smoke=dev == "cpu")[0] * 1e3 / self.L
+        best = min(us, key=us.get)
+        c = self.case("read_state", "decode", runs[best], self.L, io.read_state(s, B, best.BV), checks,
+                      tiling=str(best), tilings_us={str(t): u for t, u in us.items()})
+        c.note = ("a kernel that only reads each layer's state (one fp32 sum written per [K, BV] tile), tiling "
+                  f"{best}" + (f" (the fastest of {len(us)})" if len(us) > 1 else ""))
+        return c
 
     # ------------------------------------------------------------------ verify
     def _state_history(self) -> History:
@@ -1164,7 +1193,7 @@ class _Builder:
 
 #: op -> group, in the order the runner measures them.
 OPS = {
-    "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
+    "read_state": "decode", "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
     "pool_decode": "decode", "pool_decode_engine": "decode", "replayssm_decode": "decode", "sglang_decode": "decode",
     "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
     "fla_chunk_tokens": "verify",
@@ -1174,18 +1203,21 @@ OPS = {
     "tree_round": "round", "per_draft_state_tree_round": "round",
 }
 GROUPS = ("decode", "verify", "accept", "round")
-#: The op each group is about, and the peers its ratios are taken against (same run, same batch).
+#: The op each group is about, and the peers its ratios are taken against (same run, same batch).  Every
+#: decode op is also taken against ``read_state``, the measured floor of its state read (the report's "x read").
 PEERS = {
-    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode", "sglang_decode"),
-    "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode", "sglang_decode"),
-    "pool_decode_engine": ("pool_decode", "sglang_decode", "replayssm_decode"),
+    "recurrent_decode": ("read_state",),
+    "fla_fused_recurrent": ("read_state",),
+    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode", "sglang_decode", "read_state"),
+    "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode", "sglang_decode", "read_state"),
+    "pool_decode_engine": ("pool_decode", "sglang_decode", "replayssm_decode", "read_state"),
     "verify": ("per_draft_state_verify", "fla_fused_recurrent_tokens", "fla_chunk_tokens"),
     "accept": ("per_draft_state_accept",),
     "round": ("per_draft_state_round", "fla_fused_recurrent_tokens", "replayssm_round"),
     "pool_round": ("round", "per_draft_state_round", "replayssm_round"),
     "pool_round_per_layer": ("pool_round", "replayssm_round"),
-    "replayssm_decode": ("recurrent_decode",),
-    "sglang_decode": ("recurrent_decode",),
+    "replayssm_decode": ("recurrent_decode", "read_state"),
+    "sglang_decode": ("recurrent_decode", "read_state"),
     "replayssm_round": ("per_draft_state_round",),
     "round_cycle": ("replayssm_round_cycle", "round"),
     "tree_round": ("per_draft_state_tree_round", "round"),
