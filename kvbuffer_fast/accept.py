@@ -27,8 +27,8 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, check_num_drafts, check_parents,
                                  require_device, require_float, require_int_tensor, require_rank, require_tensor)
 
-from ._common import (_program_ids, as_input, block, checked_buffer, device_guard, flag_view, require_no_overlap,
-                      ticket_counters)
+from ._common import (_pdl_prologue, as_input, block, checked_buffer, device_guard, flag_view,
+                      pdl_launch, require_no_overlap, ticket_counters)
 from .launch import AcceptConfig, check_config, config_for, key_of
 
 __all__ = ["accept"]
@@ -210,9 +210,10 @@ def _accept_fold_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
-    CHANNEL: tl.constexpr, COUNTS: tl.constexpr,
+    CHANNEL: tl.constexpr, COUNTS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The fold launch on a buffer, grid (V / BV, B * HV / FH): request i_b's rows and state rows."""
+    _pdl_prologue(PDL)
     i_v = tl.program_id(0)
     i_g = tl.program_id(1).to(tl.int64)
     i_b = i_g // (HV // FH)
@@ -226,8 +227,10 @@ def _accept_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr, COUNTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The copy launch on a buffer, grid (SPLITS, B)."""
+    _pdl_prologue(PDL)
     i_b = tl.program_id(1).to(tl.int64)
     _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
                   D, tl.program_id(0), i_b, i_b, C, H, HV, K, V, BD, CH, SPLITS, CHANNEL, COUNTS)
@@ -239,12 +242,13 @@ def _accept_fold_slots_kernel(
     bslot_ptr, sread_ptr, swrite_ptr, NR, SR, B,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, FH: tl.constexpr, NS: tl.constexpr,
-    CHANNEL: tl.constexpr,
+    CHANNEL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The fold launch on a pool, grid (V / BV, B * HV / FH, layers): call row i_b (its node node[i_b]) on
     buffer row and draft room ``bslot[i_b]`` of layer ``program_id(2)``, the state read from slot
     ``sread[layer, i_b]`` (-1: none) and written to ``swrite[layer, i_b]`` ([layers, B]), int64 offsets; a
     pad (-1) does nothing."""
+    _pdl_prologue(PDL)
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
         ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, SR, D,
         C, H, HV, K, V, CHANNEL)
@@ -265,11 +269,12 @@ def _accept_slots_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
     bslot_ptr, NR, B,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr,
+    BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The copy launch on a pool, grid (SPLITS, B, layers): call row i_b on buffer row and draft room
     ``bslot[i_b]`` of layer ``program_id(2)`` (int64 offsets; tickets [layers, B]); a pad (-1) does
     nothing."""
+    _pdl_prologue(PDL)
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, _, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
         ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, len_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, 0, D,
         C, H, HV, K, V, CHANNEL)
@@ -315,7 +320,8 @@ def accept(
     cfg = check_config("accept", config)
     BV = max(16, min(cfg.BV, block(V)))
     args = (as_input(drafts.k), as_input(drafts.u), as_input(drafts.G), as_input(drafts.parents), nodes, D)
-    consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=buffer.channel_gate, COUNTS=is_count)
+    consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=buffer.channel_gate, COUNTS=is_count,
+                  **pdl_launch(buffer.k, cfg.pdl))
     with device_guard(buffer.k):
         if buffer.state is not None:  # requests past the capacity fold first (the others' programs return at once)
             FH = math.gcd(HV, cfg.FH)

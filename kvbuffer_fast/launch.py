@@ -146,7 +146,8 @@ class AcceptConfig:
     """accept: the fold launch (``FH`` value heads per program, ``num_warps`` warps, each head's [K, BV] state
     tile in [KB, BV] blocks through ``NS`` pipeline stages; its programs return at once for requests that
     cannot overflow) and the copy launch (``splits`` programs per request, chunks of ``CH`` elements of the
-    entries' rows, ``copy_warps`` warps)."""
+    entries' rows, ``copy_warps`` warps); ``pdl``: each launch a programmatic dependent launch of the one
+    before it (sm_90+; it waits for its predecessor first, so only the launch latency overlaps)."""
 
     FH: int = 4
     BV: int = 64
@@ -156,6 +157,7 @@ class AcceptConfig:
     CH: int = 1024
     splits: int = 4
     copy_warps: int = 4
+    pdl: bool = True
 
 
 @dataclass(frozen=True)

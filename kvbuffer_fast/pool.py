@@ -46,8 +46,8 @@ from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, c
 from kvbuffer_ref.pool import check_slots, on_device, per_row, set_layout, varlen_admit
 
 from . import decode as _decode
-from ._common import (CACHE_DTYPES, STATE_DTYPES, as_input, block, checked_tokens, device_guard, flag_view,
-                      new_output, pdl_launch, ticket_counters, values_checked)
+from ._common import (CACHE_DTYPES, STATE_DTYPES, _pdl_prologue, as_input, block, checked_tokens, device_guard,
+                      flag_view, new_output, pdl_launch, ticket_counters, values_checked)
 from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
@@ -232,7 +232,7 @@ class KVPool:
                 0 if per_row else arg, s if node is None else node, plan, count, self._claims_scratch[l0], B, NL, N,
                 S, D,
                 C=self.capacity, RULE=rule, PER_ROW=per_row, COUNTS=name == "counts", BB=block(B, 2),
-                BD=block(D, 2), BS=min(block(S, 2), 4096), num_warps=4)
+                BD=block(D, 2), BS=min(block(S, 2), 4096), num_warps=4, **pdl_launch(s, True))
         if checked:
             short = count[:, 0] > count[:, 1]
             if bool(short.any()):
@@ -244,7 +244,8 @@ class KVPool:
         with device_guard(s):
             _commit_kernel[(triton.cdiv(E, BLOCK), NL)](
                 s, t["state_slot"][l0], t["refs"][l0], t["state"][l0], plan, flag_view(t["pending"][l0]),
-                t["num_drafts"][l0], B, NL, N, S, E=E, BLOCK=BLOCK, BB=block(B, 2), ACCEPT=accepted is not None)
+                t["num_drafts"][l0], B, NL, N, S, E=E, BLOCK=BLOCK, BB=block(B, 2), ACCEPT=accepted is not None,
+                **pdl_launch(s, True))
         return plan[0], plan[1], plan[2], node
 
     # ------------------------------------------------------------------ gather / scatter
@@ -435,7 +436,8 @@ class KVPool:
             l0 = lay.start
             buf = (t["k"][l0], t["u"][l0], t["G"][l0], t["lengths"][l0], flag_view(t["has_state"][l0]))
             room = (t["dk"][l0], t["du"][l0], t["dG"][l0], t["parents"][l0], node, D)
-            consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=self.channel_gate)
+            consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=self.channel_gate,
+                          **pdl_launch(s, cfg.pdl))
             NR, SR = self.num_buffer_slots + 1, self.num_state_slots + 1
             with device_guard(s):
                 FH = math.gcd(HV, cfg.FH)
@@ -539,7 +541,7 @@ def _copy_block(src_ptr, dst_ptr, n, i_p, BLOCK: tl.constexpr):
 def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, arg_ptr, arg, node_ptr, plan_ptr,
                    count_ptr, scratch_ptr, B, NL, N, S, D,
                    C: tl.constexpr, RULE: tl.constexpr, PER_ROW: tl.constexpr, COUNTS: tl.constexpr,
-                   BB: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+                   BB: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (layers,): ``KVPool._claims`` of layer ``program_id(0)`` (after the call's first; N buffer
     and S state slots per layer, each tensor with its sink row) for the B call rows ``slot`` (-1: a pad),
     in registers.  Which rows fold (RULE): 0, ``fold[layer, i]`` (uint8); 1, decode's (a full buffer);
@@ -549,7 +551,9 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
     (rows that need a fresh slot, free slots).  The sharers of a slot that fold are counted in the
     int32 ``scratch`` ([layers, 2 S + N], zero between calls: reset here), and so is the first of them
     (``B - max(B - row)``); the fresh slots go out by rank (the rank-th needing row, kept in the scratch,
-    gets the rank-th free slot).  Scratch and plan values that other threads wrote are read at L2."""
+    gets the rank-th free slot).  Scratch and plan values that other threads wrote are read at L2.
+    PDL: a programmatic dependent launch (it waits for the kernel before it first)."""
+    _pdl_prologue(PDL)
     i_l = tl.program_id(0).to(tl.int64)
     sslot_ptr += i_l * (N + 1)
     len_ptr += i_l * (N + 1)
@@ -623,11 +627,14 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
 
 @triton.jit
 def _commit_kernel(slot_ptr, sslot_ptr, refs_ptr, state_ptr, plan_ptr, pend_ptr, nd_ptr, B, NL, N, S,
-                   E: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, ACCEPT: tl.constexpr):
+                   E: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, ACCEPT: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Grid (E / BLOCK, layers), after ``_claims_kernel``: in layer ``program_id(1)``, copy block
     ``program_id(0)`` of the state of every row that leaves a shared slot (``need`` with a current slot)
     to its fresh slot (E = HV K V elements per slot); program 0 moves the rows' references (``refs``,
-    ``state_slot``) to their write slots and, with ACCEPT, clears their ``pending`` / ``num_drafts``."""
+    ``state_slot``) to their write slots and, with ACCEPT, clears their ``pending`` / ``num_drafts``.
+    PDL: as ``_claims_kernel``'s."""
+    _pdl_prologue(PDL)
     i_p = tl.program_id(0)
     i_l = tl.program_id(1).to(tl.int64)
     o_b = tl.arange(0, BB)
