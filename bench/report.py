@@ -73,6 +73,20 @@ def group_table(rows: list, group: str):
     return header, out
 
 
+def oracle_errors(rows: list) -> list:
+    """[op, B, µs, comparison, worst rel, budget, within] of every timed row: its comparison nearest its
+    budget (the largest worst rel-RMS / budget), so that each operation's error stands beside its time."""
+    out = []
+    for r in rows:
+        checks = [c for c in r.get("checks", []) if c.get("budget")]
+        if not checks or r.get("device_us") is None:
+            continue
+        c = max(checks, key=lambda c: c.get("worst_rel", float("nan")) / c["budget"])
+        out.append([r["op"], r["B"], _us(r["device_us"]), c.get("name"), f"{c.get('worst_rel', float('nan')):.2e}",
+                    f"{c['budget']:.2e}", "yes" if c.get("passed") else "NO"])
+    return out
+
+
 def peer_errors(rows: list) -> list:
     """[op, B, comparison, worst rel, budget, within] of every peer row (ReplaySSM's, SGLang's): its error
     against the float64 oracle beside its time."""
@@ -127,6 +141,12 @@ def runner_markdown(result: dict) -> str:
         h, rows = group_table(after.get("rows", []), group)
         if rows:
             md += [f"## {title}", "", _table(h, rows), ""]
+    errs = oracle_errors(after.get("rows", []))
+    if errs:
+        md += ["## Time and error against the float64 oracle", "",
+               "Each operation's comparison nearest its budget (layer 0, requests 0 and B - 1; the error table of the "
+               "token dtype).", "",
+               _table(["op", "B", "µs", "comparison", "worst rel-RMS", "budget", "within"], errs), ""]
     perr = peer_errors(after.get("rows", []))
     if perr:
         ops = {p[0] for p in perr}
@@ -162,8 +182,11 @@ def plot_latency(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     rows = result.get("trees", {}).get("after", {}).get("rows", [])
-    fig, axes = plt.subplots(1, len(GROUP_TITLES), figsize=(18, 4.2))
-    for ax, (group, title) in zip(axes, GROUP_TITLES.items()):
+    groups = [(g, t) for g, t in GROUP_TITLES.items() if any(r["group"] == g for r in rows)]  # panels with rows
+    if not groups:
+        return False
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.2), squeeze=False)
+    for ax, (group, title) in zip(axes[0], groups):
         for op in sorted({r["op"] for r in rows if r["group"] == group}):
             pts = sorted((r["B"], r["device_us"]) for r in rows if r["op"] == op)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)

@@ -271,9 +271,10 @@ def chunk_flops(B, T, HV, K, V, BT=64):
 #: per thread for fp32 and 104 B for bf16, against 200 B and none at BV = 16).  state_stages2: the chunk
 #: loop software-pipelined, the next chunk's W and K loaded during this one's products (spills 872 / 344 B).
 #: A candidate equal to one timed before it in the same row is skipped.
-VARIANTS = (("ours", None), ("fast16_off", dict(fast16=False)), ("state_bv32", dict(BV=32)),
-            ("state_stages2", dict(stages=2)), ("state_stages3", dict(stages=3)), ("prep_warps8", dict(prep_warps=8)),
-            ("out_bv128", dict(out_BV=128)))
+VARIANTS = (("ours", None), ("fast16_off", dict(fast16=False)), ("state_bv16", dict(BV=16)), ("state_bv32", dict(BV=32)),
+            ("state_stages2", dict(stages=2)), ("state_stages3", dict(stages=3)), ("state_warps8", dict(num_warps=8)),
+            ("prep_warps2", dict(prep_warps=2)), ("prep_warps8", dict(prep_warps=8)), ("out_bv128", dict(out_BV=128)),
+            ("out_warps8", dict(out_warps=8)))
 
 
 def variant_config(x, change):
