@@ -179,3 +179,29 @@ def test_fast_calls_are_few_launches():
     for op, c in steady_counts(DEVICE).items():
         assert not c["torch"] and not c["host"], f"{op}: torch kernels {dict(c['torch'])}, host {dict(c['host'])}"
         assert sum(c["triton"].values()) <= most[op], f"{op}: {dict(c['triton'])}"
+
+
+def test_fast_verify_ignores_a_pads_parents_and_counts():
+    """verify addresses the pool in place: a pad row (slot -1) with out-of-range parents and draft count is
+    neither checked nor read, and writes nothing (every tensor outside the valid row's slot bit-identical);
+    the valid row's outputs are the recurrence's, and its draft room holds its parents and count."""
+    from .schedule import Checker, Tokens, _rows
+    p = _pool(**SHAPES)
+    tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
+    s = p.acquire(1)
+    x = tok.draw(1, 2)
+    p.admit(**{n: t.to(DEVICE) for n, t in x.items()}, layer=0, slots=s.to(DEVICE))
+    before = snapshot(p)
+    rows = torch.tensor([-1, int(s[0])], dtype=torch.int64, device=DEVICE)
+    d = tok.draw(2, 3)
+    parents = torch.tensor([[7, -5, 99], [-1, 0, 0]], device=DEVICE)  # row 1: a tree (draft 2's parent is 0)
+    num_drafts = torch.tensor([99, 3], device=DEVICE)
+    o = p.verify(**{n: t.to(DEVICE) for n, t in d.items()}, layer=0, slots=rows, parents=parents,
+                 num_drafts=num_drafts)
+    assert_untouched(p, before, [int(s[0])], "verify with a pad row")
+    t = p.tensors()
+    assert t["parents"][0, int(s[0])].tolist() == [-1, 0, 0] and int(t["num_drafts"][0, int(s[0])]) == 3
+    assert bool(t["pending"][0, int(s[0])])
+    hist = _rows(x, 0)
+    for j, path in ((0, [0]), (1, [0, 1]), (2, [0, 2])):  # each draft after its root-to-node path
+        chk.check(o[1, j:j + 1].cpu(), hist, _rows(d, (1, path)), f"verify draft {j}")
