@@ -37,6 +37,10 @@ With PDL (CUDA, sm_90+) phase 2 is a programmatic dependent launch of phase 1: f
 state loop, which reads nothing phase 1 writes, runs before it waits for phase 1's results.  Nothing
 is written to the buffer.  The launch (tile sizes, warps, the early loads, PDL) is a
 ``kvbuffer_fast.launch.VerifyConfig``; docs/speculative.md gives the measurements behind the table.
+
+A serving pool (``kvbuffer_fast.pool.KVPool.verify``) runs the same two launches through ``verify_pool``
+on a ``PoolLayer``: each call row reads its slot's buffer row and state slot and writes its drafts into
+the slot's draft room by index (``_verify_stream_slots_kernel``; the phase-1 kernels with ``POOL``).
 """
 
 from __future__ import annotations
