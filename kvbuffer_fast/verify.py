@@ -645,7 +645,15 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
     cfg = (check_config("verify", config) if config is not None
            else config_for("verify", _key(q, k, d, pool.buffer)))
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
-    if d.B == 0 or d.T == 0:
+    if d.B == 0:
+        return o
+    if d.T == 0:  # no drafts: the rooms are empty and pending (pads go to the sink row, then cleared)
+        sink = pool.pending.shape[0] - 1
+        rows = torch.where(pool.slots >= 0, pool.slots.to(torch.int64), sink)
+        pool.room.parents[rows] = -1
+        pool.room.num_drafts[rows] = 0
+        pool.pending[rows] = True
+        pool.pending[sink] = False
         return o
     _launch(q, k, v, g, beta, pool.buffer, parents.to(torch.long).contiguous(),
             num_drafts.to(torch.long).contiguous(), s, o, pool.room, d, cfg, pool)

@@ -205,3 +205,28 @@ def test_fast_verify_ignores_a_pads_parents_and_counts():
     hist = _rows(x, 0)
     for j, path in ((0, [0]), (1, [0, 1]), (2, [0, 2])):  # each draft after its root-to-node path
         chk.check(o[1, j:j + 1].cpu(), hist, _rows(d, (1, path)), f"verify draft {j}")
+
+
+def test_fast_verify_of_no_drafts_leaves_empty_rooms_pending():
+    """verify with D = 0 (a pad among the rows) leaves each valid slot's room empty and pending, as the
+    reference pool does, so that accept(counts=0) follows and then decode."""
+    from kvbuffer_ref.pool import KVPool as RefPool
+
+    from .schedule import Tokens
+    tok = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu")
+    x, d, step = tok.draw(2, 2), tok.draw(3, 0), tok.draw(3, 1)
+    dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
+    seen = []
+    for pool, to in ((_pool(**SHAPES), dev), (RefPool(layers=1, num_state_slots=4, num_buffer_slots=4, capacity=3,
+                                                        max_drafts=3, num_heads=1, num_value_heads=2, head_k_dim=4,
+                                                        head_v_dim=4), lambda y: y)):
+        s = pool.acquire(2)
+        pool.admit(**to(x), layer=0, slots=s.to(DEVICE) if to is dev else s)
+        rows = torch.tensor([int(s[0]), -1, int(s[1])])
+        rows = rows.to(DEVICE) if to is dev else rows
+        assert pool.verify(**to(d), layer=0, slots=rows).shape == (3, 0, 2, 4)
+        t = pool.tensors()
+        seen.append([t[n][0].cpu().tolist() for n in ("pending", "num_drafts", "parents")])
+        pool.accept(layer=0, slots=rows, counts=0)
+        pool.decode(**to(step), layer=0, slots=rows)
+    assert seen[0] == seen[1] and seen[0][0][:2] == [True, True]
