@@ -45,6 +45,7 @@ the slot's draft room by index (``_verify_stream_slots_kernel``; the phase-1 ker
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
@@ -54,7 +55,7 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens, require_int_tensor
 
-from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, checked_buffer,
+from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, check_growth, checked_buffer,
                       checked_tokens, device_guard, flag_view, new_output, pdl_launch, values_checked)
 from .launch import VerifyConfig, check_config, config_for, key_of
 
@@ -636,6 +637,11 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
         require_int_tensor("num_drafts", num_drafts, (d.B,), "[B]", q.device)
         parents = check_parents(torch.where(valid[:, None], parents, chain[None, :]), d.B, d.T, q.device)
         num_drafts = check_num_drafts(torch.where(valid, num_drafts, 0), d.B, d.T, q.device)
+        # the gates' growth across calls, from the rows' stored G (pads: no entries), as verify checks it
+        at = torch.where(valid, pool.slots.to(torch.int64), 0)
+        rows = SimpleNamespace(G=pool.buffer.G[at], lengths=torch.where(valid, pool.buffer.lengths[at], 0))
+        drafted = valid[:, None] & (torch.arange(d.T, device=q.device)[None, :] < num_drafts[:, None])
+        check_growth(g, drafted, rows)
     else:
         _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
     if d.T > MAX_DRAFTS:

@@ -230,3 +230,24 @@ def test_fast_verify_of_no_drafts_leaves_empty_rooms_pending():
         pool.accept(layer=0, slots=rows, counts=0)
         pool.decode(**to(step), layer=0, slots=rows)
     assert seen[0] == seen[1] and seen[0][0][:2] == [True, True]
+
+
+def test_fast_verify_checks_the_gates_growth_across_calls():
+    """Positive gates whose sum in one verify call is within kvbuffer_fast's limit but, on top of the slot's
+    buffered gates, grow past it: a ValueError naming the growth (the buffered G is read by slot), and a pad
+    row's slot (the sink) is not part of it."""
+    p = _pool(**SHAPES)
+    s = p.acquire(1)
+    g = torch.Generator().manual_seed(0)
+
+    def tok(B, T, gate):
+        return dict(q=torch.randn(B, T, 1, 4, generator=g), k=torch.nn.functional.normalize(
+            torch.randn(B, T, 1, 4, generator=g), dim=-1), v=torch.randn(B, T, 2, 4, generator=g),
+            g=torch.full((B, T, 2), gate), beta=torch.rand(B, T, 2, generator=g))
+
+    dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
+    p.admit(**dev(tok(1, 2, 30.0)), layer=0, slots=s.to(DEVICE))  # G = 30, 60
+    rows = torch.tensor([int(s[0]), -1], device=DEVICE)
+    with pytest.raises(ValueError, match="grows by 84 in log space since its buffer's last flush"):
+        p.verify(**dev(tok(2, 3, 8.0)), layer=0, slots=rows)
+    p.verify(**dev(tok(2, 3, -1.0)), layer=0, slots=rows)  # decaying drafts: fine
