@@ -258,7 +258,15 @@ TABLES: dict[str, tuple[Row, ...]] = {
             why="the two-piece product, at most 2048 programs and <= 16 buffer rows: 70.4 against 72.5 us "
                 "at B = 64; slower at B = 128 and with C = 32"),
     ),
-    "accept": (),
+    "accept": (
+        Row(dict(splits=2), columns=(128 * 32 * 128, 256 * 32 * 128 - 1),
+            why="the copy launch on about 256 programs: at B = 128 (Qwen3-Next heads) accept took 16.5 against 19.6 "
+                "(4 splits) and 18.4 us (1), the round 127.3 against 130.8 / 128.9 us"),
+        Row(dict(splits=1), columns=(256 * 32 * 128, None),
+            why="one copy program per request at B >= 256: accept 25.6 / 47.0 against 32.3 / 58.5 us (4 splits) and "
+                "28.3 / 50.8 (2) at B = 256 / 512, the round 241.1 / 465.3 against 247.8 / 478.8 us; at B = 64 "
+                "4 splits stay best (accept 11.5 against 12.1 with 2, 15.5 with 1)"),
+    ),
     "per_draft_state": (),
     "chunk": _CHUNK_ROWS,
     "direct": _CHUNK_ROWS,
