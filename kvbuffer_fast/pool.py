@@ -411,7 +411,9 @@ class KVPool:
         if (counts is None) == (nodes is None):
             raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
         name, x = ("counts", counts) if counts is not None else ("nodes", nodes)
-        arg = x if type(x) is int else per_row(name, x, s)  # an int reaches the claims kernel as a scalar
+        # an int reaches the claims kernel as a scalar; a tensor as a contiguous int64 [B] (the kernel reads it
+        # at unit stride: a strided or expanded int64 view is copied)
+        arg = x if type(x) is int else as_input(per_row(name, x, s))
         D = self.max_drafts
         if checked:  # the counts / nodes against each layer's verified drafts (kvbuffer_ref.checks)
             x = torch.where(s >= 0, per_row(name, x, s), 0 if counts is not None else -1)  # pads: accept none

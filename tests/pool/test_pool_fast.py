@@ -251,3 +251,27 @@ def test_fast_verify_checks_the_gates_growth_across_calls():
     with pytest.raises(ValueError, match="grows by 84 in log space since its buffer's last flush"):
         p.verify(**dev(tok(2, 3, 8.0)), layer=0, slots=rows)
     p.verify(**dev(tok(2, 3, -1.0)), layer=0, slots=rows)  # decaying drafts: fine
+
+
+@pytest.mark.parametrize("view", ["strided", "expanded"])
+@pytest.mark.parametrize("how", ["counts", "nodes"])
+def test_fast_accept_reads_per_row_views(how, view):
+    """accept's counts / nodes as an int64 view that is not contiguous (every other entry of a longer
+    tensor, or one entry expanded to B rows: stride 0) leave the pool bit-identical to the same values
+    passed contiguous: the state-slot bookkeeping reads them at unit stride, so the view is copied."""
+    a, b = _pool(**dict(SHAPES, N=5)), _pool(**dict(SHAPES, N=5))
+    rows = torch.tensor([0, 1, 2], device=DEVICE)
+    for p in (a, b):
+        s = p.acquire(3).to(DEVICE)
+        p.admit(**_tok(3, T=2), layer=0, slots=s)                  # 2 entries each: accepting 2 folds (C = 3)
+        p.verify(**_tok(3, T=2, seed=1), layer=0, slots=rows)
+    base = torch.tensor([2, 99, 0, 99, 1] if view == "strided" else [2], device=DEVICE)
+    if how == "nodes":
+        base = base - 1
+    arg = base[::2] if view == "strided" else base.expand(3)
+    a.accept(layer=0, slots=rows, **{how: arg})
+    b.accept(layer=0, slots=rows, **{how: arg.contiguous()})
+    for name, x in a.tensors().items():
+        y = b.tensors()[name]
+        same = (x == y) | (x.isnan() & y.isnan()) if x.dtype.is_floating_point else x == y
+        assert bool(same.all()), f"{name} differs between {how} as a {view} view and as a contiguous tensor"
