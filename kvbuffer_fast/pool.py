@@ -43,7 +43,7 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_int_tensor,
                                  require_tensor)
-from kvbuffer_ref.pool import check_slots, on_device, per_row, set_layout, varlen_admit
+from kvbuffer_ref.pool import admit_state, check_slots, on_device, per_row, set_layout, varlen_admit
 
 from . import decode as _decode
 from ._common import (CACHE_DTYPES, STATE_DTYPES, _pdl_prologue, as_input, block, checked_tokens, device_guard,
@@ -287,7 +287,7 @@ class KVPool:
         if cu_seqlens is None:
             self._check_tokens(q, k, v, g, beta, s)
             x = {n: y[rows] for n, y in tokens.items()}
-            s0, varlen = (None if initial_state is None else initial_state[rows]), {}
+            s0, varlen = admit_state(initial_state, tokens, rows), {}
         else:
             x, idx, cu, s0 = varlen_admit(s.to(torch.int64), tokens, cu_seqlens, initial_state)
             self._check_tokens(*x.values(), torch.zeros(1, dtype=torch.int64, device=s.device))

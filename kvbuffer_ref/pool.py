@@ -44,13 +44,13 @@ from typing import Optional
 import torch
 
 from .buffer import Drafts, KVBuffer
-from .checks import check_capacity, check_count_arg, check_tokens, require_tensor, same_device
+from .checks import check_capacity, check_count_arg, check_state, check_tokens, require_tensor, same_device
 from .decode import buffered_decode, flush, materialize_state
 from .entries import fold_count
 from .prefill import prefill
 from .speculative import accept, path_to, verify
 
-__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device", "varlen_admit"]
+__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device", "varlen_admit", "admit_state"]
 
 
 def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int, max_drafts: int,
@@ -170,6 +170,16 @@ def check_slots(name: str, slots, num_slots: int, device, live: Optional[torch.T
     return s
 
 
+def admit_state(initial_state, tokens: dict, rows: torch.Tensor):
+    """``admit``'s initial states without ``cu_seqlens``: None, or [B, HV, K, V] (one per entry of slots, pads
+    included) on q's device, checked against the tokens ``tokens`` (q, k, v, g, beta) before it is indexed;
+    returns the rows ``rows`` of it (the valid entries)."""
+    if initial_state is None:
+        return None
+    check_state("initial_state", initial_state, check_tokens(**tokens), tokens["q"].device)
+    return initial_state[rows]
+
+
 def varlen_admit(s: torch.Tensor, tokens: dict, cu_seqlens, initial_state=None):
     """``admit``'s variable-length batch: the prompts of the valid entries.  s: the checked slots [N] (-1 for
     a pad); tokens: q, k, v, g, beta with the N prompts concatenated along T in a batch of one (q
@@ -178,8 +188,7 @@ def varlen_admit(s: torch.Tensor, tokens: dict, cu_seqlens, initial_state=None):
     as a tensor like ``cu_seqlens``, their initial states or None).  A pad's prompt is never read."""
     from .recurrent import check_cu_seqlens
 
-    for name, x in tokens.items():
-        require_tensor(name, x)
+    check_tokens(**tokens)  # the packed tensors' shapes agree before any token is gathered along T
     q = tokens["q"]
     cu = check_cu_seqlens(cu_seqlens, q, initial_state)
     if len(cu) - 1 != s.shape[0]:
@@ -402,7 +411,7 @@ class KVPool:
         if cu_seqlens is None:
             self._check_tokens(q, k, v, g, beta, s.shape[0])
             x = {n: t[rows] for n, t in tokens.items()}
-            s0, varlen = (None if initial_state is None else initial_state[rows]), {}
+            s0, varlen = admit_state(initial_state, tokens, rows), {}
         else:
             x, idx, cu, s0 = varlen_admit(s, tokens, cu_seqlens, initial_state)
             self._check_tokens(q, k, v, g, beta, 1)

@@ -233,6 +233,14 @@ def test_admit_rules(kind):
         (lambda: p.admit(**_dev(tok.draw(1, 5)), layer=0, slots=fresh, tail=-1), "tail"),
         (lambda: p.admit(**_dev(tok.draw(1, 5)), layer=0, slots=fresh,
                          initial_state=torch.zeros(1, 3, 4, 4, dtype=p.u.dtype, device=DEVICE)), "initial_state"),
+        (lambda: p.admit(**_dev(tok.draw(1, 5)), layer=0, slots=fresh,                            # 2 rows, B = 1
+                         initial_state=torch.zeros(2, 2, 4, 4, dtype=p.u.dtype, device=DEVICE)), "initial_state"),
+        (lambda: p.admit(**_dev(tok.draw(2, 5)), layer=0, slots=_t(int(fresh), -1),              # 1 row, B = 2
+                         initial_state=torch.zeros(1, 2, 4, 4, dtype=p.u.dtype, device=DEVICE)), "initial_state"),
+        (lambda: p.admit(**_dev(dict(tok.draw(1, 5), v=tok.draw(1, 4)["v"])), layer=0, slots=fresh,  # packed v short
+                         cu_seqlens=_t(0, 5)), "v"),
+        (lambda: p.admit(**_dev(dict(tok.draw(1, 5), g=tok.draw(1, 7)["g"])), layer=0, slots=fresh,  # packed g long
+                         cu_seqlens=_t(0, 5)), "g"),
     ]
     for i, (call, arg) in enumerate(cases):
         _rejects(p, call, arg, f"{kind} admit case {i}")
