@@ -376,9 +376,9 @@ class KVPool:
     def _scatter(self, layer: int, s: torch.Tensor, buf: KVBuffer, folded: torch.Tensor) -> None:
         """Write ``buf`` (one row per slot of ``s``) back; the states of the ``folded`` rows go to the
         request's own state slot (a free one for a request without one or sharing one: copy-on-write)."""
-        self.k[layer, s] = buf.k.to(self.k.dtype)
-        self.u[layer, s] = buf.u.to(self.u.dtype)
-        self.G[layer, s] = buf.G.to(self.G.dtype)
+        self.k[layer, s] = buf.k.detach().to(self.k.dtype)  # stored values: the pool joins no autograd graph
+        self.u[layer, s] = buf.u.detach().to(self.u.dtype)
+        self.G[layer, s] = buf.G.detach().to(self.G.dtype)
         self.lengths[layer, s] = buf.lengths
         self.has_state[layer, s] = buf.has_state
         for i in folded.nonzero().flatten().tolist():
@@ -389,7 +389,7 @@ class KVPool:
                     self.refs[layer, slot] -= 1
                 slot = self._new_state_slot(layer)
                 self.state_slot[layer, b] = slot
-            self.state[layer, slot] = buf.state[i].to(self.state.dtype)
+            self.state[layer, slot] = buf.state[i].detach().to(self.state.dtype)
 
     # ------------------------------------------------------------------ operations
     def admit(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None, tail=None,
@@ -476,9 +476,9 @@ class KVPool:
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
         o_rows, drafts = verify(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], buffer=self._gather(layer, sv),
                                 parents=pick(parents), num_drafts=pick(num_drafts), scale=scale)
-        self.dk[layer, sv, :Dn] = drafts.k.to(self.dk.dtype)
-        self.du[layer, sv, :Dn] = drafts.u.to(self.du.dtype)
-        self.dG[layer, sv, :Dn] = drafts.G.to(self.dG.dtype)
+        self.dk[layer, sv, :Dn] = drafts.k.detach().to(self.dk.dtype)
+        self.du[layer, sv, :Dn] = drafts.u.detach().to(self.du.dtype)
+        self.dG[layer, sv, :Dn] = drafts.G.detach().to(self.dG.dtype)
         self.parents[layer, sv] = -1
         self.parents[layer, sv, :Dn] = drafts.parents
         self.num_drafts[layer, sv] = drafts.num_drafts

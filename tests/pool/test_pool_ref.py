@@ -187,3 +187,21 @@ def test_fork_is_copy_on_write():
     S = p.state_of(layer=0, slots=torch.cat([a, b]))
     chk.check_state(S[0], hist[int(a)], "state a")
     chk.check_state(S[1], hist[int(b)], "state b")
+
+
+def test_pool_joins_no_autograd_graph():
+    """Tokens that require grad (a caller outside torch.no_grad): the pool stores their results as values,
+    so none of its tensors requires grad after admit, decode, verify and accept (a tracked pool would hold
+    every call's graph alive, step after step)."""
+    from .schedule import Tokens
+    p = _pool(layers=1, N=2, C=2, D=2, H=1, HV=2, K=4, V=4)
+    tok = Tokens(0, 1, 2, 4, 4, torch.float64, "cpu")
+    grad = lambda x: {n: t.requires_grad_() for n, t in x.items()}  # noqa: E731
+    s = p.acquire(2)
+    p.admit(**grad(tok.draw(2, 3)), layer=0, slots=s)                # T > C: a fold into a state slot
+    o = p.decode(**grad(tok.draw(2, 1)), layer=0, slots=s)
+    p.verify(**grad(tok.draw(2, 2)), layer=0, slots=s)
+    p.accept(slots=s, counts=2)
+    assert o.requires_grad
+    tracked = [n for n, t in p.tensors().items() if t.requires_grad]
+    assert not tracked, f"the pool's {tracked} require grad"
