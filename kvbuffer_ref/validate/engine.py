@@ -33,14 +33,17 @@ The convention (``Convention``; every field has the oracle's meaning as its defa
     pool           the states live in a pool [slots, HV, ., .] addressed by ``slots`` [N] (int32):
                    requests get random slots among more than they need (the rest NaN: never to be read),
                    padded rows carry ``pad_slot`` (-1; vLLM and SGLang: 0, the null block) and finite
-                   garbage inputs; ``reserved_slots`` are never given to a request (vLLM: (0,))
+                   garbage inputs; ``reserved_slots`` are never given to a request (vLLM: (0,)) and hold
+                   finite garbage (a pad that reads the null block as a state and writes it back changes it)
     varlen         tokens flattened to [1, total, ..] with ``cu_seqlens`` [N + 1] (int32); in "sequence"
                    mode empty sequences are mixed in
     index_dtype    the dtype of ``slots`` and ``cu_seqlens`` (default int32)
 
 What the validator checks besides the oracle's properties: after every call, every slot of the pool that
 no request of the batch owns (the pads' too) is bit for bit unchanged ([pool-slots]: a pad written to
-slot -1, i.e. the pool's last slot, a state stored into a neighbour's slot), and the owned slots hold the
+slot -1, i.e. the pool's last slot, or into the null block; a state stored into a neighbour's slot), that
+the kernel's own inputs (q, k, v or mixed_qkv, the gating inputs, slots, cu_seqlens) are bit for bit
+unchanged ([inputs-changed]: q normalised into the caller's tensor), and the owned slots hold the
 new state in the kernel's layout and dtype.  Reports name the engine's own arguments (``mixed_qkv``,
 ``a``, ``slots``, ...).  A "sequence" call without an initial state gives the kernel a reused slot holding
 the previous occupant's (finite) state and ``has_initial_state`` False per sequence (a kernel that reads
@@ -56,7 +59,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .adapters import AdapterError, ContractViolation
+from .adapters import AdapterError, ContractViolation, _bits
 
 __all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates"]
 
@@ -214,6 +217,8 @@ class _Engine:
         if c.pool:
             pool = torch.full((n_slots, HV, *((V, K) if c.state_layout == "VK" else (K, V))), float("nan"),
                               dtype=c.state_dtype, device=dev)
+            for s in c.reserved_slots:  # the null block: finite, so that a pad writing it changes it (NaN over NaN
+                pool[s] = 0.5           # would not show) and a pad reading it as a state computes a finite one
             prev = self._previous
             for b in range(B):
                 if initial is not None:
@@ -232,7 +237,12 @@ class _Engine:
             call["has_initial_state"] = torch.tensor([initial is not None] * N, dtype=torch.bool, device=dev)
         call["scale"] = K ** -0.5 if scale is None else float(scale)
         before = call["state"].clone()
+        read_only = {n: _bits(x).clone() for n, x in call.items() if isinstance(x, torch.Tensor) and n != "state"}
         o = self._fn(**call)
+        for n, x in read_only.items():  # the engine's own inputs (the Guarded check sees the oracle's only)
+            if not torch.equal(_bits(call[n]), x):
+                raise ContractViolation("inputs-changed", f"the kernel's input {n} (shape {list(call[n].shape)}) "
+                                        f"changed by the call (only the state pool is updated in place)")
         if isinstance(o, tuple):
             o = o[0]
         if not isinstance(o, torch.Tensor):

@@ -1,7 +1,8 @@
 """Engine conventions: a plain-PyTorch engine decode kernel passes in its own convention, in float32 and in
 float16 (where its in-kernel q/k normalisation of the rounded rows is what the truth is computed on); its
 realistic wrong variants (pads not skipped, the state read as [K, V], a softplus-threshold bug, a stale state
-on slot reuse, the q/k norm's epsilon wrong or the norm skipped) fail, each with the class that names it."""
+on slot reuse, the q/k norm's epsilon wrong or the norm skipped, and the serving bugs of ``_SERVING_BUGS``)
+fail, each with the class that names it."""
 
 import random
 import types
@@ -58,6 +59,66 @@ def test_a_wrong_in_kernel_norm_is_caught_in_float16(variant, klass):
     r = _run(getattr(ek, variant), dtype=torch.float16)
     assert r.status == "FAIL", (variant, r.status)
     assert r.klass in klass, (variant, r.klass, r.failure)
+
+
+@pytest.mark.parametrize("name", ["correct_null_block", "correct_int64"])
+def test_the_correct_engine_kernel_passes_with_a_null_block_or_int64_slots(name):
+    r = _run(getattr(ek, name), n=4)
+    assert r.status == "PASS", r.failure
+
+
+# the bugs of serving kernels: variant -> (dtype it shows in, the classes that name it)
+_SERVING_BUGS = {
+    "null_block": ("float32", {"pool-slots"}),  # pads tested as slot < 0 when they carry the null block
+    "zero_is_pad": ("float32", {"wrong-result", "state-leak"}),  # slot 0 skipped as if it were the null block
+    "last_row_dropped": ("float32", {"wrong-result", "state-leak"}),
+    "block_tail": ("float32", {"wrong-result", "state-leak"}),  # rows in blocks of 2, the odd one left out
+    "first_n_1_written": ("float32", {"wrong-result", "state-leak"}),
+    "state_on_copy": ("float32", {"wrong-result", "state-leak"}),
+    "int64_as_int32": ("float32", {"wrong-result", "state-leak", "pool-slots"}),
+    "dt_bias_half": ("float32", {"wrong-result", "domain"}),
+    "A_log_as_A": ("float32", {"wrong-result", "domain"}),
+    "beta_twice": ("float32", {"wrong-result", "domain"}),
+    "gate_after": ("float32", {"wrong-result", "domain"}),
+    "gqa_mod": ("float32", {"wrong-result"}),
+    "scale_twice": ("float32", {"wrong-result", "arguments"}),
+    "no_scale": ("float32", {"wrong-result", "arguments"}),
+    "default_scale": ("float32", {"arguments", "wrong-result"}),  # an explicit scale ignored
+    "eps_outside": ("float32", {"domain", "wrong-result"}),
+    "k_unnormalised": ("float32", {"domain", "wrong-result"}),
+    "bf16_read": ("float32", {"wrong-result"}),
+    "state_in_io_dtype": ("float16", {"wrong-result", "state-leak"}),
+    "mutates_q": ("float32", {"inputs-changed"}),  # q normalised into the caller's tensor
+}
+
+
+@pytest.mark.parametrize("variant", sorted(_SERVING_BUGS))
+def test_each_serving_kernel_bug_is_caught(variant):
+    dtype, klass = _SERVING_BUGS[variant]
+    r = _run(getattr(ek, variant), n=4, dtype=getattr(torch, dtype))
+    assert r.status == "FAIL", (variant, r.status)
+    assert r.klass in klass, (variant, r.klass, r.failure)
+
+
+def test_the_serving_bug_table_covers_every_variant():
+    assert set(_SERVING_BUGS) == set(ek.NEW_BUGS)
+
+
+def test_the_null_block_holds_finite_garbage_and_the_inputs_are_checked():
+    """A pad that reads the null block as a state and writes it back would write NaN over NaN (unseen) if the
+    null block were NaN like the free slots; and q, k, v, a, b are the engine adapter's own tensors, which the
+    oracle-side input check does not see."""
+    seen = {}
+
+    def step(*, state, slots, q, **kw):
+        seen["null"] = state[0].clone()
+        q.mul_(1.0)  # a no-op write: bits unchanged, not a violation
+        return torch.zeros(1, q.shape[1], kw["v"].shape[2], kw["v"].shape[3])
+    ad = engine_adapter(step, gating="raw", qk_l2norm=True, pool=True, pad_slot=0, reserved_slots=(0,), varlen=True)
+    q = torch.randn(2, 1, 1, 4)
+    ad._call(q, q.clone(), torch.randn(2, 1, 1, 3), torch.full((2, 1, 1), -0.5), torch.full((2, 1, 1), 0.5),
+             torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 3), None, T=1)
+    assert torch.isfinite(seen["null"]).all()
 
 
 def test_an_adapter_that_normalises_qk_itself_declares_it_by_name():
