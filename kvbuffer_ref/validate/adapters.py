@@ -441,7 +441,7 @@ def fla_pool() -> Implementation:
         return o
 
     adapter = engine_adapter(step, name=f"fla {getattr(fla, '__version__', '?')} kda pool decode", qk_l2norm=True,
-                             pool=True, pad_slot=0, reserved_slots=(0,), varlen=True)
+                             pool=True, pad_slot=0, reserved_slots=(0,), pad_writes=True, varlen=True)
     adapter.interpreted = interpreter_active()
     return describe(adapter)
 

@@ -35,6 +35,8 @@ The convention (``Convention``; every field has the oracle's meaning as its defa
                    padded rows carry ``pad_slot`` (-1; vLLM and SGLang: 0, the null block) and finite
                    garbage inputs; ``reserved_slots`` are never given to a request (vLLM: (0,)) and hold
                    finite garbage (a pad that reads the null block as a state and writes it back changes it)
+    pad_writes     the null block (``pad_slot`` >= 0) is scratch the pads may write: the kernel has no pad
+                   check (fla); default False: the null block must stay bit for bit unchanged
     varlen         tokens flattened to [1, total, ..] with ``cu_seqlens`` [N + 1] (int32); in "sequence"
                    mode empty sequences are mixed in
     index_dtype    the dtype of ``slots`` and ``cu_seqlens`` (default int32)
@@ -75,6 +77,7 @@ class Convention:
     pool: bool = False
     pad_slot: int = -1
     reserved_slots: tuple = ()
+    pad_writes: bool = False
     varlen: bool = False
     index_dtype: torch.dtype = torch.int32
 
@@ -258,6 +261,8 @@ class _Engine:
         after = call["state"]
         if c.pool:
             owned = set(slot_of)
+            if c.pad_writes and c.pad_slot >= 0:
+                owned.add(c.pad_slot)  # a scratch null block: pads may write it
             for s in range(n_slots):
                 if s not in owned and not torch.equal(torch.nan_to_num(after[s], nan=7.0),
                                                       torch.nan_to_num(before[s], nan=7.0)):

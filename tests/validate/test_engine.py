@@ -100,6 +100,12 @@ def test_each_serving_kernel_bug_is_caught(variant):
     assert r.klass in klass, (variant, r.klass, r.failure)
 
 
+def test_a_scratch_null_block_may_be_written_by_pads():
+    """pad_writes=True (a kernel without a pad check, fla's): the pads' reads and writes of the null block pass."""
+    r = _run(ek.make("null-block", "engine-decode-scratch-null", pad_writes=True, **ek.NULL_BLOCK), n=4)
+    assert r.status == "PASS", r.failure
+
+
 def test_the_serving_bug_table_covers_every_variant():
     assert set(_SERVING_BUGS) == set(ek.NEW_BUGS)
 
