@@ -644,12 +644,7 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
         check_growth(g, drafted, rows)
     else:
         _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
-    if d.T > MAX_DRAFTS:
-        raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
-                         f"{MAX_DRAFTS} in one launch; verify them in parts or use kvbuffer_ref.verify")
-    s = check_scale(scale, d.K)
-    cfg = (check_config("verify", config) if config is not None
-           else config_for("verify", _key(q, k, d, pool.buffer)))
+    s, cfg = _launch_settings(q, k, d, pool.buffer, scale, config)
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
     if d.B == 0:
         return o
@@ -678,11 +673,7 @@ def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, conf
         _, g = checked_tokens(q, k, v, g, beta, valid=valid, buffer=buffer)
     else:
         _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
-    if d.T > MAX_DRAFTS:
-        raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
-                         f"{MAX_DRAFTS} in one launch; verify them in parts or use kvbuffer_ref.verify")
-    s = check_scale(scale, d.K)
-    cfg = check_config("verify", config) if config is not None else config_for("verify", _key(q, k, d, buffer))
+    s, cfg = _launch_settings(q, k, d, buffer, scale, config)
     parents = parents.to(torch.long).contiguous()
     num_drafts = num_drafts.to(torch.long).contiguous()
     shape_o = (d.B, d.T, d.HV, d.V)
@@ -702,6 +693,17 @@ def _check_draft_kinds(parents, num_drafts, B: int, D: int, device) -> None:
     the right shape and device, so the kernels' reads stay inside them."""
     require_int_tensor("parents", parents, (B, D), "[B, D]", device)
     require_int_tensor("num_drafts", num_drafts, (B,), "[B]", device)
+
+
+def _launch_settings(q, k, d, buffer: KVBuffer, scale, config) -> tuple[float, VerifyConfig]:
+    """The draft count within one launch's reach, the query scale and the launch (``config``, else the
+    launch table's row for these shapes), shared by ``verify`` and ``verify_pool``."""
+    if d.T > MAX_DRAFTS:
+        raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
+                         f"{MAX_DRAFTS} in one launch; verify them in parts or use kvbuffer_ref.verify")
+    s = check_scale(scale, d.K)
+    cfg = check_config("verify", config) if config is not None else config_for("verify", _key(q, k, d, buffer))
+    return s, cfg
 
 
 def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
