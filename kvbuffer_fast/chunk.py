@@ -51,7 +51,7 @@ from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state
 from kvbuffer_ref.recurrent import check_cu_seqlens
 
 from ._common import as_input, block, checked_tokens, device_guard, new_output, on_device
-from .launch import ChunkConfig, check_config, chunk_smem_bytes, config_for, key_of
+from .launch import ChunkConfig, check_config, config_for, fit_chunk_tiles, key_of
 
 __all__ = ["chunk_gated_delta_rule", "chunk_launches_for", "chunk_table", "precision_for"]
 
@@ -437,6 +437,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     BK, BVF = block(d.K), block(d.V)
     BV = max(16, min(cfg.BV, BVF))
     BVO = max(16, min(cfg.out_BV, BVF))
+    stages = cfg.stages
     prec = precision_for(q)
     NT, NC = d.B * d.T, starts.numel()
     dev = q.device
@@ -468,7 +469,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
             dummy if s0 is None else s0, dummy if S is None else S,
             buffer.k if tail else dummy, buffer.u if tail else dummy, buffer.G if tail else dummy, chunk_size,
             **common, C=buffer.capacity if tail else 1, BV=BV, INITIAL=s0 is not None, FINAL=S is not None,
-            TAIL=tail, LOWP=lowp, num_warps=cfg.num_warps, num_stages=cfg.stages)
+            TAIL=tail, LOWP=lowp, num_warps=cfg.num_warps, num_stages=stages)
 
     def output():
         _chunk_output_kernel[(NC, d.HV, triton.cdiv(d.V, BVO))](
@@ -478,24 +479,14 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", None)
         as_dtype = torch.float32 if prec == "tf32x3" else torch.bfloat16
         # The state and output launches are checked before anything runs, so a call that cannot run writes
-        # nothing; a value tile that does not fit is halved (down to 16 columns) first: wide heads (K or V
-        # above 128) need narrower tiles than the table's rows, measured at K = V = 128.  Prep runs first and
-        # writes only scratch, and its estimate is an upper bound (per-channel gates take 3/4 of it at
-        # K = 128), so Triton's own refusal (OutOfResources, in ``guarded``) decides there.
-        def need(name):
-            tiles = dataclasses.replace(cfg, BV=BV, out_BV=BVO)
-            return chunk_smem_bytes(name, tiles, dtype=as_dtype, K=d.K, V=d.V, BT=BT)
-
+        # nothing; wide heads (K or V above 128) take fewer stages and narrower tiles than the table's rows
+        # (``fit_chunk_tiles``).  Prep runs first and writes only scratch, and its estimate is an upper bound
+        # (per-channel gates take 3/4 of it at K = 128), so Triton's own refusal (OutOfResources, in
+        # ``guarded``) decides there.
         if limit is not None:
-            while BV > 16 and need("state") > limit:
-                BV //= 2
-            while BVO > 16 and need("output") > limit:
-                BVO //= 2
-            for name, field in (("state", "BV"), ("output", "out_BV")):
-                if need(name) > limit:
-                    raise ValueError(f"config: the chunk {name} launch needs about {need(name)} B of shared memory "
-                                     f"at K = {d.K}, V = {d.V}, chunk {BT} ({cfg}), the device has {limit} B per "
-                                     f"block even with {field} = 16; lower stages or use 16-bit inputs")
+            fit = fit_chunk_tiles(dataclasses.replace(cfg, BV=BV, out_BV=BVO), dtype=as_dtype, K=d.K, V=d.V, BT=BT,
+                                  limit=limit)
+            BV, BVO, stages = fit.BV, fit.out_BV, fit.stages
 
     def guarded(name, fields, launch):
         def run():
@@ -509,7 +500,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
 
     return o, S, [
         ("prep", guarded("prep", f"prep_warps={cfg.prep_warps}", prep)),
-        ("state", guarded("state", f"BV={BV}, num_warps={cfg.num_warps}, stages={cfg.stages}", state)),
+        ("state", guarded("state", f"BV={BV}, num_warps={cfg.num_warps}, stages={stages}", state)),
         ("output", guarded("output", f"out_BV={BVO}, out_warps={cfg.out_warps}", output)),
     ]
 

@@ -14,6 +14,7 @@ rejected.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,7 +23,7 @@ import torch
 __all__ = [
     "Key", "Row", "RecurrentConfig", "DecodeConfig", "FlushConfig", "VerifyConfig", "AcceptConfig",
     "PerDraftStateConfig", "ChunkConfig", "DirectConfig", "PrefillConfig", "CONFIGS", "TABLES", "config_for", "key_of",
-    "chunk_smem_bytes", "SM90_SHARED_BYTES",
+    "chunk_smem_bytes", "fit_chunk_tiles", "SM90_SHARED_BYTES",
 ]
 
 _INF = float("inf")
@@ -305,6 +306,35 @@ def chunk_smem_bytes(launch: str, cfg, *, dtype: torch.dtype, K: int = 128, V: i
         BV = max(16, min(cfg.out_BV, BVF))
         return split * (BT * BK + BK * BV) * 4
     raise ValueError(f"launch: expected 'prep', 'state' or 'output', got {launch!r}")
+
+
+def fit_chunk_tiles(cfg, *, dtype: torch.dtype, K: int, V: int, BT: int, limit: int):
+    """``cfg`` (a chunk, direct or prefill config) with its tiles clamped to the head sizes and lowered until
+    the state and output launches fit ``limit`` bytes of shared memory per block by ``chunk_smem_bytes``:
+    the state launch's pipeline stages first (its per-stage chunk buffers grow with K), then its value tile
+    ``BV``, then the output's ``out_BV``, each down to 1 stage / 16 columns.  The table's rows are measured
+    at K = V = 128; wider heads (K or V above 128) take this path.  ValueError naming the launch when even
+    the smallest does not fit.  ``dtype``: bfloat16 for 16-bit inputs, float32 for fp32 inputs' split
+    products (``chunk_smem_bytes``)."""
+    from triton import next_power_of_2 as p2
+    BVF = p2(max(16, V))
+    c = dataclasses.replace(cfg, BV=max(16, min(cfg.BV, BVF)), out_BV=max(16, min(cfg.out_BV, BVF)))
+
+    def need(name):
+        return chunk_smem_bytes(name, c, dtype=dtype, K=K, V=V, BT=BT)
+
+    while c.stages > 1 and need("state") > limit:
+        c = dataclasses.replace(c, stages=c.stages - 1)
+    while c.BV > 16 and need("state") > limit:
+        c = dataclasses.replace(c, BV=c.BV // 2)
+    while c.out_BV > 16 and need("output") > limit:
+        c = dataclasses.replace(c, out_BV=c.out_BV // 2)
+    for name, smallest in (("state", "stages = 1 and BV = 16"), ("output", "out_BV = 16")):
+        if need(name) > limit:
+            raise ValueError(f"config: the chunk {name} launch needs about {need(name)} B of shared memory at "
+                             f"K = {K}, V = {V}, chunk {BT} ({cfg}), the device has {limit} B per block even with "
+                             f"{smallest}; use 16-bit inputs or smaller heads")
+    return c
 
 
 def config_for(op: str, key: Key):

@@ -103,6 +103,31 @@ def test_chunk_launch_table_fits_sm90_shared_memory(op):
                 assert 0 < need <= SM90_SHARED_BYTES, (launch, cfg, dt, need)
 
 
+@pytest.mark.parametrize("op", ["chunk", "direct", "prefill"])
+@pytest.mark.parametrize("K,V", [(64, 64), (136, 128), (128, 256), (256, 264)])
+def test_chunk_tiles_fit_wide_heads(op, K, V):
+    """Heads wider than the table's K = V = 128 (a 3-stage 16-bit state launch at K = 136 needs about
+    393 KB): every launch the table picks on sm_90 is lowered until it fits (stages, then the tiles), and
+    a config that already fits is left as it is."""
+    from kvbuffer_fast.launch import fit_chunk_tiles
+    both = (torch.float32, torch.bfloat16)
+    for dt in both:
+        for B in (1, 4, 64):
+            for ch in (False, True):
+                cfg = config_for(op, Key(columns=B * 32 * 128, dtype=dt, channel=ch, capability=(9, 0)))
+                fit = fit_chunk_tiles(cfg, dtype=dt, K=K, V=V, BT=64, limit=SM90_SHARED_BYTES)
+                for launch in ("state", "output"):
+                    assert chunk_smem_bytes(launch, fit, dtype=dt, K=K, V=V) <= SM90_SHARED_BYTES, (launch, fit)
+                if K <= 128 and V <= 128:  # fits as it is: only the tiles clamped to the head
+                    assert (fit.stages, fit.BV, fit.out_BV) == (cfg.stages, min(cfg.BV, V), min(cfg.out_BV, V))
+                assert fit.stages <= cfg.stages and fit.BV <= cfg.BV and fit.out_BV <= cfg.out_BV
+    wide = config_for(op, Key(columns=32 * 128, dtype=torch.bfloat16, capability=(9, 0)))
+    if K > 128:
+        assert chunk_smem_bytes("state", wide, dtype=torch.bfloat16, K=K, V=V) > SM90_SHARED_BYTES
+    with pytest.raises(ValueError, match=r"chunk (state|output) launch needs about \d+ B .* K = %d, V = %d" % (K, V)):
+        fit_chunk_tiles(wide, dtype=torch.float32, K=K, V=V, BT=64, limit=20_000)
+
+
 def test_chunk_smem_estimate_rejects_what_cannot_fit():
     """The estimate grows with the tiles: 256-wide heads with a 256-column output tile cannot fit."""
     big = chunk_smem_bytes("output", ChunkConfig(out_BV=256), dtype=torch.float32, K=256, V=256)
