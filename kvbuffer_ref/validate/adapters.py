@@ -128,8 +128,10 @@ class Implementation:
     qk_l2norm: bool = False
 
     def contract_for(self, op: str, dtype) -> str:
-        """The contract the lane (op, dtype) declares."""
-        return self.lane_contracts.get((op, dtype), self.contract)
+        """The contract the lane (op, dtype) declares: its ``lane_contracts`` entry by the lane's name
+        ("prefill[u]"), else by its operation ("prefill": every form of it), else ``contract``."""
+        base = op.split("[", 1)[0]
+        return self.lane_contracts.get((op, dtype), self.lane_contracts.get((base, dtype), self.contract))
 
     def has(self, attr: str) -> bool:
         return callable(getattr(self.obj, attr, None))

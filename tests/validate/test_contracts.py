@@ -119,3 +119,19 @@ def test_a_looser_arithmetic_or_a_real_bug_is_not_excused_by_the_declared_contra
     assert rc == 1 and "not a precision effect" in out, out
     rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--contract", "fp16")
     assert rc == 2 and "--contract: expected one of" in err
+
+
+def test_a_lane_contract_covers_every_form_of_its_operation():
+    """A contract declared for an operation holds for its buffer-form lanes ("prefill[u]"), unless the form
+    has its own entry: kvbuffer_fast's 16-bit prefill lane was judged as fp32 while its chunk lane took
+    the declared bf16 contract."""
+    impl = adapters.Implementation(
+        name="x", obj=None, dtypes=(torch.bfloat16,), forms=("u",), contract="ieee",
+        lane_contracts={("prefill", torch.bfloat16): "bf16", ("decode[raw]", torch.bfloat16): "tf32"})
+    assert impl.contract_for("prefill[u]", torch.bfloat16) == "bf16"
+    assert impl.contract_for("prefill", torch.bfloat16) == "bf16"
+    assert impl.contract_for("prefill[u]", torch.float32) == "ieee"
+    assert impl.contract_for("decode[raw]", torch.bfloat16) == "tf32"
+    assert impl.contract_for("decode[u]", torch.bfloat16) == "ieee"
+    if not adapters.interpreter_active():
+        assert adapters.fast().contract_for("prefill[u]", torch.bfloat16) == "bf16"
