@@ -51,7 +51,7 @@ from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state
 from kvbuffer_ref.recurrent import check_cu_seqlens
 
 from ._common import as_input, block, checked_tokens, device_guard, new_output, on_device
-from .launch import ChunkConfig, check_config, config_for, fit_chunk_tiles, key_of
+from .launch import ChunkConfig, check_config, chunk_smem_bytes, config_for, fit_chunk_tiles, key_of
 
 __all__ = ["chunk_gated_delta_rule", "chunk_launches_for", "chunk_table", "precision_for"]
 
@@ -380,6 +380,30 @@ def precision_for(x: torch.Tensor) -> str:
     return "tf32" if x.dtype in _SIXTEEN_BIT else "tf32x3"
 
 
+def prep_chunk_size(q: torch.Tensor, d: Dims, chunk_size: int, cfg) -> int:
+    """The chunk size the launches take on q's device: ``fitted_chunk_size`` under its shared memory per
+    block on CUDA, ``chunk_size`` elsewhere."""
+    if not q.is_cuda:
+        return chunk_size
+    limit = getattr(torch.cuda.get_device_properties(q.device), "shared_memory_per_block_optin", None)
+    if limit is None:
+        return chunk_size
+    as_dtype = torch.float32 if precision_for(q) == "tf32x3" else torch.bfloat16
+    return fitted_chunk_size(chunk_size, cfg, dtype=as_dtype, K=d.K, V=d.V, limit=limit)
+
+
+def fitted_chunk_size(chunk_size: int, cfg, *, dtype: torch.dtype, K: int, V: int, limit: int) -> int:
+    """``chunk_size``, halved (down to 16) while the prep launch of a chunk that long would not fit ``limit``
+    bytes of shared memory per block (``launch.chunk_smem_bytes``, exact for the prep launch at chunk 64).
+    Only fp32 inputs with K above 128 need it: their split operands take 262144 B at K = 136 or 256 and
+    chunk 64 (Triton's sm_90 build) against the H200's 232448, so they run in chunks of 32 tokens.  The
+    chunkwise form is exact for any chunk size: this changes the rounding, not the result (the
+    reference's ``chunk_size`` is the same kind of choice).  ``dtype``: as for ``chunk_smem_bytes``."""
+    while chunk_size > 16 and chunk_smem_bytes("prep", cfg, dtype=dtype, K=K, V=V, BT=block(chunk_size)) > limit:
+        chunk_size = block(chunk_size) // 2
+    return chunk_size
+
+
 def chunk_table(cu: list[int], chunk_size: int, tails: Optional[list[int]] = None, device=None):
     """The chunks of sequences at offsets ``cu`` [N + 1]: (start [NC] int32, len [NC] int32, offsets
     [N + 1] int32 of each sequence's first chunk, fold ends [N] int32: each sequence's first chunk that
@@ -432,6 +456,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         if final:
             S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
         return o, S, []
+    chunk_size = prep_chunk_size(q, d, chunk_size, cfg)
     starts, lens, offs, fend, longest = chunk_table(cu, chunk_size, tails, q.device)
     BT = block(longest)
     BK, BVF = block(d.K), block(d.V)

@@ -128,6 +128,20 @@ def test_chunk_tiles_fit_wide_heads(op, K, V):
         fit_chunk_tiles(wide, dtype=torch.float32, K=K, V=V, BT=64, limit=20_000)
 
 
+def test_wide_fp32_heads_take_shorter_chunks():
+    """fp32 inputs at K = 136 / 256: the prep launch of a 64-token chunk needs 262144 B (Triton's sm_90
+    build), past the H200's 232448, so the launches take chunks of 32; 16-bit inputs and K = 128 keep 64,
+    and a chunk size already short enough is kept."""
+    from kvbuffer_fast.chunk import fitted_chunk_size
+    cfg = config_for("chunk", Key(columns=32 * 128, dtype=torch.float32, capability=(9, 0)))
+    fit = lambda cs, dt, K: fitted_chunk_size(cs, cfg, dtype=dt, K=K, V=128, limit=SM90_SHARED_BYTES)  # noqa: E731
+    assert chunk_smem_bytes("prep", cfg, dtype=torch.float32, K=256, BT=64) == 262144 > SM90_SHARED_BYTES
+    assert fit(64, torch.float32, 256) == 32 and fit(64, torch.float32, 136) == 32 and fit(48, torch.float32, 256) == 32
+    assert fit(64, torch.float32, 128) == 64 and fit(64, torch.bfloat16, 256) == 64
+    assert fit(16, torch.float32, 256) == 16 and fit(3, torch.float32, 256) == 3
+    assert chunk_smem_bytes("prep", cfg, dtype=torch.float32, K=256, BT=32) <= SM90_SHARED_BYTES
+
+
 def test_chunk_smem_estimate_rejects_what_cannot_fit():
     """The estimate grows with the tiles: 256-wide heads with a 256-column output tile cannot fit."""
     big = chunk_smem_bytes("output", ChunkConfig(out_BV=256), dtype=torch.float32, K=256, V=256)
@@ -179,3 +193,28 @@ def test_bad_arguments_are_named():
     bad["g"][0, 3, 1] = float("nan")
     with pytest.raises(ValueError, match="g: entry"):
         fast.chunk_gated_delta_rule(**bad)
+
+
+def test_chunk_launches_compiled_for_sm90_fit_its_shared_memory():
+    """Triton's own build for sm_90, on the CPU (no GPU needed, ``sm90_smem.py`` in a subprocess without the
+    interpreter): at K = V = 128 and at wide heads, in fp32 and bf16, every launch the table, the tile fit
+    and the chunk-size fit pick takes at most the H100 / H200's 232448 B per block, and the estimate they
+    decide by is an upper bound on it (so a launch judged to fit does)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    specs = ["float32:128:128", "float32:256:264", "bfloat16:136:128", "bfloat16:256:264"]
+    script = Path(__file__).with_name("sm90_smem.py")
+    run = subprocess.run([sys.executable, str(script), *specs], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=root)
+    if run.returncode != 0 and ("ptxas" in run.stderr or "GPUTarget" in run.stderr):
+        pytest.skip(f"Triton cannot build for sm_90 here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for row in json.loads(run.stdout.strip().splitlines()[-1]):
+        for launch, (got, est) in row["launches"].items():
+            assert got <= SM90_SHARED_BYTES, (row, launch)
+            assert got <= est, (row, launch)
