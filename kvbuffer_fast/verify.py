@@ -716,6 +716,14 @@ def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
                   dtype=dtype)
 
 
+def prep_warps(cfg: VerifyConfig, BD: int) -> tuple[int, int]:
+    """Phase 1's (warps, register cap; 0 = none) for drafts in blocks of BD: at least BD / 8 warps, since its
+    [2 BD, 2 BD] matrices on one warp compile for minutes (Triton 3.9 for sm_90: 35 s at BD = 32, over 15
+    minutes at 64; 8.9 s and 35 s with BD / 8 warps), and ``prep_maxnreg`` only at the configured count."""
+    warps = max(cfg.prep_warps, BD // 8)
+    return warps, (cfg.prep_maxnreg if warps == cfg.prep_warps else 0)
+
+
 def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o, drafts: Drafts, d,
             cfg: VerifyConfig, pool: Optional[PoolLayer] = None) -> None:
     """Phase 1 then phase 2 (module docstring).  Phase 1's products: FMA ("ieee"); phase 2's fp32
@@ -737,8 +745,9 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
     # phase 1's products are small (R x R, R x C per (request, head)) and form the scores and their
     # solves, where cancellation is common (nearly orthogonal q and k): FMA ("ieee") everywhere
+    warps, cap = prep_warps(cfg, BD)
     prep = dict(C=buffer.capacity, H=d.H, HV=d.HV, K=d.K, BD=BD, BC=BC, KC=KC, PREC="ieee",
-                num_warps=cfg.prep_warps, **({"maxnreg": cfg.prep_maxnreg} if cfg.prep_maxnreg else {}), **pdl)
+                num_warps=warps, **({"maxnreg": cap} if cap else {}), **pdl)
     DR = d.T if pool is None else drafts.k.shape[1]  # draft rows per buffer row
     room = ((num_drafts,) * 4 if pool is None  # dummy pointers outside a pool
             else (pool.slots, drafts.parents, drafts.num_drafts, flag_view(pool.pending)))
