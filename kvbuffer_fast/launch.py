@@ -127,8 +127,8 @@ class FlushConfig:
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    """verify: phase 1 (``prep_warps`` warps, at least BD / 8 for BD = the draft count rounded up to a power of
-    two, at least 8; a register cap of ``prep_maxnreg``, 0 for none, where the warps are ``prep_warps``) and phase 2
+    """verify: phase 1 (``prep_warps`` warps, from 32 drafts at least BD / 8 for BD = the draft count rounded up
+    to a power of two; a register cap of ``prep_maxnreg``, 0 for none, where the warps are ``prep_warps``) and phase 2
     ([KB, BV] state blocks, NS stages; ``early``: the draft values and u rows loaded before the state
     loop; ``pdl``: phase 2 a programmatic dependent launch of phase 1 on sm_90+).  Its key's ``columns``
     count phase 2's programs, 128 columns each, and its dtype is float32 unless q and k share a dtype."""

@@ -717,10 +717,12 @@ def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
 
 
 def prep_warps(cfg: VerifyConfig, BD: int) -> tuple[int, int]:
-    """Phase 1's (warps, register cap; 0 = none) for drafts in blocks of BD: at least BD / 8 warps, since its
-    [2 BD, 2 BD] matrices on one warp compile for minutes (Triton 3.9 for sm_90: 35 s at BD = 32, over 15
-    minutes at 64; 8.9 s and 35 s with BD / 8 warps), and ``prep_maxnreg`` only at the configured count."""
-    warps = max(cfg.prep_warps, BD // 8)
+    """Phase 1's (warps, register cap; 0 = none) for drafts in blocks of BD: from BD = 32 at least BD / 8
+    warps, since its [2 BD, 2 BD] matrices on one warp compile for minutes (Triton 3.9 for sm_90: 5.8 s at
+    BD = 16, 35 s at 32, over 15 minutes at 64; 8.9 s and 35 s at 32 and 64 with BD / 8 warps; the launches
+    timed on the H200, up to 16 drafts, keep the configured warps), and ``prep_maxnreg`` only at the
+    configured count."""
+    warps = max(cfg.prep_warps, BD // 8) if BD >= 32 else cfg.prep_warps
     return warps, (cfg.prep_maxnreg if warps == cfg.prep_warps else 0)
 
 

@@ -389,11 +389,11 @@ def test_per_draft_state_baseline_tree_matches_recurrence(case, data):
 
 
 def test_phase_one_warps_grow_with_the_draft_block():
-    """Phase 1 takes a warp per 8 drafts at least (64 drafts on one warp compiled for minutes), the register
-    cap only at the configured warp count."""
+    """Phase 1 takes a warp per 8 drafts at least from 32 drafts (64 drafts on one warp compiled for
+    minutes), the register cap only at the configured warp count; up to 16 drafts the configured launch."""
     from kvbuffer_fast.verify import prep_warps
     cfg = VerifyConfig()
-    assert prep_warps(cfg, 8) == (cfg.prep_warps, cfg.prep_maxnreg)
-    assert prep_warps(cfg, 16) == (max(cfg.prep_warps, 2), 0 if cfg.prep_warps < 2 else cfg.prep_maxnreg)
+    assert prep_warps(cfg, 8) == prep_warps(cfg, 16) == (cfg.prep_warps, cfg.prep_maxnreg)
+    assert prep_warps(cfg, 32) == (max(cfg.prep_warps, 4), 0 if cfg.prep_warps < 4 else cfg.prep_maxnreg)
     assert prep_warps(cfg, 64) == (8, 0)
     assert prep_warps(VerifyConfig(prep_warps=8, prep_maxnreg=96), 64) == (8, 96)
