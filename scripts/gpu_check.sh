@@ -8,7 +8,9 @@
 #   models     examples/generate.py through kvbuffer_fast's pool for each model (token equality; without fla
 #              on the path; transformers 5 from .whl/hf if there: pip download --python-version 3.12
 #              --only-binary=:all: --platform manylinux2014_x86_64 -d .whl/hf 'transformers>=5,<6')
-#   validate   kvbuffer validate --profile gpu --device cuda: kvbuffer_fast, fla, fla-pool, SGLang (and ReplaySSM with
+#   validate   (limit VALIDATE_LIMIT s, default 540: a lane takes 2-5 minutes, mostly compiling, when the groups run
+#              side by side)
+#              kvbuffer validate --profile gpu --device cuda: kvbuffer_fast, fla, fla-pool, SGLang (and ReplaySSM with
 #              --peer-path), one process per group of lanes side by side (4 CPU threads each), and
 #              --report precision; each group's log and JSON in OUTDIR/validate-NAME.{log,json}; LANES=a,b
 #              (group names as in validate() below, and precision) runs only those groups
@@ -140,7 +142,7 @@ PREC_PEER=()
 if [ ${#PEER[@]} -gt 0 ]; then export KVBUFFER_PEER_PATH=${PEER[1]}; PREC_PEER=(--impl replayssm); fi
 if has validate; then
   export -f validate; export OUTDIR
-  stage validate "${VALIDATE_LIMIT:-280}" bash -c "PEER=(${PEER[*]}); PREC_PEER=(${PREC_PEER[*]}); validate"
+  stage validate "${VALIDATE_LIMIT:-540}" bash -c "PEER=(${PEER[*]}); PREC_PEER=(${PREC_PEER[*]}); validate"
 fi
 if has memcheck || has racecheck; then
   if command -v compute-sanitizer >/dev/null; then
