@@ -575,7 +575,9 @@ def chunk_gated_delta_rule(
     initial_state: [B, HV, K, V] or None (zeros).  ``cu_seqlens`` (int32 / int64 [N + 1], B = 1): N
     sequences concatenated along T, each computed alone; states are then [N, HV, K, V].
     Returns o [B, T, HV, V] in v's dtype and, if ``output_final_state``, the final fp32 state.
-    ``config``: a :class:`kvbuffer_fast.launch.ChunkConfig`, None for the table's.
+    ``chunk_size``: tokens per chunk at most (on CUDA a chunk whose prep launch would not fit the shared
+    memory is halved: fp32 inputs with K above 128 take 32; ``fitted_chunk_size``).  ``config``: a
+    :class:`kvbuffer_fast.launch.ChunkConfig`, None for the table's.
     """
     return run_chunks(*_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
                                    cu_seqlens, config))

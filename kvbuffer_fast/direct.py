@@ -36,8 +36,9 @@ def direct_gated_delta_rule(
     """``kvbuffer_ref.direct_gated_delta_rule``: the recurrence from a zero state, no state formed.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV]*; beta: [B, T, HV].  Returns o [B, T, HV, V] in
-    v's dtype.  ``chunk_size``: tokens per chunk (a prompt within it is a single chunk).  ``config``: a
-    :class:`kvbuffer_fast.launch.DirectConfig`, None for the table's.
+    v's dtype.  ``chunk_size``: tokens per chunk at most (a prompt within it is a single chunk; as
+    ``chunk_gated_delta_rule``'s).  ``config``: a :class:`kvbuffer_fast.launch.DirectConfig`, None for the
+    table's.
     """
     d, g = checked_tokens(q, k, v, g, beta)
     s = check_scale(scale, d.K)

@@ -71,8 +71,9 @@ def prefill(
     A request with no head and no ``initial_state`` owns no state (direct mode); state storage is allocated
     for every request.  ``cu_seqlens`` (int [N + 1], B = 1): N prompts concatenated along T, one buffer
     request each (``tail`` None: each prompt's default; an int: the same for all), initial_state
-    [N, HV, K, V].  ``form``: "u" only (``NotImplementedError`` for "raw").  ``config``: a
-    :class:`kvbuffer_fast.launch.PrefillConfig`, None for the table's.
+    [N, HV, K, V].  ``form``: "u" only (``NotImplementedError`` for "raw").  ``chunk_size``: tokens per chunk
+    at most (as ``chunk_gated_delta_rule``'s).  ``config``: a :class:`kvbuffer_fast.launch.PrefillConfig`, None
+    for the table's.
     """
     d, g = checked_tokens(q, k, v, g, beta)
     check_capacity(capacity)
