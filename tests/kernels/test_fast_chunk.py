@@ -75,6 +75,22 @@ def test_chunk_tiles(T, chunk_size, channel):
     _assert_all(P.check_chunk(impl, case, torch.float32, chunk_size=chunk_size, device=DEVICE))
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="compiled only: the launches' shared-memory fits")
+@pytest.mark.parametrize("dtype,K,V,channel", [(torch.float32, 256, 128, False), (torch.float32, 136, 264, True),
+                                               (torch.bfloat16, 136, 128, True), (torch.bfloat16, 256, 264, False)],
+                         ids=["fp32-256", "fp32-136-channel", "bf16-136-channel", "bf16-256"])
+def test_wide_heads_compiled(dtype, K, V, channel):
+    """Heads past the table's K = V = 128 at chunk 64, T past one chunk, compiled: fp32 at K = 136 / 256 takes
+    32-token chunks (its prep launch at 64 needs 262144 B), bf16 a state launch with fewer stages (3 stages
+    needed about 393 KB at K = 136); chunk, direct and prefill against the float64 recurrence."""
+    case = Case(B=2, T=70, H=1, HV=2, K=K, V=V, channel_gate=channel, gate="mild", norm="any", seed=K + V)
+    with active_contract("bf16" if dtype == torch.bfloat16 else "ieee"):
+        _assert_all(P.check_chunk(fast, case, dtype, chunk_size=64, device=DEVICE))
+        _assert_all(P.check_direct(fast, case, dtype, device=DEVICE))
+        _assert_all(P.check_prefill(fast, case, dtype, capacity=8, prompt=66, tail=None, chunk_size=64,
+                                    device=DEVICE))
+
+
 def test_chunk_launches_run_in_order_are_the_call():
     """The launches a benchmark times one by one, run in order, give the call's outputs exactly."""
     x = Case(B=2, T=40, H=1, HV=2, K=8, V=8, seed=5).inputs(torch.float32, DEVICE)
