@@ -38,7 +38,6 @@ reference does; decays are formed only for pairs in causal order, masked before 
 
 from __future__ import annotations
 
-import dataclasses
 
 from typing import Optional
 
@@ -380,16 +379,14 @@ def precision_for(x: torch.Tensor) -> str:
     return "tf32" if x.dtype in _SIXTEEN_BIT else "tf32x3"
 
 
-def prep_chunk_size(q: torch.Tensor, d: Dims, chunk_size: int, cfg) -> int:
-    """The chunk size the launches take on q's device: ``fitted_chunk_size`` under its shared memory per
-    block on CUDA, ``chunk_size`` elsewhere."""
+def _shared_budget(q: torch.Tensor) -> Optional[tuple[int, torch.dtype]]:
+    """On CUDA, the device's shared memory per block and the dtype ``chunk_smem_bytes`` sizes q's launches
+    by (float32 for fp32 inputs' split products, else bfloat16); None elsewhere or when the device does not
+    say."""
     if not q.is_cuda:
-        return chunk_size
+        return None
     limit = getattr(torch.cuda.get_device_properties(q.device), "shared_memory_per_block_optin", None)
-    if limit is None:
-        return chunk_size
-    as_dtype = torch.float32 if precision_for(q) == "tf32x3" else torch.bfloat16
-    return fitted_chunk_size(chunk_size, cfg, dtype=as_dtype, K=d.K, V=d.V, limit=limit)
+    return None if limit is None else (limit, torch.float32 if precision_for(q) == "tf32x3" else torch.bfloat16)
 
 
 def fitted_chunk_size(chunk_size: int, cfg, *, dtype: torch.dtype, K: int, V: int, limit: int) -> int:
@@ -456,7 +453,9 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         if final:
             S.copy_(torch.zeros_like(S) if initial_state is None else initial_state)
         return o, S, []
-    chunk_size = prep_chunk_size(q, d, chunk_size, cfg)
+    budget = _shared_budget(q)
+    if budget is not None:
+        chunk_size = fitted_chunk_size(chunk_size, cfg, dtype=budget[1], K=d.K, V=d.V, limit=budget[0])
     starts, lens, offs, fend, longest = chunk_table(cu, chunk_size, tails, q.device)
     BT = block(longest)
     BK, BVF = block(d.K), block(d.V)
@@ -500,18 +499,13 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
         _chunk_output_kernel[(NC, d.HV, triton.cdiv(d.V, BVO))](
             q, u, h, gc, aqk, starts, lens, o, s, **common, BV=BVO, LOWP=fast16, num_warps=cfg.out_warps)
 
-    if q.is_cuda:
-        limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", None)
-        as_dtype = torch.float32 if prec == "tf32x3" else torch.bfloat16
-        # The state and output launches are checked before anything runs, so a call that cannot run writes
-        # nothing; wide heads (K or V above 128) take fewer stages and narrower tiles than the table's rows
-        # (``fit_chunk_tiles``).  Prep runs first and writes only scratch, and its estimate is an upper bound
-        # (per-channel gates take 3/4 of it at K = 128), so Triton's own refusal (OutOfResources, in
-        # ``guarded``) decides there.
-        if limit is not None:
-            fit = fit_chunk_tiles(dataclasses.replace(cfg, BV=BV, out_BV=BVO), dtype=as_dtype, K=d.K, V=d.V, BT=BT,
-                                  limit=limit)
-            BV, BVO, stages = fit.BV, fit.out_BV, fit.stages
+    # The state and output launches are checked before anything runs, so a call that cannot run writes
+    # nothing; wide heads (K or V above 128) take fewer stages and narrower tiles than the table's rows
+    # (``fit_chunk_tiles``), as they take shorter chunks for the prep launch (``fitted_chunk_size``, above).
+    # An OutOfResources from any launch is still re-raised as a ValueError naming its fields (``guarded``).
+    if budget is not None:
+        fit = fit_chunk_tiles(cfg, dtype=budget[1], K=d.K, V=d.V, BT=BT, limit=budget[0])
+        BV, BVO, stages = fit.BV, fit.out_BV, fit.stages
 
     def guarded(name, fields, launch):
         def run():
