@@ -912,7 +912,7 @@ class _Builder:
         c.note = "engine_inputs (packed rows, raw gates, q/k norm) then the pool's decode, every step"
         return c
 
-    def _pool_round(self, op: str, per_layer: bool) -> Case:
+    def _pool_round(self, op: str, per_layer: bool, parts: tuple = ("verify", "accept")) -> Case:
         n, d, m, B, dev = self.p.fill, self.p.drafts, self.p.accepted, self.B, self.wl.device
         pool, slots, hist = self._pool(buffered=n)
         xs = self._tokens(d, seed=9)
@@ -938,15 +938,32 @@ class _Builder:
                   self.wl.compare(f"{op}[d={d}, m={m}].state_after_accept", pool.state_of(layer=0, slots=slots),
                                   truth_m, state=True)]
 
+        pending, room_drafts = pool.tensors()["pending"], pool.tensors()["num_drafts"]
+
         def run():
             lengths.index_fill_(1, s64, n)  # every layer back to n entries
-            verify_all()
-            accept_all()
-        c = self.case(op, "round", run, self.L, io.buffered_verify(self.s, B, n, d) + io.buffered_accept(self.s, B, m),
-                      checks, C=self.p.C, n=n, d=d, m=m)
-        c.note = ("one fill of every layer's lengths back to n per replay (one tiny kernel); accept "
-                  + ("per layer (layer=l)" if per_layer else "of every layer in one call (layer=None)"))
+            if "verify" in parts:
+                verify_all()
+            else:  # accept alone: the drafts of the first verify stay in the rooms, marked pending again
+                pending.index_fill_(1, s64, True)
+                room_drafts.index_fill_(1, s64, d)
+            if "accept" in parts:
+                accept_all()
+        nbytes = ((io.buffered_verify(self.s, B, n, d) if "verify" in parts else 0)
+                  + (io.buffered_accept(self.s, B, m) if "accept" in parts else 0))
+        kind = "round" if len(parts) == 2 else parts[0]
+        c = self.case(op, kind, run, self.L, nbytes, checks, C=self.p.C, n=n, d=d, m=m)
+        c.note = ("one fill of every layer's lengths back to n per replay (one tiny kernel)"
+                  + ("" if "accept" not in parts else "; accept " + ("per layer (layer=l)" if per_layer
+                                                                     else "of every layer in one call (layer=None)"))
+                  + ("" if "verify" in parts else "; the rooms marked pending again with their draft counts (two tiny kernels)"))
         return c
+
+    def pool_verify(self) -> Case:
+        return self._pool_round("pool_verify", per_layer=False, parts=("verify",))
+
+    def pool_accept(self) -> Case:
+        return self._pool_round("pool_accept", per_layer=False, parts=("accept",))
 
     def pool_round(self) -> Case:
         return self._pool_round("pool_round", per_layer=False)
@@ -1197,7 +1214,8 @@ OPS = {
     "pool_decode": "decode", "pool_decode_engine": "decode", "replayssm_decode": "decode", "sglang_decode": "decode",
     "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
     "fla_chunk_tokens": "verify",
-    "accept": "accept", "per_draft_state_accept": "accept",
+    "pool_verify": "verify",
+    "accept": "accept", "per_draft_state_accept": "accept", "pool_accept": "accept",
     "round": "round", "pool_round": "round", "pool_round_per_layer": "round", "per_draft_state_round": "round",
     "replayssm_round": "round", "round_cycle": "round", "replayssm_round_cycle": "round",
     "tree_round": "round", "per_draft_state_tree_round": "round",
@@ -1213,6 +1231,8 @@ PEERS = {
     "pool_decode_engine": ("pool_decode", "sglang_decode", "replayssm_decode", "read_state"),
     "verify": ("per_draft_state_verify", "fla_fused_recurrent_tokens", "fla_chunk_tokens"),
     "accept": ("per_draft_state_accept",),
+    "pool_verify": ("verify",),
+    "pool_accept": ("accept",),
     "round": ("per_draft_state_round", "fla_fused_recurrent_tokens", "replayssm_round"),
     "pool_round": ("round", "per_draft_state_round", "replayssm_round"),
     "pool_round_per_layer": ("pool_round", "replayssm_round"),

@@ -92,6 +92,15 @@ def as_input(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def index_input(x: torch.Tensor) -> torch.Tensor:
+    """A read-only integer kernel input (parents, draft counts, accepted counts or nodes): int32 and int64
+    as given (the kernels load either), other integer dtypes as int64; contiguous.  An engine's int32
+    tensors then reach the kernels without a conversion launch in between."""
+    if x.dtype not in (torch.int32, torch.int64):
+        x = x.to(torch.int64)
+    return as_input(x)
+
+
 def require_inplace(name: str, x: Optional[torch.Tensor]) -> None:
     """Tensors a kernel updates in place must be contiguous (a copy would silently drop the update)."""
     if x is not None and not x.is_contiguous():

@@ -167,19 +167,28 @@ def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, 
                   D, i_s, i_b, c_b,
                   C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr,
-                  COUNTS: tl.constexpr):
+                  COUNTS: tl.constexpr, INPLACE: tl.constexpr = False):
     """Split i_s of the copy launch for call row i_b on buffer and draft rows c_b (after any fold has read
     the old rows): its chunks of the kept path entries' u rows [HV * V] and keys [H * K]; split 0 the G
     rows [HV (* K)], rebased on G_end (read before a barrier: it may be an old row that is overwritten);
-    the request's last split (atomic ticket) advances lengths / has_state."""
+    the request's last split (atomic ticket) advances lengths / has_state.  INPLACE (a pool): where the
+    buffer row had room for all D drafts (n + D <= C) verify wrote them to its rows n.. (the draft room in
+    place, ``kvbuffer_fast.verify._draft_dest``): only the path entries not yet at their row n + position
+    move, within the buffer (none for a chain), and no such request folds."""
     GW: tl.constexpr = HV * K if CHANNEL else HV
     n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD, COUNTS)
     o_d = tl.arange(0, BD)
     m_keep = on_path & (pos >= nf)  # path entries that stay buffered ...
     dst = c_b * C + tl.where(fold, pos - nf, n + pos)  # ... at these rows
     src = c_b * D + o_d
-    _copy_rows(du_ptr, cu_ptr, src, dst, m_keep, HV * V, i_s, SPLITS, CH)
-    _copy_rows(dk_ptr, ck_ptr, src, dst, m_keep, H * K, i_s, SPLITS, CH)
+    su_ptr, sk_ptr, sg_ptr = du_ptr, dk_ptr, dg_ptr
+    if INPLACE:
+        if n + D <= C:  # the drafts are the buffer's rows n..n+D-1: move those off their row
+            su_ptr, sk_ptr, sg_ptr = cu_ptr, ck_ptr, cg_ptr
+            src = c_b * C + n + o_d
+            m_keep = m_keep & (pos != o_d)
+    _copy_rows(su_ptr, cu_ptr, src, dst, m_keep, HV * V, i_s, SPLITS, CH)
+    _copy_rows(sk_ptr, ck_ptr, src, dst, m_keep, H * K, i_s, SPLITS, CH)
     if i_s == 0:
         last = c_b * C + tl.maximum(n - 1, 0)
         j_end = c_b * D + tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # last folded path entry
@@ -191,7 +200,7 @@ def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, 
             g_new = tl.load(dg_ptr + j_end * GW + cols, mask=cols < tl.where(nf > 0, GW, 0), other=0.0)
             g_end = tl.where(nf > 0, g_new.to(tl.float32), g_old.to(tl.float32))  # 0 without a fold
             m_g = m_keep[:, None] & m_c[None, :]
-            Gd = tl.load(dg_ptr + src[:, None] * GW + cols[None, :], mask=m_g, other=0.0).to(tl.float32)
+            Gd = tl.load(sg_ptr + src[:, None] * GW + cols[None, :], mask=m_g, other=0.0).to(tl.float32)
             tl.debug_barrier()
             tl.store(cg_ptr + dst[:, None] * GW + cols[None, :], (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty),
                      mask=m_g)
@@ -282,7 +291,7 @@ def _accept_slots_kernel(
     c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
     if c_b >= 0:
         _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr + i_l * B, dk_ptr, du_ptr, dg_ptr, par_ptr,
-                      node_ptr, D, tl.program_id(0), i_b, c_b, C, H, HV, K, V, BD, CH, SPLITS, CHANNEL, False)
+                      node_ptr, D, tl.program_id(0), i_b, c_b, C, H, HV, K, V, BD, CH, SPLITS, CHANNEL, False, True)
 
 def accept(
     buffer: KVBuffer,

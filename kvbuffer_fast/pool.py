@@ -47,7 +47,7 @@ from kvbuffer_ref.pool import admit_state, check_slots, on_device, per_row, set_
 
 from . import decode as _decode
 from ._common import (CACHE_DTYPES, STATE_DTYPES, _pdl_prologue, as_input, block, checked_tokens, device_guard,
-                      flag_view, new_output, pdl_launch, ticket_counters, values_checked)
+                      flag_view, index_input, new_output, pdl_launch, ticket_counters, values_checked)
 from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
@@ -411,9 +411,9 @@ class KVPool:
         if (counts is None) == (nodes is None):
             raise ValueError("accept: give exactly one of counts= (chain drafts) or nodes= (tree drafts)")
         name, x = ("counts", counts) if counts is not None else ("nodes", nodes)
-        # an int reaches the claims kernel as a scalar; a tensor as a contiguous int64 [B] (the kernel reads it
-        # at unit stride: a strided or expanded int64 view is copied)
-        arg = x if type(x) is int else as_input(per_row(name, x, s))
+        # an int reaches the claims kernel as a scalar; a tensor as a contiguous int32 or int64 [B] as given (the
+        # kernel reads either at unit stride: a strided or expanded view is copied, other integer dtypes converted)
+        arg = x if type(x) is int else index_input(per_row(name, x, s, int64=False))
         D = self.max_drafts
         if checked:  # the counts / nodes against each layer's verified drafts (kvbuffer_ref.checks)
             x = torch.where(s >= 0, per_row(name, x, s), 0 if counts is not None else -1)  # pads: accept none

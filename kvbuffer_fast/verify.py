@@ -56,7 +56,7 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens, require_int_tensor
 
 from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, check_growth, checked_buffer,
-                      checked_tokens, device_guard, flag_view, new_output, pdl_launch, values_checked)
+                      checked_tokens, device_guard, flag_view, index_input, new_output, pdl_launch, values_checked)
 from .launch import VerifyConfig, check_config, config_for, key_of
 
 __all__ = ["verify", "MAX_DRAFTS", "PoolLayer", "verify_pool"]
@@ -106,6 +106,21 @@ def _buffer_row(bslot_ptr, i_b, POOL: tl.constexpr):
     else:
         c_b = i_b
     return c_b
+
+
+@triton.jit
+def _draft_dest(room_ptr, buf_ptr, c_b, n, C: tl.constexpr, DR, POOL: tl.constexpr):
+    """Where the drafts of buffer row c_b (n entries) are written: (tensor, first row).  In a pool, the
+    buffer's own rows n..n+DR-1 when all DR fit in its C rows (``n + DR <= C``, the room's drafts in
+    place, so that accepting a chain moves nothing); otherwise, and outside a pool, the draft room's rows
+    c_b * DR.. .  ``room_ptr`` and ``buf_ptr`` are the same kind of rows (keys, u or G)."""
+    dst = room_ptr
+    r0 = c_b * DR
+    if POOL:
+        if n + DR <= C:
+            dst = buf_ptr
+            r0 = c_b * C + n
+    return dst, r0
 
 
 @triton.jit
@@ -274,13 +289,15 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
                                BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
                                BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr):
     """The body of ``_verify_prep_group_kernel``: call row i_b, q/k head i_h, buffer row c_b (the drafts'
-    k and G go to rows c_b * DR + draft; a pool's room metadata from the program of q/k head 0)."""
+    k and G go to the rows ``_draft_dest`` picks; a pool's room metadata from the program of q/k head 0)."""
     R: tl.constexpr = 2 * BD
     GROUP: tl.constexpr = HV // H
     n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD)
     o_c = tl.arange(0, R)
     p_kq = ((i_b * D + dr) * H + i_h) * K
-    p_dk = ((c_b * DR + dr) * H + i_h) * K
+    dk_dst, r0 = _draft_dest(dk_ptr, ck_ptr, c_b, n, C, DR, POOL)
+    dg_dst, _ = _draft_dest(dg_ptr, cg_ptr, c_b, n, C, DR, POOL)
+    p_dk = ((r0 + dr) * H + i_h) * K
     if POOL:
         if i_h == 0:
             _room_meta(par_ptr, nd_ptr, rpar_ptr, rnd_ptr, pend_ptr, i_b, c_b, D, DR, BDR)
@@ -320,7 +337,7 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
             kc, gcc = _chunk_entries(ck_ptr, ck_ptr, p_ck, p_ck, m_n, k0, K, KC, False)
             SB += tl.dot(kq, tl.trans(kc), input_precision=PREC)
             SS += tl.dot(kq, tl.trans(kq), input_precision=PREC)
-        tl.store(dk_ptr + p_dk[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
+        tl.store(dk_dst + p_dk[:, None] + o_k[None, :], tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
                  mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
     if MMA16:  # the query rows carry the scale (kq = [k; s q] in the fp32 path); SS's query columns go unused
         s_r = tl.where(is_q, scale, 1.0)
@@ -329,7 +346,7 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
     for j in tl.static_range(GROUP):
         i_hv = i_h * GROUP + j
         i_bhv = i_b * HV + i_hv
-        p_rt = (c_b * DR + dr) * HV + i_hv  # the drafts' G rows
+        p_rt = (r0 + dr) * HV + i_hv  # the drafts' G rows
         sel = (o_g == j)[:, None]  # this value head's row of the loads issued before the chunk loop
         beta_in = tl.sum(tl.where(sel, beta_in2, 0.0), 0)
         beta_cin = tl.sum(tl.where(sel, beta_cin2, 0.0), 0)
@@ -338,7 +355,7 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
         b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
         Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
-        tl.store(dg_ptr + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
+        tl.store(dg_dst + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
         L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
         _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
 
@@ -388,8 +405,10 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
     m_own = dr < tl.where(i_hv % GROUP == 0, D, 0)  # one program per (request, q/k head) keeps the keys
     p_kq = ((i_b * D + dr) * H + i_h) * K
     p_rt = (i_b * D + dr) * HV + i_hv  # [R] offsets of per-(draft, value head) rows
-    p_drt = (c_b * DR + dr) * HV + i_hv  # ... of the drafts' G rows
-    p_dk = ((c_b * DR + dr) * H + i_h) * K
+    dk_dst, r0 = _draft_dest(dk_ptr, ck_ptr, c_b, n, C, DR, POOL)
+    dg_dst, _ = _draft_dest(dg_ptr, cg_ptr, c_b, n, C, DR, POOL)
+    p_drt = (r0 + dr) * HV + i_hv  # ... of the drafts' G rows
+    p_dk = ((r0 + dr) * H + i_h) * K
     beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
     m_cin = (o_c < BD) & (o_c < D)
     par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
@@ -410,7 +429,7 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
         k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, True)
         kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, True)
         o_k = k0 + tl.arange(0, KC)
-        tl.store(dk_ptr + p_dk[:, None] + o_k[None, :],
+        tl.store(dk_dst + p_dk[:, None] + o_k[None, :],
                  tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
                  mask=(m_own & ~is_q)[:, None] & (o_k < K)[None, :])
         Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, True)
@@ -425,7 +444,7 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
         o_k = k0 + tl.arange(0, KC)
         kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, True)
         Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, False)
-        tl.store(dg_ptr + p_drt[:, None] * K + o_k[None, :], Gr_c.to(dg_ptr.dtype.element_ty),
+        tl.store(dg_dst + p_drt[:, None] * K + o_k[None, :], Gr_c.to(dg_ptr.dtype.element_ty),
                  mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
         Y = kq * tl.exp(Gr_c)
         P = tl.dot(L, tl.where(is_q[:, None], Y, -Y), input_precision=PREC)
@@ -510,7 +529,7 @@ def _verify_stream_program(
     """The body of the phase-2 kernels: program (i_v, i_bhv) of request i_b, its state read at row s_bhv
     (per value head; i_bhv outside a pool; SLOTS: the request owns a state, and it is read, only where
     ``s_ok``; its buffer's has_state is not read), its buffer entries at buffer row c_b and its drafts'
-    u written to rows c_b * DR + draft (i_b and D outside a pool)."""
+    u written to the rows ``_draft_dest`` picks (room rows i_b * D + draft outside a pool)."""
     R: tl.constexpr = 2 * BD
     _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
@@ -577,8 +596,9 @@ def _verify_stream_program(
     out = tl.where(m_t[:, None], out, 0.0)
     m_out = m_in[:, None] & m_v[None, :]
     tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
-    p_du = ((c_b * DR + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
-    tl.store(du_ptr + p_du, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
+    du_dst, r0 = _draft_dest(du_ptr, cu_ptr, c_b, n, C, DR, SLOTS)
+    p_du = ((r0 + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
+    tl.store(du_dst + p_du, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
 
 
 def verify(
@@ -656,8 +676,8 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
         pool.pending[rows] = True
         pool.pending[sink] = False
         return o
-    _launch(q, k, v, g, beta, pool.buffer, parents.to(torch.long).contiguous(),
-            num_drafts.to(torch.long).contiguous(), s, o, pool.room, d, cfg, pool)
+    _launch(q, k, v, g, beta, pool.buffer, index_input(parents), index_input(num_drafts), s, o, pool.room, d, cfg,
+            pool)
     return o
 
 
@@ -674,8 +694,7 @@ def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, conf
     else:
         _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
     s, cfg = _launch_settings(q, k, d, buffer, scale, config)
-    parents = parents.to(torch.long).contiguous()
-    num_drafts = num_drafts.to(torch.long).contiguous()
+    parents, num_drafts = index_input(parents), index_input(num_drafts)
     shape_o = (d.B, d.T, d.HV, d.V)
     o = new_output(shape_o, v.dtype, q.device)
     du = new_output(shape_o, buffer.u.dtype, q.device)

@@ -85,9 +85,10 @@ def on_device(name: str, x: torch.Tensor, device) -> None:
         raise ValueError(f"{name}: expected a tensor on the pool's device {device}, got one on {x.device}")
 
 
-def per_row(name: str, x, slots: torch.Tensor) -> torch.Tensor:
+def per_row(name: str, x, slots: torch.Tensor, *, int64: bool = True) -> torch.Tensor:
     """A per-request argument (an int for every row, or an integer tensor [B] with one entry per entry of
-    ``slots``, on the slots' device) as an int64 tensor [B] on the slots' device."""
+    ``slots``, on the slots' device) as an int64 tensor [B] on the slots' device (``int64=False``: a tensor
+    is returned in its own integer dtype, unconverted)."""
     if isinstance(x, torch.Tensor):
         if tuple(x.shape) != tuple(slots.shape):
             raise ValueError(f"{name}: expected [B] = [{slots.shape[0]}] (one per entry of slots), got "
@@ -95,7 +96,7 @@ def per_row(name: str, x, slots: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
             raise TypeError(f"{name}: expected an integer tensor, got {x.dtype}")
         on_device(name, x, slots.device)
-        return x.to(torch.int64)
+        return x.to(torch.int64) if int64 else x
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name}: expected an int or an integer tensor [B], got {type(x).__name__}")
     return check_count_arg(name, x, slots.shape[0], slots.device, "the int64 range")

@@ -83,7 +83,8 @@ def pool_calls(device="cpu", B: int = 4):
     """A small pool with B live requests (a state each, one of them shared with a fork) and the three
     calls to count: {"decode": fn, "verify": fn, "accept": fn} (layer 0, layer 0, every layer), run in
     that order (verify's drafts are what accept takes; layer 1's are verified here), on a fork, the
-    requests and a pad; decode and accept fold every request, decode's fork and its source out of one
+    requests and a pad (int32 slots, parents, draft counts and accepted counts); decode and accept fold every
+    request, decode's fork and its source out of one
     shared slot (copy-on-write)."""
     from kvbuffer_fast.pool import KVPool
 
@@ -101,10 +102,13 @@ def pool_calls(device="cpu", B: int = 4):
     p.fork(src=s[:1], dst=f, keep=C)                                              # shares request 0's slot
     rows = torch.cat([f, s, torch.tensor([-1], device=device)]).to(torch.int32)
     x, y = draw(B + 2, 1), draw(B + 2, D)
-    p.verify(**y, layer=1, slots=rows)                                            # accept takes every layer
-    counts = torch.full((B + 2,), D, device=device)
+    # the draft structure and the counts as an engine passes them: int32 (each could cost a conversion launch)
+    par = torch.arange(-1, D - 1, dtype=torch.int32, device=device).expand(B + 2, D).contiguous()
+    nd = torch.full((B + 2,), D, dtype=torch.int32, device=device)
+    p.verify(**y, layer=1, slots=rows, parents=par, num_drafts=nd)                # accept takes every layer
+    counts = torch.full((B + 2,), D, dtype=torch.int32, device=device)
     return {"decode": lambda: p.decode(**x, layer=0, slots=rows),
-            "verify": lambda: p.verify(**y, layer=0, slots=rows),
+            "verify": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd),
             "accept": lambda: p.accept(slots=rows, counts=counts)}
 
 

@@ -275,3 +275,44 @@ def test_fast_accept_reads_per_row_views(how, view):
         y = b.tensors()[name]
         same = (x == y) | (x.isnan() & y.isnan()) if x.dtype.is_floating_point else x == y
         assert bool(same.all()), f"{name} differs between {how} as a {view} view and as a contiguous tensor"
+
+
+def test_fast_drafts_in_place_accept_moves_only_what_changes():
+    """With room for all D drafts after a row's n entries (n + D <= C), verify writes the drafts to the
+    buffer's own rows n.. (the draft room stays as it was) and accept moves only the path entries that are
+    not yet at their row: none for a chain; for the paths 1 -> 2 and 0 -> 2 -> 3 of two trees, the entries
+    off their row move within the buffer.  A fourth request (n + D > C) takes the room.  The drafts, the
+    lengths after accept, a decode step after it and each state: against the float64 recurrence over the
+    request's own tokens."""
+    from .schedule import Checker, Tokens, _cat, _rows
+    p = _pool(**dict(SHAPES, N=4, C=8, D=4))
+    tok, chk = Tokens(4, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
+    dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
+    s = p.acquire(4)
+    x = tok.draw(4, 7)
+    p.admit(**dev(_rows(x, slice(0, 3))), layer=0, slots=s[:3].to(DEVICE), tail=2)  # n = 2: in place
+    p.admit(**dev(_rows(x, slice(3, 4))), layer=0, slots=s[3:].to(DEVICE), tail=5)  # n = 5: 5 + 4 > 8
+    rows = s.to(torch.int32).to(DEVICE)
+    d = tok.draw(4, 4)
+    parents = torch.tensor([[-1, 0, 1, 2], [-1, -1, 1, 0], [-1, 0, 0, 2], [-1, 0, 0, 2]], dtype=torch.int32)
+    o = p.verify(**dev(d), layer=0, slots=rows, parents=parents.to(DEVICE))
+    t = p.tensors()
+    assert not bool(t["du"][0, s[:3].long()].any()) and bool(t["du"][0, int(s[3])].any())
+    path_to = {1: {0: [0], 1: [1], 2: [1, 2], 3: [0, 3]}, 2: {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 2, 3]}}
+    path_to[0] = {j: list(range(j + 1)) for j in range(4)}
+    path_to[3] = path_to[2]
+    for r in range(4):
+        for j in range(4):
+            chk.check(o[r, j:j + 1].cpu(), _rows(x, r), _rows(d, (r, path_to[r][j])), f"verify row {r} draft {j}")
+    nodes = torch.tensor([3, 2, 3, 3], dtype=torch.int32, device=DEVICE)
+    p.accept(layer=0, slots=rows, nodes=nodes)
+    assert t["lengths"][0, s.long()].tolist() == [6, 4, 5, 8]
+    hist = {r: _cat(_rows(x, r), _rows(d, (r, path_to[r][int(nodes[r])]))) for r in range(4)}
+    step = tok.draw(4, 1)
+    o2 = p.decode(**dev(step), layer=0, slots=rows)
+    for r in range(4):
+        chk.check(o2[r].cpu(), hist[r], _rows(step, r), f"decode row {r} after accept")
+        hist[r] = _cat(hist[r], _rows(step, r))
+    S = p.state_of(layer=0, slots=s.to(DEVICE))
+    for r in range(4):
+        chk.check_state(S[r].cpu(), hist[r], f"state of request {r}")

@@ -135,3 +135,18 @@ def test_a_lane_contract_covers_every_form_of_its_operation():
     assert impl.contract_for("decode[u]", torch.bfloat16) == "ieee"
     if not adapters.interpreter_active():
         assert adapters.fast().contract_for("prefill[u]", torch.bfloat16) == "bf16"
+
+
+def test_fast_declares_16_bit_products_for_every_chunk_lane(monkeypatch):
+    """Compiled, kvbuffer_fast's chunk kernels multiply 16-bit inputs in 16-bit products in every operation
+    that runs them, the variable-length chunk lane too (judged as fp32, its final state failed on the H200
+    at 4.0e-3 against 1.1e-5 while the fixed-length lanes passed as bf16); the recurrence, decode and
+    verify lanes keep the fp32 contract."""
+    monkeypatch.setattr(adapters, "interpreter_active", lambda: False)
+    impl = adapters.fast()
+    for op in ("chunk", "chunk_varlen", "direct", "prefill[u]"):
+        for dt in (torch.float16, torch.bfloat16):
+            assert impl.contract_for(op, dt) == "bf16", (op, dt)
+        assert impl.contract_for(op, torch.float32) == "ieee", op
+    for op in ("recurrent", "recurrent_varlen", "decode[u]", "verify_chain[u]"):
+        assert impl.contract_for(op, torch.bfloat16) == "ieee", op
