@@ -920,17 +920,20 @@ class _Builder:
         num_drafts = torch.full((B,), d, device=dev, dtype=torch.int32)
         counts = torch.full((B,), m, device=dev, dtype=torch.int32)
         lengths, s64 = pool.tensors()["lengths"], slots.long()
+        # --set verify.* / accept.* reach the pool's calls too
+        vkw = self.api.kwargs("verify", pool.verify, xs[0], C=self.p.C)
+        akw = self.api.kwargs("accept", pool.accept, xs[0], C=self.p.C)
 
         def verify_all():
             return [pool.verify(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], layer=layer, slots=slots,
-                                parents=parents, num_drafts=num_drafts) for layer, x in enumerate(xs)]
+                                parents=parents, num_drafts=num_drafts, **vkw) for layer, x in enumerate(xs)]
 
         def accept_all():
             if per_layer:
                 for layer in range(self.L):
-                    pool.accept(slots=slots, counts=counts, layer=layer)
+                    pool.accept(slots=slots, counts=counts, layer=layer, **akw)
             else:
-                pool.accept(slots=slots, counts=counts)  # every layer in one launch (layer=None)
+                pool.accept(slots=slots, counts=counts, **akw)  # every layer in one launch (layer=None)
         o = verify_all()[0]
         accept_all()
         truth_m = self.wl.truth(xs[0], hist, upto=m)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -68,3 +69,25 @@ def test_aot_register_report_runs():
         pytest.skip("no usable ptxas for sm_90 in this Triton install")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "regs" in out.stdout and int(out.stdout.split("regs ")[1].split()[0]) > 0, out.stdout
+
+
+@pytest.mark.parametrize("op", ["pool_verify", "pool_accept"])
+def test_overrides_reach_the_pools_calls(op, monkeypatch):
+    """``--set verify.* / accept.*`` reach the pool's verify and accept in the pool ops (each call gets the
+    replaced config), so the pool round's launches can be swept like the plain ones."""
+    api = W.Api({"verify": {"KB": 16}, "accept": {"CH": 256}})
+    if not api.config_api:
+        pytest.skip("this kvbuffer_fast has the keyword API")
+    KVPool = api.pool_class()
+    seen = {"verify": [], "accept": []}
+    for name in seen:
+        real = getattr(KVPool, name)
+
+        @functools.wraps(real)  # its signature (config=) is what the runner inspects
+        def spy(self, *a, _real=real, _name=name, **kw):
+            seen[_name].append(kw.get("config"))
+            return _real(self, *a, **kw)
+        monkeypatch.setattr(KVPool, name, spy)
+    W.build(op, api, W.Workload(W.SMOKE, 2, "cpu")).run()
+    assert seen["verify"] and all(c is not None and c.KB == 16 for c in seen["verify"])
+    assert seen["accept"] and all(c is not None and c.CH == 256 for c in seen["accept"])
