@@ -171,7 +171,7 @@ def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, 
     """Split i_s of the copy launch for call row i_b on buffer and draft rows c_b (after any fold has read
     the old rows): its chunks of the kept path entries' u rows [HV * V] and keys [H * K]; split 0 the G
     rows [HV (* K)], rebased on G_end (read before a barrier: it may be an old row that is overwritten);
-    the request's last split (atomic ticket) advances lengths / has_state.  INPLACE (a pool): where the
+    the request's last split (atomic ticket; with one split, that split) advances lengths / has_state.  INPLACE (a pool): where the
     buffer row had room for all D drafts (n + D <= C) verify wrote them to its rows n.. (the draft room in
     place, ``kvbuffer_fast.verify._draft_dest``): only the path entries not yet at their row n + position
     move, within the buffer (none for a chain), and no such request folds."""
@@ -204,14 +204,19 @@ def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, 
             tl.debug_barrier()
             tl.store(cg_ptr + dst[:, None] * GW + cols[None, :], (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty),
                      mask=m_g)
-    # the request's last split writes what every split read: lengths and has_state
+    # the request's last split writes what every split read: lengths and has_state (one split: itself, no ticket)
     tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-    if ticket == SPLITS - 1:
+    if SPLITS == 1:
+        last_split = True
+    else:
+        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+        last_split = ticket == SPLITS - 1
+        if last_split:
+            tl.store(ticket_ptr + i_b, 0)
+    if last_split:
         if fold:
             tl.store(own_ptr + c_b, 1)
         tl.store(len_ptr + c_b, tl.where(fold, m - nf, n + m).to(len_ptr.dtype.element_ty))
-        tl.store(ticket_ptr + i_b, 0)
 
 
 @triton.jit

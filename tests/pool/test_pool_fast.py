@@ -277,13 +277,17 @@ def test_fast_accept_reads_per_row_views(how, view):
         assert bool(same.all()), f"{name} differs between {how} as a {view} view and as a contiguous tensor"
 
 
-def test_fast_drafts_in_place_accept_moves_only_what_changes():
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_fast_drafts_in_place_accept_moves_only_what_changes(splits):
     """With room for all D drafts after a row's n entries (n + D <= C), verify writes the drafts to the
     buffer's own rows n.. (the draft room stays as it was) and accept moves only the path entries that are
     not yet at their row: none for a chain; for the paths 1 -> 2 and 0 -> 2 -> 3 of two trees, the entries
     off their row move within the buffer.  A fourth request (n + D > C) takes the room.  The drafts, the
     lengths after accept, a decode step after it and each state: against the float64 recurrence over the
-    request's own tokens."""
+    request's own tokens.  ``splits``: copy programs per request (None: the launch table's; one split
+    advances the lengths itself, without the ticket)."""
+    from kvbuffer_fast.launch import AcceptConfig
+
     from .schedule import Checker, Tokens, _cat, _rows
     p = _pool(**dict(SHAPES, N=4, C=8, D=4))
     tok, chk = Tokens(4, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
@@ -305,7 +309,7 @@ def test_fast_drafts_in_place_accept_moves_only_what_changes():
         for j in range(4):
             chk.check(o[r, j:j + 1].cpu(), _rows(x, r), _rows(d, (r, path_to[r][j])), f"verify row {r} draft {j}")
     nodes = torch.tensor([3, 2, 3, 3], dtype=torch.int32, device=DEVICE)
-    p.accept(layer=0, slots=rows, nodes=nodes)
+    p.accept(layer=0, slots=rows, nodes=nodes, config=None if splits is None else AcceptConfig(splits=splits))
     assert t["lengths"][0, s.long()].tolist() == [6, 4, 5, 8]
     hist = {r: _cat(_rows(x, r), _rows(d, (r, path_to[r][int(nodes[r])]))) for r in range(4)}
     step = tok.draw(4, 1)
