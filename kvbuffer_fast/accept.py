@@ -11,7 +11,8 @@ in registers) is appended from the drafts' cached (k, u, G): nothing is recomput
    folds nothing costs little more than the launch.
 2. The copy, grid (SPLITS, B) (a pool: (SPLITS, B, layers)): a few programs per request copy the kept
    path entries' u rows and keys in chunks of whole rows, the first also the G rows (rebased on the last
-   folded entry); the request's last program (atomic ticket) advances ``lengths`` / ``has_state``.
+   folded entry); the request's last program (atomic ticket; with one program per request, that program)
+   advances ``lengths`` / ``has_state``.
 """
 
 from __future__ import annotations
