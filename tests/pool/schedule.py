@@ -2,7 +2,8 @@
 
 ``run_schedule(pool_factory, data, ...)`` draws a schedule of admit / decode / verify (chain or tree) /
 accept / flush / fork / release over a changing set of requests, every call with its slot indices in
-int32 or int64, shuffled, with -1 pads at random rows (whose token rows are NaN); it runs each step on
+int32 or int64, shuffled, with -1 pads at random rows (whose token rows are NaN, as are a verified
+request's draft rows past its draft count); it runs each step on
 every layer (distinct tokens per layer) and checks, for every request of every call:
 
 * its outputs against the float64 recurrence over exactly its own accepted tokens (its prefix when it
@@ -240,9 +241,8 @@ def run_schedule(make_pool, data, *, layers: int, N: int, C: int, D: int, H: int
             for layer in range(layers):
                 x = tok.draw(B, Dn)
                 for i, s in enumerate(entries):
-                    if s < 0:
-                        for f in FIELDS:
-                            x[f][i] = float("nan")
+                    for f in FIELDS:  # a pad's rows, and a request's rows past its draft count: never read
+                        x[f][i, 0 if s < 0 else nd[i]:] = float("nan")
                 o = pool.verify(**{f: dev(t) for f, t in x.items()}, layer=layer,
                                 slots=dev(torch.tensor(entries, dtype=idt)), parents=dev(parents),
                                 num_drafts=dev(num_drafts))
