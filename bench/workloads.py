@@ -919,7 +919,8 @@ class _Builder:
         parents = torch.arange(-1, d - 1, device=dev, dtype=torch.int32).expand(B, d).contiguous()
         num_drafts = torch.full((B,), d, device=dev, dtype=torch.int32)
         counts = torch.full((B,), m, device=dev, dtype=torch.int32)
-        lengths, s64 = pool.tensors()["lengths"], slots.long()
+        t = pool.tensors()
+        lengths, pending, room_drafts, s64 = t["lengths"], t["pending"], t["num_drafts"], slots.long()
         # --set verify.* / accept.* reach the pool's calls too
         vkw = self.api.kwargs("verify", pool.verify, xs[0], C=self.p.C)
         akw = self.api.kwargs("accept", pool.accept, xs[0], C=self.p.C)
@@ -941,8 +942,6 @@ class _Builder:
                   self.wl.compare(f"{op}[d={d}, m={m}].state_after_accept", pool.state_of(layer=0, slots=slots),
                                   truth_m, state=True)]
 
-        pending, room_drafts = pool.tensors()["pending"], pool.tensors()["num_drafts"]
-
         def run():
             lengths.index_fill_(1, s64, n)  # every layer back to n entries
             if "verify" in parts:
@@ -956,10 +955,12 @@ class _Builder:
                   + (io.buffered_accept(self.s, B, m) if "accept" in parts else 0))
         kind = "round" if len(parts) == 2 else parts[0]
         c = self.case(op, kind, run, self.L, nbytes, checks, C=self.p.C, n=n, d=d, m=m)
-        c.note = ("one fill of every layer's lengths back to n per replay (one tiny kernel)"
-                  + ("" if "accept" not in parts else "; accept " + ("per layer (layer=l)" if per_layer
-                                                                     else "of every layer in one call (layer=None)"))
-                  + ("" if "verify" in parts else "; the rooms marked pending again with their draft counts (two tiny kernels)"))
+        notes = ["one fill of every layer's lengths back to n per replay (one tiny kernel)"]
+        if "accept" in parts:
+            notes.append("accept " + ("per layer (layer=l)" if per_layer else "of every layer in one call (layer=None)"))
+        if "verify" not in parts:
+            notes.append("the rooms marked pending again with their draft counts (two tiny kernels)")
+        c.note = "; ".join(notes)
         return c
 
     def pool_verify(self) -> Case:

@@ -331,6 +331,13 @@ def pdl_launch(x: torch.Tensor, on: bool) -> dict:
 
 
 @triton.jit
+def _drafts_in_buffer(n, D, C: tl.constexpr):
+    """Whether a pool row's D drafts are written to its own buffer rows n..n+D-1 (all fit in its C rows)
+    instead of its draft room: verify's rule (``verify._draft_dest``), which accept's copy follows."""
+    return n + D <= C
+
+
+@triton.jit
 def _program_ids(H: tl.constexpr, HV: tl.constexpr):
     """(i_v, i_bhv, i_b, i_hv, i_h) of a program of the (V / BV, B * HV) grid every state kernel uses:
     V-tile, (request, value head) as one int64 index, request, value head, and its q/k head

@@ -28,8 +28,8 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, check_num_drafts, check_parents,
                                  require_device, require_float, require_int_tensor, require_rank, require_tensor)
 
-from ._common import (_pdl_prologue, as_input, block, checked_buffer, device_guard, flag_view,
-                      pdl_launch, require_no_overlap, ticket_counters)
+from ._common import (_drafts_in_buffer, _pdl_prologue, as_input, block, checked_buffer, device_guard,
+                      flag_view, pdl_launch, require_no_overlap, ticket_counters)
 from .launch import AcceptConfig, check_config, config_for, key_of
 
 __all__ = ["accept"]
@@ -184,7 +184,7 @@ def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, 
     src = c_b * D + o_d
     su_ptr, sk_ptr, sg_ptr = du_ptr, dk_ptr, dg_ptr
     if INPLACE:
-        if n + D <= C:  # the drafts are the buffer's rows n..n+D-1: move those off their row
+        if _drafts_in_buffer(n, D, C):  # the drafts are the buffer's rows n..n+D-1: move those off their row
             su_ptr, sk_ptr, sg_ptr = cu_ptr, ck_ptr, cg_ptr
             src = c_b * C + n + o_d
             m_keep = m_keep & (pos != o_d)

@@ -55,8 +55,9 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens, require_int_tensor
 
-from ._common import (_gdc_wait, _pdl_prologue, _program_ids, as_input, block, check_growth, checked_buffer,
-                      checked_tokens, device_guard, flag_view, index_input, new_output, pdl_launch, values_checked)
+from ._common import (_drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, check_growth,
+                      checked_buffer, checked_tokens, device_guard, flag_view, index_input, new_output, pdl_launch,
+                      values_checked)
 from .launch import VerifyConfig, check_config, config_for, key_of
 
 __all__ = ["verify", "MAX_DRAFTS", "PoolLayer", "verify_pool"]
@@ -117,7 +118,7 @@ def _draft_dest(room_ptr, buf_ptr, c_b, n, C: tl.constexpr, DR, POOL: tl.constex
     dst = room_ptr
     r0 = c_b * DR
     if POOL:
-        if n + DR <= C:
+        if _drafts_in_buffer(n, DR, C):
             dst = buf_ptr
             r0 = c_b * C + n
     return dst, r0
