@@ -1,7 +1,7 @@
 """accept: commit the accepted drafts of each request IN PLACE, appending their cached (k, u, G).
 
-Two launches.  Per request the accepted node's root-to-node path (m entries, found by walking ``parents``
-in registers) is appended from the drafts' cached (k, u, G): nothing is recomputed.
+Two launches.  Each program walks the accepted node's root-to-node path up ``parents`` in registers (m
+entries); nothing is recomputed.
 
 1. The fold, grid (V / BV, B * HV / FH) (a pool: a third axis over layers), only when the buffer has
    state storage: when n + m > C the reference's rule applies (``kvbuffer_ref.entries.fold_count``): all
@@ -9,10 +9,14 @@ in registers) is appended from the drafts' cached (k, u, G): nothing is recomput
    per program, each [K, BV] tile in KB-row blocks through two fp32 tl.dot (old entries, path entries).
    A program whose request has n + D <= C (it cannot overflow) returns after one load, so a round that
    folds nothing costs little more than the launch.
-2. The copy, grid (SPLITS, B) (a pool: (SPLITS, B, layers)): a few programs per request copy the kept
-   path entries' u rows and keys in chunks of whole rows, the first also the G rows (rebased on the last
-   folded entry); the request's last program (atomic ticket; with one program per request, that program)
-   advances ``lengths`` / ``has_state``.
+2. The copy, grid (P, B) (a pool: (P, B, layers)), P programs per request (``programs_per_request``: the
+   request's share of the config's ``programs``, at most its H q/k heads): program i_p owns q/k heads
+   i_p, i_p + P, ..., and moves those heads' columns of the kept path entries (the key row; the u and G
+   rows of their HV / H value heads, G rebased on the last folded entry) to the buffer rows they take.
+   Where nothing moves (a pool's chain whose drafts verify wrote to the buffer rows themselves) nothing
+   is read but the path.  One program advances ``lengths`` / ``has_state``: program 0 on a pool, whose
+   claims kernel took a snapshot of the lengths before the launches, else the request's last program
+   (atomic ticket; none for P = 1) once every program has read them.
 """
 
 from __future__ import annotations
@@ -32,20 +36,35 @@ from ._common import (_drafts_in_buffer, _pdl_prologue, as_input, block, checked
                       flag_view, pdl_launch, require_no_overlap, ticket_counters)
 from .launch import AcceptConfig, check_config, config_for, key_of
 
-__all__ = ["accept"]
+__all__ = ["accept", "programs_per_request", "launch_constants"]
+
+
+def programs_per_request(cfg: AcceptConfig, requests: int, H: int) -> int:
+    """P, the programs of the accept launch per request (``requests`` = call rows x layers): the request's
+    share of ``cfg.programs``, at least 1, at most its H q/k heads (the unit a program owns)."""
+    return max(1, min(H, triton.cdiv(cfg.programs, max(1, requests))))
+
+
+def launch_constants(cfg: AcceptConfig, *, C: int, H: int, HV: int, K: int, V: int, D: int, channel: bool
+                     ) -> tuple[dict, dict]:
+    """The tile constexprs of the fold launch and of the copy launch for ``cfg`` at these shapes."""
+    common = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=channel)
+    fold = dict(common, CB=block(C), KB=max(16, min(cfg.KB, block(K))), BV=max(16, min(cfg.BV, block(V))),
+                FH=math.gcd(HV, cfg.FH), NS=cfg.NS)
+    copy = dict(common, CU=min(cfg.CH, block(HV // H * V)), CK=min(cfg.CH, block(K)),
+                GB=block(HV // H * (K if channel else 1)))
+    return fold, copy
 
 
 @triton.jit
-def _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C: tl.constexpr, BD: tl.constexpr,
-                 COUNTS: tl.constexpr):
-    """The accepted node's root-to-node path (walked up ``parents`` in registers) and the overflow rule:
-    returns (n, node, on_path [BD], pos [BD] index along the path, m, fold, nf = path entries folded).
-    The node is call row i_b's (COUNTS: ``node_ptr`` holds accepted counts of a chain, node = count - 1),
-    the length and the parents buffer row c_b's (i_b outside a pool)."""
+def _accept_path(par_ptr, node_ptr, i_b, c_b, n, D, C: tl.constexpr, BD: tl.constexpr, COUNTS: tl.constexpr):
+    """The accepted node's root-to-node path (walked up ``parents`` in registers) and the overflow rule for a
+    request with n buffered entries: returns (on_path [BD], pos [BD] index along the path, m, fold, nf =
+    path entries folded).  The node is call row i_b's (COUNTS: ``node_ptr`` holds accepted counts of a
+    chain, node = count - 1), the parents draft row c_b's (i_b outside a pool)."""
     node = tl.load(node_ptr + i_b).to(tl.int32)
     if COUNTS:
         node = node - 1
-    n = tl.load(len_ptr + c_b).to(tl.int32)
     o_d = tl.arange(0, BD)
     par = tl.load(par_ptr + c_b * D + o_d, mask=o_d < D, other=-1).to(tl.int32)
     on_path = o_d < 0
@@ -58,7 +77,7 @@ def _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C: tl.constexpr, BD: t
     m = tl.sum(on_path.to(tl.int32), 0)
     fold = n + m > C  # kvbuffer_ref.entries.fold_count: all old entries + the oldest max(0, m - C) new
     nf = tl.where(fold, tl.maximum(m - C, 0), 0)
-    return n, node, on_path, pos, m, fold, nf
+    return on_path, pos, m, fold, nf
 
 
 @triton.jit
@@ -88,9 +107,9 @@ def _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, d
     S = diag(exp(G_end)) S0 + sum_j exp(G_end - G_j) k_j u_j^T over the n old entries (one tl.dot of
     [KB, CB] x [CB, BV]) and the oldest nf path entries (one of [KB, BD] x [BD, BV]), fp32 FMA; S0 = 0
     where the request owns no state."""
-    n0 = tl.load(len_ptr + c_b).to(tl.int32)
-    if n0 + D > C:
-        n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD, COUNTS)
+    n = tl.load(len_ptr + c_b).to(tl.int32)
+    if n + D > C:
+        on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, i_b, c_b, n, D, C, BD, COUNTS)
         if fold:
             owns = tl.load(own_ptr + c_b) != 0
             o_kb = tl.arange(0, KB)
@@ -151,33 +170,34 @@ def _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, d
 
 
 @triton.jit
-def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, m_keep, W: tl.constexpr, i_s, SPLITS: tl.constexpr,
-               CH: tl.constexpr):
-    """Rows of W elements: source rows ``src_row`` [BD] to destination rows ``dst_row`` where ``m_keep``,
-    this split's chunks of CH columns (chunk c goes to split c % SPLITS)."""
+def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, m_keep, W: tl.constexpr, c0, NC: tl.constexpr, CH: tl.constexpr):
+    """Rows of W elements: columns c0..c0+NC of source rows ``src_row`` [BD] to destination rows ``dst_row``
+    where ``m_keep``, in chunks of CH columns."""
     o_c = tl.arange(0, CH)
-    for c0 in range(i_s * CH, W, SPLITS * CH):
-        cols = c0 + o_c
-        m = m_keep[:, None] & (cols < W)[None, :]
+    for c in tl.static_range(0, NC, CH):
+        cols = c0 + c + o_c
+        m = m_keep[:, None] & (c + o_c < NC)[None, :]
         x = tl.load(src_ptr + src_row[:, None] * W + cols[None, :], mask=m, other=0.0)
+        tl.debug_barrier()  # every source row read before any is overwritten (a tree's path moves down)
         tl.store(dst_ptr + dst_row[:, None] * W + cols[None, :], x.to(dst_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
-                  D, i_s, i_b, c_b,
-                  C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr,
-                  COUNTS: tl.constexpr, INPLACE: tl.constexpr = False):
-    """Split i_s of the copy launch for call row i_b on buffer and draft rows c_b (after any fold has read
-    the old rows): its chunks of the kept path entries' u rows [HV * V] and keys [H * K]; split 0 the G
-    rows [HV (* K)], rebased on G_end (read before a barrier: it may be an old row that is overwritten);
-    the request's last split (atomic ticket; with one split, that split) advances lengths / has_state.  INPLACE (a pool): where the
-    buffer row had room for all D drafts (n + D <= C) verify wrote them to its rows n.. (the draft room in
-    place, ``kvbuffer_fast.verify._draft_dest``): only the path entries not yet at their row n + position
-    move, within the buffer (none for a chain), and no such request folds."""
-    GW: tl.constexpr = HV * K if CHANNEL else HV
-    n, node, on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, len_ptr, i_b, c_b, D, C, BD, COUNTS)
+def _copy_group(ck_ptr, cu_ptr, cg_ptr, dk_ptr, du_ptr, dg_ptr, D, c_b, n, on_path, pos, fold, nf, i_h,
+                C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BD: tl.constexpr, CU: tl.constexpr, CK: tl.constexpr, GB: tl.constexpr, CHANNEL: tl.constexpr,
+                INPLACE: tl.constexpr):
+    """The kept path entries' columns of q/k head i_h's group (its key row; the u and G of its HV / H value
+    heads) moved to the buffer rows they take, G rebased on G_end (read before a barrier: it may be an old
+    row that is overwritten), after any fold of the group has read the old rows: no other program reads or
+    writes these columns.  INPLACE (a pool): where the buffer row had room for all D drafts (n + D <= C)
+    verify wrote them to its rows n.. (``kvbuffer_fast.verify._draft_dest``): only the path entries not yet
+    at their row n + position move, within the buffer (none for a chain), and no such request folds.
+    Nothing is read where no entry moves.  Chunks of CU u columns and CK key columns; GB >= the group's G
+    columns."""
+    GROUP: tl.constexpr = HV // H
+    GK: tl.constexpr = K if CHANNEL else 1
+    GW: tl.constexpr = HV * GK
     o_d = tl.arange(0, BD)
     m_keep = on_path & (pos >= nf)  # path entries that stay buffered ...
     dst = c_b * C + tl.where(fold, pos - nf, n + pos)  # ... at these rows
@@ -188,33 +208,49 @@ def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, 
             su_ptr, sk_ptr, sg_ptr = cu_ptr, ck_ptr, cg_ptr
             src = c_b * C + n + o_d
             m_keep = m_keep & (pos != o_d)
-    _copy_rows(su_ptr, cu_ptr, src, dst, m_keep, HV * V, i_s, SPLITS, CH)
-    _copy_rows(sk_ptr, ck_ptr, src, dst, m_keep, H * K, i_s, SPLITS, CH)
-    if i_s == 0:
+    if tl.sum(m_keep.to(tl.int32), 0) > 0:
+        hv0 = i_h * GROUP
+        _copy_rows(su_ptr, cu_ptr, src, dst, m_keep, HV * V, hv0 * V, GROUP * V, CU)
+        _copy_rows(sk_ptr, ck_ptr, src, dst, m_keep, H * K, i_h * K, K, CK)
         last = c_b * C + tl.maximum(n - 1, 0)
         j_end = c_b * D + tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # last folded path entry
-        o_c = tl.arange(0, CH)
-        for c0 in range(0, GW, CH):
-            cols = c0 + o_c
-            m_c = cols < GW
-            g_old = tl.load(cg_ptr + last * GW + cols, mask=cols < tl.where(fold & (n > 0), GW, 0), other=0.0)
-            g_new = tl.load(dg_ptr + j_end * GW + cols, mask=cols < tl.where(nf > 0, GW, 0), other=0.0)
-            g_end = tl.where(nf > 0, g_new.to(tl.float32), g_old.to(tl.float32))  # 0 without a fold
-            m_g = m_keep[:, None] & m_c[None, :]
-            Gd = tl.load(sg_ptr + src[:, None] * GW + cols[None, :], mask=m_g, other=0.0).to(tl.float32)
+        o_g = tl.arange(0, GB)
+        cols = hv0 * GK + o_g
+        m_c = o_g < GROUP * GK
+        g_old = tl.load(cg_ptr + last * GW + cols, mask=o_g < tl.where(fold & (n > 0), GROUP * GK, 0), other=0.0)
+        g_new = tl.load(dg_ptr + j_end * GW + cols, mask=o_g < tl.where(nf > 0, GROUP * GK, 0), other=0.0)
+        g_end = tl.where(nf > 0, g_new.to(tl.float32), g_old.to(tl.float32))  # 0 without a fold
+        m_g = m_keep[:, None] & m_c[None, :]
+        Gd = tl.load(sg_ptr + src[:, None] * GW + cols[None, :], mask=m_g, other=0.0).to(tl.float32)
+        tl.debug_barrier()
+        tl.store(cg_ptr + dst[:, None] * GW + cols[None, :], (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty),
+                 mask=m_g)
+
+
+@triton.jit
+def _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+                  i_p, i_b, c_b, n, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BD: tl.constexpr, CU: tl.constexpr, CK: tl.constexpr, GB: tl.constexpr,
+                  P: tl.constexpr, CHANNEL: tl.constexpr, COUNTS: tl.constexpr, INPLACE: tl.constexpr,
+                  SNAP: tl.constexpr):
+    """Program i_p of the copy launch's P programs for call row i_b (buffer and draft rows c_b, n entries as
+    the call began), after the fold launch: the kept entries' columns of q/k heads i_p, i_p + P, ...
+    (``_copy_group``).  The bookkeeping (``lengths``, ``has_state``) is written by program 0 when n came
+    from a snapshot taken before the launch (SNAP: a pool's claims kernel), else by the request's last
+    program (atomic ticket; none for P = 1) once every program has read ``lengths``."""
+    on_path, pos, m, fold, nf = _accept_path(par_ptr, node_ptr, i_b, c_b, n, D, C, BD, COUNTS)
+    for i_h in range(i_p, H, P):
+        _copy_group(ck_ptr, cu_ptr, cg_ptr, dk_ptr, du_ptr, dg_ptr, D, c_b, n, on_path, pos, fold, nf, i_h,
+                    C, H, HV, K, V, BD, CU, CK, GB, CHANNEL, INPLACE)
+    is_last = i_p == 0
+    if not SNAP:
+        if P > 1:  # every program has read lengths before the last one writes it
             tl.debug_barrier()
-            tl.store(cg_ptr + dst[:, None] * GW + cols[None, :], (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty),
-                     mask=m_g)
-    # the request's last split writes what every split read: lengths and has_state (one split: itself, no ticket)
-    tl.debug_barrier()
-    if SPLITS == 1:
-        last_split = True
-    else:
-        ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-        last_split = ticket == SPLITS - 1
-        if last_split:
-            tl.store(ticket_ptr + i_b, 0)
-    if last_split:
+            ticket = tl.atomic_add(ticket_ptr + i_b, 1)
+            is_last = ticket == P - 1
+            if is_last:
+                tl.store(ticket_ptr + i_b, 0)
+    if is_last:
         if fold:
             tl.store(own_ptr + c_b, 1)
         tl.store(len_ptr + c_b, tl.where(fold, m - nf, n + m).to(len_ptr.dtype.element_ty))
@@ -235,20 +271,6 @@ def _accept_fold_kernel(
     _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
                   i_v, i_b, (i_g % (HV // FH)) * FH, i_b, i_b, i_b, C, H, HV, K, V, BD, CB, KB, BV, FH, NS, CHANNEL,
                   COUNTS)
-
-
-@triton.jit
-def _accept_kernel(
-    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr, COUNTS: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """The copy launch on a buffer, grid (SPLITS, B)."""
-    _pdl_prologue(PDL)
-    i_b = tl.program_id(1).to(tl.int64)
-    _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
-                  D, tl.program_id(0), i_b, i_b, C, H, HV, K, V, BD, CH, SPLITS, CHANNEL, COUNTS)
 
 
 @triton.jit
@@ -280,15 +302,30 @@ def _accept_fold_slots_kernel(
 
 
 @triton.jit
-def _accept_slots_kernel(
+def _accept_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
-    bslot_ptr, NR, B,
-    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BD: tl.constexpr, CH: tl.constexpr, SPLITS: tl.constexpr, CHANNEL: tl.constexpr, PDL: tl.constexpr = False,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr,
+    CU: tl.constexpr, CK: tl.constexpr, GB: tl.constexpr, P: tl.constexpr, CHANNEL: tl.constexpr,
+    COUNTS: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """The copy launch on a pool, grid (SPLITS, B, layers): call row i_b on buffer row and draft room
-    ``bslot[i_b]`` of layer ``program_id(2)`` (int64 offsets; tickets [layers, B]); a pad (-1) does
-    nothing."""
+    """The copy launch on a buffer, grid (P, B): program i_p of request i_b (``_copy_program``)."""
+    _pdl_prologue(PDL)
+    i_b = tl.program_id(1).to(tl.int64)
+    n = tl.load(len_ptr + i_b).to(tl.int32)
+    _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D,
+                  tl.program_id(0), i_b, i_b, n, C, H, HV, K, V, BD, CU, CK, GB, P, CHANNEL, COUNTS, False, False)
+
+
+@triton.jit
+def _accept_slots_kernel(
+    ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr, D, bslot_ptr, n_ptr, NR, B,
+    C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr,
+    CU: tl.constexpr, CK: tl.constexpr, GB: tl.constexpr, P: tl.constexpr, CHANNEL: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """The copy launch on a pool, grid (P, B, layers): call row i_b (its node ``node[i_b]``) on buffer row and
+    draft room ``bslot[i_b]`` of layer ``program_id(2)``, with n entries (``n[layer, i_b]``, the claims
+    kernel's snapshot); int64 offsets; a pad (-1) does nothing."""
     _pdl_prologue(PDL)
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, _, dk_ptr, du_ptr, dg_ptr, par_ptr, i_l = _pool_layer(
         ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, len_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, NR, 0, D,
@@ -296,8 +333,10 @@ def _accept_slots_kernel(
     i_b = tl.program_id(1).to(tl.int64)
     c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
     if c_b >= 0:
-        _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, ticket_ptr + i_l * B, dk_ptr, du_ptr, dg_ptr, par_ptr,
-                      node_ptr, D, tl.program_id(0), i_b, c_b, C, H, HV, K, V, BD, CH, SPLITS, CHANNEL, False, True)
+        n = tl.load(n_ptr + i_l * B + i_b).to(tl.int32)
+        _copy_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, len_ptr, dk_ptr, du_ptr, dg_ptr, par_ptr, node_ptr,
+                      D, tl.program_id(0), i_b, c_b, n, C, H, HV, K, V, BD, CU, CK, GB, P, CHANNEL, False, True, True)
+
 
 def accept(
     buffer: KVBuffer,
@@ -333,20 +372,18 @@ def accept(
     if config is None:
         config = config_for("accept", key_of(buffer.k, C=C, B=B, HV=HV, V=V, channel=buffer.channel_gate))
     cfg = check_config("accept", config)
-    BV = max(16, min(cfg.BV, block(V)))
+    P = programs_per_request(cfg, B, H)
+    fold, copy = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=buffer.channel_gate)
     args = (as_input(drafts.k), as_input(drafts.u), as_input(drafts.G), as_input(drafts.parents), nodes, D)
-    consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=buffer.channel_gate, COUNTS=is_count,
-                  **pdl_launch(buffer.k, cfg.pdl))
+    pdl = pdl_launch(buffer.k, cfg.pdl)
     with device_guard(buffer.k):
         if buffer.state is not None:  # requests past the capacity fold first (the others' programs return at once)
-            FH = math.gcd(HV, cfg.FH)
-            _accept_fold_kernel[(triton.cdiv(V, BV), B * HV // FH)](
+            _accept_fold_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"])](
                 buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), buffer.state, *args,
-                CB=block(C), KB=max(16, min(cfg.KB, block(K))), BV=BV, FH=FH, NS=cfg.NS, num_warps=cfg.num_warps,
-                **consts)
-        _accept_kernel[(cfg.splits, B)](buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
-                                        ticket_counters(B, buffer.k.device), *args, CH=cfg.CH, SPLITS=cfg.splits,
-                                        num_warps=cfg.copy_warps, **consts)
+                COUNTS=is_count, num_warps=cfg.num_warps, **fold, **pdl)
+        _accept_kernel[(P, B)](buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
+                               ticket_counters(B, buffer.k.device), *args, P=P, COUNTS=is_count,
+                               num_warps=cfg.copy_warps, **copy, **pdl)
     return buffer
 
 

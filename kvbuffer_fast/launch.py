@@ -147,18 +147,20 @@ class VerifyConfig:
 class AcceptConfig:
     """accept: the fold launch (``FH`` value heads per program, ``num_warps`` warps, each head's [K, BV] state
     tile in [KB, BV] blocks through ``NS`` pipeline stages; its programs return at once for requests that
-    cannot overflow) and the copy launch (``splits`` programs per request, chunks of ``CH`` elements of the
-    entries' rows, ``copy_warps`` warps); ``pdl``: each launch a programmatic dependent launch of the one
-    before it (sm_90+; it waits for its predecessor first, so only the launch latency overlaps)."""
+    cannot overflow) and the copy launch (P programs per request, P = the request's share of ``programs``,
+    the launch's total over requests and, on a pool, layers; at least 1, at most the request's q/k heads,
+    the unit a program owns; rows in chunks of at most ``CH`` elements; ``copy_warps`` warps); ``pdl``: each
+    launch a programmatic dependent launch of the one before it (sm_90+; it waits for its predecessor
+    first, so only the launch latency overlaps)."""
 
     FH: int = 4
     BV: int = 64
     KB: int = 32
     NS: int = 2
     num_warps: int = 2
-    CH: int = 1024
-    splits: int = 4
-    copy_warps: int = 4
+    programs: int = 1024
+    CH: int = 512
+    copy_warps: int = 2
     pdl: bool = True
 
 
@@ -260,15 +262,7 @@ TABLES: dict[str, tuple[Row, ...]] = {
             why="the two-piece product, at most 2048 programs and <= 16 buffer rows: 70.4 against 72.5 us "
                 "at B = 64; slower at B = 128 and with C = 32"),
     ),
-    "accept": (
-        Row(dict(splits=2), columns=(128 * 32 * 128, 256 * 32 * 128 - 1),
-            why="the copy launch on about 256 programs: at B = 128 (Qwen3-Next heads) accept took 16.5 against 19.6 "
-                "(4 splits) and 18.4 us (1), the round 127.3 against 130.8 / 128.9 us"),
-        Row(dict(splits=1), columns=(256 * 32 * 128, None),
-            why="one copy program per request at B >= 256: accept 25.6 / 47.0 against 32.3 / 58.5 us (4 splits) and "
-                "28.3 / 50.8 (2) at B = 256 / 512, the round 241.1 / 465.3 against 247.8 / 478.8 us; at B = 64 "
-                "4 splits stay best (accept 11.5 against 12.1 with 2, 15.5 with 1)"),
-    ),
+    "accept": (),
     "per_draft_state": (),
     "chunk": _CHUNK_ROWS,
     "direct": _CHUNK_ROWS,

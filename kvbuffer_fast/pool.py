@@ -13,8 +13,8 @@ programs read and write nothing).  Launches per call (no torch kernels between t
   ``_book_slots_kernel``);
 * verify: verify's two phases on the pool (``kvbuffer_fast.verify.verify_pool``): the rows' buffer
   entries and state slots read, and their drafts written to the slots' draft rooms, by slot index;
-* accept: the state-slot bookkeeping (which rows' accepted paths overflow), accept's fold and copy
-  launches;
+* accept: the state-slot bookkeeping (which rows' accepted paths overflow, the lengths), accept's fold and
+  copy launches;
 * flush: the state-slot bookkeeping, flush's fold launch (keys and gates moved in torch).
 
 ``state_of`` and decode at C > 32 (the tile fold) go through a gathered ``KVBuffer``.
@@ -47,8 +47,8 @@ from kvbuffer_ref.pool import admit_state, check_slots, on_device, per_row, set_
 
 from . import decode as _decode
 from ._common import (CACHE_DTYPES, STATE_DTYPES, _pdl_prologue, as_input, block, checked_tokens, device_guard,
-                      flag_view, index_input, new_output, pdl_launch, ticket_counters, values_checked)
-from .accept import _accept_fold_slots_kernel, _accept_slots_kernel
+                      flag_view, index_input, new_output, pdl_launch, values_checked)
+from .accept import _accept_fold_slots_kernel, _accept_slots_kernel, launch_constants, programs_per_request
 from .flush import _flush_slots_kernel, _shift_keys_and_gates
 from .flush import materialize_state as fast_materialize
 from .prefill import prefill as fast_prefill
@@ -210,17 +210,18 @@ class KVPool:
         row leaving a shared slot has its state copied to its fresh slot and folds there in place: its
         fold must not read the old slot, which the sharer that keeps it folds in place in the same launch.
         With ``accepted`` the rows' ``pending`` and ``num_drafts`` are cleared too (accept's kernels read
-        the draft room, not those).  Returns (cur, read, write, node): [layers, B] int64 each, the row's
+        the draft room, not those).  Returns (cur, read, write, node, length): [layers, B] int64 each but node, the row's
         slot before the call (-1: none), the slot its fold reads (-1: none, S0 = 0) and writes
-        (non-folding rows: the sink S), and accept's nodes [B] (pads -1; else None).  With no free slot for every needing row in some layer:
+        (non-folding rows: the sink S), accept's nodes [B] (pads -1; else None), and the rows' lengths as the call began
+        ([layers, B]; pads 0).  With no free slot for every needing row in some layer:
         a ValueError before anything is written (checked calls; unchecked, such a fold writes the sink)."""
         t, N, S = self._t, self.num_buffer_slots, self.num_state_slots
         NL, B, D, l0 = lay.stop - lay.start, s.shape[0], self.max_drafts, lay.start
         dev = s.device
-        plan = torch.empty(4, NL, B, dtype=torch.int64, device=dev)
+        plan = torch.empty(5, NL, B, dtype=torch.int64, device=dev)
         node = torch.empty(B, dtype=torch.int64, device=dev) if accepted is not None else None
         if B == 0:
-            return plan[0], plan[1], plan[2], node
+            return plan[0], plan[1], plan[2], node, plan[4]
         count = torch.empty(NL, 2, dtype=torch.int64, device=dev)
         rule = 0 if folds is not None else 1 if accepted is None else 2
         name, arg = accepted if accepted is not None else (None, 0)
@@ -246,7 +247,7 @@ class KVPool:
                 s, t["state_slot"][l0], t["refs"][l0], t["state"][l0], plan, flag_view(t["pending"][l0]),
                 t["num_drafts"][l0], B, NL, N, S, E=E, BLOCK=BLOCK, BB=block(B, 2), ACCEPT=accepted is not None,
                 **pdl_launch(s, True))
-        return plan[0], plan[1], plan[2], node
+        return plan[0], plan[1], plan[2], node, plan[4]
 
     # ------------------------------------------------------------------ gather / scatter
     def _gather(self, layer: int, bs: torch.Tensor, cur: Optional[torch.Tensor] = None) -> KVBuffer:
@@ -330,7 +331,7 @@ class KVPool:
         o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
         if d.B == 0:
             return o
-        cur, read, write, _ = self._claims(slice(layer, layer + 1), s, checked)
+        cur, read, write, _, _ = self._claims(slice(layer, layer + 1), s, checked)
         pdl = pdl_launch(q, cfg.pdl)
         tokens = dict(q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v), g_ptr=as_input(g),
                       beta_ptr=as_input(beta), o_ptr=o, scale=sc)
@@ -357,7 +358,7 @@ class KVPool:
 
     def _decode_gathered(self, q, k, v, g, beta, layer, s, checked, scale, cfg):
         """Decode through a gathered KVBuffer (capacities past the grouped fold's 32 rows)."""
-        cur, _, write, _ = self._claims(slice(layer, layer + 1), s, checked)
+        cur, _, write, _, _ = self._claims(slice(layer, layer + 1), s, checked)
         bs = self._sink(s)
         buf = self._gather(layer, bs, cur[0])
         x = self._padded_tokens(s, q=q, k=k, v=v, g=g, beta=beta)
@@ -394,9 +395,10 @@ class KVPool:
     def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
                config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored): the state-slot
-        bookkeeping's two launches (``_claims``: which rows' accepted paths overflow, their slots), then
-        the fold launch and the copy launch of ``kvbuffer_fast.accept`` on the pool, addressed by slot
-        index (the drafts are read from the slots' draft room).  ``layer``: an int, or None for every layer
+        bookkeeping's two launches (``_claims``: which rows' accepted paths overflow, their slots, the
+        lengths as the call began), then the fold launch and the copy launch of ``kvbuffer_fast.accept`` on the
+        pool, addressed by slot index (the drafts are read from the slots' draft room, or from the buffer rows
+        verify wrote them to); the copy reads n from that snapshot.  ``layer``: an int, or None for every layer
         at once (the same counts or nodes; each launch then covers all layers, one grid axis per layer)."""
         lay = slice(0, self.layers) if layer is None else slice(self._layer(layer), self._layer(layer) + 1)
         s, checked = self._rows("slots", slots)
@@ -427,28 +429,26 @@ class KVPool:
                     check_counts(x, nd[i], is_chain)
                 else:
                     check_nodes(x, nd[i])
-        _, read, write, node = self._claims(lay, s, checked, accepted=(name, arg))
+        _, read, write, node, length = self._claims(lay, s, checked, accepted=(name, arg))
         NL, B = read.shape
         C, H, HV, K, V = self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
         if B > 0 and D > 0:
             if config is None:
                 config = config_for("accept", key_of(t["k"], C=C, B=B, HV=HV, V=V, channel=self.channel_gate))
             cfg = check_config("accept", config)
-            BV = max(16, min(cfg.BV, block(V)))
+            l0 = lay.start
+            P = programs_per_request(cfg, NL * B, H)
+            fold, copy = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=self.channel_gate)
             l0 = lay.start
             buf = (t["k"][l0], t["u"][l0], t["G"][l0], t["lengths"][l0], flag_view(t["has_state"][l0]))
             room = (t["dk"][l0], t["du"][l0], t["dG"][l0], t["parents"][l0], node, D)
-            consts = dict(C=C, H=H, HV=HV, K=K, V=V, BD=block(D), CHANNEL=self.channel_gate,
-                          **pdl_launch(s, cfg.pdl))
             NR, SR = self.num_buffer_slots + 1, self.num_state_slots + 1
+            pdl = pdl_launch(s, cfg.pdl)
             with device_guard(s):
-                FH = math.gcd(HV, cfg.FH)
-                _accept_fold_slots_kernel[(triton.cdiv(V, BV), B * HV // FH, NL)](
-                    *buf, t["state"][l0], *room, s, read, write, NR, SR, B, CB=block(C),
-                    KB=max(16, min(cfg.KB, block(K))), BV=BV, FH=FH, NS=cfg.NS, num_warps=cfg.num_warps, **consts)
-                _accept_slots_kernel[(cfg.splits, B, NL)](*buf, ticket_counters(NL * B, s.device), *room, s, NR, B,
-                                                          CH=cfg.CH, SPLITS=cfg.splits, num_warps=cfg.copy_warps,
-                                                          **consts)
+                _accept_fold_slots_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"], NL)](
+                    *buf, t["state"][l0], *room, s, read, write, NR, SR, B, num_warps=cfg.num_warps, **fold, **pdl)
+                _accept_slots_kernel[(P, B, NL)](*buf, *room, s, length, NR, B, P=P, num_warps=cfg.copy_warps,
+                                                 **copy, **pdl)
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): one launch on the pool
@@ -469,7 +469,7 @@ class KVPool:
         if B == 0:
             return
         BV = max(16, min(cfg.BV, block(V)))
-        _, read, write, _ = self._claims(slice(layer, layer + 1), s, checked, folds=folds[None])
+        _, read, write, _, _ = self._claims(slice(layer, layer + 1), s, checked, folds=folds[None])
         with device_guard(s):
             _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
                 t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]),
@@ -549,7 +549,7 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
     in registers.  Which rows fold (RULE): 0, ``fold[layer, i]`` (uint8); 1, decode's (a full buffer);
     2, accept's (the accepted path overflows the buffer: the node ``arg[i]``, or the int ``arg`` for
     every row without PER_ROW, minus 1 with COUNTS; the rows' nodes (pads: -1) go to ``node``).
-    Writes ``plan`` [4, layers, B] (current slot, read slot, write slot, need) and ``count`` [layers, 2]
+    Writes ``plan`` [5, layers, B] (current slot, read slot, write slot, need, the row's length) and ``count`` [layers, 2]
     (rows that need a fresh slot, free slots).  The sharers of a slot that fold are counted in the
     int32 ``scratch`` ([layers, 2 S + N], zero between calls: reset here), and so is the first of them
     (``B - max(B - row)``); the fresh slots go out by rank (the rank-th needing row, kept in the scratch,
@@ -566,10 +566,12 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
     slot = tl.load(slot_ptr + o_b, mask=m_b, other=-1).to(tl.int64)
     valid = slot >= 0
     cur = tl.load(sslot_ptr + slot, mask=valid, other=-1).to(tl.int64)
+    n = tl.load(len_ptr + slot, mask=valid, other=0)
+    tl.store(plan_ptr + (4 * NL + i_l) * B + o_b, n.to(tl.int64), mask=m_b)  # the lengths as the call began
     if RULE == 0:
         folds = valid & (tl.load(fold_ptr + i_l * B + o_b, mask=m_b, other=0) != 0)
     elif RULE == 1:
-        folds = valid & (tl.load(len_ptr + slot, mask=valid, other=0) >= C)
+        folds = valid & (n >= C)
     else:
         if PER_ROW:
             x = tl.load(arg_ptr + o_b, mask=valid, other=0).to(tl.int32)
@@ -588,7 +590,7 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
             on = node >= 0
             m += on.to(tl.int32)
             node = tl.where(on, tl.sum(tl.where(o_d[None, :] == node[:, None], par, 0), 1), -1)
-        folds = valid & (tl.load(len_ptr + slot, mask=valid, other=0) + m > C)
+        folds = valid & (n + m > C)
     shared = folds & (cur >= 0)
     at = tl.where(shared, cur, 0)
     tl.atomic_add(scratch_ptr + at, 1, mask=shared)

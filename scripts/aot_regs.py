@@ -9,7 +9,8 @@ package roots with the same Triton (e.g. before and after a refactor) rather tha
     python scripts/aot_regs.py all [--root DIR]
 
 KERNEL: decode, fold_group, fold_full (the tile fold), book (kvbuffer_fast/decode.py), verify_prep_group,
-verify_prep, verify_stream (kvbuffer_fast/verify.py; speculative.py in older trees), chunk_prep
+verify_prep, verify_stream (kvbuffer_fast/verify.py; speculative.py in older trees), accept_fold_slots,
+accept_slots (kvbuffer_fast/accept.py, the pool's fold and copy launches), chunk_prep
 (kvbuffer_fast/chunk.py, bf16 inputs at chunk 64), or ``all``.
 Constexprs take, in order: KEY=VALUE from the command line, the value of the default H200 launch
 below (Qwen3-Next heads, B = 128, C = 16, bf16), the kernel's own default; a constexpr with none of
@@ -60,6 +61,12 @@ KERNELS = {
     "verify_stream": (("verify", "speculative"), "_verify_stream_kernel",
                       dict(C=16, HV=32, K=128, V=128, BD=8, BC=16, KB=32, BV=128, NS=3, STORAGE=True, PREC="tf32x3",
                            ZP=True, PDL=True, H=16, EARLY=True, XPREC="tf32x2", XP="tf32"), dict(num_warps=4)),
+    "accept_fold_slots": (("accept",), "_accept_fold_slots_kernel",
+                          dict(C=16, H=16, HV=32, K=128, V=128, BD=8, CB=16, KB=32, BV=64, FH=4, NS=2, CHANNEL=False,
+                               PDL=True), dict(num_warps=2)),
+    "accept_slots": (("accept",), "_accept_slots_kernel",
+                     dict(C=16, H=16, HV=32, K=128, V=128, BD=8, CU=256, CK=128, GB=2, P=4, CHANNEL=False, PDL=True),
+                     dict(num_warps=2)),
     "chunk_prep": (("chunk",), "_chunk_prep_kernel",
                    dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, BVF=128, CHANNEL=False, PREC="tf32", MMA16=True,
                         LOWP=True), dict(num_warps=4)),

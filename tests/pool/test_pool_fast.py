@@ -277,15 +277,15 @@ def test_fast_accept_reads_per_row_views(how, view):
         assert bool(same.all()), f"{name} differs between {how} as a {view} view and as a contiguous tensor"
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_fast_drafts_in_place_accept_moves_only_what_changes(splits):
+@pytest.mark.parametrize("per_request", [None, 1, 3])
+def test_fast_drafts_in_place_accept_moves_only_what_changes(per_request):
     """With room for all D drafts after a row's n entries (n + D <= C), verify writes the drafts to the
     buffer's own rows n.. (the draft room stays as it was) and accept moves only the path entries that are
     not yet at their row: none for a chain; for the paths 1 -> 2 and 0 -> 2 -> 3 of two trees, the entries
     off their row move within the buffer.  A fourth request (n + D > C) takes the room.  The drafts, the
     lengths after accept, a decode step after it and each state: against the float64 recurrence over the
-    request's own tokens.  ``splits``: copy programs per request (None: the launch table's; one split
-    advances the lengths itself, without the ticket)."""
+    request's own tokens.  ``per_request``: accept's programs per request (None: the launch table's), which
+    split the rows that move; program 0 advances the lengths (from the claims kernel's snapshot)."""
     from kvbuffer_fast.launch import AcceptConfig
 
     from .schedule import Checker, Tokens, _cat, _rows
@@ -309,7 +309,7 @@ def test_fast_drafts_in_place_accept_moves_only_what_changes(splits):
         for j in range(4):
             chk.check(o[r, j:j + 1].cpu(), _rows(x, r), _rows(d, (r, path_to[r][j])), f"verify row {r} draft {j}")
     nodes = torch.tensor([3, 2, 3, 3], dtype=torch.int32, device=DEVICE)
-    p.accept(layer=0, slots=rows, nodes=nodes, config=None if splits is None else AcceptConfig(splits=splits))
+    p.accept(layer=0, slots=rows, nodes=nodes, config=None if per_request is None else AcceptConfig(programs=4 * per_request))
     assert t["lengths"][0, s.long()].tolist() == [6, 4, 5, 8]
     hist = {r: _cat(_rows(x, r), _rows(d, (r, path_to[r][int(nodes[r])]))) for r in range(4)}
     step = tok.draw(4, 1)

@@ -146,9 +146,10 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
     vk = valid.expand(drafts.k.shape).to(DEVICE)
     assert torch.equal(drafts.k[vk], drafts_in["k"][vk]), "Drafts.k must be the drafts' keys"
     node_t = torch.tensor(nodes, device=DEVICE)
-    # accept's copy: 3 programs per request (the ticket elects the last) with the early-loads configs, 1 (it
-    # advances the lengths itself) with the late ones
-    acfg = None if config is None else AcceptConfig(FH=2, BV=16, KB=16, CH=16, splits=3 if config.early else 1)
+    # accept: 3 programs per request (a folding request's tiles split over them, the ticket elects the last) with
+    # the early-loads configs, 1 (no ticket) with the late ones
+    acfg = None if config is None else AcceptConfig(BV=16, KB=16, CH=16,
+                                                    programs=3 * buf.batch if config.early else 1)
     out = Poisoned.accept(buf, drafts, nodes=node_t, config=acfg)
     ref64 = ref.accept(buf64, d64, nodes=node_t.cpu())
     ref32 = ref.accept(buf32, d32, nodes=node_t.cpu())
