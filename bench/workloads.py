@@ -28,6 +28,8 @@ accept    ``per_draft_state_accept``       the baseline's accept: intermediate m
 round     ``round``                        a speculative round: verify of every layer, then accept
 round     ``per_draft_state_round``        the baseline's round
 round     ``round_cycle``                  a cycle of C // m + 1 rounds from empty buffers, one accept folding
+round     ``pool_round_cycle``             ``round_cycle`` through the serving pool (every layer's accept in
+                                           one call, the last folding)
 round     ``tree_round``                   verify of a 16-node draft tree, then accept of one node's path
 round     ``per_draft_state_tree_round``   the baseline's tree round (a parent's state read back per branch)
 decode,   ``pool_*``                       the same through the serving pool (``kvbuffer_fast.pool``)
@@ -963,6 +965,47 @@ class _Builder:
         c.note = "; ".join(notes)
         return c
 
+    def pool_round_cycle(self) -> Case:
+        """``round_cycle`` through the serving pool, as an engine runs it: R = C // m + 1 rounds from empty
+        buffers (prompts admitted into the states), each verify on every layer by int32 slots then one
+        accept of every layer (layer=None), the last round's accept folding."""
+        d, m, B, dev = self.p.drafts, self.p.accepted, self.B, self.wl.device
+        R, starts = self._cycle()
+        pool, slots, hist = self._pool(buffered=0)
+        xs = self._tokens(R * d, seed=11)
+        rounds = [[self._round_tokens(x, r, d) for r in range(R)] for x in xs]
+        parents = torch.arange(-1, d - 1, device=dev, dtype=torch.int32).expand(B, d).contiguous()
+        num_drafts = torch.full((B,), d, device=dev, dtype=torch.int32)
+        counts = torch.full((B,), m, device=dev, dtype=torch.int32)
+        lengths, s64 = pool.tensors()["lengths"], slots.long()
+        vkw = self.api.kwargs("verify", pool.verify, rounds[0][0], C=self.p.C)
+        akw = self.api.kwargs("accept", pool.accept, rounds[0][0], C=self.p.C)
+
+        def cycle():
+            lengths.index_fill_(1, s64, 0)  # every layer's buffers empty
+            outs = []
+            for r in range(R):
+                for layer in range(self.L):
+                    x = rounds[layer][r]
+                    o = pool.verify(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], layer=layer, slots=slots,
+                                    parents=parents, num_drafts=num_drafts, **vkw)
+                    if layer == 0:
+                        outs.append(o)
+                pool.accept(slots=slots, counts=counts, **akw)
+            return outs
+        outs = cycle()
+        checks = [self.wl.compare(f"pool_round_cycle[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
+                  self.wl.compare(f"pool_round_cycle[R={R}, m={m}].state_after_cycle",
+                                  pool.state_of(layer=0, slots=slots),
+                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
+        nbytes = sum(io.buffered_verify(self.s, B, n, d) + io.buffered_accept(self.s, B, m) for n in starts)
+        nbytes += 2 * io.state_bytes(self.s, B)  # the one fold: the state read and written
+        c = self.case("pool_round_cycle", "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
+        c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), the last accept "
+                  "folding; each replay first empties every layer's buffers (one fill); accept of every layer in "
+                  "one call; µs per round and layer")
+        return c
+
     def pool_verify(self) -> Case:
         return self._pool_round("pool_verify", per_layer=False, parts=("verify",))
 
@@ -1221,7 +1264,7 @@ OPS = {
     "pool_verify": "verify",
     "accept": "accept", "per_draft_state_accept": "accept", "pool_accept": "accept",
     "round": "round", "pool_round": "round", "pool_round_per_layer": "round", "per_draft_state_round": "round",
-    "replayssm_round": "round", "round_cycle": "round", "replayssm_round_cycle": "round",
+    "replayssm_round": "round", "round_cycle": "round", "pool_round_cycle": "round", "replayssm_round_cycle": "round",
     "tree_round": "round", "per_draft_state_tree_round": "round",
 }
 GROUPS = ("decode", "verify", "accept", "round")
@@ -1244,6 +1287,7 @@ PEERS = {
     "sglang_decode": ("recurrent_decode", "read_state"),
     "replayssm_round": ("per_draft_state_round",),
     "round_cycle": ("replayssm_round_cycle", "round"),
+    "pool_round_cycle": ("replayssm_round_cycle", "round_cycle", "pool_round"),
     "tree_round": ("per_draft_state_tree_round", "round"),
 }
 

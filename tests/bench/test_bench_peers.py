@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("triton", reason="triton not installed: the benchmarks time the Triton kernels")
 
 ROOT = Path(__file__).resolve().parents[2]
-POOL_OPS = "buffered_decode,pool_decode,pool_decode_engine,round,pool_round,pool_round_per_layer"
+POOL_OPS = "buffered_decode,pool_decode,pool_decode_engine,round,pool_round,pool_round_per_layer,pool_round_cycle"
 
 
 def _sglang_wheel() -> bool:
@@ -47,6 +47,7 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     assert rows["pool_decode"]["ops_per_replay"] == 2 * 4  # layers x a cycle of C steps
     assert rows["pool_decode_engine"]["ops_per_replay"] == 2 * 4 and rows["pool_decode_engine"]["vs_pool_decode"] > 0
     assert rows["pool_round"]["vs_round"] > 0 and rows["pool_round_per_layer"]["vs_pool_round"] > 0
+    assert rows["pool_round_cycle"]["ops_per_replay"] == 2 * 3 and rows["pool_round_cycle"]["vs_pool_round"] > 0
     skipped = {s["op"]: s["reason"] for s in tree["skips"]}
     assert set(skipped) == {"replayssm_decode", "replayssm_round"} | (set() if wheel else {"sglang_decode"})
     assert all("Triton interpreter" in skipped[op] for op in ("replayssm_decode", "replayssm_round"))
