@@ -20,7 +20,7 @@ A VALUE starting with ``*`` sets the type of the pointer argument KEY (``k_ptr=*
 argument's type follows its name: bf16 tokens and keys, int32 chunk tables, fp32 the rest).
 ``--root DIR`` imports kvbuffer_fast from DIR.  ``ptx_sha256`` digests the PTX's code without debug
 locations, comments and parameter names: equal digests of two roots mean the same kernel code (a
-kernel that lost an unused argument differs only in its ``params`` count: diff the AOT_PTX files).  AOT_PTX=FILE writes the PTX there; AOT_DEBUG=1 prints
+kernel that lost an unused argument differs only in its ``params`` count: diff the AOT_PTX files).  AOT_PTX=FILE writes the PTX there (AOT_TTGIR=FILE Triton's GPU IR); AOT_DEBUG=1 prints
 ptxas's whole report; AOT_ALIGNED=1 compiles with the pointers 16-byte aligned, as a launch on torch's
 tensors specializes them (vectorized loads and stores).
 """
@@ -172,6 +172,9 @@ def compile_report(name: str, over: dict, opts: dict, types: dict | None = None)
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in values.items()}, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=kopts)
     ptx = ck.asm["ptx"]
+    if os.environ.get("AOT_TTGIR"):
+        with open(os.environ["AOT_TTGIR"], "w") as fh:
+            fh.write(ck.asm["ttgir"])
     if os.environ.get("AOT_PTX"):
         with open(os.environ["AOT_PTX"], "w") as fh:
             fh.write(ptx)
