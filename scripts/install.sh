@@ -2,6 +2,8 @@
 # Install kvbuffer from this checkout into the current Python environment ($PYTHON, default python3).
 #   bash scripts/install.sh          torch (see below), then the package (editable) with Triton: extra [fast]
 #   bash scripts/install.sh test     ... with the extras [fast,test,crosscheck] (pytest, hypothesis, fla-core, ...)
+#                                    at the versions in constraints.txt (what the suite last passed with);
+#                                    KVBUFFER_CONSTRAINTS=none takes the newest the extras allow instead
 #   bash scripts/install.sh torch    only torch, by the rule below (scripts/check_wheel.sh uses it)
 # PyTorch: an importable torch (CPU or CUDA, >= 2.4) is kept as it is.  Otherwise torch is installed
 # BEFORE the package, because pip would resolve the package's torch>=2.4 to PyPI's default build, a CUDA
@@ -48,5 +50,20 @@ case "${1:-}" in
     "") extras="fast" ;;
     *) echo "usage: bash scripts/install.sh [test|torch]" >&2; exit 2 ;;
 esac
-"$PY" -m pip install -q -e ".[${extras}]"
+constraints=()
+if [ "${1:-}" = test ] && [ "${KVBUFFER_CONSTRAINTS:-constraints.txt}" != none ]; then
+    file=${KVBUFFER_CONSTRAINTS:-constraints.txt}
+    [ -f "$file" ] || { echo "[install] constraints file $file not found" >&2; exit 2; }
+    kept=$(mktemp)
+    trap 'rm -f "$kept"' EXIT
+    if "$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then
+        # a CUDA build of torch pins the triton it was built with: keep that one
+        grep -v '^triton==' "$file" > "$kept"
+    else
+        cp "$file" "$kept"
+    fi
+    constraints=(-c "$kept")
+    echo "[install] test versions from $file"
+fi
+"$PY" -m pip install -q -e ".[${extras}]" "${constraints[@]}"
 "$PY" -c "import torch, kvbuffer_ref; print(f'[install] kvbuffer {kvbuffer_ref.__version__}, torch {torch.__version__}')"

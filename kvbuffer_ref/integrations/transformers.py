@@ -55,10 +55,10 @@ __all__ = ["FAMILIES", "Family", "family_of", "tiny_config", "build_model", "KVB
            "TRANSFORMERS_RANGE"]
 
 
-# transformers versions served: [lowest, first unsupported), the ``hf`` extra's range (docs/models.md lists
-# the versions tested).  The integration reads the model code's conventions that changed inside it (the
+# transformers versions served: [lowest, first unsupported), the ``hf`` extra's range: no wider than the releases
+# the tests have passed with (docs/models.md lists them; scripts/check_newest.sh tries the newest).  The integration reads the model code's conventions that changed inside it (the
 # cache argument's name, where q/k are repeated to the value heads, the mask the attention takes).
-TRANSFORMERS_RANGE = ("5.17.0", "6")
+TRANSFORMERS_RANGE = ("5.17.0", "5.26")
 
 
 def _transformers():
@@ -494,7 +494,7 @@ class KVBufferRunner:
         try:
             with self._step("admit", slots=slots, lengths=[T]):
                 out = self._forward(input_ids, torch.ones_like(input_ids), torch.arange(T, device=dev)[None], cache)
-            cache.activate_past_recording()  # conv states keep the verified tokens until trimmed to the path
+            _record_past(cache)  # conv states keep the verified tokens until trimmed to the path
             nxt = int(out.logits[0, -1].argmax())
             gen = [nxt]
             while len(gen) < max_new_tokens:
@@ -548,6 +548,17 @@ class KVBufferRunner:
         finally:
             self.pool.release(slots)
         return torch.tensor([gen[:max_new_tokens]], device=dev)
+
+
+def _record_past(cache) -> None:
+    """Make the model's cache keep the conv states of the tokens a verify adds, so ``_keep_path`` can trim
+    them to the accepted path.  The recurrent state lives in the pool, so the model's cache keeps no
+    intermediate recurrent states: transformers 5.25 reads ``recurrent_states_to_keep`` in the linear
+    layers' forward and takes ``min`` of it and the token count, so it must be 0, not its default None."""
+    layers = [layer for layer in cache.layers if hasattr(layer, "activate_past_recording")]
+    takes_count = any("recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
+                      for layer in layers)
+    cache.activate_past_recording(**({"recurrent_states_to_keep": 0} if takes_count else {}))
 
 
 def _first_path(parents: Sequence[int]) -> list:

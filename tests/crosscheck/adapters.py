@@ -10,6 +10,7 @@ of every convention is spelled out in docs/crosscheck.md; the comments below say
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Callable, Optional
 
@@ -96,17 +97,31 @@ def hf_torch_fallbacks():
 
     The module-level names are wrapped by ``use_kernel_func_from_hub_with_fallback``: when fla is
     importable they dispatch to fla's Triton kernels, not to the torch code.  ``__wrapped__`` is the
-    torch function itself (functools.wraps); assert that it is, so the comparison is really with HF's code.
+    torch function itself (functools.wraps).  Where the ``kernels`` package is installed (a dependency
+    from transformers 5.25 on), the name is moreover an ``nn.Module`` instance whose ``forward`` closes
+    over that wrapper.  Assert that what is found is the torch function, so the comparison is really
+    with HF's code.
     """
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
     out = {}
     for name in ("torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule"):
-        fn = getattr(m, name)
-        fn = getattr(fn, "__wrapped__", fn)
+        fn = _function_behind(getattr(m, name), name)
         assert fn.__module__ == m.__name__ and fn.__name__ == name, f"{name} resolved to {fn.__module__}.{fn.__name__}"
         out[name] = fn
     return out
+
+
+def _function_behind(obj, name: str):
+    """The plain function ``name`` behind ``obj``: ``obj`` itself, a functools.wraps wrapper of it, or an
+    ``nn.Module`` whose ``forward`` closes over one of those (the ``kernels`` package's function modules)."""
+    forward = getattr(type(obj), "forward", None)
+    if forward is not None and not callable(getattr(obj, "__wrapped__", None)):
+        inner = [c.cell_contents for c in (forward.__closure__ or ()) if callable(c.cell_contents)
+                 and getattr(inspect.unwrap(c.cell_contents), "__name__", None) == name]
+        if len(inner) == 1:
+            obj = inner[0]
+    return inspect.unwrap(obj)
 
 
 def _hf_call(fn, q, k, v, g, beta, scale, initial_state, output_final_state, **kw):

@@ -290,7 +290,7 @@ def test_qk_repeated_to_the_value_heads():
         runner._qk_heads(x.repeat(1, 1, runner.HV // runner.H, 1), runner.HV // runner.H)
 
 
-@pytest.mark.parametrize("version", ["5.16.1", "6.0.0"])
+@pytest.mark.parametrize("version", ["5.16.1", "5.26.0", "6.0.0"])
 def test_unsupported_transformers_is_refused(version, monkeypatch):
     import transformers
 
