@@ -5,7 +5,8 @@
 ``FILE.json`` is either ``bench/gpu.py``'s ``gpu.json`` (device time per operation, ratios to the peers
 of the same run, before/after ratios) or the JSON of ``pytest bench/ --benchmark-json`` (the CPU
 harness: wall-clock under the Triton interpreter).  Writes ``DIR/report.md`` (default: beside the JSON)
-and, for the runner's JSON with matplotlib installed, ``DIR/latency.png``.
+and, for the runner's JSON with matplotlib installed, ``DIR/latency.png`` (per group: device µs, ours /
+each peer, times the read-once floor; ``plot_latency``).
 """
 
 from __future__ import annotations
@@ -168,36 +169,132 @@ def runner_markdown(result: dict) -> str:
     if skips:
         md += ["## Skipped", ""] + skips + [""]
     if result.get("_plot"):
-        md += ["![device time per operation vs batch](latency.png)", ""]
+        md += ["![device time per operation, ours / peer and x the read-once floor, vs batch](latency.png)", ""]
     return "\n".join(md)
 
 
+#: Name prefixes of the series that are not this project's: the peers and the per-draft-state baselines
+#: (``read_state`` is the measured floor of a state read, drawn as a reference).
+OTHERS = ("fla_", "replayssm_", "sglang_", "per_draft_state_")
+_OURS_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:cyan", "#1a237e", "tab:olive")
+_PEER_COLOURS = ("0.35", "tab:brown", "tab:pink", "0.6", "#8d6e63", "#9e9d24")
+_PEER_STYLES = (("--", "v"), (":", "s"), ("-.", "D"), ((0, (5, 1, 1, 1, 1, 1)), "^"), ((0, (1, 3)), "P"))
+
+
+def is_ours(op: str) -> bool:
+    """A series of this project (not a peer's, a baseline or the state-read floor)."""
+    return op != READ and not op.startswith(OTHERS)
+
+
+def latency_panels(result: dict) -> list:
+    """The panels of ``plot_latency``, three per group of the ``after`` tree: ``time`` (device µs of every
+    op), ``ratio`` (each of our ops over each peer or baseline of it present: the ``vs_<peer>`` of the
+    run) and ``floor`` (each of our ops times its read-once floor, with read_state's as the measured
+    floor of a state read).  Each panel: dict(group, kind, title, series=[dict(label, ours, op, peer,
+    points=[(B, value)])])."""
+    rows = result.get("trees", {}).get("after", {}).get("rows", [])
+    try:
+        from bench.workloads import PEERS
+    except ImportError:  # without torch: the peers each row was measured against
+        PEERS = {}
+    panels = []
+    for group, title in GROUP_TITLES.items():
+        grows = [r for r in rows if r.get("group") == group and r.get("device_us") is not None]
+        if not grows:
+            continue
+        ops = list(dict.fromkeys(r["op"] for r in grows))
+        present = set(ops)
+
+        def pts(op, key):
+            return sorted((r["B"], r[key]) for r in grows if r["op"] == op and r.get(key) is not None)
+        time = [dict(label=o, op=o, peer=None, ours=is_ours(o), points=pts(o, "device_us")) for o in ops]
+        ratio = []
+        for o in ops:
+            if not is_ours(o):
+                continue
+            peers = PEERS.get(o) or sorted({k[3:] for r in grows if r["op"] == o for k in r if k.startswith("vs_")}
+                                           - {"floor"})
+            for p in peers:
+                if p in present and p != READ and not is_ours(p) and pts(o, f"vs_{p}"):
+                    ratio.append(dict(label=f"{o} / {p}", op=o, peer=p, ours=True, points=pts(o, f"vs_{p}")))
+        floor = [dict(label=o, op=o, peer=None, ours=True, points=pts(o, "vs_floor")) for o in ops if is_ours(o)]
+        if READ in present:
+            floor.append(dict(label=f"{READ} (a state read)", op=READ, peer=None, ours=False,
+                              points=pts(READ, "vs_floor")))
+        panels += [dict(group=group, kind="time", title=title, series=time),
+                   dict(group=group, kind="ratio", title=f"{title}: ours / peer", series=ratio),
+                   dict(group=group, kind="floor", title=f"{title}: x read-once floor",
+                        series=[s for s in floor if s["points"]])]
+    return panels
+
+
 def plot_latency(result: dict, path: Path) -> bool:
-    """Device µs per operation vs batch, one panel per group (the ``after`` tree); False without matplotlib."""
+    """One row of panels per group (the ``after`` tree, ``latency_panels``): device µs vs batch, our ops
+    over each peer, our ops times the read-once floor.  This project's series are solid, thick and
+    filled; peers and baselines dashed and hollow; legends beside the axes.  False without matplotlib or
+    rows."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError:
         return False
-    rows = result.get("trees", {}).get("after", {}).get("rows", [])
-    groups = [(g, t) for g, t in GROUP_TITLES.items() if any(r["group"] == g for r in rows)]  # panels with rows
-    if not groups:
+    panels = latency_panels(result)
+    if not panels:
         return False
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.2), squeeze=False)
-    for ax, (group, title) in zip(axes[0], groups):
-        for op in sorted({r["op"] for r in rows if r["group"] == group}):
-            pts = sorted((r["B"], r["device_us"]) for r in rows if r["op"] == op)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch B")
-        ax.set_ylabel("device µs")
-        ax.set_title(title + (" (SMOKE: no meaning)" if result.get("smoke") else ""), fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    groups = list(dict.fromkeys(p["group"] for p in panels))
+    fig, axes = plt.subplots(len(groups), 3, figsize=(20, 3.6 * len(groups)), squeeze=False,
+                             layout="constrained")
+    smoke = " (SMOKE: no meaning)" if result.get("smoke") else ""
+    number = FuncFormatter(lambda y, _: f"{y:g}")
+    times = FuncFormatter(lambda y, _: f"{y:g}x")
+    for row, group in zip(axes, groups):
+        mine = {p["kind"]: p for p in panels if p["group"] == group}
+        ours = [s["op"] for s in mine["time"]["series"] if s["ours"]]
+        others = [s["op"] for s in mine["time"]["series"] if not s["ours"]]
+        colour = {o: _OURS_COLOURS[i % len(_OURS_COLOURS)] for i, o in enumerate(ours)}
+        colour.update({o: _PEER_COLOURS[i % len(_PEER_COLOURS)] for i, o in enumerate(others)})
+        peer_style = {p: _PEER_STYLES[i % len(_PEER_STYLES)] for i, p in enumerate(
+            dict.fromkeys(s["peer"] for s in mine["ratio"]["series"]))}
+        batches = sorted({b for p in mine.values() for s in p["series"] for b, _ in s["points"]})
+        for ax, kind in zip(row, ("time", "ratio", "floor")):
+            panel = mine[kind]
+            for s in panel["series"]:
+                xs, ys = [b for b, _ in s["points"]], [v for _, v in s["points"]]
+                if kind == "ratio":
+                    ls, mk = peer_style[s["peer"]]
+                    ax.plot(xs, ys, ls=ls, marker=mk, color=colour[s["op"]], lw=1.6, ms=5, label=s["label"])
+                elif s["ours"]:
+                    ax.plot(xs, ys, "-o", color=colour[s["op"]], lw=2.2, ms=5, label=s["label"], zorder=3)
+                else:
+                    ax.plot(xs, ys, "--o", color=colour.get(s["op"], "0.5"), lw=1.2, ms=5, mfc="white",
+                            label=s["label"], zorder=2)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("batch B")
+            ax.grid(True, which="major", alpha=0.3)
+            if kind == "time":
+                ax.yaxis.set_major_formatter(number)
+                ax.set_ylabel("device µs per layer")
+            else:
+                ax.yaxis.set_major_formatter(times)
+                ax.axhline(1.0, color="k", lw=1, zorder=1)
+                lo, hi = ax.get_ylim()
+                ax.set_ylim(min(lo, 0.8), max(hi, 1.25))
+                ax.set_ylabel("ours / peer (below 1: ours faster)" if kind == "ratio"
+                              else "x read-once floor (1: the floor)")
+            ax.set_title(panel["title"] + smoke, fontsize=9)
+            if panel["series"]:
+                ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
+                          borderaxespad=0.0)
+            else:
+                ax.text(0.5, 0.5, "no peer of ours measured", transform=ax.transAxes, ha="center", fontsize=8)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True

@@ -3,8 +3,10 @@ they do.
 
 Exit status of ``kvbuffer validate``: 0 when every lane passes (NOT PROVIDED and SKIP rows are
 listed, never hidden), 1 when any lane fails, 2 on a bad argument (with a message, no traceback).
-Every run also keeps its JSON report as ``last-validate.json`` in the cache folder (``cache_dir``),
-which ``kvbuffer report`` renders by default.
+``--json PATH`` writes the run's JSON report to PATH, which ``kvbuffer report PATH`` renders.  Every run
+also keeps its report as the last run of its environment and working directory (``last_report_path``:
+a folder of the cache named by a hash of ``sys.prefix`` and the checkout), which ``kvbuffer report``
+without a file renders: another virtual environment or checkout keeps its own.
 
 Exit status of ``kvbuffer report``: 0 when it rendered every file, 2 when a file is missing or is
 none of the JSONs it knows (a validation report, ``bench/gpu.py``'s or pytest-benchmark's JSON).
@@ -13,6 +15,8 @@ none of the JSONs it knows (a validation report, ``bench/gpu.py``'s or pytest-be
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib
 import json
 import math
 import os
@@ -28,8 +32,9 @@ examples:
   kvbuffer validate                                   # the reference's forms and the bundled Triton kernels
   kvbuffer validate --impl fla --ops recurrent        # flash-linear-attention's fused_recurrent kernel
   kvbuffer validate --impl mypkg.kvb:adapter --json report.json
+  kvbuffer report report.json                         # that run as Markdown
   kvbuffer validate --impl fast --ops decode --seed 123 --profile thorough
-  kvbuffer report                                     # the last run as Markdown
+  kvbuffer report                                     # the last run of this environment and checkout
   kvbuffer validate --report precision --impl fast --json prec.json --plot prec.png
                                                       # error growth over decode length, 16-bit inputs
   kvbuffer validate --report precision --impl reference --models all
@@ -44,12 +49,15 @@ materialize_state, verify, accept, prefill (docs/validate-your-kernel.md, kvbuff
 
 REPORT_EXAMPLES = """\
 examples:
-  kvbuffer report                                     # the last validation run (and ./bench/results/latest/*.json)
+  kvbuffer report report.json                         # the run `kvbuffer validate --json report.json` wrote
   kvbuffer report report.json --out results/          # results/report.md and results/report-lanes.png
+  kvbuffer report                                     # the last run of this environment and checkout
+                                                      # (and ./bench/results/latest/*.json)
   kvbuffer report bench/results/latest/gpu.json       # a benchmark run (from a checkout: bench/ renders it)
 """
 
-#: The file name under ``cache_dir()`` that every ``kvbuffer validate`` run writes its JSON report to.
+#: The file name, in this environment's folder of ``cache_dir()`` (``last_report_path``), that every
+#: ``kvbuffer validate`` run writes its JSON report to.
 LAST_REPORT = "last-validate.json"
 #: Benchmark JSON read by ``kvbuffer report`` without arguments (relative to the working directory).
 BENCH_LATEST = Path("bench") / "results" / "latest"
@@ -62,6 +70,29 @@ def cache_dir() -> Path:
         return Path(os.environ["KVBUFFER_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvbuffer"
+
+
+def checkout_dir(cwd: Optional[Path] = None) -> Path:
+    """The checkout a command runs in: the nearest folder from the working directory up that holds
+    ``.git``, else the working directory itself."""
+    cwd = Path(cwd or os.getcwd()).resolve()
+    for folder in [cwd, *cwd.parents]:
+        if (folder / ".git").exists():
+            return folder
+    return cwd
+
+
+def run_key() -> str:
+    """A short hash of this Python environment (``sys.prefix``) and checkout (``checkout_dir``): the
+    folder under ``cache_dir()`` where this environment's last run is kept."""
+    text = f"{os.path.realpath(sys.prefix)}\0{checkout_dir()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def last_report_path() -> Path:
+    """Where ``kvbuffer validate`` keeps its last report for this environment and checkout, and where
+    ``kvbuffer report`` without a file reads it: ``cache_dir()/runs/<run_key()>/last-validate.json``."""
+    return cache_dir() / "runs" / run_key() / LAST_REPORT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,14 +155,17 @@ def _parser() -> argparse.ArgumentParser:
                         "list; --steps (default 64 on the CPU, 256 on CUDA)")
     r = sub.add_parser(
         "report", help="render validation and benchmark JSON as Markdown (and plots, with matplotlib)",
-        description="Render JSON reports as Markdown: the last `kvbuffer validate` run (kept as "
-                    f"{LAST_REPORT} in the cache folder: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer, else "
-                    "~/.cache/kvbuffer) and, in a checkout, the benchmark JSON of bench/results/latest/. "
-                    "Plots need matplotlib and --out.",
+        description="Render JSON reports as Markdown: the files given (`kvbuffer validate --json PATH` writes "
+                    "one), else the last `kvbuffer validate` run of this Python environment (sys.prefix) and "
+                    "checkout (kept under the cache folder: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer, "
+                    "else ~/.cache/kvbuffer, in runs/<hash of both>/) and, in a checkout, the benchmark JSON of "
+                    "bench/results/latest/. The report names its run (command, implementations, seed, time, "
+                    "environment) first. Plots need matplotlib and --out.",
         epilog=REPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("json", nargs="*", metavar="JSON",
                    help="files to render: `kvbuffer validate --json` reports, bench/gpu.py's gpu.json, pytest-benchmark "
-                        "JSON (default: the last validation report and ./bench/results/latest/*.json)")
+                        "JSON (default: the last validation report of this environment and checkout, and "
+                        "./bench/results/latest/*.json)")
     r.add_argument("--out", metavar="DIR", help="write DIR/report.md and the plots (PNG) instead of printing the Markdown")
     r.add_argument("--no-plot", action="store_true", help="no plots, even with matplotlib installed")
     return p
@@ -164,6 +198,58 @@ def _bad(msg: str) -> int:
     return 2
 
 
+def _cwd_on_path() -> None:
+    """Put the working directory first on sys.path, as ``python -m`` does, so that ``--impl mymodule``
+    finds a module of the current folder without PYTHONPATH=."""
+    cwd = os.getcwd()
+    if not any(p in ("", ".") or (os.path.isdir(p) and os.path.samefile(p, cwd)) for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _looks_like_adapter(name: str, obj) -> bool:
+    """An attribute of a module that ``--impl module:attr`` could mean: an adapter object or
+    ``Implementation``, or a factory / class named like one."""
+    import types
+
+    from . import adapters
+
+    if name.startswith("_") or isinstance(obj, types.ModuleType):
+        return False
+    if isinstance(obj, adapters.Implementation):
+        return True
+    if not isinstance(obj, type) and any(callable(getattr(obj, a, None)) for a in adapters.OPERATION_ATTRS):
+        return True
+    low = name.lower()
+    return callable(obj) and any(w in low for w in ("adapter", "impl", "factory", "kernel"))
+
+
+def _module_not_adapter(spec: str) -> Optional[str]:
+    """For ``--impl module`` (no ``:attr``) of a module that is no adapter itself (none of the operation
+    attributes): the message that suggests its attributes that look like adapters; None otherwise (a
+    ready adapter's short name, ``module:attr``, an adapter module, or a module that does not import:
+    ``adapters.resolve`` says why)."""
+    from . import adapters
+
+    if ":" in spec or spec.strip() in adapters.builtin_names() or spec.strip() in adapters._BUILTIN:
+        return None
+    try:
+        mod = importlib.import_module(spec.strip())
+    except Exception:
+        return None
+    if any(callable(getattr(mod, a, None)) for a in adapters.OPERATION_ATTRS):
+        return None
+    found = [n for n, o in sorted(vars(mod).items()) if _looks_like_adapter(n, o)
+             and getattr(o, "__module__", mod.__name__) in (mod.__name__, None, "types")]
+    found = found or [n for n, o in sorted(vars(mod).items()) if _looks_like_adapter(n, o)]
+    msg = (f"--impl {spec}: the module {spec!r} is not itself an adapter (it defines none of the operations "
+           f"{', '.join(adapters.OPERATION_ATTRS[:4])}, ...)")
+    if len(found) == 1:
+        return msg + f"; did you mean --impl {spec}:{found[0]}?"
+    if found:
+        return msg + f"; name one of its adapters: --impl {spec}:ATTR, ATTR one of {', '.join(found)}"
+    return msg + f"; name the adapter object or factory in it: --impl {spec}:ATTR"
+
+
 def _validate(args) -> int:
     # Decide the device before anything imports triton: the interpreter must be chosen first.
     try:
@@ -186,6 +272,7 @@ def _validate(args) -> int:
 
     from . import adapters, lanes, report as rep, runner
 
+    _cwd_on_path()
     try:
         ops = lanes.select_ops(args.ops)
         dtypes = lanes.parse_dtypes(args.dtype)
@@ -194,6 +281,9 @@ def _validate(args) -> int:
             os.environ["KVBUFFER_PEER_PATH"] = args.peer_path
         if args.impl:
             for spec in args.impl:
+                hint = _module_not_adapter(spec)
+                if hint:
+                    return _bad(hint)
                 impl = adapters.resolve(spec)
                 impls.append(impl)
                 specs[impl.name] = spec
@@ -221,9 +311,11 @@ def _validate(args) -> int:
     if profile not in PROFILES:
         return _bad(f"HYPOTHESIS_PROFILE: expected one of {', '.join(PROFILES)}, got {profile!r}")
 
+    widths = rep.column_widths([i.name for i in impls])
+
     def show(r):
         if not args.quiet or r.failed:
-            print(rep.table_row(r), flush=True)
+            print(rep.table_row(r, widths), flush=True)
 
     names = ", ".join(f"{i.name}{' (Triton interpreter)' if i.interpreted else ''}"
                       f"{'' if i.contract == 'ieee' else f' [contract {i.contract}]'}" for i in impls)
@@ -233,18 +325,19 @@ def _validate(args) -> int:
         seed = random.SystemRandom().randrange(2**31)
     if not args.quiet:
         print(f"kvbuffer validate: profile {profile}, seed {seed}, device {device}; implementations: {names}")
-        print(rep.table_header(), flush=True)
+        print(rep.table_header(widths), flush=True)
     try:
         report = runner.run_validation(impls, ops=ops, dtypes=dtypes, profile=profile, device=device, seed=seed,
                                          max_examples=args.max_examples, shrink=not args.no_shrink,
                                          fail_fast=args.fail_fast, replay=args.replay, on_result=show)
     except runner.NothingToRun as e:
         for r in e.report.lanes:
-            print(rep.table_row(r))
+            print(rep.table_row(r, widths))
         return _bad(str(e))
     except lanes.ValidationError as e:
         return _bad(str(e))
 
+    report.argv = ["kvbuffer", *getattr(args, "argv", sys.argv[1:])]
     failures = [r for r in report.lanes if r.failed]
     for r in failures:
         cmd = rep.replay_command(r, specs.get(r.implementation), report.seed, profile, device)
@@ -263,6 +356,7 @@ def _validate(args) -> int:
         except OSError as e:
             print(f"kvbuffer validate: error: --json {args.json}: {e}", file=sys.stderr)
             return 2
+        print(f"report: {args.json} (render it: kvbuffer report {args.json})")
     return 1 if failures else 0
 
 
@@ -346,18 +440,19 @@ def _precision(args, impls, device: str) -> int:
 
 
 def _keep_last(report) -> None:
-    """Write ``report`` to cache_dir()/LAST_REPORT (atomically: parallel runs never leave half a file);
-    a folder that cannot be written costs a note, not the run."""
+    """Write ``report`` to ``last_report_path()``, this environment's and checkout's own (atomically:
+    parallel runs never leave half a file); a folder that cannot be written costs a note, not the run."""
     from . import report as rep
 
-    folder = cache_dir()
+    path = last_report_path()
+    folder = path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".last-validate.", suffix=".json", dir=folder)
         os.close(fd)
         try:
             rep.write_json(report, tmp)
-            os.replace(tmp, folder / LAST_REPORT)
+            os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -391,24 +486,42 @@ def lane_ratio(r: dict) -> Optional[float]:
     return w / b
 
 
-def validation_markdown(data: dict, plot: Optional[str] = None) -> str:
-    """A ``kvbuffer validate`` JSON report as Markdown: the settings, one table row per lane (error,
-    budget and their ratio; the reason of every lane not run), each failure with its case and
-    comparisons, and ``plot`` (an image path) when given."""
+def run_lines(data: dict) -> list:
+    """The lines that name a validation run: its command, implementations, seed, time and environment
+    (a report written before these were kept says which are unknown)."""
+    impls = data.get("implementations") or list(dict.fromkeys(r.get("implementation") for r in data.get("results", [])))
+    env = data.get("environment") or {}
+    cmd = " ".join(["kvbuffer"] + list(data["argv"][1:])) if data.get("argv") else "unknown"
+    lines = [f"- Command: `{cmd}`",
+             f"- Implementations: {', '.join(map(str, impls)) or 'none'}; seed {data.get('seed')}; started "
+             f"{data.get('started') or 'unknown'}"]
+    if env:
+        lines.append(f"- Environment: `{env.get('prefix')}` (python {env.get('python_version')}, kvbuffer "
+                     f"{env.get('kvbuffer')}, torch {env.get('torch')}), in `{env.get('cwd')}` on {env.get('host')}")
+    else:
+        lines.append("- Environment: unknown (the report does not record it)")
+    return lines
+
+
+def validation_markdown(data: dict, plot: Optional[str] = None, notes: Sequence[str] = ()) -> str:
+    """A ``kvbuffer validate`` JSON report as Markdown: which run it is (``run_lines``), the settings,
+    one table row per lane (error, budget and their ratio; the reason of every lane not run), each
+    failure with its class, case and comparisons, ``plot`` (an image path) when given and ``notes``
+    (e.g. why a plot is missing)."""
     s = data.get("summary", {})
-    md = [f"# kvbuffer validate: {'PASSED' if data.get('passed') else 'FAILED'}", "",
-          f"- Profile {data.get('profile')}, seed {data.get('seed')}, device {data.get('device')}, Triton "
-          f"{data.get('triton')}; {data.get('seconds')} s",
+    md = [f"# kvbuffer validate: {'PASSED' if data.get('passed') else 'FAILED'}", ""] + run_lines(data) + [
+          f"- Profile {data.get('profile')}, device {data.get('device')}, Triton {data.get('triton')}; "
+          f"{data.get('seconds')} s",
           f"- {s.get('PASS', 0)} passed, {s.get('FAIL', 0) + s.get('ERROR', 0)} failed, "
           f"{s.get('NOT PROVIDED', 0)} not provided, {s.get('SKIP', 0)} skipped"]
-    if data.get("argv"):
-        md.append(f"- Command: `{' '.join(['kvbuffer'] + list(data['argv'][1:]))}`")
     md += ["", "| operation | implementation | dtype | cases | worst rel-RMS | budget | error / budget | result | time |",
            "|---|---|---|---:|---:|---:|---:|---|---:|"]
     for r in data.get("results", []):
         ran = r.get("status") in ("PASS", "FAIL", "ERROR")
         ratio = lane_ratio(r)
         status = r.get("status", "?") if ran or not r.get("reason") else f"{r['status']}: {r['reason']}"
+        if ran and r.get("status") != "PASS" and r.get("klass"):
+            status = f"{r['status']} [{r['klass']}]"
         md.append("| " + " | ".join([
             str(r.get("operation")), str(r.get("implementation")), str(r.get("dtype") or "–"),
             str(r.get("cases")) if ran else "–", _sci(r.get("worst_rel")), _sci(r.get("budget")),
@@ -419,15 +532,25 @@ def validation_markdown(data: dict, plot: Optional[str] = None) -> str:
         md += ["", "## Failures"]
     for r in failures:
         f = r.get("failure") or {}
-        md += ["", f"### {r.get('status')}: {r.get('operation')} / {r.get('implementation')} / {r.get('dtype')}", ""]
+        klass = r.get("klass")
+        md += ["", f"### {r.get('status')}{f' [{klass}]' if klass else ''}: {r.get('operation')} / "
+                   f"{r.get('implementation')} / {r.get('dtype')}", ""]
+        if r.get("why"):
+            md.append(f"- Caught by [{klass}]: {r['why']}")
         if f.get("case") is not None:
+            from .report import case_label
+
             case = f["case"]
             if isinstance(case, dict):
                 case = "Case(" + ", ".join(f"{k}={v!r}" for k, v in case.items()) + ")"
-            md.append(f"- Smallest failing case: `{case}`" + (
+            label = case_label(klass, f)
+            md.append(f"- {label[0].upper() + label[1:]}: `{case}`" + (
                 f" with {', '.join(f'{k}={v!r}' for k, v in f['params'].items())}" if f.get("params") else ""))
-        if f.get("error"):
-            md.append(f"- The implementation raised `{f['error']}`")
+        err = f.get("error")
+        if err and err.startswith("["):  # a finding of the lane itself ("[state-leak] output differs ...")
+            md.append(f"- {err}")
+        elif err:
+            md.append(f"- The implementation raised `{err}`")
         if f.get("blob"):
             md.append(f"- Replay: `--replay {f['blob']}` (with this lane's --impl/--ops/--dtype and seed "
                       f"{data.get('seed')})")
@@ -435,14 +558,26 @@ def validation_markdown(data: dict, plot: Optional[str] = None) -> str:
             md += ["", "```"] + [str(c) for c in f["comparisons"]] + ["```"]
     if plot:
         md += ["", f"![error / budget per lane]({plot})"]
+    for note in notes:
+        md += ["", f"> {note}"]
     return "\n".join(md) + "\n"
 
 
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_lanes(data: dict, path: Path) -> bool:
-    """A bar per lane that ran: its worst error / budget (log scale, the budget at 1).  False without
-    matplotlib or without a lane that ran."""
-    rows = [(f"{r['operation']} / {r['implementation']} / {r['dtype']}", lane_ratio(r), r.get("status"))
-            for r in data.get("results", []) if lane_ratio(r) is not None]
+    """A bar per lane that ran: its worst error / budget on a log axis, the budget at 1; PASS blue, FAIL
+    red, each bar labelled with its ratio.  An error of exactly zero has no bar: a marker at the axis'
+    left edge labelled "0 (exact)"; a failure with no comparison (an exception) is labelled with its
+    class there.  False without matplotlib or without a lane that ran."""
+    rows = [(f"{r['operation']} / {r['implementation']} / {r['dtype']}", lane_ratio(r), r.get("status"),
+             r.get("klass")) for r in data.get("results", []) if r.get("status") in ("PASS", "FAIL", "ERROR")]
     if not rows:
         return False
     try:
@@ -450,22 +585,51 @@ def plot_lanes(data: dict, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
     except ImportError:
         return False
-    tiny = 1e-6
-    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.2))
-    vals = [min(max(x, tiny), 1e3) for _, x, _ in rows]
-    ax.barh(range(len(rows)), vals, color=["tab:red" if st != "PASS" else "tab:blue" for _, _, st in rows])
+    finite = [x for _, x, _, _ in rows if x is not None and 0 < x < math.inf]
+    lo = 10 ** math.floor(math.log10(min(finite + [1.0]) / 3))
+    hi = 10 ** math.ceil(math.log10(max(finite + [1.0]) * 3))
+    colour = {"PASS": "tab:blue", "FAIL": "tab:red", "ERROR": "tab:red"}
+    height = max(2.4, 0.32 * len(rows) + 1.4)
+    fig, ax = plt.subplots(figsize=(9, height))
+    for i, (_, x, st, klass) in enumerate(rows):
+        c = colour.get(st, "tab:gray")
+        if x is None:
+            ax.plot([lo], [i], marker="x", color=c, ms=7, clip_on=False)
+            ax.annotate(f"{st} [{klass or 'raised'}]: no comparison", (lo, i), xytext=(8, 0),
+                        textcoords="offset points", va="center", fontsize=7, color=c)
+        elif x == 0:
+            ax.plot([lo], [i], marker="o", color=c, ms=6, clip_on=False)
+            ax.annotate("0 (exact)", (lo, i), xytext=(8, 0), textcoords="offset points", va="center", fontsize=7,
+                        color=c)
+        else:
+            v = min(x, hi)
+            ax.barh(i, v - lo, left=lo, color=c, height=0.7)
+            ax.annotate("inf" if x == math.inf else f"{x:.3g}", (v, i), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=7)
     ax.axvline(1.0, color="k", lw=1)
-    ax.set_yticks(range(len(rows)), [n for n, _, _ in rows], fontsize=7)
-    ax.invert_yaxis()
+    ax.set_yticks(range(len(rows)), [n for n, _, _, _ in rows], fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xscale("log")
-    ax.set_xlabel("worst rel-RMS error / budget (1 = the budget)")
-    ax.set_title(f"kvbuffer validate, seed {data.get('seed')}, {data.get('device')}", fontsize=9)
+    ax.set_xlim(lo, hi * 3)
+    ax.set_xlabel("worst rel-RMS error / budget (1 = the budget; left of it passes)")
+    ax.grid(True, axis="x", which="major", alpha=0.3)
+    ax.set_title(f"kvbuffer validate, seed {data.get('seed')}, {data.get('device')}: "
+                 f"{'PASSED' if data.get('passed') else 'FAILED'}", fontsize=9)
+    handles = [Patch(color="tab:blue", label="PASS"), Patch(color="tab:red", label="FAIL"),
+               Line2D([], [], color="k", lw=1, label="budget")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
+
+
+#: The warning ``kvbuffer report --out`` gives (stderr, and a line of the report) without matplotlib.
+NO_MATPLOTLIB = "no plots: matplotlib is not installed (pip install matplotlib, or the `test` extra)"
 
 
 def _bench_report_module(json_path: Path):
@@ -488,13 +652,15 @@ def _bench_report_module(json_path: Path):
 
 
 def _render(path: Path, data: dict, out: Optional[Path], plot: bool) -> str:
-    """The Markdown of one JSON file (its plots written under ``out``); ValueError for an unknown file."""
+    """The Markdown of one JSON file (its plots written under ``out``; without matplotlib the report
+    says so); ValueError for an unknown file."""
     stem = path.stem
+    missing = out is not None and plot and not have_matplotlib()
     if data.get("tool") == "kvbuffer validate":
         img = None
         if out is not None and plot and plot_lanes(data, out / f"{stem}-lanes.png"):
             img = f"{stem}-lanes.png"
-        return validation_markdown(data, img)
+        return validation_markdown(data, img, [f"No plot: {NO_MATPLOTLIB}."] if missing else ())
     if data.get("kind") == "kvbuffer-gpu-runner" or "benchmarks" in data:
         br = _bench_report_module(path)
         if br is None:
@@ -503,15 +669,17 @@ def _render(path: Path, data: dict, out: Optional[Path], plot: bool) -> str:
         if "benchmarks" in data:
             return br.pytest_markdown(data)
         drawn = out is not None and plot and br.plot_latency(data, out / f"{stem}-latency.png")
-        return br.runner_markdown(dict(data, _plot=drawn)).replace("(latency.png)", f"({stem}-latency.png)") + "\n"
+        text = br.runner_markdown(dict(data, _plot=drawn)).replace("(latency.png)", f"({stem}-latency.png)")
+        return text + (f"\n> No plot: {NO_MATPLOTLIB}.\n" if missing else "\n")
     raise ValueError(f"{path}: neither a `kvbuffer validate --json` report nor bench/gpu.py's or pytest-benchmark's "
                      f"JSON")
 
 
 def default_report_files() -> list[Path]:
-    """The last validation report (if any run kept one) and ./bench/results/latest/*.json."""
-    files = [cache_dir() / LAST_REPORT] if (cache_dir() / LAST_REPORT).is_file() else []
-    return files + sorted(BENCH_LATEST.glob("*.json"))
+    """The last validation report of this environment and checkout (``last_report_path``, if a run kept
+    one) and ./bench/results/latest/*.json."""
+    last = last_report_path()
+    return ([last] if last.is_file() else []) + sorted(BENCH_LATEST.glob("*.json"))
 
 
 def _report(args) -> int:
@@ -521,8 +689,9 @@ def _report(args) -> int:
 
     files = [Path(p) for p in args.json] or default_report_files()
     if not files:
-        return bad(f"nothing to render: no file given, no {cache_dir() / LAST_REPORT} (run `kvbuffer validate` "
-                   f"first) and no {BENCH_LATEST}/*.json here")
+        return bad(f"nothing to render: no file given, no {last_report_path()} (the last run of this environment "
+                   f"{sys.prefix} and checkout {checkout_dir()}: run `kvbuffer validate` first, or `kvbuffer report "
+                   f"PATH` on the file of `kvbuffer validate --json PATH`) and no {BENCH_LATEST}/*.json here")
     out = None
     if args.out:
         out = Path(args.out)
@@ -530,6 +699,8 @@ def _report(args) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             return bad(f"--out {out}: {e}")
+    if out is not None and not args.no_plot and not have_matplotlib():
+        print(f"kvbuffer report: warning: {NO_MATPLOTLIB}", file=sys.stderr)
     parts = []
     for path in files:
         try:
@@ -557,6 +728,7 @@ def _report(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the report names its run by this command line
     if args.version:
         print(version_text())
         return 0

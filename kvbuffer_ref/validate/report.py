@@ -4,6 +4,9 @@ failure report and the JSON."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Optional
 
@@ -35,7 +38,7 @@ class LaneResult:
     klass: Optional[str] = None  # the class of bug a failure is attributed to (runner.CLASSES)
     why: Optional[str] = None  # what made it that class
     calls: int = 0  # implementation calls (each example is a sequence of calls: the state-leak check)
-    checks: int = 0  # informative comparisons that passed (a truth of all zeros or a constant is not one)
+    checks: int = 0  # informative comparisons made, a failing lane's too (a truth of all zeros or a constant is not one)
     vacuous: int = 0  # examples with no informative comparison
     sizes: Optional[str] = None  # the size budget the lane ran under (the implementation declares it)
     contract: str = "ieee"  # the arithmetic contract the lane was judged by (the adapter declares it)
@@ -82,9 +85,21 @@ def _ratio(c) -> float:
     return c.worst_rel / c.budget
 
 
+def run_environment() -> dict:
+    """Where a run ran: the Python environment (``sys.prefix``), its interpreter, the working directory,
+    the host and the versions of kvbuffer and torch (``kvbuffer report`` names the run by them)."""
+    import platform
+
+    import kvbuffer_ref
+
+    return dict(prefix=sys.prefix, python=sys.executable, python_version=platform.python_version(), cwd=os.getcwd(),
+                host=platform.node(), kvbuffer=kvbuffer_ref.__version__, torch=torch.__version__)
+
+
 @dataclass
 class Report:
-    """A whole run: its settings (profile, seed, device, how Triton ran) and one result per lane."""
+    """A whole run: its settings (profile, seed, device, how Triton ran), when and where it ran, and one
+    result per lane."""
 
     profile: str
     seed: int
@@ -93,6 +108,13 @@ class Report:
     lanes: list = field(default_factory=list)
     seconds: float = 0.0
     argv: Optional[list] = None
+    started: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S %z"))
+    environment: dict = field(default_factory=run_environment)
+
+    @property
+    def implementations(self) -> list:
+        """The implementations of the run, in the order of its lanes."""
+        return list(dict.fromkeys(r.implementation for r in self.lanes))
 
     @property
     def passed(self) -> bool:
@@ -127,6 +149,7 @@ class Report:
         return _jsonable(dict(
             tool="kvbuffer validate", profile=self.profile, seed=self.seed, device=self.device, triton=self.triton,
             seconds=round(self.seconds, 3), passed=self.passed, complete=self.complete, argv=self.argv,
+            started=self.started, environment=self.environment, implementations=self.implementations,
             summary={s: sum(r.status == s for r in self.lanes)
                      for s in ("PASS", "FAIL", "ERROR", "SKIP", "NOT PROVIDED", "NOT RUN")},
             not_run=self.not_run_reasons(),
@@ -136,31 +159,57 @@ class Report:
 
 _COLS = ("operation", "implementation", "dtype", "cases", "worst rel-RMS", "budget", "result", "time", "checks")
 _WIDTHS = (18, 16, 9, 6, 14, 10, 22, 7, 7)
+#: The widest the operation and implementation columns grow (``column_widths``); longer names are cut in
+#: the middle with "…" in the table (failures and the JSON keep them whole).
+MAX_NAME_WIDTH = 40
 
 
-def _fmt_row(cells) -> str:
-    return "  ".join(str(c).ljust(w) if i < 3 or i == 6 else str(c).rjust(w)
-                     for i, (c, w) in enumerate(zip(cells, _WIDTHS))).rstrip()
+def column_widths(implementations=(), operations=()) -> tuple:
+    """The table's column widths, the operation and implementation columns sized to the longest name
+    given (at least the default, at most ``MAX_NAME_WIDTH``): the CLI passes the names of its run before
+    the first row is printed, so every row lines up under the header."""
+    w = list(_WIDTHS)
+    for i, names in ((0, operations), (1, implementations)):
+        w[i] = min(MAX_NAME_WIDTH, max([w[i]] + [len(str(n)) for n in names]))
+    return tuple(w)
 
 
-def table_header() -> str:
-    return _fmt_row(_COLS) + "\n" + _fmt_row(["-" * w for w in _WIDTHS])
+def _fit(text: str, width: int) -> str:
+    text = str(text)
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
-def table_row(r: LaneResult) -> str:
+def _fmt_row(cells, widths=None) -> str:
+    widths = widths or _WIDTHS
+    return "  ".join((_fit(c, w) if i < 2 else str(c)).ljust(w) if i < 3 or i == 6 else str(c).rjust(w)
+                     for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+
+def table_header(widths=None) -> str:
+    """The header of the table (``widths``: ``column_widths`` of the run, else the defaults)."""
+    widths = widths or _WIDTHS
+    return _fmt_row(_COLS, widths) + "\n" + _fmt_row(["-" * w for w in widths], widths)
+
+
+def table_row(r: LaneResult, widths=None) -> str:
+    """One lane's row; a failed lane shows its class and the checks it made before it failed."""
     if r.status in ("NOT PROVIDED", "SKIP", "NOT RUN"):
-        return _fmt_row([r.operation, r.implementation, r.dtype or "-", "-", "-", "-", r.status, "-"]) + \
+        return _fmt_row([r.operation, r.implementation, r.dtype or "-", "-", "-", "-", r.status, "-"], widths) + \
             f"   ({r.reason})"
     f = (lambda x: "-" if x is None else (f"{x:.2e}" if x == x and x != float("inf") else str(x)))
     status = f"{r.status} [{r.klass}]" if r.failed and r.klass else r.status
     row = _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), status,
-                    f"{r.seconds:.1f}s", r.checks])
+                    f"{r.seconds:.1f}s", r.checks], widths)
     note = r.contract_note()
     return row + (f"   ({note})" if note else "")
 
 
 def format_table(report: Report) -> str:
-    return "\n".join([table_header()] + [table_row(r) for r in report.lanes])
+    w = column_widths(report.implementations, [r.operation for r in report.lanes])
+    return "\n".join([table_header(w)] + [table_row(r, w) for r in report.lanes])
 
 
 def replay_command(r: LaneResult, impl_spec: Optional[str], seed: int, profile: str, device: str) -> str:
@@ -170,6 +219,14 @@ def replay_command(r: LaneResult, impl_spec: Optional[str], seed: int, profile: 
     parts += [f"--ops {r.operation}", f"--dtype {r.dtype}", f"--profile {profile}", f"--device {device}",
               f"--seed {seed}"]
     return " ".join(parts)
+
+
+def case_label(klass: Optional[str], failure: dict) -> str:
+    """What a failure's case is: the smallest failing case, or, for an exception on a later call of an
+    example (another shape after the first call), the call that raised."""
+    if klass == "raised" and failure.get("call") not in (None, "the first call", "the call"):
+        return f"the call that raised ({failure['call']}, after the example's earlier calls passed)"
+    return "smallest failing case"
 
 
 def format_failure(r: LaneResult, replay_cmd: str) -> str:
@@ -185,7 +242,7 @@ def format_failure(r: LaneResult, replay_cmd: str) -> str:
     if r.contract_note():
         lines.append(f"  {r.contract_note()}")
     if f.get("case") is not None:
-        lines.append(f"  smallest failing case: {f['case']!r}")
+        lines.append(f"  {case_label(r.klass, f)}: {f['case']!r}")
         if f.get("params"):
             lines.append("  with: " + ", ".join(f"{k}={v!r}" for k, v in f["params"].items()))
         if f.get("layout"):

@@ -45,8 +45,8 @@ CLASSES = {
     "arguments": "fails with an explicit scale, an initial state, output_final_state=False or accept by counts, "
                  "and passes with the default",
     "tile-boundary": "fails on a boundary case (a dimension past a usual tile size) that no simpler change explains",
-    "state-leak": "the first call passes, a later call on the same implementation (same shape, other contents, "
-                  "initial_state=None; then another shape) fails",
+    "state-leak": "the first call passes, and a later call's result on the same implementation (same shape, other "
+                  "contents, initial_state=None; then another shape) differs, or an earlier call's result changes",
     "domain": "fails with q/k of any norm, beta past 1, reset gates (-inf, -1e30), the (-104, -8) band or a "
               "scaled v, and passes inside the narrow domain",
     "memory-layout": "fails with strided / transposed-back / sliced / storage-offset inputs and passes with "
@@ -55,7 +55,7 @@ CLASSES = {
     "pool-slots": "an engine kernel changed a state-pool slot that no request of the batch owns (a pad's, a "
                   "neighbour's)",
     "wrong-result": "differs from the float64 truth",
-    "raised": "the implementation raised",
+    "raised": "the implementation raised (on any call of an example: the case reported is the call that raised)",
     "vacuous": "no example had an informative comparison",
 }
 
@@ -302,9 +302,12 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm)) for e in edges]
     prog = Progress(f"{op.name} / {impl.name} / {dtype_name(dt)}", len(anchors) + len(edges) + n, stream=progress)
 
-    def fail(params, what, i, klass=None, error=None, comps=(), worst=None, exc=None):
-        state["failure"] = dict(params=params, error=error, klass=klass, call=what, comparisons=list(comps),
-                                worst=worst, traceback=_where(exc) if exc is not None else None)
+    def fail(params, what, i, klass=None, error=None, comps=(), worst=None, exc=None, example=None):
+        """Keep the failure: ``params`` the case reported (the call that failed, or the whole example for a
+        state leak), ``example`` the hypothesis example it came from (anchors are matched on it)."""
+        state["failure"] = dict(params=params, error=error, klass=klass, call=what, index=i, comparisons=list(comps),
+                                worst=worst, traceback=_where(exc) if exc is not None else None,
+                                example=params if example is None else example)
 
     def body(params):
         state["cases"] += 1
@@ -318,6 +321,9 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
             earlier = len(kept)
             try:
                 comps = _checked(impl, op, p, dt, device, kept)
+                made = sum(1 for _, inf in P.LEDGER if inf)  # this call's informative comparisons
+                state["checks"] += made
+                informative += made
                 changed = returned_changed(kept[:earlier])
                 if changed:
                     raise ContractViolation("state-leak", f"{changed} changed when {what} ran (a workspace or output "
@@ -329,12 +335,9 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                     raise
                 fail(params, what, i, klass=klass, error=str(e), exc=e)
                 raise
-            except Exception as e:
-                klass = "state-leak" if i else "raised"
-                msg = f"{type(e).__name__}: {e}"
-                if i:
-                    msg = f"[state-leak] {what} raised {msg} (the first call passed)"
-                fail(params, what, i, klass=klass, error=msg, exc=e)
+            except Exception as e:  # an exception is [raised], reported with the call that raised it (a state
+                # leak is a later call's result that differs, above and below)
+                fail(p, what, i, klass="raised", error=f"{type(e).__name__}: {e}", exc=e, example=params)
                 raise
             bad = [c for c in comps if not c.passed]
             if bad:
@@ -345,18 +348,16 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                            + "; ".join(str(c) for c in bad))
                     fail(params, what, i, klass="state-leak", error=msg, comps=comps, worst=worst)
                 elif i:  # the later call's own inputs explain it (an explicit scale, a flag, ...)
-                    fail(p, what, i, klass=own[0], comps=comps, worst=worst)
+                    fail(p, what, i, klass=own[0], comps=comps, worst=worst, example=params)
                     state["failure"]["why"] = f"{own[1]}, on {what}"
                 else:
                     fail(p, what, i, comps=comps, worst=worst)
                 raise AssertionError("; ".join(str(c) for c in bad))
-            informative += sum(1 for _, inf in P.LEDGER if inf)
             for c in comps:
                 if state["worst"] is None or severity(c) > severity(state["worst"]):
                     state["worst"] = c
                 for k, r in (c.ratios or {}).items():
                     state["ratios"][k] = max(state["ratios"].get(k, 0.0), r)
-        state["checks"] += informative
         state["vacuous"] += informative == 0
         if state["found"] is None:
             prog.tick(state["cases"])
@@ -420,20 +421,22 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
             elif klass == "raised":  # an exception a simpler input avoids is that input's class (e.g. strides)
                 klass, why = attribute(impl, op, f["params"], dt, device)
                 if klass in ("wrong-result", "tile-boundary"):
-                    klass, why = "raised", f"on {f['call']}"
+                    klass, why = "raised", f"{op.name} raised on {f['call']}"
             res.klass, res.why = klass, why
             worst = f.get("worst")
             if worst is not None:
-                res.worst_rel, res.budget, res.worst_comparison = worst.worst_rel, worst.budget, worst.name
+                res.worst_rel, res.budget = worst.worst_rel, worst.budget
+                res.worst_comparison = _lane_named(worst.name, op)
             res.failure = dict(
                 case=f["params"].get("case"),
                 params=op_params(f["params"]),
-                error=f.get("error"),
+                call=f.get("call"),
+                error=_lane_named(f.get("error"), op),
                 traceback=f.get("traceback"),
-                comparisons=[str(c) for c in f["comparisons"]],
+                comparisons=[_lane_named(str(c), op) for c in f["comparisons"]],
                 blob=m.group(2) if m else None,
                 hypothesis_version=m.group(1) if m else None,
-                anchor=next((i for i, a in enumerate(fixed) if a == f["params"]), None),
+                anchor=next((i for i, a in enumerate(fixed) if a == f.get("example", f["params"])), None),
                 edge=f["params"].get("edge"),
                 layout=bool(f["params"].get("layout")),
                 notes=notes,
@@ -447,10 +450,18 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                                  "constant): the lane checked nothing", comparisons=[])
     if res.status == "PASS" and state["worst"] is not None:
         w = state["worst"]
-        res.worst_rel, res.budget, res.worst_comparison = w.worst_rel, w.budget, w.name
+        res.worst_rel, res.budget, res.worst_comparison = w.worst_rel, w.budget, _lane_named(w.name, op)
     res.ratios = dict(state["ratios"]) if res.status == "PASS" else None
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _lane_named(text: Optional[str], op) -> Optional[str]:
+    """A comparison's name as its lane's: ``recurrent_decode`` is checked through the recurrent property
+    (its step run once per token), whose comparisons are named ``recurrent[...]``."""
+    if text is None or op.key != "recurrent_decode":
+        return text
+    return re.sub(r"\brecurrent\[", "recurrent_decode[", text)
 
 
 def _where(e: BaseException) -> str:

@@ -125,3 +125,18 @@ def agrees_with_recurrence(got, x, **kw):
     for name, a, e, b, axis in (("o", got[0], truth[0], base[0], 2), ("state", got[1], truth[1], base[1], 1)):
         c = compare(a, e, b, name=name, g=x["g"], head_axis=axis)
         assert c.passed, str(c)
+
+
+# ----------------------------------------------------------------------------- failure labels
+def _gate_axis_step(q, k, v, *, g, beta, state, scale=None):
+    """A decode step that applies a per-channel gate ``[B, 1, HV, K]`` along the state's V axis: a
+    shape error whenever K != V (a scalar gate takes the correct step; K == V decays the wrong axis)."""
+    if g.dim() == 4:
+        state.mul_(g[:, 0].exp()[..., None, :])  # wrong axis: broadcasts over [B, HV, K, V] only when K == V
+        return _step(q, k, v, g=torch.zeros_like(g), beta=beta, state=state, scale=scale)
+    return _step(q, k, v, g=g, beta=beta, state=state, scale=scale)
+
+
+#: Broken: raises RuntimeError on a per-channel gate whenever K != V (the gate applied on the wrong axis).
+gate_wrong_axis = types.SimpleNamespace(name="gate-wrong-axis-with-a-rather-long-implementation-name",
+                                        dtypes=(torch.float32,), recurrent_decode=_gate_axis_step)

@@ -140,14 +140,14 @@ def test_validate_keeps_its_last_report_and_report_renders_it(capsys, tmp_path, 
     rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:wrong_scale", "--ops", "direct,chunk", "--seed", "7",
                          "--max-examples", "2")
     assert rc == 1, out + err
-    assert (tmp_path / "cache" / kcli.LAST_REPORT).is_file()
+    assert kcli.last_report_path().is_file() and kcli.last_report_path().is_relative_to(tmp_path / "cache")
     rc = kcli.main(["report"])
     md = capsys.readouterr().out
     assert rc == 0
     assert md.splitlines()[1] == "# kvbuffer validate: FAILED"
     assert "| operation | implementation | dtype | cases | worst rel-RMS | budget | error / budget | result | time |" in md
     row = next(l for l in md.splitlines() if l.startswith("| direct | wrong_scale | float64 |"))
-    assert "| FAIL |" in row and float(row.split("|")[7]) > 1.0  # error / budget past 1
+    assert "| FAIL [wrong-result] |" in row and float(row.split("|")[7]) > 1.0  # error / budget past 1, the class
     assert "## Failures" in md and "Smallest failing case: `Case(" in md and "FAIL direct.o [float64]" in md
     assert "NOT PROVIDED: the adapter has no" in md or "| chunk | wrong_scale | float64 |" in md
 
