@@ -311,14 +311,13 @@ class History:
 
 @dataclass
 class Truth:
-    """Float64 outputs over the new tokens and final state of the check rows, the fp32 baseline of
-    both (the plain recurrence in the compute dtype) and the gates behind them."""
+    """Float64 outputs over the new tokens and final state of the check rows, and the fp32 baseline of
+    both (the correct forms in the compute dtype, row by row the worst)."""
 
     o: torch.Tensor
     base_o: Optional[torch.Tensor]
     S: torch.Tensor
     base_S: Optional[torch.Tensor]
-    g: torch.Tensor
 
 
 class Workload:
@@ -371,16 +370,16 @@ class Workload:
 
     def truth(self, new: dict, hist: History, upto: Optional[int] = None) -> Truth:
         """The recurrence over each check row's history followed by its new tokens (the first
-        ``upto`` of them, or all)."""
-        import kvbuffer_ref as ref
+        ``upto`` of them, or all), and the baseline of the budgets: the correct forms in float32
+        (``truth_and_baseline``: the recurrence and the chunkwise form with the buffer's capacity as its chunk)."""
+        from kvbuffer_ref.validate.properties import truth_and_baseline
 
         rows = torch.tensor(self.rows)
         x = {n: torch.cat([hist.x[n].index_select(0, rows % 2),
                            t[:, :upto].detach().cpu().index_select(0, rows)], dim=1) for n, t in new.items()}
-        o64, S64 = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True)
-        o32, S32 = ref.recurrent_gated_delta_rule(**{n: t.float() for n, t in x.items()}, output_final_state=True)
+        (o64, S64), (ob, Sb) = truth_and_baseline(x, chunk=self.plan.C)
         P = hist.P
-        return Truth(o64[:, P:], o32[:, P:].to(self.dtype), S64, S32, x["g"])
+        return Truth(o64[:, P:], ob[:, P:].to(self.dtype), S64, Sb)
 
     def compare(self, name: str, actual: torch.Tensor, truth: Truth, *, state: bool = False,
                 dtype: Optional[torch.dtype] = None) -> dict:
@@ -390,9 +389,9 @@ class Workload:
         a = actual.detach().index_select(0, torch.tensor(self.rows, device=actual.device)).cpu()
         if state:
             dt = dtype or torch.promote_types(self.dtype, torch.float32)
-            c = _compare()(a, truth.S, truth.base_S, name=name, dtype=dt, head_axis=1, g=truth.g)
+            c = _compare()(a, truth.S, truth.base_S, name=name, dtype=dt, head_axis=1)
         else:
-            c = _compare()(a, truth.o, truth.base_o, name=name, dtype=self.dtype, head_axis=2, g=truth.g)
+            c = _compare()(a, truth.o, truth.base_o, name=name, dtype=self.dtype, head_axis=2)
         return dict(name=c.name, dtype=str(c.dtype).replace("torch.", ""), passed=bool(c.passed),
                     worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget, max_abs=c.max_abs,
                     text=str(c))

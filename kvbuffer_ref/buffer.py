@@ -25,10 +25,18 @@ from typing import Optional
 
 import torch
 
-from .checks import (Dims, check_capacity, require_device, require_float, require_int_tensor, require_rank,
-                     require_tensor, shape_str)
+from .checks import (RESET_GATE, Dims, check_capacity, require_device, require_float, require_int_tensor,
+                     require_rank, require_tensor, shape_str)
 
 __all__ = ["KVBuffer", "Drafts"]
+
+#: The lowest a stored cumulative log-gate ``G`` may go per buffered row: every gate a buffered token brings
+#: is at least ``-RESET_GATE`` of its compute dtype (a reset, -inf included, is taken as that; the largest,
+#: float64's, bounds every dtype), and a row's G sums at most C of them since the last flush; so a live G is
+#: finite and at least ``-G_FLOOR_PER_ROW * C``, and a live raw-form ``g`` finite and at least
+#: ``-G_FLOOR_PER_ROW`` (``KVBuffer.check``).  A G of -inf gives -inf - (-inf) = NaN
+#: in the decays exp(G_i - G_j), and -1e30 absorbs every later gate (a wrong finite answer).
+G_FLOOR_PER_ROW = RESET_GATE[torch.float64]
 
 #: Form of a buffer or drafts field: "u" (u-cache), "raw" (the paper's k, v, g, beta) or None (both forms).
 FORMS = ("u", "raw")
@@ -234,8 +242,9 @@ class KVBuffer(_Slots):
         """Check the buffer's own consistency and, when ``dims`` is given, that it fits the tokens.
 
         Raises ValueError / TypeError naming the field, what was expected and what was given.
-        ``values=False`` skips the one check that reads device memory (lengths in 0..C), e.g. while a
-        CUDA graph is captured; shapes, dtypes and devices are checked either way.
+        ``values=False`` skips the checks that read device memory (lengths in 0..C; the live rows of the
+        stored gates finite and not below their floor, ``_bad_gates``: one host sync for both), e.g. while
+        a CUDA graph is captured; shapes, dtypes and devices are checked either way.
         ``kvbuffer_ref.checks.check_buffer`` calls this.
         """
         k, lengths = self.k, self.lengths
@@ -268,10 +277,30 @@ class KVBuffer(_Slots):
             raise ValueError(f"buffer.beta: expected [B, C, HV] = [{B}, {C}, {HV}], got {shape_str(self.beta)}")
         require_int_tensor("buffer.lengths", lengths, (B,), "[B]", k.device)
         bad = (lengths < 0) | (lengths > C) if values else None
-        if values and bool(bad.any()):
+        bad_G = self._bad_gates(C) if values else None
+        flags = torch.stack([bad.any()] + ([bad_G.any()] if bad_G is not None else [])).tolist() if values else []
+        if values and flags[0]:
             b = int(bad.nonzero()[0, 0])
             raise ValueError(f"buffer.lengths: entry [{b}] is {int(lengths[b])}, expected a value in 0..{C} "
                              f"(the capacity)")
+        if values and bad_G is not None and flags[1]:
+            idx = [int(i) for i in bad_G.nonzero()[0]]
+            where = f"entry {idx} (request {idx[0]}, row {idx[1]} of its {int(lengths[idx[0]])} buffered) is " \
+                    f"{float(self.gates[tuple(idx)])}"
+            if form == "u":
+                raise ValueError(
+                    f"buffer.G: {where}, expected a finite cumulative log-gate not below -{G_FLOOR_PER_ROW * C:g} "
+                    f"(-RESET_GATE[float64] = -{G_FLOOR_PER_ROW:g} per buffered row x the capacity C={C}): every "
+                    f"operation that writes G takes a reset gate (-inf, -1e30) as -RESET_GATE (kvbuffer_ref.checks."
+                    f"RESET_GATE, docs/conventions.md \"Reset gates\"), so a G of -inf, NaN, +inf or below that "
+                    f"floor was not made by prefill, buffered_decode, flush or accept, and its decays exp(G_i - G_j) "
+                    f"would be NaN or absorb every later gate")
+            raise ValueError(
+                f"buffer.g: {where}, expected a finite log-gate not below -{G_FLOOR_PER_ROW:g} (-RESET_GATE[float64]): "
+                f"every operation that buffers a token stores a reset gate (-inf, -1e30) as -RESET_GATE "
+                f"(kvbuffer_ref.checks.RESET_GATE, docs/conventions.md \"Reset gates\"), so -inf, NaN, +inf or a "
+                f"gate below that was not made by prefill, buffered_decode or accept, and its cumulative decays "
+                f"would be NaN or absorb every later gate")
         self._check_state(B, HV, K, V, values)
         for name, x in self.tensors().items():
             if x is not None:
@@ -282,6 +311,21 @@ class KVBuffer(_Slots):
             self._check_fits(dims, dict(B=B, H=H, HV=HV, K=K, V=V))
         if device is not None:
             require_device("buffer", k, device)
+
+    def _bad_gates(self, C: int) -> Optional[torch.Tensor]:
+        """[B, C, HV(, K)] bool: the live rows (below ``lengths[b]``) of the stored gates that are not finite or
+        lie below their floor: the u-cache's cumulative ``G`` below ``-G_FLOOR_PER_ROW * C``, the raw form's
+        per-token ``g`` below ``-G_FLOOR_PER_ROW``.  None for gates the later checks reject anyway (not
+        floating, on another device, of another shape).  Rows past the lengths are garbage (never read) and
+        may hold anything."""
+        G, lengths = self.gates, self.lengths
+        if (not isinstance(G, torch.Tensor) or not G.dtype.is_floating_point or G.device != lengths.device
+                or G.dim() < 3 or tuple(G.shape[:2]) != (lengths.shape[0], C)):
+            return None
+        floor = G_FLOOR_PER_ROW * (C if self.G is not None else 1)
+        n = lengths.clamp(0, C)
+        live = (torch.arange(C, device=G.device)[None, :] < n[:, None]).view(*G.shape[:2], *([1] * (G.dim() - 2)))
+        return live & ~(torch.isfinite(G) & (G >= -floor))
 
     def _populated_form(self) -> str:
         """The one form whose fields are all set; ValueError for none, both or a partial form."""

@@ -7,7 +7,7 @@
 #   tests      the kernel, pool and lowp tests compiled on the GPU (-n 8)
 #   models     examples/generate.py through kvbuffer_fast's pool for each model (token equality; without fla
 #              on the path; transformers 5 from .whl/hf if there: pip download --python-version 3.12
-#              --only-binary=:all: --platform manylinux2014_x86_64 -d .whl/hf 'transformers>=5,<6')
+#              --only-binary=:all: --platform manylinux2014_x86_64 -d .whl/hf 'transformers>=5.17,<5.26')
 #   validate   (limit VALIDATE_LIMIT s, default 540: a lane takes 2-5 minutes, mostly compiling, when the groups run
 #              side by side)
 #              kvbuffer validate --profile gpu --device cuda: kvbuffer_fast, fla, fla-pool, SGLang (and ReplaySSM with

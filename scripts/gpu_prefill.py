@@ -6,8 +6,9 @@
    float64 inputs = the rounded inputs upcast) at Qwen3-Next heads (so fla's autotuning is shared with
    the timings): kvbuffer_fast.chunk_gated_delta_rule (fp32 and bf16 inputs, scalar and per-channel
    gates, uniform batches and cu_seqlens, an initial state), direct_gated_delta_rule, and prefill
-   followed by buffered_decode; each judged by the error table (``compare``: its baseline is the plain
-   fp32 recurrence of kvbuffer_ref).  Beside ours, the error of kvbuffer_fast's fp32 recurrence kernel
+   followed by buffered_decode; each judged by the error table (``compare``: its baseline is the correct
+   forms in fp32, ``truth_and_baseline``: kvbuffer_ref's recurrence and chunkwise form, and for prefill +
+   decode the same calls run by kvbuffer_ref).  Beside ours, the error of kvbuffer_fast's fp32 recurrence kernel
    (per sequence for cu_seqlens) and of fla's chunk_gated_delta_rule (if fla imports).  Each check logs
    its seconds (first calls compile).
 2. Timings at Qwen3-Next heads (H = 16, HV = 32, K = V = 128), T = 1k..32k, B = 1 and 4, bf16 and fp32
@@ -50,7 +51,8 @@ from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
 from kvbuffer_fast.launch import config_for, key_of  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from bench.gpu import device_ms, versions  # noqa: E402
-from kvbuffer_ref.validate import compare, gate_terms  # noqa: E402
+from kvbuffer_ref.validate import compare  # noqa: E402
+from kvbuffer_ref.validate.properties import truth_and_baseline  # noqa: E402
 
 PEAK_TFLOPS = {"bfloat16": 989.0, "float32": 494.0}  # H200 dense: bf16 tensor cores; TF32 for fp32 inputs
 QWEN = dict(H=16, HV=32, K=128, V=128)
@@ -115,11 +117,25 @@ def call_fla(fn, x, initial_state=None, output_final_state=False, cu_seqlens=Non
     return fn(q, k, x["v"], x["g"], x["beta"], **kw)
 
 
-def judged(name, actual, truth, baseline, gated, head_axis=2, dtype=None):
-    """``compare`` as a result row; gated: its g and magnitude (``gate_terms``)."""
-    c = compare(actual.detach().cpu(), truth.cpu(), None if baseline is None else baseline.detach().cpu(), name=name,
-                g=gated["g"].cpu(), magnitude=gated.get("magnitude"), head_axis=head_axis, dtype=dtype)
+def judged(name, actual, truth, baseline, head_axis=2, dtype=None):
+    """``compare`` as a result row; baseline: one tensor or a list of them (each slice takes the worst)."""
+    if baseline is not None:
+        baseline = [b.detach().cpu() for b in ([baseline] if torch.is_tensor(baseline) else baseline)]
+    c = compare(actual.detach().cpu(), truth.cpu(), baseline, name=name, head_axis=head_axis, dtype=dtype)
     return dict(name=name, passed=bool(c.passed), rel=float(c.worst_rel), baseline_rel=float(c.baseline_rel), budget=float(c.budget), text=str(c))
+
+
+def forms(x, S0=None, cu=None, chunk=None):
+    """(o64, S64), (o, S): the float64 recurrence and the baseline (``truth_and_baseline``: the correct forms in
+    float32, the chunkwise one with chunks of max(64, ``chunk``)), per sequence of the offsets ``cu`` (a list;
+    None: the batch), outputs concatenated along T and states along the batch as the kernels return them."""
+    if cu is None:
+        return truth_and_baseline(x, S0, chunk=chunk)
+    parts = [truth_and_baseline({n: t[:, a:b] for n, t in x.items()}, None if S0 is None else S0[i:i + 1], chunk=chunk)
+             for i, (a, b) in enumerate(zip(cu, cu[1:]))]
+    cat = lambda ts, d: torch.cat(ts, d)  # noqa: E731
+    return ((cat([t[0] for t, _ in parts], 1), cat([t[1] for t, _ in parts], 0)),
+            (cat([b[0] for _, b in parts], 1), cat([b[1] for _, b in parts], 0)))
 
 
 def rel_err(actual, truth):
@@ -171,15 +187,11 @@ def correctness(fla_fn, quick):
             cu, cu_t, N = None, None, 2
         S0 = 0.5 * torch.randn(N, shapes["HV"], shapes["K"], shapes["V"], device=DEV)
         kw = dict(cu_seqlens=None if cu_t is None else cu_t.long())
-        o64, S64 = ref.recurrent_gated_delta_rule(**up(x), initial_state=S0.double(), output_final_state=True, **kw)
-        xf = {n: t.float() if n in ("g", "beta") else t for n, t in x.items()}
-        ob, Sb = ref.recurrent_gated_delta_rule(**xf, initial_state=S0, output_final_state=True, **kw)
-        ob = ob.to(dtype)
+        # the baseline: the recurrence and the chunkwise form (chunks of 64, the kernel's) in float32, per sequence
+        (o64, S64), (ob, Sb) = forms(x, S0, cu, chunk=64)
         o, S = fast.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, cu_seqlens=cu_t)
-        # magnitudes run one batch row from one state: a packed varlen batch keeps the gate span alone
-        ko, kS = gate_terms(x, initial_state=S0) if cu_t is None else ({"g": x["g"]}, {"g": x["g"]})
-        row = dict(case=tag, chunk_o=judged(f"chunk {tag}.o", o, o64, ob, ko),
-                   chunk_state=judged(f"chunk {tag}.state", S, S64, Sb, kS, head_axis=1, dtype=torch.float32))
+        row = dict(case=tag, chunk_o=judged(f"chunk {tag}.o", o, o64, ob),
+                   chunk_state=judged(f"chunk {tag}.state", S, S64, Sb, head_axis=1, dtype=torch.float32))
         row["recurrent_kernel_rel"] = rel_err(recurrent_kernel(x, S0, cu), o64)
         row["chunk_rel"] = rel_err(o, o64)
         if fla_fn is not None and not channel:
@@ -198,27 +210,32 @@ def correctness(fla_fn, quick):
     for dtype in dtypes:
         t0 = time.time()
         x = make_inputs(2, 50 if not SMOKE else 30, **shapes, dtype=dtype, seed=3)
-        o64, S64 = ref.recurrent_gated_delta_rule(**up(x), output_final_state=True)
-        xf = {n: t.float() if n in ("g", "beta") else t for n, t in x.items()}
-        ob, Sb = ref.recurrent_gated_delta_rule(**xf, output_final_state=True)
+        (o64, S64), (ob, _) = forms(x, chunk=x["q"].shape[1])  # direct: one chunk of the whole sequence
         od = fast.direct_gated_delta_rule(**x)
-        ko, kS = gate_terms(x)
         rows.append(dict(case=f"direct {str(dtype)[6:]} T={x['q'].shape[1]}",
-                         direct_o=judged("direct.o", od, o64, ob.to(dtype), ko)))
+                         direct_o=judged("direct.o", od, o64, ob)))
         T_all = x["q"].shape[1]
         plans = ((T_all - 10, 16), (T_all - 5, 64), (10, 16))
         for prompt, C in plans[:1] if quick else plans:
             sl = lambda a, b: {n: t[:, a:b] for n, t in x.items()}  # noqa: E731
-            o, buf = fast.prefill(**sl(0, prompt), capacity=C)
-            outs = [o]
-            for t in range(prompt, T_all):
-                ot, buf = fast.buffered_decode(**sl(t, t + 1), buffer=buf)
-                outs.append(ot)
-            S = fast.materialize_state(buf)
+
+            def run(pkg):
+                o, buf = pkg.prefill(**sl(0, prompt), capacity=C)
+                outs = [o]
+                for t in range(prompt, T_all):
+                    ot, buf = pkg.buffered_decode(**sl(t, t + 1), buffer=buf)
+                    outs.append(ot)
+                return torch.cat(outs, 1), pkg.materialize_state(buf)
+
+            o, S = run(fast)
+            # the baseline: the recurrence and the chunkwise form (chunks of max(64, C)) in float32, and the same
+            # calls run by kvbuffer_ref (its own form)
+            _, (pb_o, pb_S) = forms(x, chunk=C)
+            own_o, own_S = run(ref)
             rows.append(dict(case=f"prefill {str(dtype)[6:]} prompt={prompt} C={C} + decode to {T_all}",
-                             prefill_o=judged("prefill.o", torch.cat(outs, 1), o64, ob.to(dtype), ko),
-                             prefill_state=judged("prefill.state", S, S64, Sb if dtype == torch.float32 else None,
-                                                  kS, head_axis=1, dtype=torch.float32)))
+                             prefill_o=judged("prefill.o", o, o64, [pb_o, own_o]),
+                             prefill_state=judged("prefill.state", S, S64, [pb_S, own_S], head_axis=1,
+                                                  dtype=torch.float32)))
         if quick and dtype != torch.float32:
             log(f"[check] direct, prefill {str(dtype)[6:]} ({time.time() - t0:.1f} s)")
             continue
@@ -231,20 +248,20 @@ def correctness(fla_fn, quick):
         xr = make_inputs(len(lens), max(lens) + steps, **shapes, dtype=dtype, seed=4)
         flat = {n: torch.cat([t[b:b + 1, :lens[b]] for b in range(len(lens))], 1) for n, t in xr.items()}
         o, buf = fast.prefill(**flat, capacity=16, cu_seqlens=torch.tensor(cu, device=DEV))
+        _, own = ref.prefill(**flat, capacity=16, cu_seqlens=torch.tensor(cu, device=DEV))  # the own form's buffer
         truth = []
         for b in range(len(lens)):
             xs = {n: t[b:b + 1, :lens[b] + steps] for n, t in xr.items()}
-            t64, _ = ref.recurrent_gated_delta_rule(**up(xs))
-            tb, _ = ref.recurrent_gated_delta_rule(**{n: t.float() if n in ("g", "beta") else t for n, t in xs.items()})
-            truth.append((t64, tb.to(dtype), xs["g"], gate_terms(xs)[0]["magnitude"]))
+            (t64, _), (tb, _) = forms(xs, chunk=16)
+            truth.append((t64, tb))
         ok, worst = True, 0.0
         for step in range(steps):
             tok = {n: torch.stack([t[b, lens[b] + step] for b in range(len(lens))])[:, None] for n, t in xr.items()}
             ot, buf = fast.buffered_decode(**tok, buffer=buf)
-            for b, (t64, tb, gs, mo) in enumerate(truth):
+            own_o, own = ref.buffered_decode(**tok, buffer=own)
+            for b, (t64, tb) in enumerate(truth):
                 i = lens[b] + step
-                j = judged("ragged prefill + decode", ot[b:b + 1], t64[:, i:i + 1], tb[:, i:i + 1],
-                           dict(g=gs[:, :i + 1], magnitude=mo[:, i:i + 1]))
+                j = judged("ragged prefill + decode", ot[b:b + 1], t64[:, i:i + 1], [tb[:, i:i + 1], own_o[b:b + 1]])
                 ok &= j["passed"]
                 worst = max(worst, j["rel"])
         rows.append(dict(case=f"ragged prefill {str(dtype)[6:]} lens={lens} C=16 + {steps} decode steps", passed=ok,

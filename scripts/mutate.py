@@ -7,6 +7,9 @@ or kvbuffer_ref's forms), made in a temporary directory under a package name of 
 against, are never touched; or a plain-PyTorch adapter over the reference with one bug (mut_pt_p01).
 The mutants of the seven bug classes (``Mutant.klass``: inputs-changed, arguments, tile-boundary,
 state-leak, domain, memory-layout, partial-flush) are written as those bugs appear in real kernels.
+L01-L12 put q's scale, the gate or beta 1 % off in one of the reference's forms, H01-H14 round to 16 bits
+where fp32 arithmetic is declared (and 1 % errors) with bfloat16 / float16 inputs (``Mutant.dtype``); their
+copies declare the size budget ``SIZES["long"]`` (``Mutant.sizes``: boundary cases at T = 256, small heads).
 Each mutant is validated like
 
     kvbuffer validate --impl <the mutant's adapter> --ops <the operations it affects> --profile ci
@@ -14,15 +17,16 @@ Each mutant is validated like
 
 (``run_validation`` called in a worker process: ``--jobs`` workers, each importing torch and triton
 once and validating one mutant after another; a worker that crashes or times out is replaced) and
-counts as killed when a lane fails.  The unmutated copies are validated the same way, one task per
-operation, and must pass (else the score would mean nothing).  Prints, per mutant, the class that
+counts as killed when a lane fails.  The unmutated copies are validated the same way (one copy per
+package, size budget and dtype the chosen mutants declare), one task per operation, and must pass
+(else the score would mean nothing).  Prints, per mutant, the class that
 killed it, then the score per planted class and in all; exits 1 if any mutant survives (a gap in the
 properties or strategies, to close there; a mutant listed as below a contract's rounding, ``below_rounding``,
 may survive under that contract: it is printed as a genuine limit), 2 if a mutant no longer applies (the code it patches
 changed) or the unmutated copies fail.
 
     python scripts/mutate.py            # all mutants, 2 worker processes
-    python scripts/mutate.py --quick    # 20 of them (one per idea), for CI
+    python scripts/mutate.py --quick    # 33 of them (about one per idea)
     python scripts/mutate.py --list     # what is planted where
     python scripts/mutate.py --only F07 R03 --seed 5 -v
 """
@@ -69,6 +73,21 @@ class Mutant:
     #: the contracts under which its error is below the contract's rounding allowance (docs/testing.md): it
     #: may survive there without failing the run (it is still validated and listed, as a genuine limit)
     below_rounding: tuple = ()
+    #: the size budget its copy declares (a key of ``SIZES``; "" = the adapter's own): the validator's hook
+    #: for case sizes (``Implementation.sizes``), e.g. "long" for the boundary cases at T = 256
+    sizes: str = ""
+
+
+#: Size budgets a copy may declare (``Mutant.sizes``), as ``cases.Sizes`` keyword arguments.  "long": the
+#: boundary cases at T = 256 (a history of 256 tokens for the buffer operations; chunks of 16 and 64 across
+#: it), with few and small heads (K, V <= 16, HV <= 4) and no batch or wide-K/V case, so a reference copy
+#: validates a lane in seconds; drawn cases as small as the plain ones.
+SIZES = {
+    "long": dict(name="long (scripts/mutate.py: T = 256, small heads)", max_B=2, max_T=12, max_H=2, max_group=2,
+                 dims=(1, 2, 3, 5, 8, 16), max_capacity=5, max_history=8, max_new=4, max_chain=4, max_tree=6,
+                 max_after=2, max_prompt=8, big_capacity=18, edge_base=(1, 1, 2, 8, 8), edge_B=0, edge_HV=(2, 4),
+                 edge_T=256, edge_rows=18, edge_dims=((16, 12),), edge_chunks=(16, 64), edge_tree=8),
+}
 
 
 def _m(id, package, file, old, new, ops, what, quick=False):
@@ -371,6 +390,72 @@ PT_MUTANTS = [
        "        initial_state = torch.as_strided(initial_state, initial_state.shape, contiguous_strides(initial_state.shape), initial_state.storage_offset())\n"
        "    return _rec(q, k, v, initial_state=initial_state, **kw)\ndef impl():\n    return make(recurrent_gated_delta_rule=rec)\n"),
 ]
+# ----------------------------------------------------------------------------- small errors at long T, 16-bit inputs
+# Copies of kvbuffer_ref off by 1 % in one input of one form (L: float32), or rounding to 16 bits where the
+# declared arithmetic keeps float32 (H: bfloat16 and float16 inputs, the IEEE contract = float32 arithmetic),
+# validated at the "long" size budget: every lane's boundary cases at T = 256 with small heads.  The
+# tolerance table promises that a 1 % error in scale, gate or beta fails (kvbuffer_ref/validate/tolerances.py);
+# these hold it to that on long sequences, where a gate's error accumulates and the budget's gate term grows.
+def _r(id, file, old, new, ops, what, dtype="float32", quick=False, below_rounding=()):
+    return Mutant(id, R, file, old, new, ops, what, quick, dtype, "", tuple(below_rounding), "long")
+
+
+_Q = dict(recurrent=('o[:, t] = torch.einsum("bhk,bhkv->bhv", x.q[:, t], S)',
+                     'o[:, t] = torch.einsum("bhk,bhkv->bhv", 1.01 * x.q[:, t], S)'),
+          chunk=("o, u = _wy_chunk(x.q[:, sl], ", "o, u = _wy_chunk(1.01 * x.q[:, sl], "),
+          decode=("o[b] = outputs(x.q[b], ", "o[b] = outputs(1.01 * x.q[b], "),
+          verify=("o[b, :t] = outputs(x.q[b, :t], ", "o[b, :t] = outputs(1.01 * x.q[b, :t], "))
+_G = dict(recurrent=("decay = x.g[:, t].exp()", "decay = (1.01 * x.g[:, t]).exp()"),
+          chunk=("G = x.g[:, sl].cumsum(dim=1)", "G = (1.01 * x.g[:, sl]).cumsum(dim=1)"),
+          decode=("G = tail_gate(old, x.g[b, 0]) + x.g[b]", "G = tail_gate(old, x.g[b, 0]) + 1.01 * x.g[b]"),
+          verify=("G = cumulative_gates(x.g[b, :t], par,", "G = cumulative_gates(1.01 * x.g[b, :t], par,"))
+_B = dict(recurrent=("u = x.beta[:, t, :, None] * (", "u = 1.01 * x.beta[:, t, :, None] * ("),
+          chunk=("x.v[:, sl], x.beta[:, sl], G, S)", "x.v[:, sl], 1.01 * x.beta[:, sl], G, S)"),
+          decode=("u = innovations(x.k[b], x.v[b], x.beta[b], G,",
+                  "u = innovations(x.k[b], x.v[b], 1.01 * x.beta[b], G,"),
+          verify=("u = innovations(x.k[b, :t], x.v[b, :t], x.beta[b, :t], G,",
+                  "u = innovations(x.k[b, :t], x.v[b, :t], 1.01 * x.beta[b, :t], G,"))
+_FORMS = dict(recurrent=("recurrent.py", "recurrent"), chunk=("chunk.py", "chunk"), decode=("decode.py", "decode"),
+              verify=("speculative.py", "verify_chain"))
+LONG_MUTANTS = [
+    _r(f"L{3 * i + j + 1:02d}", _FORMS[form][0], *table[form], _FORMS[form][1], f"{form}: {what} x 1.01 (T = 256)",
+       quick=form == "chunk")
+    for i, form in enumerate(("recurrent", "chunk", "decode", "verify"))
+    for j, (table, what) in enumerate(((_Q, "q scale"), (_G, "gate g"), (_B, "beta")))
+]
+_STATE16 = ('        S = S + torch.einsum("bhk,bhv->bhkv", x.k[:, t], u)\n',
+            '        S = S + torch.einsum("bhk,bhv->bhkv", x.k[:, t], u)\n'
+            '        if t % 16 == 15:  # a bfloat16 state store every 16 tokens\n'
+            '            S = S.to(torch.bfloat16).to(S.dtype)\n')
+_GATE16 = ("        G = x.g[:, sl].cumsum(dim=1)\n",
+           "        G = x.g[:, sl].to(torch.bfloat16)  # the cumulative gate summed in bfloat16\n"
+           "        for i in range(1, G.shape[1]):\n            G[:, i] = G[:, i - 1] + G[:, i]\n"
+           "        G = G.to(x.g.dtype)\n")
+_Q16 = ('o[:, t] = torch.einsum("bhk,bhkv->bhv", x.q[:, t], S)',
+        'o[:, t] = torch.einsum("bhk,bhkv->bhv", x.q[:, t].to(torch.bfloat16).to(S.dtype), S)')
+#: (file, (old, new), ops, what, quick, {dtype: contracts whose own rounding is that bug: below_rounding})
+_HALF = (
+    # a bfloat16 state store is what bf16-state declares, and below bf16's product term (docs/testing.md)
+    ("recurrent.py", _STATE16, "recurrent", "recurrent: the state rounded to bfloat16 every 16 tokens", True,
+     {"bfloat16": ("bf16", "bf16-state"), "float16": ("bf16", "bf16-state")}),
+    ("chunk.py", _GATE16, "chunk", "chunk: the cumulative gate summed in bfloat16", True, {}),
+    # q rounded to bfloat16 before a product is what the bf16 contract declares
+    ("recurrent.py", _Q16, "recurrent", "recurrent: the output computed from a bfloat16-rounded q", False,
+     {"float16": ("bf16",)}),
+    ("recurrent.py", _Q["recurrent"], "recurrent", "recurrent: q scale x 1.01", False, {}),
+    ("chunk.py", _Q["chunk"], "chunk", "chunk: q scale x 1.01", False, {}),
+    ("chunk.py", _G["chunk"], "chunk", "chunk: gate g x 1.01", False, {}),
+    ("chunk.py", _B["chunk"], "chunk", "chunk: beta x 1.01", False, {}),
+)
+HALF_MUTANTS = [
+    _r(f"H{2 * i + j + 1:02d}", file, old, new, ops, f"{what} ({dt} inputs, declared fp32 arithmetic)", dt,
+       quick=quick and dt == "bfloat16", below_rounding=limits.get(dt, ()))
+    for i, (file, (old, new), ops, what, quick, limits) in enumerate(_HALF)
+    for j, dt in enumerate(("bfloat16", "float16"))
+]
+MUTANTS += LONG_MUTANTS + HALF_MUTANTS
+
+
 #: The original mutants that belong to one of the classes (the rest plant a wrong formula: "wrong-result").
 _CLASS_OF = {"F19": "partial-flush", "F20": "partial-flush", "F26": "partial-flush", "R07": "partial-flush"}
 MUTANTS = [Mutant(**{**m.__dict__, "klass": _CLASS_OF.get(m.id, m.klass)}) for m in MUTANTS]
@@ -452,9 +537,25 @@ def copy_name(m: "Mutant") -> str:
     return f"{prefix}_{m.id.lower()}"
 
 
-def _copy_package(package: str, dest: Path, name: str = None) -> Path:
-    """Copy ``package`` to ``dest/<name>`` (with ``<name>_adapter.py`` beside it); for the reference,
-    share buffer/checks with the real one."""
+def _adapter_text(package: str, name: str, sizes: str = "", dtype: str = "") -> str:
+    """The adapter module of a copy: ``PACKAGES``' factory, with the copy declaring the size budget
+    ``SIZES[sizes]`` and every dtype of ``dtype`` (a comma list) when they are not the factory's own."""
+    text = PACKAGES[package][1].replace("{name}", name)
+    extra = [d for d in dtype.split(",") if d and d not in ("float32", "float64")]
+    if not sizes and not extra:
+        return text
+    text = text.replace("def impl():", "def _impl():")
+    return (text + "\n\nimport dataclasses as _dc\n\nimport torch as _torch\n\n"
+            "from kvbuffer_ref.validate.cases import Sizes as _Sizes\n\n\n"
+            "def impl():\n    base = _impl()\n"
+            f"    dtypes = tuple(dict.fromkeys(base.dtypes + ({''.join(f'_torch.{d}, ' for d in extra)})))\n"
+            f"    sizes = {f'_Sizes(**{SIZES[sizes]!r})' if sizes else 'base.sizes'}\n"
+            "    return _dc.replace(base, dtypes=dtypes, sizes=sizes)\n")
+
+
+def _copy_package(package: str, dest: Path, name: str = None, sizes: str = "", dtype: str = "") -> Path:
+    """Copy ``package`` to ``dest/<name>`` (with ``<name>_adapter.py`` beside it, declaring ``sizes`` and
+    ``dtype``: ``_adapter_text``); for the reference, share buffer/checks with the real one."""
     name = name or PACKAGES[package][0]
     src = SOURCE / package
     out = dest / name
@@ -463,7 +564,7 @@ def _copy_package(package: str, dest: Path, name: str = None) -> Path:
         for fname, real in _SHARED.items():
             (out / fname).write_text(f'"""Shim: the real {real} (shared classes and checks)."""\nimport sys\n'
                                      f"import {real} as _real\n\nsys.modules[__name__] = _real\n")
-    (dest / f"{name}_adapter.py").write_text(PACKAGES[package][1].replace("{name}", name))
+    (dest / f"{name}_adapter.py").write_text(_adapter_text(package, name, sizes, dtype))
     return out
 
 
@@ -474,7 +575,7 @@ def plant(m: Mutant, dest: Path) -> None:
         dest.mkdir(parents=True, exist_ok=True)
         (dest / f"{name}_adapter.py").write_text(PT_HEADER + "\n\n" + m.new)
         return
-    out = _copy_package(m.package, dest, name)
+    out = _copy_package(m.package, dest, name, m.sizes, m.dtype)
     path = out / m.file
     text = path.read_text()
     n = text.count(m.old)
@@ -505,7 +606,8 @@ def _worker() -> int:
             sys.path.insert(0, t["dest"])
             impl = importlib.import_module(t["module"]).impl()
             impl.contract = t.get("contract", "ieee")
-            rep = runner.run_validation([impl], ops=lanes.select_ops(t["ops"]), dtypes=[lanes.DTYPES[t["dtype"]]],
+            dtypes = [lanes.DTYPES[d] for d in t["dtype"].split(",")]
+            rep = runner.run_validation([impl], ops=lanes.select_ops(t["ops"]), dtypes=dtypes,
                                         profile="ci", device="cpu", seed=t["seed"], shrink=False, fail_fast=True,
                                         progress=None, explain=False)
             bad = [r for r in rep.lanes if r.failed]
@@ -582,7 +684,7 @@ class _Pool:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the CI selection (20 mutants)")
+    ap.add_argument("--quick", action="store_true", help="a quick selection (33 mutants, about one per idea)")
     ap.add_argument("--only", nargs="+", metavar="ID", help="only these mutants")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--seed", type=int, default=20260529, help="seed of the validation's cases (fixed for CI)")
@@ -641,15 +743,22 @@ def main(argv=None) -> int:
             return 2
         tasks, baselines = [], {}
         if not args.skip_baseline:  # the unmutated copies, validated like the mutants (first in the queue)
-            for package in sorted({m.package for m in chosen} - {PT}):
-                mine = [m for m in chosen if m.package == package]
+            # one copy per (package, size budget, dtypes) the chosen mutants declare, one task per operation
+            groups = sorted({(m.package, m.sizes, m.dtype) for m in chosen if m.package != PT})
+            for package, sizes, dtype in groups:
+                mine = [m for m in chosen if (m.package, m.sizes, m.dtype) == (package, sizes, dtype)]
+                plain = not sizes and dtype == ("float32" if package == F else "float64")
+                # the name seeds the lanes' drawn cases (runner.lane_seed): the package's own copy keeps its name
                 name = f"{PACKAGES[package][0]}_baseline"
-                _copy_package(package, work / name, name)
-                for op in sorted({o for m in mine for o in m.ops.split(",")}):  # one task per operation
-                    tid = f"baseline {package} {op}"
+                if not plain:
+                    name += f"_{sizes or 'own'}_{dtype.replace(',', '_')}"
+                _copy_package(package, work / name, name, sizes, dtype)
+                label = package if plain else f"{package} [{dtype}{', ' + sizes if sizes else ''}]"
+                for op in sorted({o for m in mine for o in m.ops.split(",")}):
+                    tid = f"baseline {label} {op}"
                     baselines[tid] = op
                     tasks.append(dict(id=tid, dest=str(work / name), module=f"{name}_adapter", ops=op,
-                                      dtype=mine[0].dtype, seed=args.seed))
+                                      dtype=dtype, seed=args.seed))
         for c in contracts:
             for m in chosen:
                 tasks.append(dict(id=m.id if c == "ieee" else f"{m.id}@{c}", dest=str(work / m.id),

@@ -52,12 +52,13 @@ from kvbuffer_ref.recurrent import recurrent_gated_delta_rule
 
 __all__ = ["FAMILIES", "Family", "family_of", "tiny_config", "build_model", "KVBufferRunner", "model_own_path",
            "greedy_reference", "oracle_logits", "prompt_lookup_chain", "prompt_lookup_tree", "SpecStats",
-           "TRANSFORMERS_RANGE"]
+           "TRANSFORMERS_RANGE", "torch_function_behind"]
 
 
 # transformers versions served: [lowest, first unsupported), the ``hf`` extra's range: no wider than the releases
-# the tests have passed with (docs/models.md lists them; scripts/check_newest.sh tries the newest).  The integration reads the model code's conventions that changed inside it (the
-# cache argument's name, where q/k are repeated to the value heads, the mask the attention takes).
+# the tests have passed with (docs/models.md lists them; scripts/check_newest.sh tries the newest).  The
+# integration reads the model code's conventions that changed inside it (the cache argument's name, where
+# q/k are repeated to the value heads, the mask the attention takes).
 TRANSFORMERS_RANGE = ("5.17.0", "5.26")
 
 
@@ -188,9 +189,18 @@ def _patched(module, **names):
             setattr(module, n, fn)
 
 
-def _torch_function(fn):
-    """The torch function under transformers' kernel-dispatch wrapper (which picks fla where installed)."""
-    return getattr(fn, "__wrapped__", fn)
+def torch_function_behind(obj, name: str):
+    """The plain torch function ``name`` under transformers' kernel-dispatch wrapper (which picks fla where
+    installed): ``obj`` itself, a functools.wraps wrapper of it (``__wrapped__``), or, where the ``kernels``
+    package is installed (a dependency from transformers 5.25 on), an ``nn.Module`` whose ``forward``
+    closes over such a wrapper."""
+    forward = getattr(type(obj), "forward", None)
+    if forward is not None and not callable(getattr(obj, "__wrapped__", None)):
+        inner = [c.cell_contents for c in (forward.__closure__ or ()) if callable(c.cell_contents)
+                 and getattr(inspect.unwrap(c.cell_contents), "__name__", None) == name]
+        if len(inner) == 1:
+            obj = inner[0]
+    return inspect.unwrap(obj)
 
 
 @contextlib.contextmanager
@@ -200,7 +210,7 @@ def model_own_path(model):
     kernels need a GPU).  Without such a package this changes nothing."""
     fam = family_of(model)
     m = fam.modeling()
-    names = {n: _torch_function(getattr(m, n)) for n in (fam.chunk_name, fam.recurrent_name, "causal_conv1d_fn",
+    names = {n: torch_function_behind(getattr(m, n), n) for n in (fam.chunk_name, fam.recurrent_name, "causal_conv1d_fn",
                                                         "causal_conv1d_update")}
     with _patched(m, **names):
         yield
@@ -362,9 +372,10 @@ class KVBufferRunner:
         self._mode, self._slots, self._lengths, self._parents = mode, slots, lengths, parents
         names = {self.family.chunk_name: self._core, self.family.recurrent_name: self._core}
         if parents is not None:
-            names["causal_conv1d_fn"] = self._tree_conv(_torch_function(self.modeling.causal_conv1d_fn))
+            names["causal_conv1d_fn"] = self._tree_conv(torch_function_behind(self.modeling.causal_conv1d_fn,
+                                                                                   "causal_conv1d_fn"))
         for n in ("causal_conv1d_fn", "causal_conv1d_update"):  # the model's own torch convolution
-            names.setdefault(n, _torch_function(getattr(self.modeling, n)))
+            names.setdefault(n, torch_function_behind(getattr(self.modeling, n), n))
         wrapped = []
         for i, layer in enumerate(self.layers):
             fwd = layer.forward

@@ -1,7 +1,7 @@
 """kvbuffer_ref.validate: the product built on the oracle, checking any implementation against it.
 
 * ``Case``, ``make_inputs``: deterministic inputs from a few shrinkable fields and a seed (``cases``);
-* ``TOLERANCES``, ``compare``, ``assert_matches``, ``gate_terms``: the error policy, one table (``tolerances``);
+* ``TOLERANCES``, ``compare``, ``assert_matches``: the error policy, one table (``tolerances``);
 * ``strategies``: hypothesis strategies of cases, buffers and drafts; ``properties``: each property
   of the oracle as a function over any implementation; ``load_profile``: the hypothesis profiles;
 * ``Implementation``, ``resolve``: adapters, the ready ones (reference, fast, fla) (``adapters``);
@@ -23,11 +23,10 @@ from .lanes import OP_KEYS, OPS, ValidationError, plan, select_ops
 from .profiles import load_profile, register_profiles
 from .report import LaneResult, Report
 from .runner import CLASSES, NothingToRun, run_validation
-from .tolerances import (TOLERANCES, Comparison, Tolerance, assert_matches, compare, gate_terms, rel_rms_slices,
-                         tolerance_for)
+from .tolerances import TOLERANCES, Comparison, Tolerance, assert_matches, compare, rel_rms_slices, tolerance_for
 
 __all__ = [
-    "TOLERANCES", "Tolerance", "tolerance_for", "Comparison", "compare", "assert_matches", "gate_terms",
+    "TOLERANCES", "Tolerance", "tolerance_for", "Comparison", "compare", "assert_matches",
     "rel_rms_slices",
     "Case", "make_inputs", "cast_inputs", "upcast_inputs", "GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES",
     "Sizes", "NORMAL", "SMALL", "GPU", "CLASSES", "Guarded", "default_implementations",

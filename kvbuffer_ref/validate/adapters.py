@@ -38,8 +38,8 @@ every other one as "not provided", with the reason.  Optional attributes describ
                                bit for bit as it was (default: ``{"recurrent_decode": ("state",)}``)
     contract       str         the arithmetic it keeps (kvbuffer_ref.validate.contracts): "ieee" (IEEE float32,
                                the default), "tf32" (TF32 products), "bf16" (bfloat16 products, float32
-                               accumulation), "bf16-state" (a bfloat16 recurrent state); the budget gains
-                               the contract's calibrated term, and the verdict follows it
+                               accumulation), "bf16-state" (a bfloat16 recurrent state); the baselines of
+                               its budgets are computed in that arithmetic, and the verdict follows it
     convention     dict        an engine kernel's calling convention (kvbuffer_ref.validate.engine): the
                                validator converts to it; see ``engine.engine_adapter``
     varlen         tuple       the attributes that take ``cu_seqlens`` (variable-length batches, B = 1):
@@ -47,6 +47,10 @@ every other one as "not provided", with the reason.  Optional attributes describ
                                run only when listed (default: none)
     beta_max       float       the top of its beta domain (default 1.0; 2.0 for kernels that allow
                                negative eigenvalues): beta is drawn in [0, beta_max]
+    gates          str         the gate domain it serves: "all" (the default: every log-gate, the resets
+                               -inf, -1e30 and -300 of the "reset" regime included) or "finite" (gates such
+                               as -exp(A_log) softplus(a + dt_bias), never a reset: the "reset" regime is not
+                               drawn; every finite regime, down to -200, still is)
     not_provided   dict        {attribute or lane name: reason} for operations (or lanes, such as
                                "verify_tree") it deliberately leaves out
     prepare()      callable    called once before the validation (e.g. to turn on NaN-filled outputs)
@@ -54,7 +58,10 @@ every other one as "not provided", with the reason.  Optional attributes describ
 Every call the validator makes goes through ``Guarded``: it clones every tensor argument (and every field
 of a buffer or drafts argument), calls, and compares them bit for bit afterwards ([inputs-changed]
 unless the argument is in ``in_place``); in examples that draw it, every read-only tensor argument is
-passed as a strided, transposed-back, sliced or storage-offset view ([memory-layout]).
+passed as a strided, transposed-back, sliced or storage-offset view ([memory-layout]).  During the call
+every fresh allocation (``torch.empty`` and its kin) is filled with NaN (integers: their largest value),
+without the implementation's cooperation (``poisoned_allocations``): an output element a kernel leaves
+unwritten is non-finite, whatever the allocator would have handed out.
 
 ``resolve("module:attr")`` loads an adapter; ``attr`` may also be a factory (a callable that is not
 itself an operation, called with no arguments).  Ready adapters: ``reference`` (kvbuffer_ref, float64
@@ -65,6 +72,7 @@ its engine convention).  Short names: ``ref``, ``fast``, ``fla``, ``fla-pool``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -81,7 +89,8 @@ from .cases import NORMAL, SMALL, Sizes
 
 __all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "OPERATION_ATTRS", "AdapterError", "Implementation", "describe", "resolve", "builtin_names",
            "reference", "reference_from", "fast", "fast_from", "fla", "FlaAdapter", "fla_pool", "stepwise_recurrent",
-           "interpreter_active", "POISON_ENV", "unavailable", "default_implementations", "returned_changed"]
+           "interpreter_active", "POISON_ENV", "unavailable", "default_implementations", "returned_changed",
+           "GATE_DOMAINS", "poisoned_allocations"]
 
 #: Every operation attribute the validator knows, in report order.
 OPERATION_ATTRS = (
@@ -89,6 +98,9 @@ OPERATION_ATTRS = (
     "buffered_decode", "flush", "materialize_state", "verify", "accept", "prefill",
 )
 
+
+#: The gate domains an adapter may declare (``gates``): "all" (every log-gate, resets included) or "finite".
+GATE_DOMAINS = ("all", "finite")
 
 #: The environment variable kvbuffer_fast reads when it allocates an output: "1" fills it with NaN first.
 POISON_ENV = "KVBUFFER_POISON"
@@ -126,6 +138,8 @@ class Implementation:
     lane_contracts: dict = field(default_factory=dict)
     #: it L2-normalises q and k itself (``Case.qk_l2norm``): rows of any norm, the truth on their normalisation
     qk_l2norm: bool = False
+    #: the gate domain it serves (``GATE_DOMAINS``): "all" (resets -inf, -1e30, -300 drawn) or "finite" (not)
+    gates: str = "all"
 
     def contract_for(self, op: str, dtype) -> str:
         """The contract the lane (op, dtype) declares: its ``lane_contracts`` entry by the lane's name
@@ -200,6 +214,12 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
     if hasattr(obj, "unit_qk"):
         raise AdapterError(f"adapter {label}: unit_qk is not a declaration (the validator would ignore it); declare "
                            f"qk_l2norm = True for a kernel that L2-normalises q and k itself")
+    gates = getattr(obj, "gates", "all")
+    if isinstance(obj, types.ModuleType) and not isinstance(gates, str):
+        gates = "all"  # a module's own attribute of that name (a helper), not a declaration
+    if gates not in GATE_DOMAINS:
+        raise AdapterError(f"adapter {label}: gates must be one of {GATE_DOMAINS} (\"finite\": a kernel whose "
+                           f"gates are never a reset, -inf or -1e30), got {gates!r}")
     from .contracts import check_contract
     try:
         contract = check_contract(getattr(obj, "contract", "ieee"), f"adapter {label}: contract")
@@ -211,7 +231,7 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
                           is_truth=bool(getattr(obj, "is_truth", False)),
                           sizes=_sizes(getattr(obj, "sizes", "small" if interpreted else "normal"), label),
                           in_place=in_place, beta_max=beta_max, contract=contract,
-                          qk_l2norm=bool(getattr(obj, "qk_l2norm", False)),
+                          qk_l2norm=bool(getattr(obj, "qk_l2norm", False)), gates=gates,
                           varlen=tuple(getattr(obj, "varlen", ()) or ()))
 
 
@@ -609,6 +629,32 @@ def layout_views(args: dict, rng, skip=()) -> dict:
             for n, t in args.items()}
 
 
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every fresh allocation made inside (``torch.empty``, ``empty_like``, ``new_empty``, ``empty_strided``,
+    a growing ``resize_``) filled with NaN (floating and complex dtypes; integers: their largest value), on
+    the CPU and on CUDA, without the cooperation of the code that allocates: PyTorch's deterministic mode
+    with ``torch.utils.deterministic.fill_uninitialized_memory``, in ``warn_only`` mode (an operation without
+    a deterministic implementation still runs; its warning is silenced).  The previous settings come back
+    on the way out.  An output a kernel leaves partly unwritten is then non-finite there, where the
+    allocator could have handed it zeros (or the previous call's result) and let it pass."""
+    import torch.utils.deterministic as det
+
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = det.fill_uninitialized_memory
+    try:
+        with warnings.catch_warnings():
+            # the warn_only notes ("... does not have a deterministic implementation", cuBLAS' workspace)
+            warnings.filterwarnings("ignore", message=r"(?s).*deterministic", category=UserWarning)
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            det.fill_uninitialized_memory = True
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        det.fill_uninitialized_memory = fill
+
+
 class Guarded:
     """An adapter object seen through the lane protocol: every operation call clones every tensor it is
     given (buffer and drafts fields included) and compares them bit for bit after the call; an argument
@@ -648,7 +694,8 @@ class Guarded:
             self.calls += 1
             pos = [given[n] for n in names if n in given]
             try:
-                out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
+                with poisoned_allocations():  # what the call allocates and leaves unwritten is NaN
+                    out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
             except Exception:
                 if not back:
                     raise
@@ -657,7 +704,8 @@ class Guarded:
                 given = dict(given, **{n: orig for n, (orig, _) in back.items()})
                 back = {}
                 pos = [given[n] for n in names if n in given]
-                out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
+                with poisoned_allocations():
+                    out = fn(*pos, **{n: x for n, x in given.items() if n not in names})
             for orig, view in back.values():
                 orig.copy_(view)
             for lab, (t, bits) in before.items():

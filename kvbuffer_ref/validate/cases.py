@@ -14,14 +14,16 @@ import torch.nn.functional as F
 from kvbuffer_ref.engine_inputs import NORM_EPS
 
 __all__ = ["GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES", "QK_L2NORM_EPS", "Case", "make_inputs", "cast_inputs",
-           "upcast_inputs", "l2norm_qk", "Sizes", "NORMAL", "SMALL", "GPU"]
+           "upcast_inputs", "l2norm_qk", "Sizes", "NORMAL", "SMALL", "GPU", "GPU_HEAD_SHAPES", "reset_positions"]
 
 #: log-gate regimes: exactly 0 (no decay), mild [-0.5, 0], strong [-8, -1], underflowing [-120, -104]
 #: (exp(g) is exactly 0 in float32 and below 1e-45 in float64), a per-element mix of those four, the
 #: band (-104, -8) where exp(g) is tiny or a float32 subnormal ("band"), a per-element mix ("wide")
 #: of everything from 0 down to -200 per token, and resets ("reset": mild gates with one token per
 #: request and head a full reset, g = -inf, -1e30 or -300: exp(g) is exactly 0, docs/conventions.md
-#: "Reset gates"; one per row keeps the gate span of the error budget at one RESET_GATE).
+#: "Reset gates").  Every regime reaches every position in every dtype: a reset's token is any token,
+#: half of the time one at a block boundary (``reset_positions``: the first and last tokens and those on
+#: either side of every multiple of 16, where a chunked kernel's cumulative gates restart).
 GATE_REGIMES = ("zero", "mild", "strong", "underflow", "mixed", "band", "wide", "reset")
 #: write-strength regimes: exactly 0, exactly 1, uniform in [0, beta_max], a mix of all three.
 BETA_REGIMES = ("zero", "one", "uniform", "mixed")
@@ -70,6 +72,18 @@ class Sizes:
     edge_chunks: tuple = (16, 32, 64)
     edge_tree: int = 12  # draft nodes of the boundary verify cases
     sequences: bool = True  # every drawn example and anchor is a call sequence (state-leak); False: the first anchor only
+    #: chunk-boundary lengths: the chunk-like lanes (chunk, chunk_varlen, direct, prefill) also draw T (a prompt's
+    #: length) around every multiple of 16, 32 and 64 and of the lane's ``chunk_size`` c (c - 1, c, c + 1,
+    #: 2c - 1, 2c, 2c + 1) up to ``long_T`` (``strategies.boundary_lengths``); a drawn case longer than
+    #: ``max_T`` keeps B <= long_B, HV <= long_HV (H = 1 or a group of 2) and K, V in ``long_dims``.  The
+    #: boundary cases cross c - 1 .. 2c + 1 for every c of ``edge_chunks`` (``lanes.edge_params``).
+    long_T: int = 129
+    long_B: int = 2
+    long_HV: int = 4
+    long_dims: tuple = (3, 8, 16, 24)
+    #: (H, HV, K, V) drawn together from this list (the ``gpu`` profile: few head shapes, so compiled kernels
+    #: share their compiles while the lengths vary); empty: H, the group and K, V drawn independently
+    head_shapes: tuple = ()
 
 
 #: Plain PyTorch and compiled kernels: small drawn cases (K and V up to 72; a V of 136 in the anchors),
@@ -82,14 +96,23 @@ NORMAL = Sizes(dims=(1, 2, 3, 5, 7, 8, 12, 16, 24, 40, 72))
 SMALL = Sizes(name="small (Triton interpreter)", max_B=3, max_T=8, max_H=2, max_group=2, max_capacity=5,
               max_history=6, max_new=4, max_chain=4, max_tree=6, max_after=2, max_prompt=8, big_capacity=18,
               dims=(1, 2, 3, 5, 7, 8, 12, 16, 40, 72), edge_B=0, edge_HV=(2, 10), edge_T=66, edge_rows=66,
-              edge_dims=((40, 264),), edge_chunks=(16, 32, 64), edge_tree=8, sequences=False)
+              edge_dims=((40, 264),), edge_chunks=(16, 32, 64), edge_tree=8, sequences=False,
+              long_T=129, long_B=1, long_HV=2, long_dims=(2, 5, 8))
+#: The head shapes (H, HV, K, V) the ``gpu`` profile draws: head groups HV / H of 1, 2, 4 and 8, more than
+#: 32 value heads (a 32-head tile crossed: 48 and 64), K = V = 128 (Qwen3-Next: H = 16, HV = 32), and one
+#: non-power-of-two V.  Few of them: every new (H, HV, K, V) is a Triton compile; the lengths vary freely.
+GPU_HEAD_SHAPES = ((16, 32, 128, 128), (16, 16, 128, 128), (16, 64, 128, 128), (8, 64, 128, 128),
+                   (6, 48, 128, 128), (4, 8, 128, 136))
 #: Production shapes (Qwen3-Next: H = 16, HV = 32, K = V = 128; B up to 256, T up to 4096, C up to 64,
 #: trees up to 64 nodes): the ``gpu`` profile, with the float64 oracle on the device as well.  Drawn
-#: cases keep Qwen3-Next's heads; boundary cases are each production-sized in one dimension.
-GPU = Sizes(name="gpu (production)", max_B=8, max_T=64, max_H=16, max_group=2, dims=(64, 128, 136, 256),
+#: cases take their heads from ``GPU_HEAD_SHAPES`` (groups 1 to 8, up to 64 value heads) and lengths up to
+#: 1025 around multiples of 64; boundary cases are each production-sized in one dimension (64 value heads
+#: in groups of 8 among them), and the operation's other anchors run at those head shapes too.
+GPU = Sizes(name="gpu (production)", max_B=8, max_T=64, max_H=16, max_group=8, dims=(64, 128, 136, 256),
             max_capacity=64, max_history=96, max_new=8, max_chain=16, max_tree=64, max_after=4, max_prompt=512,
-            big_capacity=64, edge_base=(2, 16, 32, 128, 128), edge_B=256, edge_HV=(16, 32), edge_T=4096,
-            edge_rows=64, edge_dims=((256, 264),), edge_chunks=(16, 32, 64), edge_tree=64)
+            big_capacity=64, edge_base=(2, 16, 32, 128, 128), edge_B=256, edge_HV=(8, 64), edge_T=4096,
+            edge_rows=64, edge_dims=((256, 264),), edge_chunks=(16, 32, 64), edge_tree=64,
+            long_T=1025, long_B=4, long_HV=64, long_dims=(128,), head_shapes=GPU_HEAD_SHAPES)
 
 
 @dataclass(frozen=True)
@@ -120,7 +143,14 @@ class Case:
         return make_inputs(self, dtype, device)
 
 
-def _gates(shape, regime: str, gen: torch.Generator, reset_anywhere: bool = True) -> torch.Tensor:
+def reset_positions(T: int) -> list[int]:
+    """The token positions a reset is drawn at half of the time: 0, T - 1, and m - 1, m around every
+    multiple m of 16 below T (the last token of a 16-, 32- or 64-token block and the first of the next)."""
+    marks = {0, T - 1} | {m + d for m in range(16, T, 16) for d in (-1, 0)}
+    return sorted(t for t in marks if 0 <= t < T)
+
+
+def _gates(shape, regime: str, gen: torch.Generator) -> torch.Tensor:
     r = torch.rand(shape, generator=gen, dtype=torch.float64)
     by = {
         "zero": torch.zeros(shape, dtype=torch.float64),
@@ -130,11 +160,13 @@ def _gates(shape, regime: str, gen: torch.Generator, reset_anywhere: bool = True
         "band": -(8.0 + 96.0 * r),
         "deep": -(120.0 + 80.0 * r),
     }
-    if regime == "reset":  # one reset per (request, head[, channel]) at a random token, mild gates elsewhere
+    if regime == "reset":  # one reset per (request, head[, channel]) at any token, mild gates elsewhere: a
+        # uniform position, or (half of the time) one at a block boundary
         B, T = shape[0], shape[1]
         at = torch.randint(0, max(T, 1), (B, 1, *shape[2:]), generator=gen)
-        if not reset_anywhere:
-            at = torch.full_like(at, T - 1)
+        marks = torch.tensor(reset_positions(T) or [0])
+        near = marks[torch.randint(0, len(marks), at.shape, generator=gen)]
+        at = torch.where(torch.rand(at.shape, generator=gen) < 0.5, near, at)
         resets = torch.tensor([float("-inf"), -1e30, -300.0], dtype=torch.float64)[
             torch.randint(0, 3, (B, 1, *shape[2:]), generator=gen)]
         hit = torch.arange(T).view(1, T, *([1] * (len(shape) - 2))) == at
@@ -169,11 +201,9 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float64, device="cpu") ->
     q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
-    # float64: the reset token anywhere; narrower dtypes: the last token (a reset followed by more tokens
-    # leaves the float32 cumulative forms, the reference's included, 1.15-2x past the budget's gate-span
-    # term, gate_floor = 1 in tolerances.py: measured, to be recalibrated there)
-    g = _gates((B, T, HV, K) if case.channel_gate else (B, T, HV), case.gate, gen,
-               reset_anywhere=dtype == torch.float64)
+    # every regime at every position whatever the dtype: the inputs are a function of the case alone (drawn in
+    # float64, then rounded to ``dtype``)
+    g = _gates((B, T, HV, K) if case.channel_gate else (B, T, HV), case.gate, gen)
     beta = _betas((B, T, HV), case.beta, gen, case.beta_max)
     if case.norm == "any":
         q = q * (0.25 * 16.0 ** torch.rand(B, T, H, 1, generator=gen, dtype=torch.float64))

@@ -2,14 +2,15 @@
 
 A *lane* is one (operation, implementation, dtype).  ``OPS`` names each operation, the adapter
 attributes it needs, the hypothesis strategy of its parameters, its fixed anchor cases and the
-property (``properties.check_*``) that judges it; ``plan`` turns implementations into lanes,
-with a NOT PROVIDED / SKIP row and its reason for everything that is not run.
+property (``properties.check_*``) that judges it; ``plan`` turns implementations into lanes (every
+dtype an implementation declares, unless --dtype names some), with a NOT PROVIDED / NOT RUN row and its
+reason for everything that is not run.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -34,8 +35,14 @@ DTYPES = {"float64": torch.float64, "fp64": torch.float64, "double": torch.float
           "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-#: dtypes validated when --dtype is not given (each implementation runs those it declares).
-DEFAULT_DTYPES = (torch.float64, torch.float32)
+#: dtypes validated when --dtype is not given: every dtype the implementation declares, in this order.  A
+#: declared dtype that cannot run here (bfloat16 through the Triton interpreter) is a NOT RUN row with its
+#: reason, counted as "not run" by the summary (``report.Report.summary_line``: PASSED, INCOMPLETE), never
+#: left out of the plan.
+DEFAULT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+#: Why a lane of an interpreted implementation in bfloat16 is NOT RUN.
+INTERPRETER_BF16 = ("bfloat16 not run: the Triton interpreter mishandles bfloat16 arithmetic (run it compiled: "
+                    "--device cuda)")
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -45,9 +52,11 @@ def dtype_name(dt: torch.dtype) -> str:
 # ----------------------------------------------------------------------------- sizes of the cases
 # Sizes, NORMAL, SMALL and GPU live in ``cases`` (an implementation declares its size budget,
 # ``Implementation.sizes``); re-exported here.
-#: examples per lane on the interpreter, per profile: each example is three calls (the state-leak
-#: sequence) on SMALL cases, after the anchors and the boundary cases.
-INTERPRETED_EXAMPLES = {"ci": 4, "thorough": 300, "gpu": 4}
+#: examples per lane on the interpreter, per profile, on SMALL cases, after the anchors and the boundary
+#: cases.  An interpreted implementation runs each of its declared dtypes (float32 and float16: bfloat16 is
+#: NOT RUN there), whose lanes share the operation's boundary cases: ci draws 2 per lane, the 4 per
+#: operation it drew when only float32 ran by default.
+INTERPRETED_EXAMPLES = {"ci": 2, "thorough": 300, "gpu": 4}
 
 
 # ----------------------------------------------------------------------------- operations
@@ -86,7 +95,7 @@ SCALES = (0.37, None, 1.6)
 
 def _case_kw(s: Sizes, kw: dict) -> dict:
     out = dict(max_H=s.max_H, max_group=s.max_group, dims=s.dims, gates=GATES, betas=BETAS, norms=NORMS,
-               v_scales=V_SCALES, scales=SCALES)
+               v_scales=V_SCALES, scales=SCALES, head_shapes=s.head_shapes)
     out.update(kw)  # the implementation's restrictions (e.g. unit-norm q and k) win
     return out
 
@@ -103,32 +112,61 @@ def _cases(s, kw):
                                   "initial": st.booleans(), "final": st.booleans()})
 
 
+#: chunk sizes drawn by the chunk lanes (the boundary cases take ``Sizes.edge_chunks``).
+CHUNK_SIZES = (1, 2, 3, 5, 8, 16, 32, 64)
+
+
+def _long(s: Sizes, **over) -> dict:
+    """The chunk-boundary lengths of ``s`` for ``strategies.chunk_cases`` / ``prefill_setups``."""
+    return dict(dict(long_T=s.long_T, long_B=s.long_B, long_HV=s.long_HV, long_dims=s.long_dims), **over)
+
+
 def _direct_params(s, kw):
+    """Direct mode: T around every multiple of 16, 32, 64 (a direct kernel chunks internally: 64 in
+    kvbuffer_fast and fla) two thirds of the time (``strategies.chunk_cases``)."""
     from hypothesis import strategies as st
-    return st.fixed_dictionaries({"case": kst.cases(max_B=s.max_B, max_T=s.max_T, **_case_kw(s, kw))})
+    return st.fixed_dictionaries({"case": kst.chunk_cases(max_B=s.max_B, max_T=s.max_T, **_long(s),
+                                                          **_case_kw(s, kw))})
 
 
 def _chunk_params(s, kw):
-    from hypothesis import strategies as st
-    return st.fixed_dictionaries({"case": kst.cases(max_B=s.max_B, max_T=s.max_T + 8, **_case_kw(s, kw)),
-                                  "chunk_size": st.sampled_from([1, 2, 3, 5, 8, 16, 32, 64]),
-                                  "initial": st.booleans(), "final": st.booleans()})
-
-
-def _varlen_params(s, kw, chunked: bool):
-    """A case of B >= 1 requests, each cut to a drawn length in 0..T (empty sequences included), for the
-    cu_seqlens lanes; chunk sizes as the chunk lane's."""
+    """A chunk size, then T around its boundaries (c - 1 .. 2c + 1) and the multiples of 16, 32, 64 two thirds
+    of the time (``strategies.chunk_cases``)."""
     from hypothesis import strategies as st
 
     @st.composite
     def draw(d):
-        case = d(kst.cases(max_B=max(2, s.max_B), max_T=s.max_T + 8, **_case_kw(s, kw)))
+        cs = d(st.sampled_from(CHUNK_SIZES), label="chunk_size")
+        case = d(kst.chunk_cases(max_B=s.max_B, max_T=s.max_T + 8, chunk_size=cs, **_long(s), **_case_kw(s, kw)),
+                 label="case")
+        return dict(case=case, chunk_size=cs, initial=d(st.booleans(), label="initial"),
+                    final=d(st.booleans(), label="final"))
+    return draw()
+
+
+def _varlen_params(s, kw, chunked: bool):
+    """A case of B >= 1 requests, each cut to a drawn length in 0..T (empty sequences included), for the
+    cu_seqlens lanes; chunk sizes as the chunk lane's.  Chunked: T, and each sequence's length, around the
+    chunk boundaries half of the time (sequences of 63, 64, 65 tokens packed one after the other: each
+    starts at an offset that is no multiple of the chunk)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d):
+        cs = d(st.sampled_from(CHUNK_SIZES), label="chunk_size") if chunked else None
+        if chunked:
+            case = d(kst.chunk_cases(max_B=max(2, s.max_B), max_T=s.max_T + 8, chunk_size=cs,
+                                     **_long(s, long_B=max(2, s.long_B)), **_case_kw(s, kw)), label="case")
+        else:
+            case = d(kst.cases(max_B=max(2, s.max_B), max_T=s.max_T + 8, **_case_kw(s, kw)), label="case")
         # an empty sequence a third of the time (the empty-sequence path: its state is its initial state)
-        lengths = d(st.lists(st.one_of(st.integers(0, case.T), st.just(0), st.just(case.T)), min_size=case.B,
-                             max_size=case.B), label="seq_lengths")
+        one = [st.integers(0, case.T), st.just(0), st.just(case.T)]
+        if chunked:
+            one.append(kst.lengths_near(case.T, cs))
+        lengths = d(st.lists(st.one_of(*one), min_size=case.B, max_size=case.B), label="seq_lengths")
         p = dict(case=case, seq_lengths=lengths, initial=d(st.booleans()), final=d(st.booleans()))
         if chunked:
-            p["chunk_size"] = d(st.sampled_from([1, 2, 3, 5, 8, 16, 32, 64]), label="chunk_size")
+            p["chunk_size"] = cs
         return p
     return draw()
 
@@ -171,7 +209,7 @@ def _tree_params(s, kw):
 
 def _prefill_params(s, kw):
     return kst.prefill_setups(max_capacity=s.max_capacity, max_prompt=s.max_prompt, max_new=s.max_new // 2 + 1,
-                              max_B=s.max_B, big_capacity=s.big_capacity, **_case_kw(s, kw))
+                              max_B=s.max_B, big_capacity=s.big_capacity, **_long(s), **_case_kw(s, kw))
 
 
 # ----------------------------------------------------------------------------- anchor cases
@@ -242,7 +280,13 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
     the column and key tiles, tokens and history past time blocks, buffered rows past a row tile, chunk
     sizes 16/32/64 with T crossing chunks), the other dimensions at ``Sizes.edge_base``.  Every lane of
     the operation checks them once per run (contents from ``seed``); ``edge`` names the boundary crossed
-    (a failure on one that no simpler change explains is reported as ``tile-boundary``)."""
+    (a failure on one that no simpler change explains is reported as ``tile-boundary``).
+
+    The chunk-like operations (chunk, chunk_varlen, direct, prefill) cross every chunk boundary: for each
+    c of ``Sizes.edge_chunks`` (16, 32, 64), T (a prompt's folded head; each sequence of a varlen batch) =
+    c - 1, c, c + 1, 2c - 1, 2c, 2c + 1 (``chunk_lengths``), with the chunk size c (direct mode has none:
+    its kernel's own chunk, 64 in kvbuffer_fast and fla, is among them).  With ``Sizes.head_shapes`` (the
+    ``gpu`` profile) the operation's anchors after the first also run, at those head shapes."""
     base = dict(zip(("B", "H", "HV", "K", "V"), s.edge_base))
     H, HV = s.edge_HV
     big = []
@@ -257,6 +301,9 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
         return Case(T=T, channel_gate=channel, gate=gate, beta="uniform", norm="any", seed=seed, scale=0.7, **kw)
 
     T, C, B1 = s.edge_T, s.edge_rows, min(base["B"], 2)
+    near = [(cs, n) for cs in s.edge_chunks for n in chunk_lengths(cs)]  # (chunk, T) around every boundary
+    # edge_T far past the longest of them (the gpu profile's 4096): still its own case; else they cross it
+    longer = T > 2 * max(n for _, n in near)
 
     def ragged(B, n):  # lengths cycling through full, one short, and empty-ish
         return [(n, max(n - 2, 0), 1)[b % 3] for b in range(B)]
@@ -265,15 +312,30 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
     if key in ("recurrent", "recurrent_decode", "direct"):
         extra = {} if key == "direct" else dict(initial=True, final=True)
         out = [dict(case=c(3, **d), edge=e, **extra) for e, d in big]
-        out.append(dict(case=c(T, B=B1), edge=f"T={T}", **extra))
+        if key != "direct":
+            out.append(dict(case=c(T, B=B1), edge=f"T={T}", **extra))
+        else:  # every length around a multiple of 16, 32 and 64 (a kernel's own chunk)
+            out += [dict(case=c(n, B=B1), edge=f"T={n}") for n in sorted({n for _, n in near})]
+            if longer:
+                out.append(dict(case=c(T, B=B1), edge=f"T={T}"))
         if key == "direct":  # mild gates: the history before a time block still matters at its end (the mixed
             # gates' underflows reset it, so a block restarting from zero errs by 1e-3, below 16-bit contracts);
             # K = 16 keeps the chunks well conditioned, so the bf16 budget stays below that bug's 1e-1
             out.append(dict(case=c(T, B=B1, gate="mild", K=16), edge=f"T={T}, mild gates"))
     elif key == "chunk":
-        out = [dict(case=c(T, B=B1), chunk_size=cs, initial=True, final=True, edge=f"T={T},chunk={cs}")
-               for cs in s.edge_chunks]
+        out = [dict(case=c(n, B=B1), chunk_size=cs, initial=True, final=True, edge=f"T={n},chunk={cs}")
+               for cs, n in near]
+        if longer:
+            out += [dict(case=c(T, B=B1), chunk_size=cs, initial=True, final=True, edge=f"T={T},chunk={cs}")
+                    for cs in s.edge_chunks]
         out += [dict(case=c(20, **d), chunk_size=s.edge_chunks[0], initial=True, final=True, edge=e) for e, d in big]
+    elif key == "chunk_varlen":  # per chunk size: sequences of every length around its boundaries packed one after
+        # the other (each starting off the chunk grid), an empty one among them
+        for cs in s.edge_chunks:
+            ls = chunk_lengths(cs)
+            ls = [ls[0], 0, ls[-1]] + ls[1:-1]
+            out.append(dict(case=c(max(ls), B=len(ls)), seq_lengths=ls, chunk_size=cs, initial=True, final=True,
+                            edge=f"seq_lengths={ls},chunk={cs}"))
     elif key in ("decode", "flush"):
         out = [dict(case=c(5, **d), capacity=3, history=3, lengths=ragged(d.get("B", base["B"]), 3), edge=e)
                for e, d in big]
@@ -308,14 +370,33 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
                      **dr(1, 3)),
                 dict(case=c(C + n + 1, B=2), capacity=C, history=C, lengths=[C, C - 2], after=1,
                      edge=f"rows={C},drafts={n}", **dr(2, n))]
-    elif key == "prefill":
-        out = [dict(case=c(T + 2, B=1), capacity=8, prompt=T, tail=None, chunk_size=cs, initial=True,
-                    edge=f"prompt={T},chunk={cs}") for cs in s.edge_chunks]
+    elif key == "prefill":  # the folded head (prompt - tail) around every boundary of its chunk size; the prompt
+        # itself too (tail 0), or 3 tokens more kept in the buffer
+        out = [dict(case=c(n + 3 * (i % 2) + 2, B=1), capacity=8, prompt=n + 3 * (i % 2), tail=3 * (i % 2),
+                    chunk_size=cs, initial=True, edge=f"prompt={n + 3 * (i % 2)},tail={3 * (i % 2)},chunk={cs}")
+               for i, (cs, n) in enumerate(near)]
+        # the default tail (None) of a prompt of two chunks, a multiple of the capacity: an empty tail
+        out += [dict(case=c(2 * cs + 2, B=1), capacity=8, prompt=2 * cs, tail=None, chunk_size=cs, initial=True,
+                     edge=f"prompt={2 * cs},tail=None,chunk={cs}") for cs in s.edge_chunks]
+        if longer:
+            out += [dict(case=c(T + 2, B=1), capacity=8, prompt=T, tail=None, chunk_size=cs, initial=True,
+                         edge=f"prompt={T},chunk={cs}") for cs in s.edge_chunks]
         out += [dict(case=c(6, **d), capacity=3, prompt=5, tail=None, chunk_size=s.edge_chunks[0], initial=True,
                      edge=e) for e, d in big]
         out += [dict(case=c(C + 2, B=1), capacity=C, prompt=C, tail=None, chunk_size=s.edge_chunks[0], initial=False,
                      edge=f"rows={C}")]
+    if s.head_shapes:  # production sizes: the operation's other anchors at the drawn head shapes
+        for i, a in enumerate(ANCHORS.get(key, [])[1:]):
+            H_, HV_, K_, V_ = s.head_shapes[(i + 1) % len(s.head_shapes)]
+            case = replace(a["case"], H=H_, HV=HV_, K=K_, V=V_, channel_gate=a["case"].channel_gate and channel)
+            out.append(dict(a, case=case, edge=f"anchor {i + 2} at H={H_},HV={HV_},K={K_},V={V_}"))
     return [dict(p, layout=False) for p in out]
+
+
+def chunk_lengths(c: int) -> list[int]:
+    """The lengths around the boundaries of a chunk of ``c`` tokens: c - 1, c, c + 1 (a partial chunk, a full
+    one, one token past it) and 2c - 1, 2c, 2c + 1 (the same with a chunk before)."""
+    return list(dict.fromkeys(n for n in (c - 1, c, c + 1, 2 * c - 1, 2 * c, 2 * c + 1) if n >= 1))
 
 
 OPS: tuple[Op, ...] = (
@@ -417,7 +498,8 @@ class Lane:
 
 def plan(impls: Sequence[Implementation], ops=None, dtypes: Optional[Sequence[torch.dtype]] = None,
          device: str = "cpu") -> list[Lane]:
-    """Every lane: what runs, and for everything else a NOT PROVIDED / SKIP row with its reason."""
+    """Every lane: what runs, and for everything else a NOT PROVIDED / NOT RUN row with its reason.  dtypes
+    None: every dtype each implementation declares (bfloat16 of an interpreted one: NOT RUN)."""
     selected = ops or [(k, None) for k in OP_KEYS]
     lanes = []
     for impl in impls:
@@ -450,8 +532,9 @@ def plan(impls: Sequence[Implementation], ops=None, dtypes: Optional[Sequence[to
                 absent = [op.with_form(f) for f in forms if f not in impl.forms]
             else:
                 variants, absent = [op], []
-            if dtypes is None:
-                use = [d for d in DEFAULT_DTYPES if d in impl.dtypes] or [impl.dtypes[0]]
+            if dtypes is None:  # every declared dtype (those that cannot run here become NOT RUN rows)
+                use = [d for d in DEFAULT_DTYPES if d in impl.dtypes] + [d for d in impl.dtypes
+                                                                         if d not in DEFAULT_DTYPES]
             else:
                 use = list(dtypes)
             for v in variants:
@@ -460,8 +543,7 @@ def plan(impls: Sequence[Implementation], ops=None, dtypes: Optional[Sequence[to
                         lanes.append(Lane(v, impl, dt, "NOT PROVIDED",
                                           f"the adapter declares dtypes {[dtype_name(d) for d in impl.dtypes]}"))
                     elif dt == torch.bfloat16 and impl.interpreted:
-                        lanes.append(Lane(v, impl, dt, "SKIP", "the Triton interpreter mishandles bfloat16 "
-                                                               "(run --device cuda)"))
+                        lanes.append(Lane(v, impl, dt, "NOT RUN", INTERPRETER_BF16))
                     else:
                         lanes.append(Lane(v, impl, dt))
             for v in absent:

@@ -7,7 +7,11 @@ compiled kernels; ``cases.SMALL``: the Triton interpreter); ``gpu`` uses product
 (``cases.GPU``: Qwen3-Next's H = 16, HV = 32, K = V = 128, B up to 256, T up to 4096, C up to 64, trees
 of 64 nodes) for every implementation that is not interpreted, with the float64 oracle computed on the
 same device, the first anchor of each operation (its call sequence, strided and wide-domain variants),
-the boundary cases at production size, and 4 drawn examples per lane::
+the boundary cases at production size (lengths around every multiple of 16, 32 and 64 and of the chunk
+size among them), the operation's other anchors at production head shapes, and 4 drawn examples per
+lane.  Drawn cases take (H, HV, K, V) from ``cases.GPU_HEAD_SHAPES`` (head groups HV / H of 1, 2, 4 and
+8, 48 and 64 value heads, K = V = 128): few shapes, so the compiled kernels share their compiles while
+the lengths vary (up to 1025 tokens around multiples of 64)::
 
     kvbuffer validate --profile gpu --device cuda --impl fast
     kvbuffer validate --profile gpu --device cuda --impl fla

@@ -4,8 +4,8 @@ An *implementation* is any object (a module, a namespace) with some of the attri
 ``recurrent_gated_delta_rule``, ``chunk_gated_delta_rule``, ``direct_gated_delta_rule``,
 ``buffered_decode``, ``flush``, ``verify``, ``accept``, ``prefill``, following the conventions of
 docs/conventions.md.  Each ``check_*`` runs one property on one ``Case`` and returns the list of
-``Comparison`` verdicts (output by output, against the float64 recurrent truth, with the plain
-recurrence in the compute dtype as the baseline).  pytest (tests/property) and ``kvbuffer
+``Comparison`` verdicts (output by output, against the float64 recurrent truth, with the correct forms
+in the compute dtype and the lane's arithmetic as the baseline: ``truth_and_baseline``).  pytest (tests/property) and ``kvbuffer
 validate`` both call these.
 
 Token layout of a case with a buffer: tokens ``0..P-1`` are the history (folded / buffered by the
@@ -15,7 +15,6 @@ under test consumes.
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -26,22 +25,22 @@ from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, l2norm_qk, upcast_inputs
-from .contracts import baseline_recurrent
-from .tolerances import CONTRACT_TERMS, Comparison, chunk_conditioning, compare, current_contract, magnitudes
+from .contracts import baseline_recurrent, correct_forms, emulate, segmented_form
+from .tolerances import Comparison, compare, compute_dtype, current_contract
 
 __all__ = [
     "buffer_to",
     "stack_buffers",
     "ragged_buffer",
     "truth_and_baseline",
-    "seen_inputs",
+    "worst_rows",
+    "FORM_CHUNK",
     "check_recurrent",
     "check_chunk",
     "check_direct",
     "check_decode",
     "check_verify_accept",
     "along_path",
-    "verify_magnitudes",
     "check_prefill",
     "poison_unused",
     "poison_unused_",
@@ -113,11 +112,18 @@ def stack_buffers(buffers: Sequence[KVBuffer]) -> KVBuffer:
     return KVBuffer(**{f: cat(f) for f in KVBuffer.fields()})
 
 
-def ragged_buffer(x64: dict, lengths: Sequence[int], capacity: int, form: str = "u") -> KVBuffer:
+def ragged_buffer(x64: dict, lengths: Sequence[int], capacity: int, form: str = "u",
+                  compute: torch.dtype = torch.float64) -> KVBuffer:
     """A float64 buffer after each request's history ``x64`` (all P tokens), request b keeping the
     last ``lengths[b]`` tokens buffered (0..min(P, C)) and the rest folded into its state.  A request
     whose whole history is buffered owns no state (direct mode).  Requests of equal length are
-    prefilled together (one batched call each)."""
+    prefilled together (one batched call each).  compute: the dtype of the implementation the buffer is
+    for: its gates below ``-RESET_GATE[compute]`` (a reset; ``kvbuffer_ref.checks``) are taken as that, as
+    an implementation computing in ``compute`` takes them, so the stored cumulative gates are those it
+    would hold (a float64 reset of -2000 rounded to float32 would leave a cumulative gate no float32
+    implementation forms, and whose later differences have lost their low bits)."""
+    if compute != torch.float64:
+        x64 = dict(x64, g=x64["g"].clamp(min=-RESET_GATE[compute]))
     rows = [None] * len(lengths)
     for n in sorted(set(int(n) for n in lengths)):
         idx = [b for b, m in enumerate(lengths) if int(m) == n]
@@ -190,35 +196,123 @@ def owned_state(buffer: KVBuffer) -> torch.Tensor:
     return torch.where(m, buffer.state, torch.zeros((), dtype=buffer.state.dtype, device=buffer.state.device))
 
 
+#: The chunk of a chunkwise baseline form besides the operation's own (a buffer's capacity, a ``chunk_size``
+#: argument, a whole sequence in direct mode): 64 tokens, the chunk of this family's production chunked
+#: kernels (flash-linear-attention's ``chunk_gated_delta_rule``), which may ignore a smaller argument.
+FORM_CHUNK = 64
+
+
+def worst_rows(truth: torch.Tensor, forms: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """One tensor shaped like ``truth`` holding, for every row (an index over its first ``rows`` dimensions:
+    3 for outputs [B, T, HV, V], a token's head; 2 for states [B, HV, K, V], a head's state), the row of the
+    form in ``forms`` that is furthest from ``truth``.  Any (request, head) slice of it, over any tokens, is at
+    least as far from the truth as each form is: the baseline of the worst of the forms."""
+    if len(forms) == 1:
+        return forms[0]
+    t = truth.to(forms[0].device, torch.float64)
+    err = torch.stack([(f.to(torch.float64) - t).square().flatten(rows).sum(-1) for f in forms])
+    pick = err.nan_to_num(nan=float("inf")).argmax(0)
+    pick = pick.reshape(1, *pick.shape, *([1] * (truth.dim() - rows))).expand(1, *truth.shape)
+    return torch.stack(list(forms)).gather(0, pick)[0]
+
+
 def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = None,
-                       compute_baseline: bool = True, scale: Optional[float] = None, qk_l2norm: bool = False):
-    """(o, S) of the float64 recurrence on the (already rounded) inputs, and the same in the plain
-    compute dtype (the baseline; None for float64 inputs).  qk_l2norm: the implementation L2-normalises q
-    and k itself (``Case.qk_l2norm``): the truth runs on their normalisation in float64, the baseline on
-    their normalisation in the compute dtype."""
+                       compute_baseline: bool = True, scale: Optional[float] = None, qk_l2norm: bool = False,
+                       chunk: Optional[int] = None):
+    """(o, S) of the float64 recurrence on the (already rounded) inputs, and the baseline (o, S): what a
+    correct implementation computes in the compute dtype under the lane's arithmetic contract, row by row the
+    worst of ``contracts.correct_forms``: the plain recurrence, and with ``chunk`` the chunkwise forms with
+    chunks of ``chunk`` and of ``FORM_CHUNK`` tokens (pass the operation's own chunk; None for the stepwise
+    operations, which form no cumulative gate; the baseline is then None for float64 inputs under IEEE
+    arithmetic, where the recurrence is the truth itself).  Outputs are
+    rounded to the output dtype.  qk_l2norm: the implementation L2-normalises q and k itself
+    (``Case.qk_l2norm``): the truth runs on their normalisation in float64, the baseline on their
+    normalisation in the compute dtype."""
     x64 = upcast_inputs(x_dtype, device=None)
     if qk_l2norm:
         x64 = l2norm_qk(x64, torch.float64)
     s64 = None if initial_state is None else initial_state.detach().to(torch.float64)
     truth = ref.recurrent_gated_delta_rule(**x64, initial_state=s64, output_final_state=True, scale=scale)
-    contract = current_contract()
-    if not compute_baseline or (x_dtype["q"].dtype == torch.float64 and contract == "ieee"):
-        return truth, None
-    # the baseline: the plain recurrence in the compute dtype, under the lane's arithmetic contract
+    if not compute_baseline or (chunk is None and x_dtype["q"].dtype == torch.float64 and current_contract() == "ieee"):
+        return truth, None  # the float64 recurrence is the truth itself: only the floor counts
     xc = {n: t.detach() for n, t in x_dtype.items()}
     compute = torch.promote_types(xc["q"].dtype, torch.float32)
     if qk_l2norm:
         xc = l2norm_qk(xc, compute)
     sc = None if initial_state is None else initial_state.detach().to(compute)
-    base = baseline_recurrent(**xc, initial_state=sc, output_final_state=True, scale=scale)
-    return truth, (base[0].to(x_dtype["v"].dtype), base[1])
+    forms = correct_forms(**xc, initial_state=sc, scale=scale,
+                          chunks=() if chunk is None else sorted({FORM_CHUNK, int(chunk)}))
+    out = x_dtype["v"].dtype
+    return truth, (worst_rows(truth[0], [o.to(out) for o, _ in forms], 3),
+                   worst_rows(truth[1], [S for _, S in forms], 2))
 
 
-def seen_inputs(case: Case, x: dict) -> dict:
-    """The inputs the recurrence of ``case`` runs on (what its budget's magnitudes, gate spans and chunk
-    conditioning are computed from): ``x``, or with ``case.qk_l2norm`` ``x`` with q and k L2-normalised in
-    float64 (the implementation normalises the rows it receives)."""
-    return l2norm_qk(x, torch.float64) if case.qk_l2norm else x
+def _buffer_form(x: dict, b: int, first: int, last: int, state: Optional[torch.Tensor], starts: Sequence[int],
+                 dtype: torch.dtype, scale: Optional[float]) -> list:
+    """Request b's tokens ``first..last-1`` of ``x`` as a buffer computes them: ``contracts.segmented_form``
+    from ``state`` (the state stored at the buffer's start, [1, HV, K, V]; None: none) with chunk boundaries
+    at ``starts`` (absolute positions: the buffer's start and every fold), in the compute dtype under the
+    lane's arithmetic contract, its cumulative gates summed both ways: [(o [1, n, HV, V] in ``dtype``, S), ...]."""
+    xb = {n: t[b : b + 1, first:last] for n, t in x.items()}
+    S = None if state is None else state.to(torch.promote_types(dtype, torch.float32))
+    rel = [int(p) - first for p in starts if first <= int(p) < last]
+    return [(o.to(dtype), S) for o, S in
+            (segmented_form(**xb, initial_state=S, starts=rel, rounded=r, scale=scale) for r in (False, True))]
+
+
+def _oracle_run(dtype: torch.dtype, run):
+    """``run()``: the operation's calls made with ``kvbuffer_ref`` as the implementation, on a copy of the same
+    buffer in the implementation's dtypes, under the lane's arithmetic contract (products emulated): the
+    operation exactly as a correct implementation in that arithmetic computes it, the rounding of its
+    cumulative gates across folds, accepts and rebases included.  None for float64 (the oracle's own
+    arithmetic: there the baseline is the independent forms only, so the oracle's lanes stay a check of its
+    math) and under bf16-state (whose baseline forms round the state as the contract says)."""
+    contract = current_contract()
+    if dtype == torch.float64 or contract == "bf16-state":
+        return None
+    with emulate(contract):
+        return run()
+
+
+def _stored_state(buf: KVBuffer, b: int) -> Optional[torch.Tensor]:
+    """Request b's stored state [1, HV, K, V] (None when it owns none)."""
+    if buf.state is None or not bool(buf.has_state[b]):
+        return None
+    return buf.state[b : b + 1]
+
+
+def _decode_folds(start: int, n: int, steps: range, capacity: int, flushes: Optional[dict] = None) -> list:
+    """The positions a buffer starts at: from ``start`` holding ``n`` entries, through the decode steps at the
+    positions ``steps`` (a flush of ``count`` entries before step i when ``flushes[i]`` says so, a full buffer
+    folding all its entries before the step that finds it full)."""
+    starts = [start]
+    for i, t in enumerate(steps):
+        if flushes and i in flushes:
+            m = n if flushes[i] is None else min(int(flushes[i]), n)
+            start, n = start + m, n - m
+            starts.append(start)
+        if n >= capacity:
+            start, n = t, 0
+            starts.append(start)
+        n += 1
+    return starts
+
+
+def _stack_forms(rows: list) -> tuple:
+    """Per-request forms ``rows[b] = [(o, S), ...]`` (one entry per form, batches of one) as the batch:
+    ([o of each form], [S of each form])."""
+    R = len(rows[0]) if rows else 0
+    return ([torch.cat([r[i][0] for r in rows]) for i in range(R)],
+            [torch.cat([r[i][1] for r in rows]) for i in range(R)])
+
+
+def _forms(truth: torch.Tensor, *forms, rows: int = 3) -> Optional[torch.Tensor]:
+    """The worst of the baseline ``forms`` row by row (``worst_rows``: ``rows`` 3 for outputs [B, T, HV, V],
+    2 for states [B, HV, K, V]; None entries skipped), or None when there is none."""
+    forms = [f for f in forms if f is not None]
+    if not forms:
+        return None
+    return worst_rows(truth, [f.to(forms[0].device) for f in forms], rows)
 
 
 def _caller_normalised(case: Case, what: str) -> None:
@@ -229,39 +323,15 @@ def _caller_normalised(case: Case, what: str) -> None:
                          f"chunk and direct forms only")
 
 
-_CONDITIONING: dict = {}  # id(k) -> (weak references to k, beta, g; their chunk conditioning)
-
-
-def _conditioning(x: dict) -> torch.Tensor:
-    """``chunk_conditioning`` of the inputs ``x`` (computed once per input tensors, on their device)."""
-    k, beta, g = x["k"], x["beta"], x["g"]
-    hit = _CONDITIONING.get(id(k))
-    if hit is not None and hit[0]() is k and hit[1]() is beta and hit[2]() is g:
-        return hit[3]
-    c = chunk_conditioning(k, beta, g).cpu()
-    if len(_CONDITIONING) > 64:
-        _CONDITIONING.clear()
-    _CONDITIONING[id(k)] = (weakref.ref(k), weakref.ref(beta), weakref.ref(g), c)
-    return c
-
-
-def _cmp(name, actual, truth, base, dtype, g=None, x=None, **kw) -> Comparison:
-    """``compare`` of one output and its record in the ledger; ``x``: the inputs behind the compared values
-    (their gates give the gate span, their keys, betas and gates the chunk conditioning of a contract)."""
-    if x is not None:
-        g = x["g"] if g is None else g
-        if CONTRACT_TERMS[current_contract()].power and "conditioning" not in kw:
-            kw["conditioning"] = _conditioning(x)
+def _cmp(name, actual, truth, base, dtype, **kw) -> Comparison:
+    """``compare`` of one output and its record in the ledger."""
     if actual is None:
         raise AssertionError(f"[arguments] {name}: the implementation returned None (expected a tensor of shape "
                              f"{list(truth.shape)})")
-    if g is not None:  # a reset gate (-inf, -1e30) counts as RESET_GATE in the gate span, as the forms take it
-        g = g.detach().to(torch.float64).clamp(min=-RESET_GATE[torch.float64 if dtype == torch.float64
-                                                              else torch.float32]).cpu()
     truth, valid = truth.detach().cpu(), kw.pop("valid", None)
     valid = None if valid is None else valid.cpu()
     c = compare(actual.detach().cpu(), truth, None if base is None else base.detach().cpu(),
-                name=name, dtype=dtype, g=g, valid=valid, **kw)
+                name=name, dtype=dtype, valid=valid, **kw)
     LEDGER.append((c, informative(truth, valid)))
     return c
 
@@ -276,12 +346,10 @@ def check_recurrent(impl, case: Case, dtype: torch.dtype, device="cpu", *, initi
     (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale, qk_l2norm=case.qk_l2norm)
     o, S = impl.recurrent_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, **_scale(case))
     tag = f"recurrent[initial_state={'S0' if initial else None},output_final_state={final}]"
-    xs = seen_inputs(case, x)
-    mo, mS = magnitudes(**xs, scale=case.scale, initial_state=S0d)
-    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=xs, magnitude=mo)]
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype)]
     if final:
         res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=xs, magnitude=mS))
+                        head_axis=1))
     elif S is not None:
         raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
                              f"tensor of shape {list(S.shape)}")
@@ -314,26 +382,19 @@ def check_varlen(impl, case: Case, dtype: torch.dtype, *, lengths, chunk_size: O
         kw["chunk_size"] = chunk_size
     o, S = fn(**packed, **kw)
     tag = f"{tag}[cu_seqlens={offsets},initial_state={'S0' if initial else None},output_final_state={final}]"
-    res, states, mags, bases = [], [], [], []
+    res, states, bases = [], [], []
     for b, (a, e) in enumerate(zip(offsets, offsets[1:])):
         xb = {n: t[b:b + 1, :lengths[b]] for n, t in x.items()}
-        xs = seen_inputs(case, xb)
         S0b = None if S0d is None else S0d[b:b + 1]
-        (o64, S64), base = truth_and_baseline(xb, S0b, scale=case.scale, qk_l2norm=case.qk_l2norm)
-        mo, mS = magnitudes(**xs, scale=case.scale, initial_state=S0b)
+        (o64, S64), base = truth_and_baseline(xb, S0b, scale=case.scale, qk_l2norm=case.qk_l2norm, chunk=chunk_size)
         states.append(S64)
-        mags.append(mS)
         bases.append(None if base is None else base[1])
         if e > a:
-            res.append(_cmp(f"{tag}.o[sequence {b}]", o[:, a:e], o64, base and base[0], dtype, x=xs, magnitude=mo))
+            res.append(_cmp(f"{tag}.o[sequence {b}]", o[:, a:e], o64, base and base[0], dtype))
     if final:
-        # the gates behind each sequence's state: its own tokens (zeros past its length)
-        keep = torch.arange(case.T, device=x["g"].device)[None, :] < torch.tensor(lengths, device=x["g"].device)[:, None]
-        g = torch.where(keep.view(case.B, case.T, *([1] * (x["g"].dim() - 2))), x["g"], torch.zeros((), dtype=x["g"].dtype,
-                                                                                                   device=x["g"].device))
         base = None if bases[0] is None else torch.cat(bases, 0)
         res.append(_cmp(f"{tag}.state", S, torch.cat(states, 0), base, torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=dict(seen_inputs(case, x), g=g), magnitude=torch.cat(mags, 0)))
+                        head_axis=1))
     elif S is not None:
         raise AssertionError(f"[arguments] {tag}: output_final_state=False must return None for the state, got a "
                              f"tensor of shape {list(S.shape)}")
@@ -345,26 +406,23 @@ def check_chunk(impl, case: Case, dtype: torch.dtype, *, chunk_size: int, device
     """chunk(impl) == recurrence for any T and chunk size (output, and final state when ``final``)."""
     x = case.inputs(dtype, device)
     S0d = _state0(case, dtype, device) if with_initial_state else None
-    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale, qk_l2norm=case.qk_l2norm)
+    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale, qk_l2norm=case.qk_l2norm, chunk=chunk_size)
     o, S = impl.chunk_gated_delta_rule(**x, initial_state=S0d, output_final_state=final, chunk_size=chunk_size,
                                        **_scale(case))
     tag = f"chunk[{chunk_size},initial_state={'S0' if with_initial_state else None},output_final_state={final}]"
-    xs = seen_inputs(case, x)
-    mo, mS = magnitudes(**xs, scale=case.scale, initial_state=S0d)
-    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype, x=xs, magnitude=mo)]
+    res = [_cmp(f"{tag}.o", o, o64, base and base[0], dtype)]
     if final:
         res.append(_cmp(f"{tag}.state", S, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                        head_axis=1, x=xs, magnitude=mS))
+                        head_axis=1))
     return res
 
 
 def check_direct(impl, case: Case, dtype: torch.dtype, device="cpu") -> list[Comparison]:
     """direct(impl) == recurrence from a zero state."""
     x = case.inputs(dtype, device)
-    (o64, _), base = truth_and_baseline(x, scale=case.scale, qk_l2norm=case.qk_l2norm)
+    (o64, _), base = truth_and_baseline(x, scale=case.scale, qk_l2norm=case.qk_l2norm, chunk=case.T)
     o = impl.direct_gated_delta_rule(**x, **_scale(case))
-    xs = seen_inputs(case, x)
-    return [_cmp("direct.o", o, o64, base and base[0], dtype, x=xs, magnitude=magnitudes(**xs, scale=case.scale)[0])]
+    return [_cmp("direct.o", o, o64, base and base[0], dtype)]
 
 
 def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int, lengths: Sequence[int],
@@ -384,44 +442,58 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
     _caller_normalised(case, "decode")
     x = case.inputs(dtype, device)
     P = history
-    (o64, S64), base = truth_and_baseline(x, scale=case.scale)
-    buf = buffer_to(ragged_buffer(upcast_inputs(_sl(x, slice(0, P)), device=None), lengths, capacity, form),
+    (o64, S64), base = truth_and_baseline(x, scale=case.scale, chunk=capacity)
+    buf = buffer_to(ragged_buffer(upcast_inputs(_sl(x, slice(0, P)), device=None), lengths, capacity, form,
+                                  compute_dtype(dtype)),
                     dtype=cache_dtype or torch.promote_types(dtype, torch.float32), device=device,
                     key_dtype=dtype)
-    if poison:
-        buf = poison_unused(buf)
-    if stateless and not bool(buf.has_state.any()):
-        buf = buf.replace(state=None)
-    outs = []
-    for t in range(P, case.T):
-        if flushes and (t - P) in flushes:
-            counts = flushes[t - P]
-            if counts is not None:
-                counts = torch.minimum(torch.as_tensor(counts, device=buf.lengths.device), buf.lengths)
-            left = (torch.zeros_like(buf.lengths) if counts is None else buf.lengths - counts).cpu().tolist()
-            arg = None if counts is None else _scalar_or(_index(counts, index_dtype, buf.lengths.device), scalar)
-            buf = impl.flush(buf, count=arg)
-            if buf.lengths.cpu().tolist() != left:  # flush folds exactly the first `count` entries
-                shown = arg.tolist() if torch.is_tensor(arg) else arg
-                raise AssertionError(f"[partial-flush] flush(count={shown}) "
-                                     f"left buffer lengths {buf.lengths.cpu().tolist()}, expected {left}")
-        if buf.state is None and bool((buf.lengths >= capacity).any()):
-            # the contract's way to give a buffer without storage somewhere to fold: flush(count=0) allocates it
-            buf = impl.flush(buf, count=_scalar_or(_index([0] * case.B, index_dtype, buf.lengths.device), scalar))
-            if buf.state is None:
-                raise AssertionError("[arguments] flush(count=0) of a buffer without state storage (state=None) "
-                                     "returned no state storage; flush allocates it (docs/conventions.md)")
-        o, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
-        outs.append(o)
+    def prepared(buf):
+        return buf.replace(state=None) if stateless and not bool(buf.has_state.any()) else buf
+
+    def run(impl, buf):
+        outs = []
+        for t in range(P, case.T):
+            if flushes and (t - P) in flushes:
+                counts = flushes[t - P]
+                if counts is not None:
+                    counts = torch.minimum(torch.as_tensor(counts, device=buf.lengths.device), buf.lengths)
+                left = (torch.zeros_like(buf.lengths) if counts is None else buf.lengths - counts).cpu().tolist()
+                arg = None if counts is None else _scalar_or(_index(counts, index_dtype, buf.lengths.device), scalar)
+                buf = impl.flush(buf, count=arg)
+                if buf.lengths.cpu().tolist() != left:  # flush folds exactly the first `count` entries
+                    shown = arg.tolist() if torch.is_tensor(arg) else arg
+                    raise AssertionError(f"[partial-flush] flush(count={shown}) "
+                                         f"left buffer lengths {buf.lengths.cpu().tolist()}, expected {left}")
+            if buf.state is None and bool((buf.lengths >= capacity).any()):
+                # the contract's way to give a buffer without storage somewhere to fold: flush(count=0) allocates it
+                buf = impl.flush(buf, count=_scalar_or(_index([0] * case.B, index_dtype, buf.lengths.device), scalar))
+                if buf.state is None:
+                    raise AssertionError("[arguments] flush(count=0) of a buffer without state storage (state=None) "
+                                         "returned no state storage; flush allocates it (docs/conventions.md)")
+            o, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
+            outs.append(o)
+        return (torch.cat(outs, dim=1) if outs else None), owned_state(impl.flush(buf))
+
+    # the buffer's own form: per request, from its stored state, chunk boundaries at its start and its folds
+    rows = []
+    for b in range(case.B):
+        n = int(lengths[b])
+        fl = None if not flushes else {i: (None if c is None else int(torch.as_tensor(c).reshape(-1)[b]))
+                                       for i, c in flushes.items()}
+        starts = _decode_folds(P - n, n, range(P, case.T), capacity, fl)
+        rows.append([(o[:, n:], S) for o, S in _buffer_form(x, b, P - n, case.T, _stored_state(buf, b), starts, dtype,
+                                                               case.scale)])
+    own = _stack_forms(rows)
+    oracle = _oracle_run(dtype, lambda: run(ref, prepared(KVBuffer(**buf.cloned()))))
+    if oracle is not None:
+        own = (own[0] + ([oracle[0]] if oracle[0] is not None else []), own[1] + [oracle[1]])
+    o, final = run(impl, prepared(poison_unused(buf) if poison else buf))
     name = f"decode[C={capacity},{form}]"
-    mo, mS = magnitudes(**x, scale=case.scale)
     res = []
-    if outs:
-        res.append(_cmp(f"{name}.o", torch.cat(outs, dim=1), o64[:, P:], base and base[0][:, P:], dtype, x=x,
-                        magnitude=mo[:, P:]))
-    final = owned_state(impl.flush(buf))
-    res.append(_cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                    head_axis=1, x=x, magnitude=mS))
+    if o is not None:
+        res.append(_cmp(f"{name}.o", o, o64[:, P:], _forms(o64[:, P:], base and base[0][:, P:], *own[0]), dtype))
+    res.append(_cmp(f"{name}.state", final, S64, _forms(S64, base and base[1], *own[1], rows=2),
+                    torch.promote_types(dtype, torch.float32), head_axis=1))
     return res
 
 
@@ -442,26 +514,6 @@ def along_path(x: dict, b: int, path: Sequence[int], history: int = 0) -> dict:
     ``path`` (draft i = token ``history + i``), as a batch of one."""
     idx = torch.tensor(list(range(history)) + [history + int(i) for i in path], dtype=torch.long)
     return {n: t[b : b + 1, idx.to(t.device)] for n, t in x.items()}
-
-
-def verify_magnitudes(x: dict, parents: torch.Tensor, num_drafts: torch.Tensor, *, history: int = 0,
-                      scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The magnitude of verify's outputs (``magnitudes`` along each node's root-to-node path, after the first
-    ``history`` tokens of ``x`` and from ``initial_state``), float64 [B, D, HV, V] shaped like the outputs,
-    0 on padding rows (``compare(magnitude=...)``)."""
-    B, D = parents.shape
-    out = torch.zeros(B, D, x["v"].shape[2], x["v"].shape[3], dtype=torch.float64)
-    for b in range(B):
-        done = set()
-        for i in reversed(range(int(num_drafts[b]))):  # a path's magnitudes hold for every node on it
-            if i in done:
-                continue
-            p = path_to(parents[b].cpu(), i)
-            mo = magnitudes(**along_path(x, b, p, history), scale=scale,
-                            initial_state=None if initial_state is None else initial_state[b : b + 1])[0]
-            out[b, p] = mo[0, history:]
-            done.update(p)
-    return out
 
 
 def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, history: int,
@@ -492,62 +544,83 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     S_hist_c = None
     if dtype != torch.float64 or current_contract() != "ieee":
         _, S_hist_c = baseline_recurrent(**_sl(x, slice(0, P)), output_final_state=True)
-    buf = buffer_to(ragged_buffer(hist, lengths, capacity, form), dtype=xd, device=device, key_dtype=dtype)
-    if poison:
-        buf = poison_unused(buf)
+    buf = buffer_to(ragged_buffer(hist, lengths, capacity, form, compute_dtype(dtype)), dtype=xd, device=device,
+                    key_dtype=dtype)
     par = torch.tensor(parents, dtype=torch.long, device=device)
     nd = torch.tensor(num_drafts, dtype=torch.long, device=device)
     if defaults and (par.tolist() != [list(range(-1, D - 1))] * B or nd.tolist() != [D] * B):
         raise ValueError("defaults: parents=None, num_drafts=None stand for the full chain of D drafts")
     toks = _sl(x, slice(P, P + D))
-    if poison:
-        toks = poison_padding(toks, num_drafts)
     drafts_kw = {} if defaults else dict(parents=_index(par, index_dtype, device),
                                          num_drafts=_index(nd, index_dtype, device))
-    o, drafts = impl.verify(**toks, buffer=buf, **drafts_kw, **_scale(case))
-    # expected verify outputs, path by path
+    node_t = torch.tensor(nodes, dtype=torch.long, device=device)
+
+    def run(impl, buf, toks):
+        """verify, accept one node per request, decode the remaining tokens: (verify's o, decode's o, state)."""
+        o, drafts = impl.verify(**toks, buffer=buf, **drafts_kw, **_scale(case))
+        if use_counts:
+            buf = impl.accept(buf, drafts, counts=_scalar_or(_index(node_t + 1, index_dtype, device), scalar))
+        else:
+            buf = impl.accept(buf, drafts, nodes=_scalar_or(_index(node_t, index_dtype, device), scalar))
+        outs = []
+        for t in range(P + D, case.T):
+            ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
+            outs.append(ot)
+        return o, (torch.cat(outs, dim=1) if outs else None), owned_state(impl.flush(buf))
+
+    stored = [_stored_state(buf, b) for b in range(B)]  # before verify may write its drafts into the buffer
+    oracle = _oracle_run(dtype, lambda: run(ref, KVBuffer(**buf.cloned()), toks))
+    if poison:
+        buf, toks = poison_unused(buf), poison_padding(toks, num_drafts)
+    o, o_after, final = run(impl, buf, toks)
+    # expected verify outputs, path by path; the baseline: the recurrence along the path from the history's
+    # state, and the buffer's own form (its entries and the path as one chunk from its stored state)
     exp = torch.zeros(B, D, case.HV, case.V, dtype=torch.float64)
-    bas = torch.zeros_like(exp) if S_hist_c is not None else None
+    bas = [torch.zeros_like(exp) for _ in range(3)]
     for b in range(B):
+        first = P - int(lengths[b])
         for i in range(num_drafts[b]):
             p = path_to(par[b].cpu(), i)
             exp[b, i] = _path_truth(nodes_x, b, p, S_hist, case.scale)[-1].cpu()
-            if bas is not None:
-                bas[b, i] = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale,
-                                        current_contract())[-1].to("cpu", torch.float64)
+            if S_hist_c is not None:
+                rec = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale, current_contract())[-1]
+                bas[0][b, i] = rec.to(dtype).to("cpu", torch.float64)
+            for r, (ob, _) in enumerate(_buffer_form(along_path(x, b, p, P), 0, first, P + len(p), stored[b], [first],
+                                                     dtype, case.scale)):
+                bas[1 + r][b, i] = ob[0, -1].to("cpu", torch.float64)
     valid = (torch.arange(D)[None, :] < nd.cpu()[:, None])[:, :, None, None]
-    res = [_cmp(f"verify[C={capacity},{form}].o", o, exp, bas, dtype, valid=valid, x=x,
-                magnitude=verify_magnitudes(x, par, nd, history=P, scale=case.scale))]
-    # accept, then decode the remaining tokens; truth per request over its own committed history
-    node_t = torch.tensor(nodes, dtype=torch.long, device=device)
-    if use_counts:
-        buf = impl.accept(buf, drafts, counts=_scalar_or(_index(node_t + 1, index_dtype, device), scalar))
-    else:
-        buf = impl.accept(buf, drafts, nodes=_scalar_or(_index(node_t, index_dtype, device), scalar))
-    outs = []
-    for t in range(P + D, case.T):
-        ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
-        outs.append(ot)
-    final = owned_state(impl.flush(buf))
-    exp_o, exp_S, bas_o, bas_S, mag_o, mag_S = [], [], [], [], [], []
+    if oracle is not None:  # its padding rows are no output
+        bas.append(torch.where(valid, oracle[0].to("cpu", torch.float64), torch.zeros((), dtype=torch.float64)))
+    res = [_cmp(f"verify[C={capacity},{form}].o", o, exp, _forms(exp, *bas), dtype, valid=valid)]
+    # after accept: the truth per request over its own committed history
+    exp_o, exp_S, bas_o, bas_S, rows = [], [], [], [], []
     for b in range(B):
-        keep = list(range(P)) + [P + i for i in path_to(par[b].cpu(), int(nodes[b]))] + list(range(P + D, case.T))
+        path = path_to(par[b].cpu(), int(nodes[b]))
+        keep = list(range(P)) + [P + i for i in path] + list(range(P + D, case.T))
         idx = torch.tensor(keep, dtype=torch.long)
         xb = {n: t[b : b + 1, idx.to(t.device)] for n, t in x.items()}
-        (o64, S64), base = truth_and_baseline(xb, scale=case.scale)
-        mo, mS = magnitudes(**xb, scale=case.scale)
+        (o64, S64), base = truth_and_baseline(xb, scale=case.scale, chunk=capacity)
         exp_o.append(o64[:, len(keep) - after:])
         exp_S.append(S64)
-        mag_o.append(mo[:, len(keep) - after:])
-        mag_S.append(mS)
         if base is not None:
             bas_o.append(base[0][:, len(keep) - after:])
             bas_S.append(base[1])
+        # the buffer after accept: m entries appended; past the capacity the old ones (and for m > C the
+        # oldest accepted ones) fold first; then the decode steps' folds
+        first, n, m = P - int(lengths[b]), int(lengths[b]), len(path)
+        start, held = (first, n + m) if n + m <= capacity else (first + n + max(0, m - capacity), min(m, capacity))
+        starts = [first] + _decode_folds(start, held, range(P + m, len(keep)), capacity)
+        rows.append([(ob[:, len(keep) - first - after:], Sb)
+                     for ob, Sb in _buffer_form(xb, 0, first, len(keep), stored[b], starts, dtype, case.scale)])
+    exp_o, exp_S = torch.cat(exp_o), torch.cat(exp_S)
+    bas_o, bas_S = (torch.cat(bas_o), torch.cat(bas_S)) if bas_S else (None, None)
+    own = _stack_forms(rows)
+    if oracle is not None:
+        own = (own[0] + ([oracle[1]] if oracle[1] is not None else []), own[1] + [oracle[2]])
     if after:
-        res.append(_cmp(f"accept+decode[C={capacity},{form}].o", torch.cat(outs, dim=1), torch.cat(exp_o),
-                        torch.cat(bas_o) if bas_o else None, dtype, x=x, magnitude=torch.cat(mag_o)))
-    res.append(_cmp(f"accept+decode[C={capacity},{form}].state", final, torch.cat(exp_S),
-                    torch.cat(bas_S) if bas_S else None, xd, head_axis=1, x=x, magnitude=torch.cat(mag_S)))
+        res.append(_cmp(f"accept+decode[C={capacity},{form}].o", o_after, exp_o, _forms(exp_o, bas_o, *own[0]), dtype))
+    res.append(_cmp(f"accept+decode[C={capacity},{form}].state", final, exp_S,
+                    _forms(exp_S, bas_S, *own[1], rows=2), xd, head_axis=1))
     return res
 
 
@@ -558,25 +631,35 @@ def check_prefill(impl, case: Case, dtype: torch.dtype, *, capacity: int, prompt
     _caller_normalised(case, "prefill")
     x = case.inputs(dtype, device)
     S0d = _state0(case, dtype, device) if initial else None
-    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale)
+    (o64, S64), base = truth_and_baseline(x, S0d, scale=case.scale, chunk=max(capacity, chunk_size))
     kw = dict(_scale(case), **({"initial_state": S0d} if initial else {}))
-    o, buf = impl.prefill(**_sl(x, slice(0, prompt)), capacity=capacity, tail=tail, form=form, chunk_size=chunk_size,
-                          **kw)
     want = [ref.default_tail(prompt, capacity) if tail is None else tail] * case.B
-    if buf.capacity != capacity or buf.lengths.cpu().tolist() != want:  # the hand-off keeps exactly `tail` tokens
-        raise AssertionError(f"[arguments] prefill(T={prompt}, capacity={capacity}, tail={tail}) returned a buffer of "
-                             f"capacity {buf.capacity} holding {buf.lengths.cpu().tolist()} entries, expected {want}"
-                             + (" (the default tail: T while T <= C, else T mod C)" if tail is None else ""))
-    outs = [o]
-    for t in range(prompt, case.T):
-        ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
-        outs.append(ot)
-    final = owned_state(impl.flush(buf))
+
+    def run(impl):
+        o, buf = impl.prefill(**_sl(x, slice(0, prompt)), capacity=capacity, tail=tail, form=form,
+                              chunk_size=chunk_size, **kw)
+        if buf.capacity != capacity or buf.lengths.cpu().tolist() != want:  # the hand-off keeps exactly `tail` tokens
+            raise AssertionError(f"[arguments] prefill(T={prompt}, capacity={capacity}, tail={tail}) returned a buffer "
+                                 f"of capacity {buf.capacity} holding {buf.lengths.cpu().tolist()} entries, expected "
+                                 f"{want}" + (" (the default tail: T while T <= C, else T mod C)" if tail is None else ""))
+        outs = [o]
+        for t in range(prompt, case.T):
+            ot, buf = impl.buffered_decode(**_sl(x, slice(t, t + 1)), buffer=buf, **_scale(case))
+            outs.append(ot)
+        return torch.cat(outs, dim=1), owned_state(impl.flush(buf))
+
+    head = prompt - want[0]  # folded by prefill in chunks of chunk_size; the rest is the buffer's
+    starts = list(range(0, head, chunk_size)) + _decode_folds(head, want[0], range(prompt, case.T), capacity)
+    own = _stack_forms([_buffer_form(x, b, 0, case.T, None if S0d is None else S0d[b : b + 1], starts, dtype,
+                                     case.scale) for b in range(case.B)])
+    oracle = _oracle_run(dtype, lambda: run(ref))
+    if oracle is not None:
+        own = (own[0] + [oracle[0]], own[1] + [oracle[1]])
+    o, final = run(impl)
     name = f"prefill[C={capacity},tail={tail},chunk={chunk_size},initial_state={'S0' if initial else None},{form}]"
-    mo, mS = magnitudes(**x, scale=case.scale, initial_state=S0d)
-    return [_cmp(f"{name}.o", torch.cat(outs, dim=1), o64, base and base[0], dtype, x=x, magnitude=mo),
-            _cmp(f"{name}.state", final, S64, base and base[1], torch.promote_types(dtype, torch.float32),
-                 head_axis=1, x=x, magnitude=mS)]
+    return [_cmp(f"{name}.o", o, o64, _forms(o64, base and base[0], *own[0]), dtype),
+            _cmp(f"{name}.state", final, S64, _forms(S64, base and base[1], *own[1], rows=2),
+                 torch.promote_types(dtype, torch.float32), head_axis=1)]
 
 
 def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, lengths: Sequence[int],
@@ -588,17 +671,22 @@ def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, le
     _caller_normalised(case, "materialize_state")
     x = case.inputs(dtype, device)
     xd = torch.promote_types(dtype, torch.float32)
-    (_, S64), base = truth_and_baseline(x)
-    buf = buffer_to(ragged_buffer(upcast_inputs(x, device=None), lengths, capacity, form), dtype=xd, device=device,
+    (_, S64), base = truth_and_baseline(x, chunk=capacity)
+    buf = buffer_to(ragged_buffer(upcast_inputs(x, device=None), lengths, capacity, form, compute_dtype(dtype)),
+                    dtype=xd, device=device,
                     key_dtype=dtype)
-    if poison:
-        buf = poison_unused(buf)
-    if stateless and not bool(buf.has_state.any()):
-        buf = buf.replace(state=None)
+    prepared = lambda b: b.replace(state=None) if stateless and not bool(b.has_state.any()) else b  # noqa: E731
+    own = _stack_forms([[(S, S) for _, S in _buffer_form(x, b, case.T - int(lengths[b]), case.T, _stored_state(buf, b),
+                                                         [case.T - int(lengths[b])], dtype, None)]
+                        for b in range(case.B)])
+    oracle = _oracle_run(dtype, lambda: ref.materialize_state(prepared(KVBuffer(**buf.cloned()))))
+    if oracle is not None:
+        own = (own[0], own[1] + [oracle])
+    buf = prepared(poison_unused(buf) if poison else buf)
     name = f"materialize_state[C={capacity},{form}]"
-    mS = magnitudes(**x)[1]
     res = []
     for i in range(2):
         S = impl.materialize_state(buf)
-        res.append(_cmp(f"{name}.call{i + 1}", S, S64, base and base[1], xd, head_axis=1, x=x, magnitude=mS))
+        res.append(_cmp(f"{name}.call{i + 1}", S, S64, _forms(S64, base and base[1], *own[1], rows=2), xd,
+                        head_axis=1))
     return res

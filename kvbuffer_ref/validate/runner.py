@@ -25,7 +25,7 @@ import torch
 from . import properties as P
 from .adapters import ContractViolation, Guarded, Implementation, interpreter_active, returned_changed
 from .cases import GPU
-from .lanes import ANCHORS, INTERPRETED_EXAMPLES, Lane, ValidationError, dtype_name, edge_params, op_params, plan
+from .lanes import ANCHORS, GATES, INTERPRETED_EXAMPLES, Lane, ValidationError, dtype_name, edge_params, op_params, plan
 from .lanes import _with_layout as with_layout
 from .profiles import PROFILES, register_profiles
 from .contracts import CONTRACTS, CONTRACT_TEXT
@@ -60,6 +60,14 @@ CLASSES = {
 }
 
 
+#: The gate regimes drawn for an implementation that declares ``gates = "finite"`` (and for the rest of a
+#: lane after a failure on reset gates): every regime but "reset" (-inf, -1e30, -300); "wide" still reaches -200.
+FINITE_GATES = tuple(g for g in GATES if g != "reset")
+
+#: Where an adapter author reads how to declare the gate domain.
+GATES_DOC = "docs/validate-your-kernel.md, \"Declare the gate domain\""
+
+
 def lane_sizes(impl: Implementation, profile: str):
     """The size budget of a lane: the implementation's declared one, or production shapes for ``gpu``."""
     return GPU if profile == "gpu" and not impl.interpreted else impl.sizes
@@ -90,6 +98,10 @@ def call_sequence(params: dict, anchors: list) -> list[tuple[str, dict]]:
         size = lambda a: a["case"].B * a["case"].T * a["case"].HV * a["case"].K * a["case"].V  # noqa: E731
         seq.append(("a third call with another shape", dict(_reseed(min(others, key=size), 11), layout=False)))
     return seq
+
+
+#: The lowest gate each wide regime draws (``cases._gates``), for the [domain] text.
+_GATE_FLOOR = {"band": "-104", "underflow": "-120", "mixed": "-120", "wide": "-200", "reset": "-inf"}
 
 
 def _simplify(p: dict) -> list[tuple[str, str, dict]]:
@@ -128,7 +140,7 @@ def _simplify(p: dict) -> list[tuple[str, str, dict]]:
         out.append(("domain", f"beta in [0, {c.beta_max:g}] (beta in [0, 1] passes)",
                     dict(p, case=replace(c, beta_max=1.0))))
     if c.gate in ("band", "wide", "reset", "mixed", "underflow"):
-        out.append(("domain", f"gates of the {c.gate!r} regime, down to -inf (mild gates pass)",
+        out.append(("domain", f"gates of the {c.gate!r} regime, down to {_GATE_FLOOR[c.gate]} (mild gates pass)",
                     dict(p, case=replace(c, gate="mild"))))
     if c.v_scale != 1.0:
         out.append(("domain", f"v scaled by {c.v_scale:g} (v ~ N(0, 1) passes)", dict(p, case=replace(c, v_scale=1.0))))
@@ -242,8 +254,10 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
         return res
     # an [arguments] failure is a comparison too (an explicit argument's results): a looser contract that
     # passes it explains it as precision; an ignored argument fails every contract ("not a precision effect")
+    # a failure on reset gates (non-finite, or raised) is the gate domain, not precision: no looser contract
+    # explains it, and each such run would repeat the rest of the lane too
     if res.status != "FAIL" or res.klass in ("inputs-changed", "raised", "vacuous", "state-leak") \
-            or not (res.failure or {}).get("comparisons"):
+            or not (res.failure or {}).get("comparisons") or (res.failure or {}).get("resets"):
         return res
     tried = []
     for c in CONTRACTS[CONTRACTS.index(declared) + 1:]:
@@ -261,10 +275,17 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
 
 
 def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: Optional[int], shrink: bool,
-              replay: Optional[str], progress=None, edge_part: tuple = (0, 1)) -> LaneResult:
+              replay: Optional[str], progress=None, edge_part: tuple = (0, 1), finite: bool = False,
+              done: frozenset = frozenset()) -> LaneResult:
     """One lane as a hypothesis run: its anchors (each a sequence of calls, ``call_sequence``), its
     boundary cases (``edge_params``; part ``edge_part = (i, n)`` of them: interpreted implementations share
-    them between the dtypes of an operation), then fresh examples.  progress: a stream for ``Progress``."""
+    them between the dtypes of an operation), then fresh examples.  progress: a stream for ``Progress``.
+
+    Gates: every regime, resets included, unless the implementation declares ``gates = "finite"`` or
+    ``finite`` is set (``FINITE_GATES``: the wide-domain anchor then draws the "wide" regime).  A lane that
+    fails on reset gates ([domain]: non-finite, raised or wrong there, mild gates pass) is not over: the
+    rest of it (the fixed cases not yet passed, ``done``, then fresh examples) runs again with the resets
+    excluded (``_rest_without_resets``), and the report carries both verdicts."""
     from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
     from hypothesis import reproduce_failure as _repro
     from hypothesis import seed as _seed
@@ -274,6 +295,9 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     case_kw = {} if impl.supports_channel_gate(op.needs) else {"channel_gate": False}
     case_kw["beta_max"] = impl.beta_max
     case_kw["qk_l2norm"] = impl.qk_l2norm
+    finite = finite or impl.gates == "finite"
+    if finite:  # cases.py draws the regimes the strategy is given (``strategies.cases(gates=...)``)
+        case_kw["gates"] = FINITE_GATES
     base = settings.get_profile(profile)
     n = max_examples or (INTERPRETED_EXAMPLES.get(profile, base.max_examples) if impl.interpreted
                          else base.max_examples)
@@ -283,7 +307,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                    verbosity=Verbosity.quiet)
     lseed = lane_seed(seed, impl.name, op.name, dtype_name(dt))
     state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None, ratios={},
-                                 found=None, found_at=0, failed=set())
+                                 found=None, found_at=0, failed=set(), passed=set())
     channel_ok = case_kw.get("channel_gate") is not False
     anchors = []
     for a in ANCHORS.get(op.key, []):
@@ -295,7 +319,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     if anchors:  # every lane: the first anchor with every read-only input a strided view, and in the wide domain
         a0 = anchors[0]
         anchors.append(dict(a0, layout="strided"))
-        anchors.append(dict(a0, case=replace(a0["case"], gate="reset", norm="any",
+        anchors.append(dict(a0, case=replace(a0["case"], gate="wide" if finite else "reset", norm="any",
                                              beta="uniform" if impl.beta_max > 1 else a0["case"].beta)))
     i_part, n_part = edge_part
     edges = edge_params(op.key, sizes, seed=lseed, channel=channel_ok)[i_part::n_part]
@@ -359,6 +383,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                 for k, r in (c.ratios or {}).items():
                     state["ratios"][k] = max(state["ratios"].get(k, 0.0), r)
         state["vacuous"] += informative == 0
+        state["passed"].add(repr(params))
         if state["found"] is None:
             prog.tick(state["cases"])
 
@@ -394,7 +419,8 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     fixed = anchors + edges
     if not replay:
         for a in reversed(fixed):
-            test = example(params=a)(test)
+            if repr(a) not in done:  # the rest of a lane after a reset failure: the fixed cases not yet passed
+                test = example(params=a)(test)
     test = cfg(test)
     test = _seed(lseed)(test)
     if replay:
@@ -452,8 +478,66 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         w = state["worst"]
         res.worst_rel, res.budget, res.worst_comparison = w.worst_rel, w.budget, _lane_named(w.name, op)
     res.ratios = dict(state["ratios"]) if res.status == "PASS" else None
+    if res.status == "FAIL" and not finite and not replay and _on_resets(res):
+        _rest_without_resets(res, lambda: _run_lane(
+            lane, device=device, profile=profile, seed=seed, max_examples=max_examples, shrink=shrink,
+            replay=None, progress=progress, edge_part=edge_part, finite=True,
+            done=frozenset(state["passed"])))
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _on_resets(res: LaneResult) -> bool:
+    """Whether a failing lane failed on reset gates: [domain], its case of the "reset" regime, and the
+    simplification that passes the one to mild gates (``_simplify``)."""
+    case = (res.failure or {}).get("case")
+    return (res.klass == "domain" and getattr(case, "gate", None) == "reset"
+            and (res.why or "").startswith("gates of the 'reset' regime"))
+
+
+def _rest_without_resets(res: LaneResult, run_rest: Callable[[], LaneResult]) -> None:
+    """A lane that failed on reset gates (``_on_resets``): say what the resets did and how to declare a
+    finite gate domain, then run the rest of the lane with the reset regimes excluded (``run_rest``) and
+    report its verdict too: in ``why`` and the table's note (``also``), and whole in ``failure["rest"]``.
+    The lane stays FAIL [domain]; a failure of the rest is a second bug, reported with its own class."""
+    f = res.failure
+    comps = f.get("_comparisons") or []
+    nonfinite = sum(c.nonfinite for c in comps)
+    err = f.get("error") or ""
+    if nonfinite:
+        what = f"a non-finite output ({nonfinite} non-finite elements)"
+    elif err and not comps:
+        what = f"an exception ({err[:160]})" if not err.startswith("[") else err[:160]
+    else:
+        what = "a wrong result"
+    f["resets"] = True
+    res.why = (f"{res.why}: reset gates (-inf, -1e30, -300: exp(g) = 0, a full reset) give {what}.  A kernel "
+               f"whose gates are never a reset (e.g. g = -exp(A_log) * softplus(a + dt_bias), always finite) "
+               f"declares gates = \"finite\" on its adapter, and the resets are not drawn ({GATES_DOC}); a "
+               f"kernel that serves resets takes a gate below -RESET_GATE as -RESET_GATE "
+               f"(kvbuffer_ref.checks.RESET_GATE, docs/conventions.md \"Reset gates\")")
+    rest = run_rest()
+    res.cases += rest.cases
+    res.calls, res.checks, res.vacuous = res.calls + rest.calls, res.checks + rest.checks, res.vacuous + rest.vacuous
+    rf = dict(rest.failure or {})
+    rf.pop("_comparisons", None)
+    f["rest"] = dict(status=rest.status, klass=rest.klass, why=rest.why, worst_rel=rest.worst_rel,
+                     budget=rest.budget, worst_comparison=rest.worst_comparison, cases=rest.cases,
+                     checks=rest.checks, failure=rf or None)
+    if rest.status == "PASS":
+        verdict = "PASS"
+        detail = f"PASS ({rest.cases} cases, worst rel-RMS {rest.worst_rel if rest.worst_rel is not None else '-'})"
+    else:
+        verdict = f"{rest.status} [{rest.klass}]"
+        first = (rf.get("comparisons") or [None])[0]
+        bad = next((c for c in rf.get("comparisons") or [] if not c.startswith("PASS")), first)
+        detail = (f"{verdict}: {rest.why or 'failed'}; case {rf.get('case')!r}"
+                  + (f" with {rf['params']}" if rf.get("params") else "")
+                  + (f"; {rf['error']}" if rf.get("error") else "")
+                  + (f"; {bad}" if bad else ""))
+    res.why += f".  The rest of the lane, run with the reset regimes excluded: {detail}"
+    res.also = dict(contract=None, status=rest.status, klass=rest.klass, worst_rel=rest.worst_rel,
+                    budget=rest.budget, text=f"resets excluded: {verdict}")
 
 
 def _lane_named(text: Optional[str], op) -> Optional[str]:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from .cases import BETA_REGIMES, GATE_REGIMES, Case
 
-__all__ = ["head_dims", "cases", "buffer_lengths", "draft_tree", "draft_batch", "acceptances"]
+__all__ = ["head_dims", "cases", "buffer_lengths", "draft_tree", "draft_batch", "acceptances", "CHUNK_MARKS",
+           "boundary_lengths", "lengths_near", "chunk_cases"]
 
 #: Head dimensions drawn by default: tiny, non-powers of two and powers of two.
 HEAD_DIMS = (1, 2, 3, 5, 7, 8, 12, 16)
@@ -26,22 +27,27 @@ def head_dims(choices=HEAD_DIMS):
 def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int = 2, max_group: int = 3,
           dims=HEAD_DIMS, channel_gate=None, gate=None, beta=None, zero_key=None, B=None, T=None,
           gates=GATE_REGIMES, betas=BETA_REGIMES, norms=("unit",), v_scales=(1.0,), scales=(None,),
-          beta_max: float = 1.0, qk_l2norm: bool = False) -> Case:
+          beta_max: float = 1.0, qk_l2norm: bool = False, head_shapes=()) -> Case:
     """A ``Case``; pin any field by passing it (e.g. ``channel_gate=False``, ``T=1``).
 
     gates, betas: the regimes drawn from, in order of preference (hypothesis draws and shrinks
     towards the first ones; ``kvbuffer validate`` puts the informative regimes first).  norms,
     v_scales, scales: the q/k norm regimes, the scales of v and the explicit ``scale`` values (None:
     the default) drawn from; beta_max: the top of the beta domain; qk_l2norm: the implementation
-    normalises q and k itself (``Case.qk_l2norm``)."""
-    H = draw(st.integers(1, max_H))
+    normalises q and k itself (``Case.qk_l2norm``); head_shapes: (H, HV, K, V) drawn together from this
+    list instead (``Sizes.head_shapes``: few shapes, so compiled kernels share compiles)."""
+    if head_shapes:
+        H, HV, K, V = draw(st.sampled_from(head_shapes), label="head shape")
+    else:
+        H = draw(st.integers(1, max_H))
+        HV, K, V = H * draw(st.integers(1, max_group)), draw(head_dims(dims)), draw(head_dims(dims))
     return Case(
         B=B if B is not None else draw(st.integers(1, max_B)),
         T=T if T is not None else draw(st.integers(min_T, max_T)),
         H=H,
-        HV=H * draw(st.integers(1, max_group)),
-        K=draw(head_dims(dims)),
-        V=draw(head_dims(dims)),
+        HV=HV,
+        K=K,
+        V=V,
         channel_gate=channel_gate if channel_gate is not None else draw(st.booleans()),
         gate=gate if gate is not None else draw(st.sampled_from(gates)),
         beta=beta if beta is not None else draw(st.sampled_from(betas)),
@@ -53,6 +59,58 @@ def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int =
         beta_max=beta_max,
         qk_l2norm=qk_l2norm,
     )
+
+
+#: Kernels with a fixed internal chunk or time block (fla's 64, tiles of 16 and 32): lengths are drawn around
+#: every multiple of these, whatever ``chunk_size`` argument the kernel is given.
+CHUNK_MARKS = (16, 32, 64)
+
+
+def boundary_lengths(most: int, chunk_size=None, marks=CHUNK_MARKS, least: int = 1) -> list[int]:
+    """Lengths in least..most around the chunk boundaries: m - 1, m, m + 1 for every multiple m of each of
+    ``marks`` (16, 32, 64: a kernel's own chunk or tile, e.g. fla's 64) and, for ``chunk_size`` c, c - 1, c,
+    c + 1, 2c - 1, 2c, 2c + 1 (one chunk short of full, full, one past; two chunks the same).  Sorted, the
+    ones around the chunk size first (what the strategies shrink to)."""
+    own = []
+    if chunk_size:
+        own = [m + d for m in (chunk_size, 2 * chunk_size) for d in (-1, 0, 1)]
+    rest = [m + d for b in marks for m in range(b, most + 2, b) for d in (-1, 0, 1)]
+    out = []
+    for n in own + sorted(set(rest)):
+        if least <= n <= most and n not in out:
+            out.append(n)
+    return out
+
+
+def lengths_near(most: int, chunk_size=None, least: int = 1):
+    """One of ``boundary_lengths`` (shrinking towards the chunk size's own), or none in range: ``least``."""
+    opts = boundary_lengths(most, chunk_size, least=least)
+    return st.sampled_from(opts) if opts else st.just(least)
+
+
+@st.composite
+def chunk_cases(draw, *, max_T: int, min_T: int = 1, chunk_size=None, long_T: int = 0, long_B: int = 1,
+                long_HV: int = 2, long_dims=(8,), **case_kw) -> Case:
+    """A ``Case`` of a chunk-like operation (chunk, direct, prefill): T in min_T..max_T as ``cases`` draws it
+    (a third of the time), or around a chunk boundary (``boundary_lengths`` up to ``long_T``, with the
+    ``chunk_size`` of the example).  A case longer than ``max_T`` is kept cheap: B <= long_B, HV <= long_HV
+    (H = 1, or a group of 2 when long_HV allows), K and V from ``long_dims`` (with ``head_shapes``: those
+    shapes, B <= long_B)."""
+    near = lengths_near(max(long_T, max_T), chunk_size, least=min_T)
+    T = draw(st.one_of(near, st.integers(min_T, max_T), near), label="T")
+    if T > max_T:
+        case_kw = _long_kw(case_kw, long_B, long_HV, long_dims)
+    return draw(cases(T=T, **case_kw), label="case")
+
+
+def _long_kw(case_kw: dict, long_B: int, long_HV: int, long_dims) -> dict:
+    """``case_kw`` of a long case: B <= long_B; H = 1 or a group of 2 within long_HV value heads, K and V from
+    ``long_dims`` (unless the heads come from ``head_shapes``)."""
+    out = dict(case_kw, max_B=min(case_kw.get("max_B", 3), long_B))
+    if not out.get("head_shapes"):
+        group = 2 if long_HV >= 2 else 1
+        out.update(max_H=max(1, min(out.get("max_H", 2), long_HV // group)), max_group=group, dims=long_dims)
+    return out
 
 
 def buffer_lengths(B: int, capacity: int):
@@ -223,14 +281,25 @@ def tree_setups(*, max_capacity: int = 6, max_B: int = 3, max_drafts: int = 10, 
 
 @st.composite
 def prefill_setups(draw, *, max_capacity: int = 6, max_prompt: int = 12, max_new: int = 4,
-                   chunk_sizes=(1, 3, 4, 64), big_capacity: int = 0, **case_kw) -> dict:
+                   chunk_sizes=(1, 3, 4, 16, 32, 64), big_capacity: int = 0, long_T: int = 0, long_B: int = 1,
+                   long_HV: int = 2, long_dims=(8,), **case_kw) -> dict:
     """A prompt (0..max_prompt tokens) with an explicit tail (0..min(C, prompt)) or the default (None),
-    a chunk size, then ``new`` decoded tokens."""
+    a chunk size, then ``new`` decoded tokens.  Half of the time the prompt's folded head (the prompt
+    without its tail) is a length around a chunk boundary (``boundary_lengths`` of the chunk size, up to
+    ``long_T``; a case longer than ``max_prompt`` kept cheap as ``chunk_cases`` keeps it)."""
     C = draw(capacities(max_capacity, big_capacity), label="capacity")
-    prompt = draw(st.integers(0, max(max_prompt, C + 1 if big_capacity else 0)), label="prompt")
-    new = draw(st.integers(0, max_new), label="new tokens")
-    case = draw(cases(T=prompt + new, **case_kw), label="case")
-    tail = draw(st.one_of(st.none(), st.integers(0, min(C, prompt))), label="tail")
     chunk_size = draw(st.sampled_from(chunk_sizes), label="chunk_size")
+    most = max(max_prompt, C + 1 if big_capacity else 0)
+    if long_T and draw(st.booleans(), label="head around a chunk boundary"):
+        head = draw(lengths_near(max(long_T, most), chunk_size), label="head")
+        tail = draw(st.one_of(st.just(0), st.integers(0, C)), label="tail")
+        prompt = head + tail
+    else:
+        prompt = draw(st.integers(0, most), label="prompt")
+        tail = draw(st.one_of(st.none(), st.integers(0, min(C, prompt))), label="tail")
+    new = draw(st.integers(0, max_new), label="new tokens")
+    if prompt > most:
+        case_kw = _long_kw(case_kw, long_B, long_HV, long_dims)
+    case = draw(cases(T=prompt + new, **case_kw), label="case")
     initial = draw(st.booleans(), label="initial_state")
     return dict(case=case, capacity=C, prompt=prompt, tail=tail, chunk_size=chunk_size, initial=initial)

@@ -10,12 +10,12 @@ of every convention is spelled out in docs/crosscheck.md; the comments below say
 
 from __future__ import annotations
 
-import inspect
 import types
 from typing import Callable, Optional
 
 import torch
 
+from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.core import expand_heads
 
 
@@ -104,24 +104,14 @@ def hf_torch_fallbacks():
     """
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
+    from kvbuffer_ref.integrations.transformers import torch_function_behind
+
     out = {}
     for name in ("torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule"):
-        fn = _function_behind(getattr(m, name), name)
+        fn = torch_function_behind(getattr(m, name), name)
         assert fn.__module__ == m.__name__ and fn.__name__ == name, f"{name} resolved to {fn.__module__}.{fn.__name__}"
         out[name] = fn
     return out
-
-
-def _function_behind(obj, name: str):
-    """The plain function ``name`` behind ``obj``: ``obj`` itself, a functools.wraps wrapper of it, or an
-    ``nn.Module`` whose ``forward`` closes over one of those (the ``kernels`` package's function modules)."""
-    forward = getattr(type(obj), "forward", None)
-    if forward is not None and not callable(getattr(obj, "__wrapped__", None)):
-        inner = [c.cell_contents for c in (forward.__closure__ or ()) if callable(c.cell_contents)
-                 and getattr(inspect.unwrap(c.cell_contents), "__name__", None) == name]
-        if len(inner) == 1:
-            obj = inner[0]
-    return inspect.unwrap(obj)
 
 
 def _hf_call(fn, q, k, v, g, beta, scale, initial_state, output_final_state, **kw):
@@ -133,6 +123,10 @@ def _hf_call(fn, q, k, v, g, beta, scale, initial_state, output_final_state, **k
     # use_qk_l2norm_in_kernel=False: the caller normalises (Qwen3-Next's layer passes True);
     # computed in float32 whatever the input dtype; state [B, HV, K, V] key-major.
     q = q * (_scale(scale, K) * K ** 0.5) if scale is not None else q
+    # a gate below -200 decays to exactly 0 in float32 either way: take it as -200, the library's convention
+    # for resets (the validator's peers do the same).  Unclamped, HF's float32 cumulative gates of a gate of
+    # -832 lose their low bits, and its outputs on golden decode_edges are 9x a clamping kernel's error.
+    g = g.clamp(min=-float(RESET_GATE[torch.float32]))
     return fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
               use_qk_l2norm_in_kernel=False, **kw)
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvbuffer_ref import KVBuffer, recurrent_gated_delta_rule
-from kvbuffer_ref.validate import Case, compare, gate_terms, golden, make_inputs
+from kvbuffer_ref import KVBuffer
+from kvbuffer_ref.validate import Case, compare, golden, make_inputs
+from kvbuffer_ref.validate.properties import truth_and_baseline
 
 @contextlib.contextmanager
 def expected_import_warnings():
@@ -43,35 +44,33 @@ RANDOM_CASES = [
 ]
 
 
-def check_random(case: Case, adapter, *, channel_ok: bool, **kw) -> None:
+def check_random(case: Case, adapter, *, channel_ok: bool, chunk=None, **kw) -> None:
     """``adapter`` vs the float64 recurrent truth on ``case`` (inputs rounded to float32 first), with an
-    initial state, under the float32 budget (baseline: kvbuffer_ref's recurrence in float32)."""
+    initial state, under the float32 budget (baseline: kvbuffer_ref's correct forms in float32,
+    ``truth_and_baseline``: the recurrence, and for a chunked adapter (``chunk``: its chunk size) the
+    chunkwise form with chunks of max(64, chunk))."""
     if case.channel_gate and not channel_ok:
         pytest.skip(f"this adapter takes scalar gates only; {case} has per-channel gates")
     x = make_inputs(case, torch.float32)
     gen = torch.Generator().manual_seed(case.seed)
     h0 = 0.5 * torch.randn(case.B, case.HV, case.K, case.V, generator=gen)
-    x64 = {n: t.double() for n, t in x.items()}
-    o, S = recurrent_gated_delta_rule(x64["q"], x64["k"], x64["v"], g=x64["g"], beta=x64["beta"],
-                                      initial_state=h0.double(), output_final_state=True)
-    ob, Sb = recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=h0,
-                                        output_final_state=True)
+    (o, S), (ob, Sb) = truth_and_baseline(x, h0, chunk=chunk)
     oa, Sa = adapter(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=h0.clone(),
                      output_final_state=True, **kw)
-    gated = gate_terms(x, initial_state=h0)
-    for name, a, e, b, axis, kw in (("o", oa, o, ob, 2, gated[0]), ("final_state", Sa, S, Sb, 1, gated[1])):
-        c = compare(a, e, b, name=name, dtype=torch.float32, head_axis=axis, **kw)
+    for name, a, e, b, axis in (("o", oa, o, ob, 2), ("final_state", Sa, S, Sb, 1)):
+        c = compare(a, e, b, name=name, dtype=torch.float32, head_axis=axis)
         assert c.passed, str(c)
 
 
-def replay_histories(case, run_sequence) -> None:
+def replay_histories(case, run_sequence, *, chunk=None) -> None:
     """A buffered golden case (decode / verify_chain) replayed as one plain recurrence per request.
 
     Request b's history is its buffered raw entries followed by its new tokens, from its stale state
     (zeros in direct mode).  ``run_sequence(q, k, v, g, beta, h0)`` ([1, T, ...] float32, h0 [1, HV, K, V])
     returns (o [1, T, HV, V], final state).  The outputs of the new tokens must match the stored
     expected_o, and for decode the final state must match expected_state; budget: float32, baseline
-    kvbuffer_ref's recurrence in float32 over the same history.
+    kvbuffer_ref's correct forms in float32 over the same history (``truth_and_baseline``: the recurrence, and
+    for a chunked ``run_sequence`` (``chunk``: its chunk size) the chunkwise form with chunks of max(64, chunk)).
     """
     a = {n: torch.from_numpy(np.array(x)) for n, x in case.arrays.items()}
     B = a["buffer_lengths"].shape[0]
@@ -88,15 +87,13 @@ def replay_histories(case, run_sequence) -> None:
         h32 = {f: x.float() for f, x in hist.items()}
         scale = float(case.params["scale"])
         o, S = run_sequence(h32["q"], h32["k"], h32["v"], h32["g"], h32["beta"], h0.float(), scale)
-        ob, Sb = recurrent_gated_delta_rule(h32["q"], h32["k"], h32["v"], g=h32["g"], beta=h32["beta"], scale=scale,
-                                            initial_state=h0.float(), output_final_state=True)
-        ko, kS = gate_terms(h32, scale=scale, initial_state=h0, tokens=slice(n, None))
+        _, (ob, Sb) = truth_and_baseline(h32, h0.float(), scale=scale, chunk=chunk)
         exp_o = a["expected_o"][b:b + 1, :t]
-        c = compare(o[:, n:], exp_o, ob[:, n:], name=f"{case.id}[{b}].o", dtype=torch.float32, **ko)
+        c = compare(o[:, n:], exp_o, ob[:, n:], name=f"{case.id}[{b}].o", dtype=torch.float32)
         assert c.passed, str(c)
         if case.op == "decode":
             c = compare(S, a["expected_state"][b:b + 1], Sb, name=f"{case.id}[{b}].state", dtype=torch.float32,
-                        head_axis=1, **kS)
+                        head_axis=1)
             assert c.passed, str(c)
 
 

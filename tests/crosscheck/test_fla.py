@@ -61,7 +61,7 @@ def test_fused_recurrent_matches_golden(case):
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: f"seed{c.seed}")
 def test_naive_forms_match_random_cases(case):
     check_random(case, adapters.fla_naive_recurrent, channel_ok=False)
-    check_random(case, adapters.fla_naive_chunk, channel_ok=False)  # default chunk_size 64
+    check_random(case, adapters.fla_naive_chunk, channel_ok=False, chunk=64)  # default chunk_size 64
 
 
 @needs_triton

@@ -42,7 +42,7 @@ def test_chunk_matches_golden(case):
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: f"seed{c.seed}")
 def test_random_cases(case):
     check_random(case, adapters.hf_recurrent, channel_ok=False)
-    check_random(case, adapters.hf_chunk, channel_ok=False)  # default chunk_size 64
+    check_random(case, adapters.hf_chunk, channel_ok=False, chunk=64)  # default chunk_size 64
 
 
 @pytest.mark.parametrize("case", [c for c in BUFFERED_CASES if c.params["gate"] == "scalar"], ids=lambda c: c.id)
@@ -53,4 +53,4 @@ def test_chunk_replays_buffered_histories(case):
         return adapters.hf_chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
                                  chunk_size=4)
 
-    replay_histories(case, run)
+    replay_histories(case, run, chunk=4)

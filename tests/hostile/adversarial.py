@@ -13,10 +13,10 @@ import torch
 import kvbuffer_fast as fast
 import kvbuffer_fast.baselines as base
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate.tolerances import magnitudes
+from kvbuffer_ref.validate.properties import truth_and_baseline
 
 from .probes import (B, C, F32, F64, HV, INF, K, NAN, T, TOKEN_OPS, V, Probe, Setup, _buffered, _cmp, _edit,
-                     _prefill_check, _put, _set, buffer, buffer_check, copy_check, f64, token_probe, tokens)
+                     _prefill_check, _put, _set, buffer, buffer_check, copy_check, f64, own_chunk, token_probe, tokens)
 
 #: the token operations without a buffer, whose answer is the recurrence over the tokens
 PLAIN = ("ref.recurrent_gated_delta_rule", "ref.chunk_gated_delta_rule", "ref.direct_gated_delta_rule",
@@ -47,15 +47,18 @@ def _poison_request(name, value):
     return x_fn
 
 
-def _request0_check(dtype):
-    """Request 0's outputs against the recurrence over request 0 alone (request 1 holds NaN / Inf)."""
+def _request0_check(dtype, op: str):
+    """Request 0's outputs against the recurrence over request 0 alone (request 1 holds NaN / Inf); the
+    baseline: the correct forms of ``op`` on request 0 in ``dtype`` (``truth_and_baseline``)."""
     def make(x, kw, pre):
         def check(result):
             o = result[0] if isinstance(result, tuple) else result
             x0 = {n: a[:1] for n, a in x.items()}
             o64, _ = ref.recurrent_gated_delta_rule(**f64(x0))
-            ob, _ = ref.recurrent_gated_delta_rule(**{n: a.to(dtype) for n, a in x0.items()})
-            return [_cmp(o[:1], o64, ob, dtype, x0["g"], name="o[request 0]", magnitude=magnitudes(**x0)[0])]
+            ob = None
+            if dtype != F64:
+                _, (ob, _) = truth_and_baseline({n: a.to(dtype) for n, a in x0.items()}, chunk=own_chunk(op, kw, x0))
+            return [_cmp(o[:1], o64, ob, dtype, name="o[request 0]")]
         return check
     return make
 
@@ -99,7 +102,7 @@ def shape_probes() -> list:
             token_probe(op, "v/nan-in-another-request", "exact", x_fn=_poison_request("v", NAN)),
             token_probe(op, "k/inf-in-another-request", "exact", x_fn=_poison_request("k", INF)),
         ]
-        out[-2].make, out[-1].make = _with_check(out[-2], dtype), _with_check(out[-1], dtype)
+        out[-2].make, out[-1].make = _with_check(out[-2], dtype, op), _with_check(out[-1], dtype, op)
     for name, pkg, dtype in (("ref.prefill", ref, F64), ("fast.prefill", fast, F32)):
         def make(pkg=pkg, dtype=dtype):
             x = tokens(dtype, T=40)
@@ -109,14 +112,14 @@ def shape_probes() -> list:
     return out
 
 
-def _with_check(p: Probe, dtype):
+def _with_check(p: Probe, dtype, op: str):
     """Replace a probe's check with ``_request0_check``."""
     inner = p.make
 
     def make():
         s = inner()
         x = {n: s.kwargs[n] for n in ("q", "k", "v", "g", "beta")}
-        return Setup(s.fn, s.kwargs, _request0_check(dtype)(x, s.kwargs, {}))
+        return Setup(s.fn, s.kwargs, _request0_check(dtype, op)(x, s.kwargs, {}))
     return make
 
 

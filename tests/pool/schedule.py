@@ -18,12 +18,15 @@ Any pool with the API of ``kvbuffer_ref.pool.KVPool`` can be run (its ``tensors(
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from hypothesis import assume
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import compare, gate_terms
+from kvbuffer_ref.validate import compare
+from kvbuffer_ref.validate.properties import truth_and_baseline
 
 #: the pool's tensors per buffer slot (axis 1; ``live``: axis 0) and per state slot (axis 1)
 PER_BUFFER = ("k", "u", "G", "lengths", "has_state", "state_slot", "dk", "du", "dG", "parents", "num_drafts",
@@ -96,32 +99,34 @@ def _rows(x: dict, idx) -> dict:
 
 
 class Checker:
-    """The truth of one request's outputs: the float64 recurrence over its history plus new tokens, and
-    the plain recurrence in the pool's dtype as the error table's baseline (None for float64)."""
+    """The truth of one request's outputs: the float64 recurrence over its history plus new tokens, and as
+    the error table's baseline the correct forms in the pool's compute dtype (``truth_and_baseline``: the
+    recurrence, and the chunkwise form with chunks of max(64, the pool's capacity ``C``), as a pool's buffer
+    and its admit keep cumulative gates; None for float64)."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, C: Optional[int] = None):
+        self.dtype, self.C = dtype, C
         self.compared = 0
+
+    def _forms(self, x: dict):
+        """(truth (o, S), baseline (o, S) or None) over the tokens ``x`` [T, ...] of one request."""
+        xb = {f: t[None].to(self.dtype) for f, t in x.items()}
+        truth, base = truth_and_baseline(xb, chunk=self.C)
+        return truth, (None if self.dtype == torch.float64 else base)
 
     def outputs(self, hist: dict, new: dict):
         x = _cat(hist, new)
         T, n = x["q"].shape[0], new["q"].shape[0]
-        args = {f: t[None].to(torch.float64) for f, t in x.items()}
-        o64, _ = ref.recurrent_gated_delta_rule(args.pop("q"), args.pop("k"), args.pop("v"), **args)
-        base = None
-        if self.dtype != torch.float64:
-            args = {f: t[None].to(self.dtype) for f, t in x.items()}
-            base, _ = ref.recurrent_gated_delta_rule(args.pop("q"), args.pop("k"), args.pop("v"), **args)
-            base = base[:, T - n:]
-        return o64[:, T - n:], base, gate_terms({f: t[None] for f, t in x.items()}, tokens=slice(T - n, None))[0]
+        (o64, _), base = self._forms(x)
+        return o64[:, T - n:], None if base is None else base[0][:, T - n:]
 
     def check(self, actual: torch.Tensor, hist: dict, new: dict, what: str) -> None:
         """actual: [n, HV, V] outputs of the last n tokens of ``new`` after ``hist``."""
-        exp, base, gated = self.outputs(hist, new)
+        exp, base = self.outputs(hist, new)
         n = actual.shape[0]  # the last n tokens' outputs (a tree node: the last of its path)
         exp, base = exp[:, -n:], None if base is None else base[:, -n:]
         c = compare(actual[None].cpu(), exp.cpu(), None if base is None else base.cpu(), name=what,
-                    dtype=self.dtype, g=gated["g"].cpu(), magnitude=gated["magnitude"][:, -n:])
+                    dtype=self.dtype)
         assert c.passed, str(c)
         self.compared += 1
 
@@ -129,17 +134,9 @@ class Checker:
         if hist["q"].shape[0] == 0:
             assert bool((actual == 0).all()), f"{what}: a request without tokens has a non-zero state"
             return
-        args = {f: t[None].to(torch.float64) for f, t in hist.items()}
-        _, S = ref.recurrent_gated_delta_rule(args.pop("q"), args.pop("k"), args.pop("v"), **args,
-                                              output_final_state=True)
-        base = None
-        if self.dtype != torch.float64:
-            args = {f: t[None].to(self.dtype) for f, t in hist.items()}
-            _, base = ref.recurrent_gated_delta_rule(args.pop("q"), args.pop("k"), args.pop("v"), **args,
-                                                     output_final_state=True)
-            base = base.cpu()
-        c = compare(actual[None].cpu(), S.cpu(), base, name=what, dtype=self.dtype, head_axis=1,
-                    **gate_terms({f: t[None].cpu() for f, t in hist.items()})[1])
+        (_, S), base = self._forms(hist)
+        c = compare(actual[None].cpu(), S.cpu(), None if base is None else base[1].cpu(), name=what,
+                    dtype=self.dtype, head_axis=1)
         assert c.passed, str(c)
 
 
@@ -176,7 +173,7 @@ def run_schedule(make_pool, data, *, layers: int, N: int, C: int, D: int, H: int
     pool = make_pool()
     seed = data.draw(st.integers(0, 2 ** 31 - 1), label="token seed")
     tok = Tokens(seed, H, HV, K, V, dtype, "cpu")
-    chk = Checker(dtype)
+    chk = Checker(dtype, C)
     hist: dict = {}          # slot -> [per layer token dict]
     pending: dict = {}       # slot -> [per layer (draft tokens, parents, num_drafts)]
     dev = lambda t: t.to(device)  # noqa: E731
@@ -337,7 +334,7 @@ def sharers_fold_in_one_call(pool, op: str, *, dtype: torch.dtype, device) -> Ch
     recurrence over each request's own tokens.  ``pool``: capacity 1, max_drafts >= 2, layer 0 used."""
     assert pool.capacity == 1 and pool.max_drafts >= 2
     tok = Tokens(7, pool.num_heads, pool.num_value_heads, pool.head_k_dim, pool.head_v_dim, dtype, "cpu")
-    chk = Checker(dtype)
+    chk = Checker(dtype, pool.capacity)
     dev = lambda x: {f: t.to(device) for f, t in x.items()}  # noqa: E731
     a, c = pool.acquire(2).tolist()
     x = tok.draw(2, 3)

@@ -34,7 +34,7 @@ def _pool(kind):
 def test_admit_of_a_varlen_batch(kind, index_dtype):
     _, dtype, dev = KINDS[kind]
     pool = _pool(kind)
-    tok, chk = Tokens(11, H, HV, K, V, dtype, "cpu"), Checker(dtype)
+    tok, chk = Tokens(11, H, HV, K, V, dtype, "cpu"), Checker(dtype, C)
     lengths = [5, 2, 0, 2, 7, 1]                  # entry 1 is a pad: its 2 tokens are NaN, never to be read
     got = pool.acquire(5).tolist()
     slots = torch.tensor([got[0], -1, got[1], got[2], got[3], got[4]], dtype=index_dtype, device=dev)

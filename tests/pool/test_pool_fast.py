@@ -40,7 +40,7 @@ def test_fast_folds_take_their_own_slots():
     (copy-on-write), with a pad row: every request's state equals the recurrence over its own tokens."""
     from .schedule import Checker, Tokens, _cat, _rows
     p = _pool(**SHAPES)
-    tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
+    tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32, p.capacity)
     s = p.acquire(2)
     x = tok.draw(2, 4)                                        # request 1: C + 1 tokens, a state; 0: 2, direct
     dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
@@ -187,7 +187,7 @@ def test_fast_verify_ignores_a_pads_parents_and_counts():
     the valid row's outputs are the recurrence's, and its draft room holds its parents and count."""
     from .schedule import Checker, Tokens, _rows
     p = _pool(**SHAPES)
-    tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
+    tok, chk = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32, p.capacity)
     s = p.acquire(1)
     x = tok.draw(1, 2)
     p.admit(**{n: t.to(DEVICE) for n, t in x.items()}, layer=0, slots=s.to(DEVICE))
@@ -290,7 +290,7 @@ def test_fast_drafts_in_place_accept_moves_only_what_changes(per_request):
 
     from .schedule import Checker, Tokens, _cat, _rows
     p = _pool(**dict(SHAPES, N=4, C=8, D=4))
-    tok, chk = Tokens(4, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32)
+    tok, chk = Tokens(4, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32, p.capacity)
     dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
     s = p.acquire(4)
     x = tok.draw(4, 7)

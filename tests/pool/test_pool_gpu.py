@@ -227,7 +227,7 @@ def test_state_slots_past_2_31_elements():
                num_value_heads=HV, head_k_dim=K, head_v_dim=V, device="cuda")
     p._t["refs"][0, :S - 2] = 1  # every slot but the last two held (as by other requests)
     tok = Tokens(7, 16, HV, K, V, torch.float32, "cpu")
-    chk = Checker(torch.float32)
+    chk = Checker(torch.float32, C)
     s = p.acquire(2)
     x = tok.draw(2, C + 2)
     p.admit(**{n: t.cuda() for n, t in x.items()}, layer=0, slots=s)

@@ -168,7 +168,7 @@ def test_fork_is_copy_on_write():
     C = SHAPES["C"]
     p = _pool(**dict(SHAPES, layers=1))
     tok = Tokens(1, 1, 2, 4, 4, torch.float64, "cpu")
-    chk = Checker(torch.float64)
+    chk = Checker(torch.float64, C)
     a = p.acquire(1)
     x = tok.draw(1, C + 2)
     p.admit(**x, layer=0, slots=a)                  # a state of C tokens + 2 buffered

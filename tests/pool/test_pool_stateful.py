@@ -48,7 +48,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.entries import fold_count  # noqa: E402
-from kvbuffer_ref.validate import compare, gate_terms  # noqa: E402
+from kvbuffer_ref.validate import compare  # noqa: E402
+from kvbuffer_ref.validate.properties import truth_and_baseline  # noqa: E402
 
 from .schedule import FIELDS, Tokens, _addressing, _padded, _same, assert_untouched, snapshot  # noqa: E402
 
@@ -75,10 +76,12 @@ def _take(x: dict, idx) -> dict:
 
 class Truth:
     """One request's truth in one layer: its accepted tokens (``hist``, [T, ...] per field), the float64
-    state after them and the plain recurrence's state in the pool's dtype (None for float64)."""
+    state after them and the plain recurrence's state in the pool's dtype (None for float64).  The baseline of a
+    comparison: that recurrence and the chunkwise form with chunks of max(64, C) over the whole history
+    (``truth_and_baseline``), as the pool's buffer (capacity C) and its admit keep cumulative gates."""
 
-    def __init__(self, hist: dict, dtype: torch.dtype):
-        self.hist, self.dtype = hist, dtype
+    def __init__(self, hist: dict, dtype: torch.dtype, C: int):
+        self.hist, self.dtype, self.C = hist, dtype, C
         self.S64, self.Sb = self._from_scratch(hist)
 
     def _from_scratch(self, hist: dict):
@@ -99,13 +102,19 @@ class Truth:
         ob, Sb = rec(self.dtype, Sb) if self.dtype != torch.float64 else (None, None)
         return o64, S64, ob, Sb
 
+    def chunkwise(self, x: dict):
+        """The chunkwise baseline form (o [1, T, ...], S [1, ...]) over the tokens ``x`` [T, ...] (None for float64)."""
+        if self.dtype == torch.float64 or x["q"].shape[0] == 0:
+            return None, None
+        return truth_and_baseline({f: t[None].to(self.dtype) for f, t in x.items()}, chunk=self.C)[1]
+
     def check(self, actual: torch.Tensor, new: dict, what: str, commit: bool):
         """``actual`` [n, HV, V]: the outputs of the last n of the tokens ``new`` after the history."""
         o64, S64, ob, Sb = self.run(new, self.S64, self.Sb)
         n = actual.shape[0]
-        c = compare(actual[None].cpu(), o64[None, -n:], None if ob is None else ob[None, -n:], name=what,
-                    dtype=self.dtype, **gate_terms({f: t[None] for f, t in _cat(self.hist, new).items()},
-                                                   tokens=slice(-n, None))[0])
+        oc, _ = self.chunkwise(_cat(self.hist, new))
+        base = None if ob is None else [ob[None, -n:], oc[:, -n:]]
+        c = compare(actual[None].cpu(), o64[None, -n:], base, name=what, dtype=self.dtype)
         assert c.passed, str(c)
         if commit:
             self.hist, self.S64, self.Sb = _cat(self.hist, new), S64, Sb
@@ -119,12 +128,13 @@ class Truth:
         if self.S64 is None:
             assert bool((actual == 0).all()), f"{what}: a request without tokens has a non-zero state"
             return
-        c = compare(actual[None].cpu(), self.S64[None], None if self.Sb is None else self.Sb[None], name=what,
-                    dtype=self.dtype, head_axis=1, **gate_terms({f: t[None] for f, t in self.hist.items()})[1])
+        _, Sc = self.chunkwise(self.hist)
+        base = None if self.Sb is None else [self.Sb[None], Sc]
+        c = compare(actual[None].cpu(), self.S64[None], base, name=what, dtype=self.dtype, head_axis=1)
         assert c.passed, str(c)
 
     def prefix(self, upto: int) -> "Truth":
-        return Truth(_take(self.hist, slice(0, upto)), self.dtype)
+        return Truth(_take(self.hist, slice(0, upto)), self.dtype, self.C)
 
 
 class Request:
@@ -230,7 +240,7 @@ def machine(*, make_pool, kind: str, dtype, device, layers: int, N: int, S: int,
                             continue
                         new = _take(x, group.index(b))
                         r = self.reqs[b]
-                        r.truth[layer] = Truth(_take(new, slice(0, 0)), dtype)
+                        r.truth[layer] = Truth(_take(new, slice(0, 0)), dtype, self.C)
                         r.truth[layer].check(o[i], new, f"admit T={T} layer {layer} slot {b}", commit=True)
                         r.lengths[layer] = T if T <= C else T % C
                         r.has_state[layer] = T > C

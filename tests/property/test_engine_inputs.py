@@ -1,8 +1,8 @@
 """engine_inputs: an engine's packed tokens and raw gates as the operations' inputs (docs/serving.md).
 
 The reference against its formula in float64 (written out here independently, per element); the kernel
-against the float64 reference under the tolerance table (the float32 row, no baseline: an elementwise map,
-held to the floor of a few eps), over strided and packed layouts, decode [N, D] and varlen [B, T, D] forms
+against the float64 reference under the tolerance table (the baseline: what a correct float32 kernel
+computes, the reference on the float32 arguments and g's formula in float32 arithmetic), over strided and packed layouts, decode [N, D] and varlen [B, T, D] forms
 and the whole domain of the gating inputs (a = +-inf, b = +-inf, a + dt_bias past the softplus threshold,
 large A_log); then engine_inputs feeding the pool's decode, which must equal the reference pool's.
 """
@@ -106,6 +106,19 @@ def _slices(name, t):
     return t[..., None] if name in ("g", "beta") else t
 
 
+def _g_in_float32(a, A_log, dt_bias):
+    """g = -exp(A_log) softplus(a + dt_bias) with every operation in float32 (the reference rounds its float64
+    value once): what a correct float32 kernel computes; a + dt_bias rounded in float32 moves exp(z), below the
+    softplus threshold, by |z| ulps."""
+    from kvbuffer_ref.engine_inputs import SOFTPLUS_THRESHOLD
+
+    z = a.float() + dt_bias.float()
+    sp = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z)))
+    g = -torch.exp(A_log.float()) * sp
+    g = torch.where(sp == 0, torch.zeros_like(g), torch.where(torch.isinf(sp), -torch.inf, g))
+    return g.clamp(min=-RESET_GATE[torch.float32])
+
+
 @given(setup=packed())
 def test_kernel_matches_the_reference(setup):
     x, a, b, A_log, dt_bias, H, K, norm = setup
@@ -119,6 +132,11 @@ def test_kernel_matches_the_reference(setup):
     truth = ref_inputs(x.double(), a.double(), b.double(), **{**kw, "A_log": A_log.double(),
                                                               "dt_bias": dt_bias.double()})
     low = -RESET_GATE[torch.float32]  # every gate below it has decay 0 in float32, as the operations take it
+    # the baseline: what a correct implementation computes in float32 (the reference on the float32 arguments,
+    # which rounds once, and for g the formula in float32 arithmetic)
+    base32 = ref_inputs(x, a, b, **kw)
+    bases = {n: [t] for n, t in zip(NAMES, base32)}
+    bases["g"].append(_g_in_float32(a, A_log, dt_bias).reshape(base32[3].shape))
     for name, f, r in zip(NAMES, got, truth):
         assert f.is_contiguous() and f.shape == r.shape, name
         assert f.dtype == (x.dtype if name == "v" else torch.float32), name
@@ -127,7 +145,8 @@ def test_kernel_matches_the_reference(setup):
             continue
         if name == "g":
             r = r.clamp(min=low)
-        c = compare(_slices(name, f), _slices(name, r), None, name=name, dtype=torch.float32)
+        c = compare(_slices(name, f), _slices(name, r), [_slices(name, t) for t in bases[name]], name=name,
+                    dtype=torch.float32)
         assert c.passed, str(c)
 
 

@@ -25,7 +25,7 @@ import kvbuffer_fast.decode as dec  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.launch import DecodeConfig, FlushConfig, Key, config_for  # noqa: E402
 
-from kvbuffer_ref.validate import Case, assert_matches, compare, gate_terms  # noqa: E402
+from kvbuffer_ref.validate import Case, assert_matches, compare  # noqa: E402
 from kvbuffer_ref.validate import properties as P, strategies as kst  # noqa: E402
 
 from .fast_adapter import Poisoned, assert_all as _assert_all  # noqa: E402
@@ -161,6 +161,16 @@ def test_launch_table_rows(C, columns, fold, FH):
     assert (config.fold, config.fold_FH) == (fold, FH)
 
 
+def _own_decode(x: dict, buf) -> tuple:
+    """kvbuffer_ref's buffered_decode of every token of ``x`` (on the CPU) from ``buf``: (outputs, buffer), the
+    own form of a sequence of decode steps."""
+    outs = []
+    for t in range(x["q"].shape[1]):
+        o, buf = ref.buffered_decode(**{n: v[:, t:t + 1].cpu() for n, v in x.items()}, buffer=buf)
+        outs.append(o)
+    return torch.cat(outs, 1), buf
+
+
 def test_direct_mode_never_reads_state_and_folds_into_it():
     """Direct requests read no state (it is NaN here); a full one folds into zeros and owns a state after."""
     C = 4
@@ -173,10 +183,13 @@ def test_direct_mode_never_reads_state_and_folds_into_it():
         o, buf = Poisoned.buffered_decode(**{n: v[:, t:t + 1] for n, v in x.items()}, buffer=buf)
         outs.append(o)
     assert bool(buf.has_state.all()) and buf.lengths.tolist() == [2, 2]
-    (o64, S64), base = P.truth_and_baseline(x)
-    ko, kS = gate_terms(x)
-    assert_matches(torch.cat(outs, 1).cpu(), o64, base[0], name="direct.o", **ko)
-    assert_matches(fast.materialize_state(buf).cpu(), S64, base[1], name="direct.state", head_axis=1, **kS)
+    # the baseline: the recurrence and the chunkwise form (chunks of max(64, C)) in float32, and the same calls
+    # run by kvbuffer_ref on a float32 copy of the same (empty) buffer (its own form)
+    (o64, S64), base = P.truth_and_baseline(x, chunk=C)
+    own_o, own = _own_decode(x, ref.KVBuffer.empty(2, 1, 2, 8, 8, C, dtype=torch.float32))
+    assert_matches(torch.cat(outs, 1).cpu(), o64, [base[0], own_o], name="direct.o")
+    assert_matches(fast.materialize_state(buf).cpu(), S64, [base[1], ref.materialize_state(own)], name="direct.state",
+                   head_axis=1)
 
 
 def test_without_state_storage_decodes_then_refuses_to_fold():
@@ -190,9 +203,10 @@ def test_without_state_storage_decodes_then_refuses_to_fold():
     for t in range(C):
         o, buf = Poisoned.buffered_decode(**{n: v[:, t:t + 1] for n, v in x.items()}, buffer=buf)
         outs.append(o)
-    (o64, _), base = P.truth_and_baseline(x)
-    assert_matches(torch.cat(outs, 1).cpu(), o64[:, :C], base[0][:, :C], name="no-storage.o",
-                   **gate_terms({n: v[:, :C] for n, v in x.items()})[0])
+    (o64, _), base = P.truth_and_baseline(x, chunk=C)
+    own_o, _ = _own_decode({n: v[:, :C] for n, v in x.items()},
+                           ref.KVBuffer.empty(1, 1, 1, 8, 8, C, with_state=False, dtype=torch.float32))
+    assert_matches(torch.cat(outs, 1).cpu(), o64[:, :C], [base[0][:, :C], own_o], name="no-storage.o")
     last = {n: v[:, C:] for n, v in x.items()}
     with pytest.raises(ValueError, match="no state storage"):
         fast.buffered_decode(**last, buffer=buf)
@@ -208,7 +222,7 @@ def test_flush_prefix_matches_reference_flush(setup, data):
     """flush of any per-request prefix == the reference's: same entries moved down, G rebased, state folded."""
     case, C, hist, lengths = setup
     x64 = P.upcast_inputs(case.inputs(torch.float64))
-    buf64 = P.ragged_buffer({n: t[:, :hist] for n, t in x64.items()}, lengths, C)
+    buf64 = P.ragged_buffer({n: t[:, :hist] for n, t in x64.items()}, lengths, C, compute=torch.float32)
     counts = torch.tensor([data.draw(st.integers(0, n), label=f"count[{b}]") for b, n in enumerate(lengths)])
     want = ref.flush(buf64, count=counts)
     base = ref.flush(P.buffer_to(buf64, dtype=torch.float32), count=counts)
@@ -239,17 +253,19 @@ def test_bf16_ucache_reports_its_error(record_property):
     C, hist = 8, 10
     case = Case(B=3, T=hist + 2 * C, H=2, HV=4, K=16, V=16, seed=2)
     x = case.inputs(torch.float32, DEVICE)
-    buf = P.buffer_to(P.ragged_buffer(P.upcast_inputs({n: t[:, :hist] for n, t in x.items()}), [0, 3, C], C),
+    buf = P.buffer_to(P.ragged_buffer(P.upcast_inputs({n: t[:, :hist] for n, t in x.items()}), [0, 3, C], C,
+                                      compute=torch.float32),
                       dtype=torch.float32, device=DEVICE)
     buf = buf.replace(u=buf.u.to(torch.bfloat16))
+    own_o, _ = _own_decode({n: v[:, hist:].cpu() for n, v in x.items()}, P.buffer_to(buf, dtype=torch.float32).replace(
+        u=buf.u.cpu().clone()))  # kvbuffer_ref's same calls on the same bfloat16 u-cache: the own form
     outs = []
     for t in range(hist, case.T):
         o, buf = fast.buffered_decode(**{n: v[:, t:t + 1] for n, v in x.items()}, buffer=buf)
         outs.append(o)
-    (o64, _), base = P.truth_and_baseline(x)
-    # u rounded to bfloat16 makes the outputs as accurate as bfloat16 outputs: the bfloat16 row of the table
-    c = compare(torch.cat(outs, 1).cpu(), o64[:, hist:], base[0][:, hist:], name="decode[bf16 u-cache].o",
-                dtype=torch.bfloat16, **gate_terms(x, tokens=slice(hist, None))[0])
+    (o64, _), base = P.truth_and_baseline(x, chunk=C)
+    # the baseline: the correct forms in float32 and the reference's same calls on the bfloat16 u-cache
+    c = compare(torch.cat(outs, 1).cpu(), o64[:, hist:], [base[0][:, hist:].cpu(), own_o], name="decode[bf16 u-cache].o")
     record_property("bf16_ucache_worst_rel", c.worst_rel)
     assert c.passed, str(c)
 
@@ -262,7 +278,8 @@ def test_decode_and_flush_capture_in_a_cuda_graph():
     case = Case(B=2, T=1, H=1, HV=2, K=16, V=16, seed=7)
     x = case.inputs(torch.float32, DEVICE)
     hist = P.upcast_inputs(Case(B=2, T=C, H=1, HV=2, K=16, V=16, seed=8).inputs(torch.float32))
-    make = lambda: P.buffer_to(P.ragged_buffer(hist, [C, 2], C), dtype=torch.float32, device=DEVICE)  # noqa: E731
+    make = lambda: P.buffer_to(P.ragged_buffer(hist, [C, 2], C, compute=torch.float32), dtype=torch.float32,
+                                     device=DEVICE)  # noqa: E731
     eager, graphed = make(), make()
     o_eager, _ = fast.buffered_decode(**x, buffer=eager)
     fast.flush(eager, count=1)

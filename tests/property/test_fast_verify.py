@@ -116,7 +116,7 @@ def _buffers(case: Case, dtype, *, history: int, lengths, capacity: int, key_dty
     float32, keys in ``key_dtype``, default the inputs' dtype), its unused memory NaN-poisoned."""
     x = case.inputs(dtype, DEVICE)
     x64 = {n: t.cpu().double() for n, t in x.items()}
-    buf64 = P.ragged_buffer({n: t[:, :history] for n, t in x64.items()}, lengths, capacity)
+    buf64 = P.ragged_buffer({n: t[:, :history] for n, t in x64.items()}, lengths, capacity, compute=torch.float32)
     buf = P.poison_unused_(P.buffer_to(buf64, dtype=torch.float32, device=DEVICE, key_dtype=key_dtype or dtype))
     return x, x64, buf64, buf
 
@@ -132,16 +132,15 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
     o, drafts = fast.verify(**drafts_in, buffer=buf, parents=par, num_drafts=nd, config=config)
     o64, d64 = ref.verify(**{n: t[:, history:] for n, t in x64.items()}, buffer=buf64, parents=par.cpu(),
                           num_drafts=nd.cpu())
+    # the baseline: kvbuffer_ref's same calls on a float32 copy of the buffer (the own form)
     buf32 = P.buffer_to(buf64, dtype=torch.float32)
     o32, d32 = ref.verify(**{n: t.cpu().float() for n, t in drafts_in.items()}, buffer=buf32, parents=par.cpu(),
                           num_drafts=nd.cpu())
     valid = (torch.arange(par.shape[1])[None, :] < nd.cpu()[:, None])[:, :, None, None]
     vg = valid if case.channel_gate else valid[..., 0]
-    g = x["g"][:, history:]
-    mo = P.verify_magnitudes(x, par, nd, history=history)
-    res = [compare(o.cpu(), o64, o32.to(o.dtype), name="verify.o", valid=valid, g=g, magnitude=mo),
-           compare(drafts.u.cpu(), d64.u, d32.u, name="verify.drafts.u", valid=valid, g=g),
-           compare(drafts.G.cpu(), d64.G, d32.G, name="verify.drafts.G", valid=vg, g=g)]
+    res = [compare(o.cpu(), o64, o32.to(o.dtype), name="verify.o", valid=valid),
+           compare(drafts.u.cpu(), d64.u, d32.u, name="verify.drafts.u", valid=valid),
+           compare(drafts.G.cpu(), d64.G, d32.G, name="verify.drafts.G", valid=vg)]
     assert torch.isfinite(o).all() and not o[~valid.expand_as(o).to(o.device)].any(), "padding rows must be 0"
     vk = valid.expand(drafts.k.shape).to(DEVICE)
     assert torch.equal(drafts.k[vk], drafts_in["k"][vk]), "Drafts.k must be the drafts' keys"
@@ -156,17 +155,12 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
     assert torch.equal(out.lengths.cpu(), ref64.lengths) and torch.equal(out.has_state.cpu(), ref64.has_state)
     kept = torch.arange(capacity)[None, :] < ref64.lengths[:, None]  # the entries in use after accept
     assert torch.equal(out.k.cpu()[kept].float(), ref64.k[kept].to(out.k.dtype).float()), "accept: keys"
-    span = x["g"]
-    res += [compare(out.u.cpu(), ref64.u, ref32.u, name="accept.u", valid=kept[:, :, None, None], g=span),
+    res += [compare(out.u.cpu(), ref64.u, ref32.u, name="accept.u", valid=kept[:, :, None, None]),
             compare(out.G.cpu(), ref64.G, ref32.G, name="accept.G", valid=kept[:, :, None] if out.G.dim() == 3
-                    else kept[:, :, None, None], g=span)]
+                    else kept[:, :, None, None])]
     if out.state is not None and bool(ref64.has_state.any()):
-        # the state holds each request's tokens (history, then its accepted path) up to those still buffered
-        paths = [P.along_path(x, b, ref.path_to(par[b].cpu(), nodes[b]), history) for b in range(case.B)]
-        mS = torch.cat([tolerances.magnitudes(**{n: t[:, :t.shape[1] - int(ref64.lengths[b])] for n, t in xb.items()})[1]
-                        for b, xb in enumerate(paths)])
         res.append(compare(P.owned_state(out).cpu(), P.owned_state(ref64), P.owned_state(ref32),
-                           name="accept.state", head_axis=1, g=span, magnitude=mS))
+                           name="accept.state", head_axis=1))
     _assert_all(res)
 
 
@@ -182,7 +176,18 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+#: A finding of the tightened budgets, kept visible: with a gate of -111 in the history (|G| about 112), fast
+#: accept's rebase of the accepted drafts' cumulative gates (one float32 subtraction, G_draft - G_end, in the
+#: accept kernel) leaves accept.G 5.4x the oracle's float32 error (1.9e-5 against a budget of 1.5e-5) under
+#: these two launch configurations; the outputs and state after accept pass.  strict: the day the kernel
+#: rebases as accurately as the oracle, this marker fails and goes.
+ACCEPT_G_REBASE = pytest.mark.xfail(strict=True, raises=AssertionError,
+                                    reason="fast accept rebases cumulative gates by one float32 subtraction: "
+                                           "accept.G 5.4x the oracle's float32 error at |G| ~ 112")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=ACCEPT_G_REBASE) if n.startswith("scalar-early")
+                                  or n.startswith("scalar-late") else n for n in CONFIGS])
 def test_verify_accept_match_reference(name):
     """A chain (ten drafts), a ragged tree and a full tree over buffers holding 3 / 0 / 2 of C = 4 entries
     (request 0 in direct mode: its whole history buffered); two value heads per q/k head (two q/k heads
@@ -231,8 +236,13 @@ def test_zero_drafts_and_empty_buffers():
     o64, _ = ref.verify(**{n: t.cpu().double() for n, t in x.items()},
                         buffer=P.buffer_to(buf, dtype=torch.float64), num_drafts=torch.tensor([0, 4]))
     assert (o[0] == 0).all()
-    _assert_all([compare(o.cpu(), o64, None, name="verify.o", dtype=torch.float32, g=x["g"],
-                         magnitude=P.verify_magnitudes(x, drafts.parents, drafts.num_drafts))])
+    # the baseline: kvbuffer_ref's same call on a float32 copy of the buffer (its own form), and request 1's
+    # chain of 4 drafts from no state as the correct forms compute it (the recurrence, the chunkwise form)
+    own, _ = ref.verify(**{n: t.cpu() for n, t in x.items()}, buffer=P.buffer_to(buf, dtype=torch.float32),
+                        num_drafts=torch.tensor([0, 4]))
+    _, (ob, _) = P.truth_and_baseline(x, chunk=4)
+    valid = (torch.arange(4)[None, :] < torch.tensor([0, 4])[:, None])[:, :, None, None]
+    _assert_all([compare(o.cpu(), o64, [own, ob.cpu()], name="verify.o", valid=valid)])
     assert fast.accept(buf, drafts, counts=torch.tensor([0, 0], device=DEVICE)) is buf
     assert buf.lengths.tolist() == [0, 0]
 
@@ -336,14 +346,12 @@ def test_per_draft_state_baseline_matches_recurrence(case, data):
     o, inter = per_draft_state_verify(**x, state=state)
     assert torch.equal(state, keep), "per_draft_state_verify must not modify the state"
     (o64, _), base = P.truth_and_baseline(x, state)
-    r = compare(o.cpu(), o64, base[0], name="per_draft_state.o", g=x["g"],
-                magnitude=tolerances.magnitudes(**x, initial_state=state)[0])
+    r = compare(o.cpu(), o64, base[0], name="per_draft_state.o")
     assert r.passed, str(r)
     for t in range(case.T):  # intermediate t == the state after token t
         xt = {n: v[:, : t + 1] for n, v in x.items()}
         (_, S64), bt = P.truth_and_baseline(xt, state)
-        r = compare(inter[:, t].cpu(), S64, bt[1], name=f"intermediate[{t}]", head_axis=1, g=xt["g"],
-                    magnitude=tolerances.magnitudes(**xt, initial_state=state)[1])
+        r = compare(inter[:, t].cpu(), S64, bt[1], name=f"intermediate[{t}]", head_axis=1)
         assert r.passed, str(r)
     counts = torch.tensor(data.draw(st.lists(st.integers(0, case.T), min_size=case.B, max_size=case.B)),
                           device=DEVICE)
@@ -378,11 +386,9 @@ def test_per_draft_state_baseline_tree_matches_recurrence(case, data):
             path = ref.path_to(parents[b].cpu(), node)
             xb = {n: v[b:b + 1, path] for n, v in x.items()}
             (o64, S64), base = P.truth_and_baseline(xb, state[b:b + 1])
-            r = compare(o[b:b + 1, node:node + 1].cpu(), o64[:, -1:], base[0][:, -1:], name=f"o[{b}, {node}]",
-                        g=xb["g"], magnitude=tolerances.magnitudes(**xb, initial_state=state[b:b + 1])[0][:, -1:])
+            r = compare(o[b:b + 1, node:node + 1].cpu(), o64[:, -1:], base[0][:, -1:], name=f"o[{b}, {node}]")
             assert r.passed, str(r)
-            r = compare(inter[b:b + 1, node].cpu(), S64, base[1], name=f"intermediate[{b}, {node}]", head_axis=1,
-                        g=xb["g"], magnitude=tolerances.magnitudes(**xb, initial_state=state[b:b + 1])[1])
+            r = compare(inter[b:b + 1, node].cpu(), S64, base[1], name=f"intermediate[{b}, {node}]", head_axis=1)
             assert r.passed, str(r)
     nodes = torch.tensor(data.draw(st.lists(st.integers(-1, D - 1), min_size=case.B, max_size=case.B)),
                          device=DEVICE)

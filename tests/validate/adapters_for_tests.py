@@ -114,16 +114,16 @@ decode_interpreted = types.SimpleNamespace(name="decode-interpreted", dtypes=(to
                                            interpreted=True, recurrent_decode=_step)
 
 
-def agrees_with_recurrence(got, x, **kw):
-    """An adapter's (o, S) against the float64 recurrence over the inputs ``x`` (and keywords ``kw``,
-    e.g. an initial state), with the float32 recurrence as the baseline: the one error table decides."""
+def agrees_with_recurrence(got, x, initial_state=None, chunk=None):
+    """An adapter's (o, S) against the float64 recurrence over the inputs ``x`` (from ``initial_state``), with
+    the correct forms in float32 as the baseline (``truth_and_baseline``: the recurrence, and with ``chunk``, the
+    chunk of a kernel that keeps cumulative gates, the chunkwise form too): the one error table decides."""
+    from kvbuffer_ref.validate.properties import truth_and_baseline
     from kvbuffer_ref.validate.tolerances import compare
 
-    truth = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True,
-                                           **{n: None if t is None else t.double() for n, t in kw.items()})
-    base = ref.recurrent_gated_delta_rule(**x, output_final_state=True, **kw)
+    truth, base = truth_and_baseline(x, initial_state, chunk=chunk)
     for name, a, e, b, axis in (("o", got[0], truth[0], base[0], 2), ("state", got[1], truth[1], base[1], 1)):
-        c = compare(a, e, b, name=name, g=x["g"], head_axis=axis)
+        c = compare(a, e, b, name=name, head_axis=axis)
         assert c.passed, str(c)
 
 

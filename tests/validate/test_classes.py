@@ -158,7 +158,8 @@ def test_without_triton_the_fast_rows_are_listed_as_not_run(monkeypatch):
 TINY_GPU = replace(GPU, name="gpu (tiny, for the CPU test)", max_B=2, max_T=6, max_H=2, dims=(4, 8), max_capacity=4,
                    max_history=5, max_new=2, max_chain=3, max_tree=4, max_after=1, max_prompt=6, big_capacity=0,
                    edge_base=(2, 2, 4, 8, 8), edge_B=3, edge_HV=(2, 6), edge_T=20, edge_rows=6,
-                   edge_dims=((8, 12),), edge_tree=5)
+                   edge_dims=((8, 12),), edge_tree=5, edge_chunks=(4,), long_T=20, long_B=1, long_HV=4, long_dims=(4,),
+                   head_shapes=((2, 4, 8, 8), (1, 2, 4, 8), (1, 8, 8, 8)))
 
 
 def test_the_gpu_profile_runs_its_lanes(monkeypatch):

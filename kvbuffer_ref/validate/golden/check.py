@@ -5,8 +5,12 @@
 you have; restrict ``ops=`` accordingly), and returns one ``CaseReport`` per case and buffer form:
 worst-slice relative RMS error, max-abs error and pass/fail of every expected tensor under the one
 tolerance table (``kvbuffer_ref.validate.TOLERANCES``).  At ``dtype=torch.float64`` only the float64
-floor counts; at a narrower dtype the budget is calibrated on the recurrent oracle run in that dtype
-over the same history (``truth.truth``), the baseline of the error policy (docs/testing.md).
+floor counts; at a narrower dtype the baseline of the error policy (docs/testing.md) is, output by output,
+the worst of the correct forms in that dtype on the same inputs (``baselines``): the recurrent oracle over
+the same history (``truth.truth``); for the operations that form cumulative gates (all but recurrent) the
+operation itself run by ``kvbuffer_ref`` on the same inputs and buffer (its own form); for chunk, direct and
+prefill also the chunkwise form with chunks of max(64, the operation's own chunk)
+(``properties.truth_and_baseline``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from ..tolerances import Comparison, compare
 from .files import BUFFER_OPS, GoldenCase, load_cases
 from .truth import torch_arrays, truth
 
-__all__ = ["CaseReport", "run_case", "check_case", "check", "stored_mismatch"]
+__all__ = ["CaseReport", "run_case", "check_case", "check", "stored_mismatch", "baselines"]
 
 def stored_mismatch(name: str, got: np.ndarray, stored: np.ndarray) -> Optional[str]:
     """None when a rebuilt array reproduces the stored one, else why not.  Bit for bit where this
@@ -152,11 +156,42 @@ def _head_axis(name: str) -> int:
     return 1 if name.endswith("state") else 2
 
 
-def _history_gates(case: GoldenCase) -> torch.Tensor:
-    """All log-gates behind a case's outputs ([B, n, HV]*: buffered entries then tokens; padding as 0),
-    for the gate-span term of the tolerance rule."""
-    parts = [case.arrays[n] for n in ("buffer_g", "g") if n in case.arrays]
-    return torch.nan_to_num(torch.from_numpy(np.concatenate(parts, axis=1)), nan=0.0)
+def baselines(case: GoldenCase, dtype: torch.dtype, form: str = "u") -> dict[str, list[torch.Tensor]]:
+    """The baseline forms of ``case``'s outputs at ``dtype`` (narrower than float64), keyed like the outputs
+    (``o``, ``state``, ``buffer_u``, ...): the recurrent oracle over the same history in ``dtype``, the
+    operation's own form (``kvbuffer_ref`` on the same inputs and buffer in ``form``, under the active
+    arithmetic contract; not for recurrent, which forms no cumulative gate) and, for chunk, direct and prefill,
+    the chunkwise form with chunks of max(64, the operation's own chunk: chunk_size, T, capacity)."""
+    import kvbuffer_ref
+
+    from ..contracts import emulate
+    from ..properties import truth_and_baseline
+    from ..tolerances import current_contract
+
+    out: dict[str, list[torch.Tensor]] = {}
+
+    def add(name, x):
+        if x is not None:
+            out.setdefault(name, []).append(x.detach().cpu())
+
+    for n, x in truth(case.op, case.params, case.inputs, dtype).items():
+        add(n[len("expected_"):], x)
+    if case.op != "recurrent" and current_contract() != "bf16-state":
+        with emulate(current_contract()):
+            for n, x in run_case(case, kvbuffer_ref, dtype=dtype, form=form).items():
+                if x is not None and x.is_floating_point():
+                    add(n, x)
+    p = case.params
+    own_chunk = {"chunk": lambda: int(p["chunk_size"]), "direct": lambda: int(p["T"]),
+                 "prefill": lambda: max(int(p["capacity"]), int(p["chunk_size"]))}.get(case.op)
+    if own_chunk is not None:
+        t = torch_arrays(case.inputs, dtype)
+        x = {n: t[n] for n in ("q", "k", "v", "g", "beta")}
+        h0 = None if case.op == "direct" else t.get("initial_state")
+        _, base = truth_and_baseline(x, h0, scale=float(p["scale"]), chunk=own_chunk())
+        add("o", base[0])
+        add("final_state" if case.op == "chunk" else "state", None if case.op == "direct" else base[1])
+    return out
 
 
 def check_case(case: GoldenCase, impl=None, *, dtype: torch.dtype = torch.float64, form: str = "u",
@@ -179,8 +214,7 @@ def check_case(case: GoldenCase, impl=None, *, dtype: torch.dtype = torch.float6
     exp = {n[len("expected_"):]: torch.from_numpy(np.array(a)) for n, a in case.expected.items()}
     base = None
     if dtype != torch.float64:
-        base = {n[len("expected_"):]: x for n, x in truth(case.op, case.params, case.inputs, dtype).items()}
-    gates = _history_gates(case)
+        base = baselines(case, dtype, form)
     skip = KVBuffer.form_fields(_other_form(form))
     slots = None
     if "buffer_lengths" in exp:
@@ -208,7 +242,7 @@ def check_case(case: GoldenCase, impl=None, *, dtype: torch.dtype = torch.float6
             rep.mismatches.append(f"{name}: expected shape {list(e.shape)}, got {list(a.shape)}")
             continue
         rep.comparisons.append(compare(a.detach().cpu(), e, None if base is None else base[name], name=name,
-                                       dtype=dtype, head_axis=_head_axis(name), valid=valid, g=gates))
+                                       dtype=dtype, head_axis=_head_axis(name), valid=valid))
     return rep
 
 
