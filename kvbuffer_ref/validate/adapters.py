@@ -297,10 +297,11 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
         os.environ[POISON_ENV] = "1"
 
     missing = {a: f"not implemented in {package}" for a in OPERATION_ATTRS if a not in ops}
-    # compiled, the chunk kernels multiply 16-bit inputs in 16-bit products (docs/kernels.md, "Precision")
+    # compiled, the chunk kernels multiply float32 inputs as three TF32 products and 16-bit inputs in 16-bit
+    # products (kvbuffer_fast/chunk.py, "Precision"; docs/kernels.md)
     lane_contracts = {} if interpreter_active() else {
-        (op, dt): "bf16" for op in ("chunk", "chunk_varlen", "direct", "prefill")
-        for dt in (torch.float16, torch.bfloat16)}
+        (op, dt): "tf32x3" if dt == torch.float32 else "bf16" for op in ("chunk", "chunk_varlen", "direct", "prefill")
+        for dt in (torch.float32, torch.float16, torch.bfloat16)}
     # bfloat16 only compiled: under the Triton interpreter bfloat16 arithmetic is not what the GPU computes
     dtypes = (torch.float32, torch.float16) + (() if interpreter_active() else (torch.bfloat16,))
     return Implementation(name=package, obj=types.SimpleNamespace(prepare=prepare, **ops),

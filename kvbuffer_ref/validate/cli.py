@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
                         "a form may be named: decode[u]")
     v.add_argument("--contract", metavar="CONTRACT",
                    help="judge every --impl by this arithmetic contract instead of the one its adapter declares: "
-                        "ieee (IEEE float32, the default), tf32 (TF32 products), bf16 (bfloat16 products, float32 "
+                        "ieee (IEEE float32, the default), tf32x3 (three TF32 products), tf32 (TF32 products), bf16 (bfloat16 products, float32 "
                         "accumulation), bf16-state (a bfloat16 recurrent state); the exit status follows it")
     v.add_argument("--peer-path", metavar="CHECKOUT",
                    help="the checkout a peer adapter loads its kernels from (--impl replayssm); also "

@@ -3,12 +3,14 @@
 A kernel of this family rarely computes float32 inputs in IEEE float32 throughout: on a GPU, Triton's
 ``tl.dot`` of float32 operands multiplies in TF32 by default (10-bit mantissa), bf16 kernels multiply
 bf16 operands and accumulate in float32, and some engines keep the recurrent state in bf16.  An
-adapter states which of these it keeps (``contract = "tf32"``); the budget of every comparison then
-is then judged against correct forms computed in that arithmetic (``correct_forms``, ``tolerances``).
+adapter states which of these it keeps (``contract = "tf32"``); every comparison of its lanes is then
+judged against correct forms computed in that arithmetic (``correct_forms``, ``tolerances``).
 
-The contracts, and the emulation used to calibrate them (``emulate``):
+The contracts, and their emulation (``emulate``):
 
-    ieee        every product and sum in the compute dtype (float32): today's budgets, the default
+    ieee        every product and sum in the compute dtype (float32), the default
+    tf32x3      every product as three TF32 products (a_hi b_hi + a_hi b_lo + a_lo b_hi, each operand split
+                into a TF32 head and a TF32 tail: Triton's ``input_precision="tf32x3"``), float32 accumulation
     tf32        the operands of every matrix / vector product rounded to TF32 (10-bit mantissa,
                 round to nearest even), accumulated in float32
     bf16        the operands of every product rounded to bfloat16 (8-bit mantissa), float32 accumulation
@@ -32,10 +34,11 @@ __all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "round_bf16", "emulate", 
            "check_contract", "baseline_recurrent", "correct_forms", "segmented_form"]
 
 #: The contracts an adapter may declare, tightest first (``ieee`` is the default).
-CONTRACTS = ("ieee", "tf32", "bf16", "bf16-state")
+CONTRACTS = ("ieee", "tf32x3", "tf32", "bf16", "bf16-state")
 #: How the report names a contract ("FAIL as fp32; PASS as tf32: error consistent with TF32 products").
 CONTRACT_TEXT = {
     "ieee": ("fp32", "IEEE float32 arithmetic"),
+    "tf32x3": ("tf32x3", "three-TF32 products"),
     "tf32": ("tf32", "TF32 products"),
     "bf16": ("bf16", "bfloat16 products with float32 accumulation"),
     "bf16-state": ("bf16-state", "a bfloat16 recurrent state"),
@@ -89,10 +92,27 @@ class _Products(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _SplitProducts(TorchFunctionMode):
+    """Every two-operand ``torch.einsum`` as three TF32 products: each operand split into a TF32 head and
+    the TF32 rounding of its tail, the tail x tail product dropped (Triton's ``input_precision="tf32x3"``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.einsum and len(args) == 3 and isinstance(args[0], str) \
+                and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[1:]):
+            eq, a, b = args
+            ah, bh = round_tf32(a), round_tf32(b)
+            al, bl = round_tf32(a - ah), round_tf32(b - bh)
+            return func(eq, ah, bh, **kwargs) + (func(eq, ah, bl, **kwargs) + func(eq, al, bh, **kwargs))
+        return func(*args, **kwargs)
+
+
 def emulate(contract: str):
-    """A context in which the reference's products follow ``contract`` ("tf32" or "bf16"; "ieee" and
-    "bf16-state" change no product: a no-op)."""
+    """A context in which the reference's products follow ``contract`` ("tf32x3", "tf32" or "bf16"; "ieee"
+    and "bf16-state" change no product: a no-op)."""
     contract = check_contract(contract)
+    if contract == "tf32x3":
+        return _SplitProducts()
     if contract in _ROUND:
         return _Products(_ROUND[contract])
     return contextlib.nullcontext()

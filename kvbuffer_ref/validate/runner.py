@@ -316,12 +316,15 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         anchors.append(dict(a, layout=False, case=replace(a["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm)))
     if profile == "gpu":  # production shapes: every new shape is a compile; the small anchors are the CI's job
         anchors = anchors[:1]
+    i_part, n_part = edge_part
+    # an interpreted implementation's dtype lanes share the anchors past the first as they share the boundary
+    # cases: each runs in one of them
+    anchors = anchors[:1] + anchors[1:][i_part::n_part]
     if anchors:  # every lane: the first anchor with every read-only input a strided view, and in the wide domain
         a0 = anchors[0]
         anchors.append(dict(a0, layout="strided"))
         anchors.append(dict(a0, case=replace(a0["case"], gate="wide" if finite else "reset", norm="any",
                                              beta="uniform" if impl.beta_max > 1 else a0["case"].beta)))
-    i_part, n_part = edge_part
     edges = edge_params(op.key, sizes, seed=lseed, channel=channel_ok)[i_part::n_part]
     edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm)) for e in edges]
     prog = Progress(f"{op.name} / {impl.name} / {dtype_name(dt)}", len(anchors) + len(edges) + n, stream=progress)
@@ -629,7 +632,8 @@ def _run_lanes(lanes, report, *, device, profile, seed, max_examples, shrink, re
 
 def _edge_part(lane: Lane, lanes: list) -> tuple:
     """(i, n): an interpreted implementation's lanes of one operation (its dtypes) share the operation's
-    boundary cases, lane i taking every n-th; every other implementation checks all of them per lane."""
+    boundary cases and its anchors past the first, lane i taking every n-th; every other implementation
+    checks all of them per lane."""
     if not lane.impl.interpreted:
         return (0, 1)
     sib = [l for l in lanes if l.status == "RUN" and l.impl is lane.impl and l.op.name == lane.op.name]
