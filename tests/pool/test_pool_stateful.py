@@ -49,7 +49,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.entries import fold_count  # noqa: E402
 from kvbuffer_ref.validate import compare  # noqa: E402
-from kvbuffer_ref.validate.properties import truth_and_baseline  # noqa: E402
+from kvbuffer_ref.validate.contracts import segmented_form  # noqa: E402
+from kvbuffer_ref.validate.properties import FORM_CHUNK  # noqa: E402
 
 from .schedule import FIELDS, Tokens, _addressing, _padded, _same, assert_untouched, snapshot  # noqa: E402
 
@@ -77,8 +78,8 @@ def _take(x: dict, idx) -> dict:
 class Truth:
     """One request's truth in one layer: its accepted tokens (``hist``, [T, ...] per field), the float64
     state after them and the plain recurrence's state in the pool's dtype (None for float64).  The baseline of a
-    comparison: that recurrence and the chunkwise form with chunks of max(64, C) over the whole history
-    (``truth_and_baseline``), as the pool's buffer (capacity C) and its admit keep cumulative gates."""
+    comparison: that recurrence and the chunkwise forms with chunks of 64 and of C over the whole history
+    (``chunkwise``), as the pool's buffer (capacity C) and its admit keep cumulative gates."""
 
     def __init__(self, hist: dict, dtype: torch.dtype, C: int):
         self.hist, self.dtype, self.C = hist, dtype, C
@@ -103,17 +104,23 @@ class Truth:
         return o64, S64, ob, Sb
 
     def chunkwise(self, x: dict):
-        """The chunkwise baseline form (o [1, T, ...], S [1, ...]) over the tokens ``x`` [T, ...] (None for float64)."""
-        if self.dtype == torch.float64 or x["q"].shape[0] == 0:
-            return None, None
-        return truth_and_baseline({f: t[None].to(self.dtype) for f, t in x.items()}, chunk=self.C)[1]
+        """The chunkwise baseline forms over the tokens ``x`` [T, ...]: ([o [1, T, ...]], [S [1, ...]]), one
+        per chunk (64 and C) and way of summing the cumulative gates, as ``truth_and_baseline`` takes them
+        (the recurrence, the other baseline form, is carried incrementally); none for float64."""
+        T = x["q"].shape[0]
+        if self.dtype == torch.float64 or T == 0:
+            return [], []
+        xs = {f: t[None].to(self.dtype) for f, t in x.items()}
+        forms = [segmented_form(**xs, starts=range(0, T, c), rounded=r)
+                 for c in sorted({FORM_CHUNK, self.C}) for r in (False, True)]
+        return [o for o, _ in forms], [S for _, S in forms]
 
     def check(self, actual: torch.Tensor, new: dict, what: str, commit: bool):
         """``actual`` [n, HV, V]: the outputs of the last n of the tokens ``new`` after the history."""
         o64, S64, ob, Sb = self.run(new, self.S64, self.Sb)
         n = actual.shape[0]
         oc, _ = self.chunkwise(_cat(self.hist, new))
-        base = None if ob is None else [ob[None, -n:], oc[:, -n:]]
+        base = None if ob is None else [ob[None, -n:]] + [o[:, -n:] for o in oc]
         c = compare(actual[None].cpu(), o64[None, -n:], base, name=what, dtype=self.dtype)
         assert c.passed, str(c)
         if commit:
@@ -129,7 +136,7 @@ class Truth:
             assert bool((actual == 0).all()), f"{what}: a request without tokens has a non-zero state"
             return
         _, Sc = self.chunkwise(self.hist)
-        base = None if self.Sb is None else [self.Sb[None], Sc]
+        base = None if self.Sb is None else [self.Sb[None]] + Sc
         c = compare(actual[None].cpu(), self.S64[None], base, name=what, dtype=self.dtype, head_axis=1)
         assert c.passed, str(c)
 
