@@ -33,7 +33,8 @@ __all__ = ["KVBuffer", "Drafts"]
 #: The lowest a stored cumulative log-gate ``G`` may go per buffered row: every gate a buffered token brings
 #: is at least ``-RESET_GATE`` of its compute dtype (a reset, -inf included, is taken as that; the largest,
 #: float64's, bounds every dtype), and a row's G sums at most C of them since the last flush; so a live G is
-#: finite and at least ``-G_FLOOR_PER_ROW * C``, and a live raw-form ``g`` finite and at least
+#: finite and at least ``-G_FLOOR_PER_ROW * (C + 1)`` (a row more for the rounding of those sums: -2000 plus a
+#: tiny gate is -2000.0000000000002), and a live raw-form ``g`` finite and at least
 #: ``-G_FLOOR_PER_ROW`` (``KVBuffer.check``).  A G of -inf gives -inf - (-inf) = NaN
 #: in the decays exp(G_i - G_j), and -1e30 absorbs every later gate (a wrong finite answer).
 G_FLOOR_PER_ROW = RESET_GATE[torch.float64]
@@ -289,8 +290,8 @@ class KVBuffer(_Slots):
                     f"{float(self.gates[tuple(idx)])}"
             if form == "u":
                 raise ValueError(
-                    f"buffer.G: {where}, expected a finite cumulative log-gate not below -{G_FLOOR_PER_ROW * C:g} "
-                    f"(-RESET_GATE[float64] = -{G_FLOOR_PER_ROW:g} per buffered row x the capacity C={C}): every "
+                    f"buffer.G: {where}, expected a finite cumulative log-gate not below -{G_FLOOR_PER_ROW * (C + 1):g} "
+                    f"(-RESET_GATE[float64] = -{G_FLOOR_PER_ROW:g} per buffered row x (the capacity C={C} + 1)): every "
                     f"operation that writes G takes a reset gate (-inf, -1e30) as -RESET_GATE (kvbuffer_ref.checks."
                     f"RESET_GATE, docs/conventions.md \"Reset gates\"), so a G of -inf, NaN, +inf or below that "
                     f"floor was not made by prefill, buffered_decode, flush or accept, and its decays exp(G_i - G_j) "
@@ -314,7 +315,7 @@ class KVBuffer(_Slots):
 
     def _bad_gates(self, C: int) -> Optional[torch.Tensor]:
         """[B, C, HV(, K)] bool: the live rows (below ``lengths[b]``) of the stored gates that are not finite or
-        lie below their floor: the u-cache's cumulative ``G`` below ``-G_FLOOR_PER_ROW * C``, the raw form's
+        lie below their floor: the u-cache's cumulative ``G`` below ``-G_FLOOR_PER_ROW * (C + 1)``, the raw form's
         per-token ``g`` below ``-G_FLOOR_PER_ROW``.  None for gates the later checks reject anyway (not
         floating, on another device, of another shape).  Rows past the lengths are garbage (never read) and
         may hold anything."""
@@ -322,7 +323,7 @@ class KVBuffer(_Slots):
         if (not isinstance(G, torch.Tensor) or not G.dtype.is_floating_point or G.device != lengths.device
                 or G.dim() < 3 or tuple(G.shape[:2]) != (lengths.shape[0], C)):
             return None
-        floor = G_FLOOR_PER_ROW * (C if self.G is not None else 1)
+        floor = G_FLOOR_PER_ROW * (C + 1 if self.G is not None else 1)
         n = lengths.clamp(0, C)
         live = (torch.arange(C, device=G.device)[None, :] < n[:, None]).view(*G.shape[:2], *([1] * (G.dim() - 2)))
         return live & ~(torch.isfinite(G) & (G >= -floor))

@@ -579,15 +579,19 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     bas = [torch.zeros_like(exp) for _ in range(3)]
     for b in range(B):
         first = P - int(lengths[b])
-        for i in range(num_drafts[b]):
+        done = set()
+        for i in reversed(range(num_drafts[b])):  # one run per leaf: a path's outputs hold for every node on it
+            if i in done:
+                continue
             p = path_to(par[b].cpu(), i)
-            exp[b, i] = _path_truth(nodes_x, b, p, S_hist, case.scale)[-1].cpu()
+            done.update(p)
+            exp[b, p] = _path_truth(nodes_x, b, p, S_hist, case.scale).cpu()
             if S_hist_c is not None:
-                rec = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale, current_contract())[-1]
-                bas[0][b, i] = rec.to(dtype).to("cpu", torch.float64)
+                rec = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale, current_contract())
+                bas[0][b, p] = rec.to(dtype).to("cpu", torch.float64)
             for r, (ob, _) in enumerate(_buffer_form(along_path(x, b, p, P), 0, first, P + len(p), stored[b], [first],
                                                      dtype, case.scale)):
-                bas[1 + r][b, i] = ob[0, -1].to("cpu", torch.float64)
+                bas[1 + r][b, p] = ob[0, -len(p):].to("cpu", torch.float64)
     valid = (torch.arange(D)[None, :] < nd.cpu()[:, None])[:, :, None, None]
     if S_hist_c is None:  # float64 under IEEE arithmetic: the recurrence is the truth itself, no baseline form
         bas = bas[1:]

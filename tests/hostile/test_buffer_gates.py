@@ -14,7 +14,7 @@ from .probes import C, F32, buffer, one, tokens
 import kvbuffer_fast as fast  # noqa: E402  (probes sets the interpreter and the poison first)
 import kvbuffer_ref as ref  # noqa: E402
 
-BAD = [float("-inf"), -1e30, float("nan"), float("inf"), -G_FLOOR_PER_ROW * C * 1.5]
+BAD = [float("-inf"), -1e30, float("nan"), float("inf"), -G_FLOOR_PER_ROW * (C + 1) * 1.5]
 
 
 def _bad(value, channel=False, row=(0, 1)):
@@ -46,7 +46,7 @@ def test_a_bad_stored_gate_is_rejected_by_every_buffer_operation(pkg, value):
             call()
         msg = str(e.value)
         assert msg.startswith("buffer.G: entry [0, 1"), (name, msg)
-        assert "expected a finite cumulative log-gate" in msg and f"{G_FLOOR_PER_ROW * C:g}" in msg, (name, msg)
+        assert "expected a finite cumulative log-gate" in msg and f"{G_FLOOR_PER_ROW * (C + 1):g}" in msg, (name, msg)
         found = float(msg.split(" is ", 1)[1].split(",", 1)[0])
         assert found == value or (found != found and value != value) or found == float(torch.tensor(value)), msg
 
