@@ -9,7 +9,7 @@ floor counts; at a narrower dtype the baseline of the error policy (docs/testing
 the worst of the correct forms in that dtype on the same inputs (``baselines``): the recurrent oracle over
 the same history (``truth.truth``); for the operations that form cumulative gates (all but recurrent) the
 operation itself run by ``kvbuffer_ref`` on the same inputs and buffer (its own form); for chunk, direct and
-prefill also the chunkwise form with chunks of max(64, the operation's own chunk)
+prefill also the chunkwise forms with chunks of 64 and of the operation's own chunk
 (``properties.truth_and_baseline``).
 """
 
@@ -161,7 +161,7 @@ def baselines(case: GoldenCase, dtype: torch.dtype, form: str = "u") -> dict[str
     (``o``, ``state``, ``buffer_u``, ...): the recurrent oracle over the same history in ``dtype``, the
     operation's own form (``kvbuffer_ref`` on the same inputs and buffer in ``form``, under the active
     arithmetic contract; not for recurrent, which forms no cumulative gate) and, for chunk, direct and prefill,
-    the chunkwise form with chunks of max(64, the operation's own chunk: chunk_size, T, capacity)."""
+    the chunkwise forms with chunks of 64 and of the operation's own chunk (chunk_size, T, capacity)."""
     import kvbuffer_ref
 
     from ..contracts import emulate
