@@ -31,7 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
-           "check_contract", "baseline_recurrent", "correct_forms", "segmented_form"]
+           "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms"]
 
 #: The contracts an adapter may declare, tightest first (``ieee`` is the default).
 CONTRACTS = ("ieee", "tf32x3", "tf32", "bf16", "bf16-state")
@@ -166,11 +166,16 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
     x = dict(q=q, k=k, v=v, g=g, beta=beta)
     forms = [baseline_recurrent(**x, scale=scale, initial_state=initial_state, contract=contract)]
     for chunk in chunks:
-        starts = range(0, q.shape[1], int(chunk))
-        for rounded in (False, True):  # the cumulative gates rounded both ways a kernel may sum them
-            forms.append(segmented_form(**x, scale=scale, initial_state=initial_state, starts=starts, rounded=rounded,
-                                        contract=contract))
+        forms += segmented_forms(**x, scale=scale, initial_state=initial_state, starts=range(0, q.shape[1], int(chunk)),
+                                 contract=contract)
     return forms
+
+
+def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), contract=None):
+    """[(o, S), (o, S)]: ``segmented_form`` with its cumulative gates summed in float32 and correctly rounded,
+    the two ways a kernel may sum them."""
+    return [segmented_form(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,
+                           rounded=rounded, contract=contract) for rounded in (False, True)]
 
 
 class _RoundedCumsum(TorchFunctionMode):

@@ -25,7 +25,7 @@ from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, l2norm_qk, upcast_inputs
-from .contracts import baseline_recurrent, correct_forms, emulate, segmented_form
+from .contracts import baseline_recurrent, correct_forms, emulate, segmented_forms
 from .tolerances import Comparison, compare, compute_dtype, current_contract
 
 __all__ = [
@@ -249,15 +249,14 @@ def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = No
 
 def _buffer_form(x: dict, b: int, first: int, last: int, state: Optional[torch.Tensor], starts: Sequence[int],
                  dtype: torch.dtype, scale: Optional[float]) -> list:
-    """Request b's tokens ``first..last-1`` of ``x`` as a buffer computes them: ``contracts.segmented_form``
+    """Request b's tokens ``first..last-1`` of ``x`` as a buffer computes them: ``contracts.segmented_forms``
     from ``state`` (the state stored at the buffer's start, [1, HV, K, V]; None: none) with chunk boundaries
     at ``starts`` (absolute positions: the buffer's start and every fold), in the compute dtype under the
     lane's arithmetic contract, its cumulative gates summed both ways: [(o [1, n, HV, V] in ``dtype``, S), ...]."""
     xb = {n: t[b : b + 1, first:last] for n, t in x.items()}
-    S = None if state is None else state.to(torch.promote_types(dtype, torch.float32))
+    S0 = None if state is None else state.to(torch.promote_types(dtype, torch.float32))
     rel = [int(p) - first for p in starts if first <= int(p) < last]
-    return [(o.to(dtype), S) for o, S in
-            (segmented_form(**xb, initial_state=S, starts=rel, rounded=r, scale=scale) for r in (False, True))]
+    return [(o.to(dtype), S) for o, S in segmented_forms(**xb, initial_state=S0, starts=rel, scale=scale)]
 
 
 def _oracle_run(dtype: torch.dtype, run):

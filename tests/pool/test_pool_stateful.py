@@ -49,7 +49,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.entries import fold_count  # noqa: E402
 from kvbuffer_ref.validate import compare  # noqa: E402
-from kvbuffer_ref.validate.contracts import segmented_form  # noqa: E402
+from kvbuffer_ref.validate.contracts import segmented_forms  # noqa: E402
 from kvbuffer_ref.validate.properties import FORM_CHUNK  # noqa: E402
 
 from .schedule import FIELDS, Tokens, _addressing, _padded, _same, assert_untouched, snapshot  # noqa: E402
@@ -111,8 +111,7 @@ class Truth:
         if self.dtype == torch.float64 or T == 0:
             return [], []
         xs = {f: t[None].to(self.dtype) for f, t in x.items()}
-        forms = [segmented_form(**xs, starts=range(0, T, c), rounded=r)
-                 for c in sorted({FORM_CHUNK, self.C}) for r in (False, True)]
+        forms = [f for c in sorted({FORM_CHUNK, self.C}) for f in segmented_forms(**xs, starts=range(0, T, c))]
         return [o for o, _ in forms], [S for _, S in forms]
 
     def check(self, actual: torch.Tensor, new: dict, what: str, commit: bool):
