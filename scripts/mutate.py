@@ -128,9 +128,8 @@ MUTANTS = [
     _m("F07", F, "decode.py", "    m_r = rows < n\n    uc = tl.load(", "    m_r = rows < n - 1\n    uc = tl.load(", DEC,
        "decode: off-by-one in the buffer length (the newest entry is not attended to)", True),
     _m("F08", F, "decode.py",
-       '        dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))\n        wk = tl.where(m_r, wk * dec, 0.0)',
-       '        dec = tl.exp(tl.where(m_r, tl.where(rows == 0, 0.0, g_new - gc), float("-inf")))\n'
-       '        wk = tl.where(m_r, wk * dec, 0.0)', DEC,
+       '        dec = tl.exp(tl.where(m_r, (g_last - gc) + g_tok, float("-inf")))',
+       '        dec = tl.exp(tl.where(m_r, tl.where(rows == 0, 0.0, (g_last - gc) + g_tok), float("-inf")))', DEC,
        "decode: the oldest buffered entry is not decayed (scalar gate)", True),
     _m("F09", F, "decode.py", "        e_new = tl.exp(g_new)\n        sk = sk * e_new",
        "        e_new = 1.0 + 0.0 * g_new\n        sk = sk * e_new", DEC,

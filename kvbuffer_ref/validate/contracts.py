@@ -171,11 +171,15 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
     return forms
 
 
-def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), contract=None):
-    """[(o, S), (o, S)]: ``segmented_form`` with its cumulative gates summed in float32 and correctly rounded,
-    the two ways a kernel may sum them."""
+def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
+    """[(o, S), ...]: ``segmented_form`` with its cumulative gates summed in float32 and correctly rounded,
+    the two ways a kernel may sum them; with ``carried`` boundaries, also both ways with the gates
+    rebased at those boundaries (a buffer's accept or partial flush) instead of summed afresh."""
+    ways = [dict(rounded=r) for r in (False, True)]
+    if any(0 < int(c) < q.shape[1] for c in carried):
+        ways += [dict(rounded=r, carried=carried) for r in (False, True)]
     return [segmented_form(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,
-                           rounded=rounded, contract=contract) for rounded in (False, True)]
+                           contract=contract, **w) for w in ways]
 
 
 class _RoundedCumsum(TorchFunctionMode):
@@ -192,15 +196,52 @@ class _RoundedCumsum(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _SequentialCumsum(TorchFunctionMode):
+    """Every float32 cumulative sum as a loop of float32 additions, one rounding after each: what a kernel that
+    carries its running sum in a register computes, on any device (``torch.cumsum`` accumulates float32 in
+    float64 on a CPU, and in a parallel scan on CUDA)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.cumsum, torch.Tensor.cumsum) and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.float32:
+            dim = args[1] if len(args) > 1 else kwargs["dim"]
+            x = args[0].movedim(dim, 0)
+            out = torch.empty_like(x)
+            acc = torch.zeros_like(x[0])
+            for i in range(x.shape[0]):
+                acc = acc + x[i]
+                out[i] = acc
+            return out.movedim(0, dim)
+        return func(*args, **kwargs)
+
+
+def _segment_gates(g: torch.Tensor, edges: list, carried: set) -> list:
+    """The cumulative gates of each segment ``edges[i]..edges[i+1]`` of ``g`` [B, T, HV]*: summed from the
+    segment's first token, or, where the segment starts at a ``carried`` boundary, summed on from the start of
+    the frame it continues (the last boundary not carried) and rebased by one subtraction, ``G - G_{start-1}``:
+    the gates a buffer holds after an accept or a partial flush, which rebase its entries' stored sums."""
+    out, frame = [], 0
+    for a, b in zip(edges, edges[1:]):
+        if a not in carried:
+            frame = a
+        G = g[:, frame:b].cumsum(dim=1)
+        out.append(G[:, a - frame:] - G[:, a - frame - 1 : a - frame] if a > frame else G)
+    return out
+
+
 def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), rounded: bool = False,
-                   contract=None):
+                   carried=(), contract=None):
     """(o, S) of the chunkwise form with chunk boundaries at ``starts`` (sorted token positions, the first 0),
     in the inputs' compute dtype under ``contract``: the tokens between two boundaries form one chunk, whose
-    cumulative gates start at its first token.  A buffer computes exactly this way between its folds (its
-    cumulative gates run from the buffer's start), so it is the buffer operations' own form.  rounded: the
-    cumulative gates as correctly rounded partial sums (``_RoundedCumsum``) instead of float32 additions.
-    bf16-state rounds the state at every boundary.  Batch of any B, the same boundaries for every request."""
-    import kvbuffer_ref as ref
+    cumulative gates start at its first token (``carried`` boundaries: rebased from the frame before it,
+    ``_segment_gates``).  A buffer computes exactly this way between its folds (its cumulative gates run from
+    the buffer's start), so it is the buffer operations' own form.  rounded: the cumulative gates as correctly
+    rounded partial sums (``_RoundedCumsum``) instead of a loop of float32 additions (``_SequentialCumsum``).  bf16-state rounds the state at
+    every boundary.  Batch of any B, the same boundaries for every request."""
+    from kvbuffer_ref.chunk import _wy_chunk
+    from kvbuffer_ref.core import fold_state
+    from kvbuffer_ref.inputs import prepare_tokens
 
     from .tolerances import current_contract
 
@@ -209,14 +250,21 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
     edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T] if T else []
     S = initial_state
     outs = []
-    with (_RoundedCumsum() if rounded else contextlib.nullcontext()), emulate(contract):
-        for a, b in zip(edges, edges[1:]):
+    with (_RoundedCumsum() if rounded else _SequentialCumsum()), emulate(contract):
+        if not T:
+            edges = []
+        x = prepare_tokens(q, k, v, g, beta, scale) if T else None
+        if S is None and T:
+            S = torch.zeros(x.dims.B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
+        S = S.to(x.v.dtype) if T else S
+        gates = [] if not T else _segment_gates(x.g, edges, {int(c) for c in carried})
+        for (a, b), G in zip(zip(edges, edges[1:]), gates):
             sl = slice(a, b)
-            o, S = ref.chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g=g[:, sl], beta=beta[:, sl], scale=scale,
-                                              initial_state=S, output_final_state=True, chunk_size=b - a)
+            o, u = _wy_chunk(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.beta[:, sl], G, S)
+            S = fold_state(S, x.k[:, sl], u, G, G[:, -1])
             if contract == "bf16-state":
                 S = round_bf16(S)
-            outs.append(o)
+            outs.append(o.to(x.out_dtype))
     if S is None:  # no tokens
         S = torch.zeros(q.shape[0], v.shape[2], k.shape[-1], v.shape[3], dtype=torch.promote_types(q.dtype, torch.float32),
                         device=q.device)

@@ -248,15 +248,17 @@ def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = No
 
 
 def _buffer_form(x: dict, b: int, first: int, last: int, state: Optional[torch.Tensor], starts: Sequence[int],
-                 dtype: torch.dtype, scale: Optional[float]) -> list:
+                 dtype: torch.dtype, scale: Optional[float], carried: Sequence[int] = ()) -> list:
     """Request b's tokens ``first..last-1`` of ``x`` as a buffer computes them: ``contracts.segmented_forms``
     from ``state`` (the state stored at the buffer's start, [1, HV, K, V]; None: none) with chunk boundaries
-    at ``starts`` (absolute positions: the buffer's start and every fold), in the compute dtype under the
-    lane's arithmetic contract, its cumulative gates summed both ways: [(o [1, n, HV, V] in ``dtype``, S), ...]."""
+    at ``starts`` (absolute positions: the buffer's start and every fold; at those in ``carried``, an accept's
+    or a partial flush's, the entries kept are rebased rather than summed afresh), in the compute dtype under
+    the lane's arithmetic contract, its cumulative gates summed both ways: [(o [1, n, HV, V] in ``dtype``, S), ...]."""
     xb = {n: t[b : b + 1, first:last] for n, t in x.items()}
     S0 = None if state is None else state.to(torch.promote_types(dtype, torch.float32))
     rel = [int(p) - first for p in starts if first <= int(p) < last]
-    return [(o.to(dtype), S) for o, S in segmented_forms(**xb, initial_state=S0, starts=rel, scale=scale)]
+    kept = [int(p) - first for p in carried if first < int(p) < last]
+    return [(o.to(dtype), S) for o, S in segmented_forms(**xb, initial_state=S0, starts=rel, carried=kept, scale=scale)]
 
 
 def _oracle_run(dtype: torch.dtype, run):
@@ -280,16 +282,20 @@ def _stored_state(buf: KVBuffer, b: int) -> Optional[torch.Tensor]:
     return buf.state[b : b + 1]
 
 
-def _decode_folds(start: int, n: int, steps: range, capacity: int, flushes: Optional[dict] = None) -> list:
+def _decode_folds(start: int, n: int, steps: range, capacity: int, flushes: Optional[dict] = None,
+                  carried: Optional[list] = None) -> list:
     """The positions a buffer starts at: from ``start`` holding ``n`` entries, through the decode steps at the
     positions ``steps`` (a flush of ``count`` entries before step i when ``flushes[i]`` says so, a full buffer
-    folding all its entries before the step that finds it full)."""
+    folding all its entries before the step that finds it full).  ``carried``: a list the positions of partial
+    flushes are appended to (their kept entries are rebased, not summed afresh)."""
     starts = [start]
     for i, t in enumerate(steps):
         if flushes and i in flushes:
             m = n if flushes[i] is None else min(int(flushes[i]), n)
             start, n = start + m, n - m
             starts.append(start)
+            if carried is not None and 0 < m and n > 0:
+                carried.append(start)
         if n >= capacity:
             start, n = t, 0
             starts.append(start)
@@ -299,8 +305,9 @@ def _decode_folds(start: int, n: int, steps: range, capacity: int, flushes: Opti
 
 def _stack_forms(rows: list) -> tuple:
     """Per-request forms ``rows[b] = [(o, S), ...]`` (one entry per form, batches of one) as the batch:
-    ([o of each form], [S of each form])."""
-    R = len(rows[0]) if rows else 0
+    ([o of each form], [S of each form]); a request with fewer forms repeats its last one."""
+    R = max((len(r) for r in rows), default=0)
+    rows = [r + [r[-1]] * (R - len(r)) for r in rows]
     return ([torch.cat([r[i][0] for r in rows]) for i in range(R)],
             [torch.cat([r[i][1] for r in rows]) for i in range(R)])
 
@@ -479,9 +486,10 @@ def check_decode(impl, case: Case, dtype: torch.dtype, *, capacity: int, history
         n = int(lengths[b])
         fl = None if not flushes else {i: (None if c is None else int(torch.as_tensor(c).reshape(-1)[b]))
                                        for i, c in flushes.items()}
-        starts = _decode_folds(P - n, n, range(P, case.T), capacity, fl)
+        carried = []
+        starts = _decode_folds(P - n, n, range(P, case.T), capacity, fl, carried)
         rows.append([(o[:, n:], S) for o, S in _buffer_form(x, b, P - n, case.T, _stored_state(buf, b), starts, dtype,
-                                                               case.scale)])
+                                                               case.scale, carried)])
     own = _stack_forms(rows)
     oracle = _oracle_run(dtype, lambda: run(ref, prepared(KVBuffer(**buf.cloned()))))
     if oracle is not None:
@@ -615,8 +623,10 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
         first, n, m = P - int(lengths[b]), int(lengths[b]), len(path)
         start, held = (first, n + m) if n + m <= capacity else (first + n + max(0, m - capacity), min(m, capacity))
         starts = [first] + _decode_folds(start, held, range(P + m, len(keep)), capacity)
+        carried = [start] if n + m > capacity else []  # accept's fold rebases the entries it keeps
         rows.append([(ob[:, len(keep) - first - after:], Sb)
-                     for ob, Sb in _buffer_form(xb, 0, first, len(keep), stored[b], starts, dtype, case.scale)])
+                     for ob, Sb in _buffer_form(xb, 0, first, len(keep), stored[b], starts, dtype, case.scale,
+                                                carried)])
     exp_o, exp_S = torch.cat(exp_o), torch.cat(exp_S)
     bas_o, bas_S = (torch.cat(bas_o), torch.cat(bas_S)) if bas_S else (None, None)
     own = _stack_forms(rows)

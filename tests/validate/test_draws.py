@@ -107,7 +107,7 @@ def test_boundary_lengths():
 def _draws(strategy, n=100):
     out = []
 
-    @settings(QUICK, max_examples=n)
+    @settings(QUICK, max_examples=n, derandomize=True)  # a fixed draw: the claims are about what it holds
     @given(strategy)
     def collect(p):
         out.append(p)
@@ -161,7 +161,7 @@ def test_the_gpu_profile_draws_head_groups_up_to_8_and_more_than_32_value_heads(
     groups = {HV // H for H, HV, K, V in GPU.head_shapes}
     assert {1, 2, 4, 8} <= groups and any(HV > 32 and K == V == 128 for H, HV, K, V in GPU.head_shapes)
     assert len(set(GPU.head_shapes)) <= 6  # few compiles
-    drawn = _draws(lanes.OPS[0].strategy(GPU, {}), n=80)
+    drawn = _draws(lanes.OPS[0].strategy(GPU, {}), n=200)
     shapes = {(p["case"].H, p["case"].HV, p["case"].K, p["case"].V) for p in drawn}
     assert shapes <= set(GPU.head_shapes) and {HV // H for H, HV, _, _ in shapes} >= {1, 2, 4, 8}
     assert len({p["case"].T for p in drawn}) > 5  # the lengths vary
