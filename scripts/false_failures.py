@@ -11,7 +11,8 @@ and float32, both buffer forms), ``fast`` (kvbuffer_fast: compiled on CUDA, the 
 CPU) and ``stepwise`` (kvbuffer_ref's recurrence called one token at a time as an in-place decode step,
 in float64 and float32, through the ``recurrent_decode`` lane) and ``emulated`` (kvbuffer_ref's forms
 computed with TF32 or bf16 products, emulated, declaring that contract: only under ``--contracts`` tf32
-and bf16).
+and bf16) and ``fla`` (flash-linear-attention where it is installed, its chunk kernels declaring TF32; a peer
+presumed correct, so a FAIL is a false verdict or a finding to reproduce).
 
 Each seed runs one operation in turn (seed i: operation i mod the number of operations), so a run of N
 seeds covers every operation N / 10 times at the cost of N lanes per implementation, with fresh random
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-IMPLS = ("reference", "fast", "stepwise", "emulated")
+IMPLS = ("reference", "fast", "stepwise", "emulated", "fla")
 
 
 def emulated_reference(contract: str):
@@ -82,7 +83,8 @@ def stepwise_reference():
 def _impl(name: str):
     from kvbuffer_ref.validate import adapters
 
-    return {"reference": adapters.reference, "fast": adapters.fast, "stepwise": stepwise_reference}[name]()
+    return {"reference": adapters.reference, "fast": adapters.fast, "stepwise": stepwise_reference,
+            "fla": adapters.fla}[name]()
 
 
 def _ratio(r) -> float:
