@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kvbuffer_ref.buffer import KVBuffer
+from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import RESET_GATE, byte_range, check_buffer, check_gate_values, check_tokens, require_tensor
 
 try:  # grid dependency control (Triton >= 3.3): used only when a launch asks for PDL
@@ -43,7 +43,25 @@ __all__ = [
     "require_state_dtype",
     "require_cache_dtypes",
     "pdl_launch",
+    "PoolLayer",
 ]
+
+
+class PoolLayer(NamedTuple):
+    """One layer of a serving pool (``kvbuffer_fast.pool.KVPool``) as the operations' slot-addressed
+    launches (``verify_pool``, ``decode_pool``, ``accept_pool``, ``flush_pool``) address it: call row b
+    works on buffer row ``slots[b]`` (-1: a pad, nothing read or written) of ``buffer`` (the layer's rows,
+    a sink row behind them; state None), on the state slots of ``state`` ([slots + 1, HV, K, V]: a sink
+    slot last; verify reads slot ``state_slot[slots[b]]``, -1: none, S0 = 0; the folds read and write the
+    slots the pool's bookkeeping gives them) and on that row's draft room ``room`` (a Drafts of
+    [rows, DR, ...] tensors: k, u, G, parents, num_drafts) and ``pending`` flag."""
+
+    slots: torch.Tensor
+    buffer: KVBuffer
+    state: torch.Tensor
+    state_slot: torch.Tensor
+    room: Drafts
+    pending: torch.Tensor
 
 
 def block(n: int, minimum: int = 16) -> int:

@@ -17,6 +17,10 @@ entries); nothing is recomputed.
    is read but the path.  One program advances ``lengths`` / ``has_state``: program 0 on a pool, whose
    claims kernel took a snapshot of the lengths before the launches, else the request's last program
    (atomic ticket; none for P = 1) once every program has read them.
+
+A serving pool (``kvbuffer_fast.pool.KVPool.accept``) runs both launches through ``accept_pool`` on a
+``PoolLayer`` (``_accept_fold_slots_kernel``, ``_accept_slots_kernel``): each call row on its slot's buffer
+row and draft room and on the state slots the pool's bookkeeping gives it, over one layer or all at once.
 """
 
 from __future__ import annotations
@@ -32,11 +36,11 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, check_num_drafts, check_parents,
                                  require_device, require_float, require_int_tensor, require_rank, require_tensor)
 
-from ._common import (_drafts_in_buffer, _pdl_prologue, as_input, block, checked_buffer, device_guard,
+from ._common import (PoolLayer, _drafts_in_buffer, _pdl_prologue, as_input, block, checked_buffer, device_guard,
                       flag_view, pdl_launch, require_no_overlap, ticket_counters)
 from .launch import AcceptConfig, check_config, config_for, key_of
 
-__all__ = ["accept", "programs_per_request", "launch_constants"]
+__all__ = ["accept", "accept_pool", "programs_per_request", "launch_constants"]
 
 
 def programs_per_request(cfg: AcceptConfig, requests: int, H: int) -> int:
@@ -385,6 +389,45 @@ def accept(
                                ticket_counters(B, buffer.k.device), *args, P=P, COUNTS=is_count,
                                num_warps=cfg.copy_warps, **copy, **pdl)
     return buffer
+
+
+def accept_pool(pool: PoolLayer, *, nodes: torch.Tensor, read: torch.Tensor, write: torch.Tensor,
+                lengths: torch.Tensor, layers: int = 1, config: Optional[AcceptConfig] = None) -> None:
+    """``accept`` on a pool: ``layers`` consecutive layers from ``pool``'s (their tensors one layer apart,
+    as a pool's slices of [layers, rows, ...] tensors are), each launch one grid axis over them; call row b
+    on buffer row and draft room ``pool.slots[b]`` (-1: a pad, nothing read or written; int32 or int64,
+    contiguous), int64 offsets:
+
+    1. ``_accept_fold_slots_kernel``, grid (V / BV, B * HV / FH, layers): a row whose accepted path
+       overflows the buffer folds the state of slot ``read[l, b]`` (-1: none, S0 = 0) into slot
+       ``write[l, b]``;
+    2. ``_accept_slots_kernel``, grid (P, B, layers): the kept path entries moved to the buffer rows they
+       take (from the draft room, or within the buffer rows verify wrote them to), ``lengths`` /
+       ``has_state`` advanced from ``lengths[l, b]``, the rows' lengths as the call began.
+
+    nodes: [B] int64, the accepted node per row (pads -1); read, write, lengths: [layers, B] int64 (the
+    pool's bookkeeping, ``KVPool._claims``, gives all four).  ``config``: an AcceptConfig, None for the
+    launch table's.  The caller checked the slots and the nodes."""
+    buf, room = pool.buffer, pool.room
+    B, D = pool.slots.shape[0], room.k.shape[1]
+    C, H, HV, K, V = buf.capacity, buf.num_heads, buf.num_value_heads, buf.head_k_dim, buf.head_v_dim
+    if B == 0 or D == 0:
+        return
+    channel = buf.channel_gate
+    if config is None:
+        config = config_for("accept", key_of(buf.k, C=C, B=B, HV=HV, V=V, channel=channel))
+    cfg = check_config("accept", config)
+    P = programs_per_request(cfg, layers * B, H)
+    fold, copy = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=channel)
+    rows = (buf.k, buf.u, buf.G, buf.lengths, flag_view(buf.has_state))
+    drafts = (room.k, room.u, room.G, room.parents, nodes, D)
+    NR, SR = buf.k.shape[0], pool.state.shape[0]
+    pdl = pdl_launch(pool.slots, cfg.pdl)
+    with device_guard(pool.slots):
+        _accept_fold_slots_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"], layers)](
+            *rows, pool.state, *drafts, pool.slots, read, write, NR, SR, B, num_warps=cfg.num_warps, **fold, **pdl)
+        _accept_slots_kernel[(P, B, layers)](*rows, *drafts, pool.slots, lengths, NR, B, P=P,
+                                             num_warps=cfg.copy_warps, **copy, **pdl)
 
 
 def _check_drafts(buffer: KVBuffer, drafts: Drafts, checked: bool = True) -> None:

@@ -24,6 +24,11 @@ start before the previous kernel ends and wait for it before reading anything.  
 (serving) fold launch the decode launch reads and writes nothing that launch touches, so it waits
 only before exiting; the bookkeeping launch then still starts after both.
 
+A serving pool (``kvbuffer_fast.pool.KVPool.decode``, grouped fold) runs the same three launches through
+``decode_pool`` on a ``PoolLayer``: ``_fold_group_slots_kernel``, ``_decode_slots_kernel`` and
+``_book_slots_kernel``, the same grids and bodies, each call row on its slot's buffer row and on the
+state slots the pool's bookkeeping gives it (a pad row's programs do nothing).
+
 The cached keys [C, K] of a q/k head are shared by its HV/H value heads and their V-tiles: those
 programs are adjacent in the grid, so the keys come from HBM once and from L2 after.  Rows >= n that
 a kernel loads are dropped by selects, never multiplied by 0, and a direct request's state storage is
@@ -42,12 +47,12 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import check_scale, check_tokens
 
-from ._common import (_gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block, checked_buffer,
-                      checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
+from ._common import (PoolLayer, _gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block,
+                      checked_buffer, checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
 from ._fold import decay, fold_dot, fold_empty, state_tile
 from .launch import DecodeConfig, check_config, config_for, key_of
 
-__all__ = ["buffered_decode"]
+__all__ = ["buffered_decode", "decode_pool"]
 
 
 @triton.jit
@@ -503,6 +508,51 @@ def buffered_decode(
                              flag_view(buffer.has_state), C=C, H=d.H, HV=d.HV, K=d.K, BK=block(d.K),
                              BH=block(d.H, 1), BHV=block(d.HV, 1), CHANNEL=d.channel_gate, num_warps=1, **pdl)
     return o, buffer
+
+
+def decode_pool(q, k, v, g, beta, pool: PoolLayer, *, current: torch.Tensor, read: torch.Tensor,
+                write: torch.Tensor, scale: float, config: DecodeConfig) -> torch.Tensor:
+    """``buffered_decode`` on a pool's layer (``PoolLayer``) with the grouped fold (C <= 32): three launches
+    addressed by slot index, token row b on buffer row ``pool.slots[b]`` (-1: a pad, nothing read or
+    written; int32 or int64, contiguous), int64 offsets:
+
+    1. ``_fold_group_slots_kernel``: a full row folds the state of slot ``read[b]`` (-1: none, S0 = 0) into
+       slot ``write[b]`` and serves its token;
+    2. ``_decode_slots_kernel``: every other row's token, on the state of slot ``current[b]`` (-1: none);
+    3. ``_book_slots_kernel``: the token's key and G appended, the length advanced.
+
+    q, k: [B, 1, H, K]; v: [B, 1, HV, V]; g: [B, 1, HV]*; beta: [B, 1, HV]; current, read, write: [B] int64,
+    the state slots the pool's bookkeeping (``KVPool._claims``) gave the rows in this layer; ``scale``: the
+    checked query scale (a float); ``config``: the launch (``fold`` "group").  Returns o [B, 1, HV, V] in v's
+    dtype (pad rows: unspecified).  The caller checked the tokens and the slots and took the state slots."""
+    d = check_tokens(q, k, v, g, beta)
+    cfg = check_config("decode", config)
+    o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
+    if d.B == 0:
+        return o
+    C, H, HV, K, V = pool.buffer.capacity, d.H, d.HV, d.K, d.V
+    rows = (pool.buffer.k, pool.buffer.u, pool.buffer.G, pool.buffer.lengths, flag_view(pool.buffer.has_state),
+            pool.state)
+    tokens = dict(q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v), g_ptr=as_input(g),
+                  beta_ptr=as_input(beta), o_ptr=o, scale=scale)
+    pdl = pdl_launch(q, cfg.pdl)
+    with device_guard(q):
+        BV = _columns(cfg.fold_BV, V)
+        FH = math.gcd(HV, cfg.fold_FH)
+        _fold_group_slots_kernel[(triton.cdiv(V, BV), d.B * HV // FH)](
+            *rows, **tokens, bslot_ptr=pool.slots, sread_ptr=read, swrite_ptr=write, C=C, H=H, HV=HV, K=K, V=V,
+            CB=block(C), KB=_rows(cfg.fold_KB, K), BV=BV, FH=FH, NS=cfg.fold_NS, CHANNEL=d.channel_gate,
+            num_warps=cfg.fold_warps, **pdl)
+        BV = _columns(cfg.BV, V)
+        _decode_slots_kernel[(triton.cdiv(V, BV), d.B * HV)](
+            *rows, **tokens, bslot_ptr=pool.slots, sslot_ptr=current, C=C, H=H, HV=HV, K=K, V=V, CB=block(C), BV=BV,
+            KB=_rows(cfg.KB, K), NS=cfg.NS, CHANNEL=d.channel_gate, STORAGE=True, SERVED=True,
+            num_warps=cfg.num_warps, **pdl)
+        _book_slots_kernel[(d.B,)](
+            tokens["k_ptr"], tokens["g_ptr"], pool.buffer.k, pool.buffer.G, pool.buffer.lengths,
+            flag_view(pool.buffer.has_state), pool.slots, C=C, H=H, HV=HV, K=K, BK=block(K), BH=block(H, 1),
+            BHV=block(HV, 1), CHANNEL=d.channel_gate, num_warps=1, **pdl)
+    return o
 
 
 def _require_no_full(buffer: KVBuffer) -> None:

@@ -5,10 +5,15 @@
 into its [K, BV] state tile (rank-1 steps; flush is off the decode path) and moves the remaining u
 columns of its tile down by m.  The keys and G, shared with other programs, are moved and rebased
 afterwards in plain torch (small tensors).
+
+A serving pool (``kvbuffer_fast.pool.KVPool.flush``) runs the same launch through ``flush_pool`` on a
+``PoolLayer`` (``_flush_slots_kernel``, the same grid and body): each call row on its slot's buffer row,
+the state read from and written to the slots the pool's bookkeeping gives it.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -18,11 +23,11 @@ import triton.language as tl
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import check_flush_count
 
-from ._common import _program_ids, _tile_offsets, block, checked_buffer, device_guard, flag_view
+from ._common import PoolLayer, _program_ids, _tile_offsets, block, checked_buffer, device_guard, flag_view
 from ._fold import decay, fold_rows
 from .launch import FlushConfig, Key, check_config, config_for
 
-__all__ = ["flush", "materialize_state"]
+__all__ = ["flush", "flush_pool", "materialize_state"]
 
 
 @triton.jit
@@ -115,6 +120,40 @@ def flush(buffer: KVBuffer, *, count=None, config: Optional[FlushConfig] = None)
     buffer.lengths.sub_(count)
     buffer.has_state.logical_or_(count > 0)
     return buffer
+
+
+def flush_pool(pool: PoolLayer, *, count: torch.Tensor, lengths: torch.Tensor, read: torch.Tensor,
+               write: torch.Tensor, config: FlushConfig) -> None:
+    """``flush`` on a pool's layer (``PoolLayer``): call row b folds the first ``count[b]`` entries of
+    buffer row ``pool.slots[b]`` (-1: a pad, nothing read or written; int32 or int64, contiguous) on the
+    state of slot ``read[b]`` (-1: none, S0 = 0) into slot ``write[b]``.  One launch addressed by slot
+    index, ``_flush_slots_kernel``, grid (V / BV, B * HV): the state fold and the u columns, int64
+    offsets; then the keys and gates of the rows moved and rebased in torch (small tensors), ``lengths``
+    set to ``lengths - count`` and ``has_state`` to the rows that folded (pads: the sink row's).
+
+    count: [B] int64 in 0..lengths[b] (pads 0); lengths: [B] int64, the rows' lengths before the call
+    (pads: the sink row's); read, write: [B] int64, the state slots the pool's bookkeeping
+    (``KVPool._claims``) gave the rows.  ``config``: a FlushConfig.  The caller checked the slots and
+    the counts."""
+    buf = pool.buffer
+    cfg = check_config("flush", config)
+    B, C, H, K = pool.slots.shape[0], buf.capacity, buf.num_heads, buf.head_k_dim
+    HV, V = buf.num_value_heads, buf.head_v_dim
+    if B == 0:
+        return
+    BV = max(16, min(cfg.BV, block(V)))
+    with device_guard(pool.slots):
+        _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
+            buf.k, buf.u, buf.G, buf.lengths, flag_view(buf.has_state), pool.state, count, pool.slots, read, write,
+            C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV, CHANNEL=buf.channel_gate,
+            num_warps=cfg.num_warps)
+    bs = torch.where(pool.slots >= 0, pool.slots.to(torch.int64), buf.k.shape[0] - 1)  # pads: the sink row
+    rows = SimpleNamespace(k=buf.k[bs], G=buf.G[bs])  # keys and G: small, moved in torch
+    _shift_keys_and_gates(rows, count)
+    buf.k[bs] = rows.k
+    buf.G[bs] = rows.G
+    buf.lengths[bs] = lengths - count
+    buf.has_state[bs] = buf.has_state[bs] | (count > 0)
 
 
 def _shift_keys_and_gates(buffer: KVBuffer, count: torch.Tensor) -> None:

@@ -6,16 +6,19 @@ Layout (docs/pool.md): the reference pool's tensors (``tensors()`` gives them by
 with one more row behind its slots that no slot addresses (a *sink*: the torch-side scatters send pad
 rows there, so they need no host-side filtering).  The operations run kvbuffer_fast's kernels on the
 pool, addressed by the slot index tensors as given (int32 or int64; int64 offsets; a pad row's
-programs read and write nothing).  Launches per call (no torch kernels between them in a capture):
+programs read and write nothing).  Each operation's module owns its slot-addressed launches, which take
+one layer of the pool as a ``PoolLayer`` (``KVPool._pool_layer``); this module keeps the bookkeeping
+(the state-slot claims and commits, the sink rows, acquire / release / fork) and calls them.  Launches
+per call (no torch kernels between them in a capture):
 
-* decode: the state-slot bookkeeping (``_claims_kernel``, ``_commit_kernel``), then decode's fold,
-  decode and bookkeeping launches (``_fold_group_slots_kernel``, ``_decode_slots_kernel``,
-  ``_book_slots_kernel``);
+* decode: the state-slot bookkeeping (``_claims_kernel``, ``_commit_kernel``), then
+  ``kvbuffer_fast.decode.decode_pool``: decode's fold, decode and bookkeeping launches on the pool;
 * verify: verify's two phases on the pool (``kvbuffer_fast.verify.verify_pool``): the rows' buffer
   entries and state slots read, and their drafts written to the slots' draft rooms, by slot index;
-* accept: the state-slot bookkeeping (which rows' accepted paths overflow, the lengths), accept's fold and
-  copy launches;
-* flush: the state-slot bookkeeping, flush's fold launch (keys and gates moved in torch).
+* accept: the state-slot bookkeeping (which rows' accepted paths overflow, the lengths), then
+  ``kvbuffer_fast.accept.accept_pool``: accept's fold and copy launches;
+* flush: the state-slot bookkeeping, then ``kvbuffer_fast.flush.flush_pool``: flush's fold launch (keys
+  and gates moved in torch).
 
 ``state_of`` and decode at C > 32 (the tile fold) go through a gathered ``KVBuffer``.
 
@@ -32,8 +35,6 @@ that finds no free state slot writes the sink (its result is lost).
 
 from __future__ import annotations
 
-import math
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -45,15 +46,15 @@ from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, c
                                  require_tensor)
 from kvbuffer_ref.pool import admit_state, check_slots, on_device, per_row, set_layout, varlen_admit
 
-from . import decode as _decode
-from ._common import (CACHE_DTYPES, STATE_DTYPES, _pdl_prologue, as_input, block, checked_tokens, device_guard,
-                      flag_view, index_input, new_output, pdl_launch, values_checked)
-from .accept import _accept_fold_slots_kernel, _accept_slots_kernel, launch_constants, programs_per_request
-from .flush import _flush_slots_kernel, _shift_keys_and_gates
+from ._common import (CACHE_DTYPES, STATE_DTYPES, PoolLayer, _pdl_prologue, as_input, block, checked_tokens,
+                      device_guard, flag_view, index_input, new_output, pdl_launch, values_checked)
+from .accept import accept_pool
+from .decode import buffered_decode, decode_pool
+from .flush import flush_pool
 from .flush import materialize_state as fast_materialize
 from .prefill import prefill as fast_prefill
 from .launch import Key, check_config, config_for, key_of
-from .verify import PoolLayer, verify_pool
+from .verify import verify_pool
 
 __all__ = ["KVPool"]
 
@@ -198,7 +199,8 @@ class KVPool:
                              f"{layer}; accept them (accept(counts=0) rejects all) before {op}")
 
     def _claims(self, lay: slice, s: torch.Tensor, checked: bool, *, folds: Optional[torch.Tensor] = None,
-                accepted: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                accepted: Optional[tuple] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """The state-slot bookkeeping of a call on the rows ``s`` in the layers of ``lay``, two launches:
         ``_claims_kernel`` decides, ``_commit_kernel`` copies and moves the references (before the folds,
         which read the returned slots, not ``state_slot``).  The rows that fold: ``folds`` ([layers, B]
@@ -264,6 +266,17 @@ class KVPool:
             t[name][layer, bs] = getattr(buf, name)
         t["state"][layer, write] = buf.state
 
+    def _pool_layer(self, layer: int, s: torch.Tensor) -> PoolLayer:
+        """Layer ``layer`` of the pool (sink rows included) as the operations' slot-addressed launches take
+        it, for the call rows ``s``."""
+        t = self._t
+        rows = KVBuffer(k=t["k"][layer], u=t["u"][layer], G=t["G"][layer], lengths=t["lengths"][layer],
+                        has_state=t["has_state"][layer], state=None)
+        room = Drafts(parents=t["parents"][layer], num_drafts=t["num_drafts"][layer], k=t["dk"][layer],
+                      u=t["du"][layer], G=t["dG"][layer])
+        return PoolLayer(slots=s, buffer=rows, state=t["state"][layer], state_slot=t["state_slot"][layer], room=room,
+                         pending=t["pending"][layer])
+
     def _padded_tokens(self, s: torch.Tensor, **x) -> dict:
         """Token tensors with the pad rows zeroed (the gathered sink rows compute on finite values)."""
         keep = s >= 0
@@ -315,46 +328,23 @@ class KVPool:
     def decode(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None, config=None) -> torch.Tensor:
         """As ``kvbuffer_ref.pool.KVPool.decode``: o [B, 1, HV, V] (pad rows: unspecified).  The two
         launches of the state-slot bookkeeping (``_claims``), then three on the pool (fold, decode,
-        bookkeeping) addressed by slot index."""
+        bookkeeping) addressed by slot index (``kvbuffer_fast.decode.decode_pool``); past the grouped fold
+        (C > 32, or a config's tile fold) through a gathered KVBuffer."""
         layer = self._layer(layer)
         s, checked = self._rows("slots", slots)
         d, g = self._check_tokens(q, k, v, g, beta, s, T=1)
         if checked:
             self._no_pending(layer, s, "decode")
-        C, t = self.capacity, self._t
+        C = self.capacity
         sc = check_scale(scale, d.K)
         if config is None:
             config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
         cfg = check_config("decode", config)
         if cfg.fold != "group" or C > 32:
             return self._decode_gathered(q, k, v, g, beta, layer, s, checked, sc, cfg)
-        o = new_output((d.B, 1, d.HV, d.V), v.dtype, q.device)
-        if d.B == 0:
-            return o
         cur, read, write, _, _ = self._claims(slice(layer, layer + 1), s, checked)
-        pdl = pdl_launch(q, cfg.pdl)
-        tokens = dict(q_ptr=as_input(q), k_ptr=as_input(k), v_ptr=as_input(v), g_ptr=as_input(g),
-                      beta_ptr=as_input(beta), o_ptr=o, scale=sc)
-        pool = (t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]),
-                t["state"][layer])
-        H, HV, K, V = d.H, d.HV, d.K, d.V
-        with device_guard(q):
-            BV = _decode._columns(cfg.fold_BV, V)
-            FH = math.gcd(HV, cfg.fold_FH)
-            _decode._fold_group_slots_kernel[(triton.cdiv(V, BV), d.B * HV // FH)](
-                *pool, **tokens, bslot_ptr=s, sread_ptr=read[0], swrite_ptr=write[0], C=C, H=H, HV=HV, K=K, V=V,
-                CB=block(C), KB=_decode._rows(cfg.fold_KB, K), BV=BV, FH=FH, NS=cfg.fold_NS, CHANNEL=d.channel_gate,
-                num_warps=cfg.fold_warps, **pdl)
-            BV = _decode._columns(cfg.BV, V)
-            _decode._decode_slots_kernel[(triton.cdiv(V, BV), d.B * HV)](
-                *pool, **tokens, bslot_ptr=s, sslot_ptr=cur[0], C=C, H=H, HV=HV, K=K, V=V, CB=block(C), BV=BV,
-                KB=_decode._rows(cfg.KB, K), NS=cfg.NS, CHANNEL=d.channel_gate, STORAGE=True, SERVED=True,
-                num_warps=cfg.num_warps, **pdl)
-            _decode._book_slots_kernel[(d.B,)](
-                tokens["k_ptr"], tokens["g_ptr"], t["k"][layer], t["G"][layer], t["lengths"][layer],
-                flag_view(t["has_state"][layer]), s, C=C, H=H, HV=HV, K=K, BK=block(K), BH=block(H, 1),
-                BHV=block(HV, 1), CHANNEL=d.channel_gate, num_warps=1, **pdl)
-        return o
+        return decode_pool(q, k, v, g, beta, self._pool_layer(layer, s), current=cur[0], read=read[0],
+                           write=write[0], scale=sc, config=cfg)
 
     def _decode_gathered(self, q, k, v, g, beta, layer, s, checked, scale, cfg):
         """Decode through a gathered KVBuffer (capacities past the grouped fold's 32 rows)."""
@@ -362,7 +352,7 @@ class KVPool:
         bs = self._sink(s)
         buf = self._gather(layer, bs, cur[0])
         x = self._padded_tokens(s, q=q, k=k, v=v, g=g, beta=beta)
-        o, buf = _decode.buffered_decode(x.pop("q"), x.pop("k"), x.pop("v"), **x, buffer=buf, scale=scale, config=cfg)
+        o, buf = buffered_decode(x.pop("q"), x.pop("k"), x.pop("v"), **x, buffer=buf, scale=scale, config=cfg)
         self._scatter(layer, bs, buf, write[0])
         return o
 
@@ -382,22 +372,14 @@ class KVPool:
                              f"{self.max_drafts}")
         if parents is not None:
             require_int_tensor("parents", parents, (d.B, d.T), "[B, D]", self.device)
-        t = self._t
-        layer_rows = KVBuffer(k=t["k"][layer], u=t["u"][layer], G=t["G"][layer], lengths=t["lengths"][layer],
-                              has_state=t["has_state"][layer], state=None)
-        room = Drafts(parents=t["parents"][layer], num_drafts=t["num_drafts"][layer], k=t["dk"][layer],
-                      u=t["du"][layer], G=t["dG"][layer])
-        pool = PoolLayer(slots=s, buffer=layer_rows, state=t["state"][layer], state_slot=t["state_slot"][layer],
-                         room=room, pending=t["pending"][layer])
-        o = verify_pool(q, k, v, g, beta, pool, parents, num_drafts, scale, config)
-        return o
+        return verify_pool(q, k, v, g, beta, self._pool_layer(layer, s), parents, num_drafts, scale, config)
 
     def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
                config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored): the state-slot
         bookkeeping's two launches (``_claims``: which rows' accepted paths overflow, their slots, the
         lengths as the call began), then the fold launch and the copy launch of ``kvbuffer_fast.accept`` on the
-        pool, addressed by slot index (the drafts are read from the slots' draft room, or from the buffer rows
+        pool (``kvbuffer_fast.accept.accept_pool``), addressed by slot index (the drafts are read from the slots' draft room, or from the buffer rows
         verify wrote them to); the copy reads n from that snapshot.  ``layer``: an int, or None for every layer
         at once (the same counts or nodes; each launch then covers all layers, one grid axis per layer)."""
         lay = slice(0, self.layers) if layer is None else slice(self._layer(layer), self._layer(layer) + 1)
@@ -430,30 +412,14 @@ class KVPool:
                 else:
                     check_nodes(x, nd[i])
         _, read, write, node, length = self._claims(lay, s, checked, accepted=(name, arg))
-        NL, B = read.shape
-        C, H, HV, K, V = self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
-        if B > 0 and D > 0:
-            if config is None:
-                config = config_for("accept", key_of(t["k"], C=C, B=B, HV=HV, V=V, channel=self.channel_gate))
-            cfg = check_config("accept", config)
-            l0 = lay.start
-            P = programs_per_request(cfg, NL * B, H)
-            fold, copy = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=self.channel_gate)
-            l0 = lay.start
-            buf = (t["k"][l0], t["u"][l0], t["G"][l0], t["lengths"][l0], flag_view(t["has_state"][l0]))
-            room = (t["dk"][l0], t["du"][l0], t["dG"][l0], t["parents"][l0], node, D)
-            NR, SR = self.num_buffer_slots + 1, self.num_state_slots + 1
-            pdl = pdl_launch(s, cfg.pdl)
-            with device_guard(s):
-                _accept_fold_slots_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"], NL)](
-                    *buf, t["state"][l0], *room, s, read, write, NR, SR, B, num_warps=cfg.num_warps, **fold, **pdl)
-                _accept_slots_kernel[(P, B, NL)](*buf, *room, s, length, NR, B, P=P, num_warps=cfg.copy_warps,
-                                                 **copy, **pdl)
+        accept_pool(self._pool_layer(lay.start, s), nodes=node, read=read, write=write, lengths=length,
+                    layers=lay.stop - lay.start, config=config)
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
-        """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): one launch on the pool
-        addressed by slot index (``_flush_slots_kernel``: the state fold and the u columns), the keys and
-        gates of the addressed rows moved in torch."""
+        """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): the state-slot
+        bookkeeping's two launches (``_claims``), then ``kvbuffer_fast.flush.flush_pool``: one launch on
+        the pool addressed by slot index (the state fold and the u columns), the keys and gates of the
+        addressed rows moved in torch."""
         layer = self._layer(layer)
         s, checked = self._rows("slots", slots)
         if checked:
@@ -464,23 +430,10 @@ class KVPool:
         c = check_flush_count(c, n, checked)  # 0..lengths
         folds = (s >= 0) & (c > 0)
         cfg = check_config("flush", config_for("flush", Key()) if config is None else config)
-        B, C, H, HV, K, V = s.shape[0], self.capacity, self.num_heads, self.num_value_heads, self.head_k_dim, \
-            self.head_v_dim
-        if B == 0:
+        if s.shape[0] == 0:
             return
-        BV = max(16, min(cfg.BV, block(V)))
         _, read, write, _, _ = self._claims(slice(layer, layer + 1), s, checked, folds=folds[None])
-        with device_guard(s):
-            _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
-                t["k"][layer], t["u"][layer], t["G"][layer], t["lengths"][layer], flag_view(t["has_state"][layer]),
-                t["state"][layer], c, s, read[0], write[0], C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV,
-                CHANNEL=self.channel_gate, num_warps=cfg.num_warps)
-        rows = SimpleNamespace(k=t["k"][layer, bs], G=t["G"][layer, bs])  # keys and G: small, moved in torch
-        _shift_keys_and_gates(rows, c)
-        t["k"][layer, bs] = rows.k
-        t["G"][layer, bs] = rows.G
-        t["lengths"][layer, bs] = n - c
-        t["has_state"][layer, bs] = t["has_state"][layer, bs] | (c > 0)
+        flush_pool(self._pool_layer(layer, s), count=c, lengths=n, read=read[0], write=write[0], config=cfg)
 
     def fork(self, *, src: torch.Tensor, dst: torch.Tensor, keep) -> None:
         """As ``kvbuffer_ref.pool.KVPool.fork``: the state slot is shared (copy-on-write), the first ``keep``

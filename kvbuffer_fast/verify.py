@@ -46,7 +46,7 @@ the slot's draft room by index (``_verify_stream_slots_kernel``; the phase-1 ker
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -55,9 +55,9 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens, require_int_tensor
 
-from ._common import (_drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, check_growth,
-                      checked_buffer, checked_tokens, device_guard, flag_view, index_input, new_output, pdl_launch,
-                      values_checked)
+from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block,
+                      check_growth, checked_buffer, checked_tokens, device_guard, flag_view, index_input, new_output,
+                      pdl_launch, values_checked)
 from .launch import VerifyConfig, check_config, config_for, key_of
 
 __all__ = ["verify", "MAX_DRAFTS", "PoolLayer", "verify_pool"]
@@ -640,21 +640,6 @@ def verify(
     for these shapes).  The checks that read device values are skipped while a CUDA graph is captured.
     """
     return _verify(q, k, v, g, beta, buffer, parents, num_drafts, scale, config)
-
-
-class PoolLayer(NamedTuple):
-    """One layer of a serving pool (``kvbuffer_fast.pool.KVPool``) as verify's kernels address it: call row b
-    works on buffer row ``slots[b]`` (-1: a pad, nothing read or written) of ``buffer`` (the layer's rows,
-    state None), reads state slot ``state_slot[slots[b]]`` of ``state`` (-1: none, S0 = 0) and writes its
-    drafts into that row's draft room ``room`` (a Drafts of [rows, DR, ...] tensors: k, u, G, parents,
-    num_drafts) with its ``pending`` flag set."""
-
-    slots: torch.Tensor
-    buffer: KVBuffer
-    state: torch.Tensor
-    state_slot: torch.Tensor
-    room: Drafts
-    pending: torch.Tensor
 
 
 def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, config) -> torch.Tensor:
