@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -43,75 +44,23 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+
+import torch
+
+from bench import io_model as io
+from bench import report
+from bench import workloads as W
+from bench.timing import copy_bandwidth, device_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "latest"
 TIME_BUDGET_S = 420.0  # the whole run (both package roots) must fit one device call
 
 
-# ----------------------------------------------------------------------------- timing
-def device_ms(run: Callable[[], object], smoke: bool, warmup_ms: float = 25.0, rep_ms: float = 150.0,
-              graph: bool = True):
-    """Milliseconds of one ``run()`` and how they were taken.
-
-    GPU: ``run`` is warmed up on a side stream, captured in a CUDA graph, and the replay timed by
-    ``triton.testing.do_bench`` (CUDA events around each replay, the L2 cleared before each, median);
-    if capture fails (or ``graph`` is False), the eager launches are timed the same way and the method
-    says so.  Smoke: the
-    wall clock of one call under the interpreter.
-    """
-    if smoke:
-        t = time.perf_counter()
-        run()
-        return (time.perf_counter() - t) * 1e3, "wall clock of one call (Triton interpreter, smoke)"
-    import torch
-    import triton.testing
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    method = "CUDA graph replay, triton.testing.do_bench median, L2 cleared before each replay"
-    fn = run
-    if not graph:
-        method = "eager launch, triton.testing.do_bench median, L2 cleared before each call"
-    else:
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                run()
-            torch.cuda.synchronize()
-            fn = g.replay
-        except Exception as e:  # noqa: BLE001 - time the eager launches instead, and say so
-            torch.cuda.synchronize()
-            method = f"eager launches (graph capture failed: {type(e).__name__}: {str(e)[:160]}), do_bench median"
-    ms = float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    return ms, method
-
-
-def copy_bandwidth(device: str, smoke: bool) -> dict:
-    """A device-to-device copy of 1 GiB of fp32 (bytes read + written over the median time).
-
-    Timed eagerly: captured in a graph, the copy becomes a memcpy node served by the copy engines,
-    about two thirds of the bandwidth the SMs' copy kernel reaches."""
-    import torch
-
-    n = (1 << 16) if smoke else (1 << 28)
-    x = torch.randn(n, device=device)
-    y = torch.empty_like(x)
-    ms, method = device_ms(lambda: y.copy_(x), smoke, rep_ms=300.0, graph=False)
-    nbytes = 2 * x.numel() * x.element_size()
-    return dict(bytes=nbytes, ms=ms, TBps=nbytes / (ms * 1e-3) / 1e12, method=f"torch copy_: {method}")
-
-
 # ----------------------------------------------------------------------------- one package root
 def versions() -> dict:
     """Device, torch, triton, fla and python versions of this process."""
-    import torch
-    import triton
+    import triton  # here: under --smoke the interpreter is chosen before triton is imported
 
     info = dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)")
@@ -131,7 +80,6 @@ def versions() -> dict:
 def sources_digest(root: Path) -> str:
     """sha256 over the .py files of kvbuffer_fast and kvbuffer_ref under ``root`` (sorted paths): which
     code a tree's rows measured, also where a copied working tree's git HEAD is stale."""
-    import hashlib
 
     h = hashlib.sha256()
     for path in sorted(p for pkg in ("kvbuffer_fast", "kvbuffer_ref") for p in (root / pkg).rglob("*.py")):
@@ -141,7 +89,6 @@ def sources_digest(root: Path) -> str:
 
 
 def _row(case, ms: float, method: str, copy: dict) -> dict:
-    from bench import io_model as io
 
     us = ms * 1e3 / case.count
     floor = io.floor_us(case.io_bytes, copy["TBps"])
@@ -156,19 +103,15 @@ def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None, peer_
     """Every case of ``plan`` against the kvbuffer_fast on ``sys.path``: rows, skips, failures.  A peer's
     case (ReplaySSM's kernels from ``peer_path``, SGLang's from ``sglang_path``) is timed even where its
     error is past the budget: its row carries the comparisons and ``within_budget: false``."""
-    import torch
-
-    from bench import workloads as W
-
-    import kvbuffer_fast
+    import kvbuffer_fast  # here: under --smoke the interpreter is chosen before triton is imported
 
     device = "cpu" if smoke else "cuda"
     api = W.Api(overrides, peer_path=peer_path, sglang_path=sglang_path)
     package = Path(kvbuffer_fast.__file__).resolve().parent.parent
-    out = dict(versions(), api=api.name, package=str(package), sources_sha256=sources_digest(package), rows=[],
+    out = dict(versions(), package=str(package), sources_sha256=sources_digest(package), rows=[],
                skips=[], failures=[])
     out["copy"] = copy_bandwidth(device, smoke)
-    print(f"[{out['package']}] copy {out['copy']['TBps']:.3g} TB/s; API: {api.name}", flush=True)
+    print(f"[{out['package']}] copy {out['copy']['TBps']:.3g} TB/s", flush=True)
     for B in plan.batches:
         wl = W.Workload(plan, B, device)
         for op in ops or W.OPS:
@@ -209,11 +152,10 @@ def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None, peer_
 # ----------------------------------------------------------------------------- two package roots, one JSON
 def ratios(rows: list) -> None:
     """Each row's time over its peers' at the same batch (``vs_<peer>``, same package root)."""
-    from bench.workloads import PEERS
 
     by = {(r["op"], r["B"]): r for r in rows}
     for r in rows:
-        for peer in PEERS.get(r["op"], ()):
+        for peer in W.PEERS.get(r["op"], ()):
             p = by.get((peer, r["B"]))
             if p:
                 r[f"vs_{peer}"] = r["device_us"] / p["device_us"]
@@ -284,12 +226,10 @@ def main(argv=None) -> int:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
     if args.sglang_path is None:
-        from bench.workloads import SGLANG_PATH
 
-        args.sglang_path = SGLANG_PATH
+        args.sglang_path = W.SGLANG_PATH
     if args.package_root:  # the worker of --before: its packages first (bench/ stays this tree's)
         sys.path.insert(0, args.package_root)
-    from bench import workloads as W
 
     plan = W.SMOKE if args.smoke else W.GPU
     if args.batches:
@@ -344,7 +284,6 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu.json"
     path.write_text(json.dumps(result, indent=1))
-    from bench import report
 
     report.write_runner_report(result, out)
     print(report.runner_summary(result))

@@ -16,14 +16,15 @@ from typing import Optional
 
 import torch
 
+from kvbuffer.peers.engine import to_raw_gates
+from kvbuffer.peers.replayssm import load_kernel_module
+
 __all__ = ["load", "raw_gates", "pack", "ring_state", "entry_bytes"]
 
 
 def load(peer_path: Optional[str]):
-    """(decode module, speculative module) from the checkout, with kvbuffer_ref's shims for the two vllm
+    """(decode module, speculative module) from the checkout, with kvbuffer's shims for the two vllm
     imports; the launch table is the checkout's own ``replayssm_config.py``."""
-    from kvbuffer_ref.validate.peers import load_kernel_module
-
     return (load_kernel_module(peer_path, "fused_recurrent_replayssm.py"),
             load_kernel_module(peer_path, "gdn_replayssm_spec_decode.py"))
 
@@ -31,8 +32,6 @@ def load(peer_path: Optional[str]):
 def raw_gates(g: torch.Tensor, beta: torch.Tensor, seed: int):
     """vLLM's gating inputs for log-gates g and betas [.., HV]: A_log, dt_bias [HV] and a, b [.., HV] (fp32)
     with -exp(A_log) softplus(a + dt_bias) = g and sigmoid(b) = beta (the validator's ``to_raw_gates``)."""
-    from kvbuffer_ref.validate.engine import to_raw_gates
-
     A_log, dt_bias, a, b = to_raw_gates(g.float(), beta.float(), random.Random(seed))
     return A_log.contiguous(), dt_bias.contiguous(), a.contiguous(), b.contiguous()
 

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench.catalog import OPS, PEERS
+
 GROUP_TITLES = {"decode": "Decode (per token and layer)", "verify": "Verify of d tokens (per layer)",
                 "accept": "Accept of m drafts (per layer)", "round": "Speculative round: verify + accept (per layer)"}
 
@@ -47,7 +49,6 @@ def group_table(rows: list, group: str):
     """One row per batch: every op of the group (device µs, times its floor and, where ``read_state`` ran,
     times read_state's µs: "x read"), then every ratio of an op of the group to each of its other peers present
     (``vs_<peer>``: ours to the baselines, to fla, to ReplaySSM, to SGLang)."""
-    from bench.workloads import OPS, PEERS
 
     ops = [o for o in OPS if OPS[o] == group and any(r["op"] == o for r in rows)]
     present = {r["op"] for r in rows}
@@ -113,7 +114,7 @@ def _meta_lines(result: dict) -> list:
              f"distinct states run in turn"]
     for name, tree in result.get("trees", {}).items():
         copy = tree.get("copy", {})
-        lines.append(f"- `{name}`: `{tree.get('package')}` ({tree.get('api')} API, sources sha256 "
+        lines.append(f"- `{name}`: `{tree.get('package')}` (sources sha256 "
                      f"{str(tree.get('sources_sha256', '?'))[:12]}); copy bandwidth {copy.get('TBps', float('nan')):.3g} TB/s")
     if result.get("overrides"):
         lines.append(f"- Launch overrides (`--set`): {result['overrides']}")
@@ -193,10 +194,6 @@ def latency_panels(result: dict) -> list:
     floor of a state read).  Each panel: dict(group, kind, title, series=[dict(label, ours, op, peer,
     points=[(B, value)])])."""
     rows = result.get("trees", {}).get("after", {}).get("rows", [])
-    try:
-        from bench.workloads import PEERS
-    except ImportError:  # without torch: the peers each row was measured against
-        PEERS = {}
     panels = []
     for group, title in GROUP_TITLES.items():
         grows = [r for r in rows if r.get("group") == group and r.get("device_us") is not None]

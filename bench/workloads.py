@@ -41,9 +41,8 @@ decode    ``sglang_decode``                SGLang's packed decode from ``--sglan
                                            updated in place by slot
 ========  ===============================  ============================================================
 
-Each package root is driven through its own API (``Api``): the config API (``config=`` objects from
-``kvbuffer_fast.launch``, baselines in ``kvbuffer_fast.baselines``), or the older keyword API
-(``validate=False``, baselines at the package's top level), so one run can time two versions.
+Each package root (this one, and ``--before``'s older one) is driven through ``Api``: ``config=`` objects from
+``kvbuffer_fast.launch``, baselines in ``kvbuffer_fast.baselines``.
 """
 
 from __future__ import annotations
@@ -58,6 +57,13 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+
+import kvbuffer_ref as ref
+from bench import replayssm as R
+from bench.catalog import GROUPS, OPS, PEERS
+from bench.timing import device_ms
+from kvbuffer.validate.adapters import AdapterError
+from kvbuffer.validate.properties import truth_and_baseline
 import torch.nn.functional as F
 
 from bench import io_model as io
@@ -137,7 +143,7 @@ class Api:
 
     def __init__(self, overrides: Optional[dict] = None, peer_path: Optional[str] = None,
                  sglang_path: Optional[str] = SGLANG_PATH):
-        import kvbuffer_fast as fast
+        import kvbuffer_fast as fast  # here: it imports triton, which --smoke must not import first
 
         self.fast = fast
         self.peer_path = peer_path
@@ -145,27 +151,20 @@ class Api:
         self._replayssm = None
         self._sglang = None
         here = os.path.dirname(fast.__file__)  # not find_spec: an editable install maps names to its own tree
-        self.config_api = os.path.exists(os.path.join(here, "baselines.py"))
+        if not os.path.exists(os.path.join(here, "launch.py")):
+            raise ImportError(f"{here}: this kvbuffer_fast has no launch tables (kvbuffer_fast.launch); the benchmarks "
+                              f"drive the config API only")
         self.overrides = overrides or {}
-        if self.config_api:
-            self.baselines = importlib.import_module("kvbuffer_fast.baselines")
-            self.launch = importlib.import_module("kvbuffer_fast.launch")
-            for op, fields in self.overrides.items():
-                if op not in self.launch.CONFIGS:
-                    raise ValueError(f"--set: no launch table {op!r}; expected one of {sorted(self.launch.CONFIGS)}")
-                known = {f.name for f in dataclasses.fields(self.launch.CONFIGS[op])}
-                unknown = sorted(set(fields) - known)
-                if unknown:
-                    raise ValueError(f"--set: {self.launch.CONFIGS[op].__name__} has no field {unknown}; "
-                                     f"it has {sorted(known)}")
-        else:
-            if self.overrides:
-                raise ValueError("--set: this kvbuffer_fast has no launch configs (kvbuffer_fast.launch)")
-            self.baselines, self.launch = fast, None
-
-    @property
-    def name(self) -> str:
-        return "config" if self.config_api else "keyword"
+        self.baselines = importlib.import_module("kvbuffer_fast.baselines")
+        self.launch = importlib.import_module("kvbuffer_fast.launch")
+        for op, fields in self.overrides.items():
+            if op not in self.launch.CONFIGS:
+                raise ValueError(f"--set: no launch table {op!r}; expected one of {sorted(self.launch.CONFIGS)}")
+            known = {f.name for f in dataclasses.fields(self.launch.CONFIGS[op])}
+            unknown = sorted(set(fields) - known)
+            if unknown:
+                raise ValueError(f"--set: {self.launch.CONFIGS[op].__name__} has no field {unknown}; "
+                                 f"it has {sorted(known)}")
 
     def pool_class(self):
         """kvbuffer_fast.pool.KVPool, the serving pool engines call (Skip where this package has none)."""
@@ -191,8 +190,6 @@ class Api:
             raise Skip("no --peer-path: give a ReplaySSM checkout (github.com/Johnny-Liou/ReplaySSM) to time its "
                        "kernels; they are loaded from there, never copied here")
         if self._replayssm is None:
-            from bench import replayssm as R
-            from kvbuffer_ref.validate.adapters import AdapterError
             try:
                 self._replayssm = R.load(self.peer_path)
             except AdapterError as e:
@@ -200,7 +197,7 @@ class Api:
         return self._replayssm
 
     def sglang(self, device: str):
-        """SGLang's GDN kernel modules (``kvbuffer_ref.validate.sglang.load_kernels``) from ``--sglang-path``
+        """SGLang's GDN kernel modules (``kvbuffer.peers.sglang.load_kernels``) from ``--sglang-path``
         only: a ``sglang-*.whl``, a folder holding one, or a tree holding the ``sglang`` package.  Skip where
         none is given or it holds no kernels.  Under the Triton interpreter (``device == "cpu"``) the
         loader adds its interpreter stand-ins; on CUDA the kernel files run as SGLang ships them."""
@@ -215,24 +212,22 @@ class Api:
             return Skip("no --sglang-path: give SGLang's wheel (python3 -m pip download --no-deps sglang -d DIR, "
                         "then --sglang-path DIR) to time its packed decode; nothing of SGLang is installed")
         try:
-            sg = importlib.import_module("kvbuffer_ref.validate.sglang")
+            sg = importlib.import_module("kvbuffer.peers.sglang")
         except ImportError as e:
-            return Skip(f"this kvbuffer_ref has no SGLang loader (kvbuffer_ref.validate.sglang): {e}")
+            return Skip(f"this kvbuffer_ref has no SGLang loader (kvbuffer.peers.sglang): {e}")
         if "path" not in inspect.signature(sg.load_kernels).parameters:
             return Skip("this kvbuffer_ref's SGLang loader takes no path (load_kernels(path=)): sglang_decode "
                         "runs against a package root that has it")
-        from kvbuffer_ref.validate.adapters import AdapterError
         try:
             return sg.load_kernels(path=self.sglang_path)
         except AdapterError as e:
             return Skip(f"--sglang-path: {e}")
 
     def kwargs(self, op: str, fn: Callable, x: dict, C: int = 0) -> dict:
-        """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x``:
-        ``validate=False`` where ``fn`` still takes it (the config API skips its value checks under
-        graph capture by itself), and the ``config`` override of ``op``, if any."""
+        """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x``: the ``config``
+        override of ``op``, if any."""
         params = inspect.signature(fn).parameters
-        kw = {"validate": False} if "validate" in params else {}
+        kw = {}
         fields = self.overrides.get(op)
         if fields:
             if "config" not in params:
@@ -250,12 +245,12 @@ class Api:
 # ----------------------------------------------------------------------------- inputs and the oracle
 def _compare():
     """The tolerance table's ``compare`` (kvbuffer_ref's testing helpers)."""
-    for mod in ("kvbuffer_ref.testing", "kvbuffer_ref.validate", "kvbuffer_ref.validate.tolerances"):
+    for mod in ("kvbuffer_ref.testing", "kvbuffer.validate", "kvbuffer.validate.tolerances"):
         try:
             return importlib.import_module(mod).compare
         except (ImportError, AttributeError):
             continue
-    raise ImportError("compare (the tolerance table) is in none of kvbuffer_ref.testing, kvbuffer_ref.validate")
+    raise ImportError("compare (the tolerance table) is in none of kvbuffer_ref.testing, kvbuffer.validate")
 
 
 def _map_buffer(buf, fn):
@@ -350,7 +345,6 @@ class Workload:
         """The batch's buffer after ``folded + buffered`` history tokens (default ``folded``: the
         plan's), the last ``buffered`` of them buffered: a float64 oracle prefill of two base requests,
         stored as the kernels store it (keys in the token dtype, the rest fp32)."""
-        import kvbuffer_ref as ref
 
         P = (self.plan.folded if folded is None else folded) + buffered
         x = self._draw(2, P, torch.Generator().manual_seed(seed), "cpu")
@@ -372,7 +366,6 @@ class Workload:
         """The recurrence over each check row's history followed by its new tokens (the first
         ``upto`` of them, or all), and the baseline of the budgets: the correct forms in float32
         (``truth_and_baseline``: the recurrence and the chunkwise form with the buffer's capacity as its chunk)."""
-        from kvbuffer_ref.validate.properties import truth_and_baseline
 
         rows = torch.tensor(self.rows)
         x = {n: torch.cat([hist.x[n].index_select(0, rows % 2),
@@ -523,21 +516,20 @@ class _Builder:
         """The measured floor of a state read: each layer's fp32 state [B, HV, K, V] read once by
         ``bench/read_state.py``'s kernel, every layer in turn.  Each of its tilings is checked (its tile sums
         against torch's) and timed as the runner times a case; the case runs the fastest."""
-        from bench import read_state as R
-        from bench.gpu import device_ms  # the runner's timer (here, not at the top: bench.gpu imports this module)
+        from bench import read_state as RS  # here: it imports triton, which --smoke must not import first
 
         s, B, dev = self.s, self.B, self.wl.device
         gen = torch.Generator(device=dev).manual_seed(17)
         states = self._layers(lambda _: torch.randn(B, s.HV, s.K, s.V, device=dev, generator=gen))
         checks, runs, us = [], {}, {}
-        for t in dict.fromkeys(R.fit(x, s.K, s.V) for x in R.TILINGS):  # distinct tilings, in order
+        for t in dict.fromkeys(RS.fit(x, s.K, s.V) for x in RS.TILINGS):  # distinct tilings, in order
             outs = [torch.empty(B * s.HV, s.V // t.BV, device=dev) for _ in states]
-            R.launch(states[0], outs[0], t)
-            checks.append(R.sums_check(f"read_state[{t}].sums", states[0], outs[0], t.BV))
+            RS.launch(states[0], outs[0], t)
+            checks.append(RS.sums_check(f"read_state[{t}].sums", states[0], outs[0], t.BV))
 
             def run(t=t, outs=outs):
                 for st, o in zip(states, outs):
-                    R.launch(st, o, t)
+                    RS.launch(st, o, t)
             runs[t], us[t] = run, device_ms(run, smoke=dev == "cpu")[0] * 1e3 / self.L
         best = min(us, key=us.get)
         c = self.case("read_state", "decode", runs[best], self.L, io.read_state(s, B, best.BV), checks,
@@ -685,7 +677,6 @@ class _Builder:
 
     def _tree_paths(self) -> tuple:
         """(the deepest path, root to node 15; the accepted node's path) as lists of node indices."""
-        import kvbuffer_ref as ref
 
         par = torch.tensor(self.TREE)
         return ref.path_to(par, len(self.TREE) - 1), ref.path_to(par, self.TREE_NODE)
@@ -878,8 +869,6 @@ class _Builder:
         raw gates (``A_log``, ``dt_bias`` per layer, ``a``, ``b`` per token), turned into q, k (L2-normalised),
         v, g, beta by ``kvbuffer_fast.engine_inputs`` (one launch), then the pool's decode: the work
         ``sglang_decode``'s one kernel does, for a like-for-like comparison."""
-        from bench import replayssm as R  # pack (q | k | v rows) and raw_gates
-        import kvbuffer_ref as ref
 
         prep = self.api.engine_inputs()
         C, s = self.p.C, self.s
@@ -1023,8 +1012,6 @@ class _Builder:
         (``TritonGDNKernel.packed_decode``): packed ``mixed_qkv``, raw gates, q/k L2-normalised in the kernel,
         each layer's float32 pool [B, HV, V, K] updated in place by int32 slot indices (a shuffled
         permutation, as an engine's slots are).  One token per request per layer, the layers in turn."""
-        from bench import replayssm as R  # pack (q | k | v rows) and raw_gates: SGLang's convention too
-        import kvbuffer_ref as ref
 
         kern = self.api.sglang(self.wl.device)
         fn = kern.fused_recurrent_gated_delta_rule_packed_decode
@@ -1073,7 +1060,6 @@ class _Builder:
         return perm.to(device=self.wl.device, dtype=torch.int32)
 
     def replayssm_decode(self) -> Case:
-        from bench import replayssm as R
 
         dec, _ = self.api.replayssm(self.wl.device)
         fn = dec.fused_recurrent_gated_delta_rule_replayssm
@@ -1122,7 +1108,6 @@ class _Builder:
         return c
 
     def replayssm_round(self) -> Case:
-        from bench import replayssm as R
 
         _, spec = self.api.replayssm(self.wl.device)
         s, B, dev, dt = self.s, self.B, self.wl.device, self.wl.dtype
@@ -1188,7 +1173,6 @@ class _Builder:
 
 
     def replayssm_round_cycle(self) -> Case:
-        from bench import replayssm as R_
 
         _, spec = self.api.replayssm(self.wl.device)
         s, B, dev, dt = self.s, self.B, self.wl.device, self.wl.dtype
@@ -1204,13 +1188,13 @@ class _Builder:
         for layer, x in enumerate(xs):
             h = torch.zeros(B + 1, s.HV, s.V, s.K, device=dev)
             h[bl] = hist.buffer.state.float().transpose(-1, -2)
-            A_log, dt_bias, a, b = R_.raw_gates(x["g"].reshape(B * R * T, s.HV), x["beta"].reshape(B * R * T, s.HV),
+            A_log, dt_bias, a, b = R.raw_gates(x["g"].reshape(B * R * T, s.HV), x["beta"].reshape(B * R * T, s.HV),
                                                 seed=300 + layer)
             a, b = a.view(B, R * T, s.HV), b.view(B, R * T, s.HV)
             per_round = []
             for r in range(R):
                 xr = self._round_tokens(x, r, T)
-                per_round.append(dict(mixed=R_.pack(xr), a=a[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
+                per_round.append(dict(mixed=R.pack(xr), a=a[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
                                       b=b[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
                                       out=torch.empty(B * T, s.HV, s.V, device=dev, dtype=dt)))
             layers.append(dict(h=h, d=torch.zeros(B + 1, s.HV, Rb, s.V, device=dev, dtype=dt),
@@ -1232,7 +1216,7 @@ class _Builder:
                                  T=T, Rb=Rb, scale=scale)
         cycle()
         ly0 = layers[0]
-        S = R_.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
+        S = R.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
                           cur["cache_base"][bl].tolist())
         checks = [self.wl.compare(f"replayssm_round_cycle[R={R}] round 0.o",
                                   ly0["rounds"][0]["out"].view(B, T, s.HV, s.V),
@@ -1244,7 +1228,7 @@ class _Builder:
             flushes += fl
             wp = m if fl else wp + m
             fl = wp + 2 * T > Lc
-        ent = R_.entry_bytes(s, B)
+        ent = R.entry_bytes(s, B)
         nbytes = R * (io.state_bytes(s, B) + T * ent) + flushes * io.state_bytes(s, B)
         c = self.case("replayssm_round_cycle", "round", cycle, self.L * R, nbytes, checks, C=C, d=T, m=m, R=R)
         c.peer, c.note = True, (f"ReplaySSM's round (spec decode on every layer, one commit) {R} times from empty "
@@ -1253,42 +1237,6 @@ class _Builder:
                                 "each replay first empties the cursors (three tiny fills); µs per round and layer")
         return c
 
-
-#: op -> group, in the order the runner measures them.
-OPS = {
-    "read_state": "decode", "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
-    "pool_decode": "decode", "pool_decode_engine": "decode", "replayssm_decode": "decode", "sglang_decode": "decode",
-    "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
-    "fla_chunk_tokens": "verify",
-    "pool_verify": "verify",
-    "accept": "accept", "per_draft_state_accept": "accept", "pool_accept": "accept",
-    "round": "round", "pool_round": "round", "pool_round_per_layer": "round", "per_draft_state_round": "round",
-    "replayssm_round": "round", "round_cycle": "round", "pool_round_cycle": "round", "replayssm_round_cycle": "round",
-    "tree_round": "round", "per_draft_state_tree_round": "round",
-}
-GROUPS = ("decode", "verify", "accept", "round")
-#: The op each group is about, and the peers its ratios are taken against (same run, same batch).  Every
-#: decode op is also taken against ``read_state``, the measured floor of its state read (the report's "x read").
-PEERS = {
-    "recurrent_decode": ("read_state",),
-    "fla_fused_recurrent": ("read_state",),
-    "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode", "sglang_decode", "read_state"),
-    "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode", "sglang_decode", "read_state"),
-    "pool_decode_engine": ("pool_decode", "sglang_decode", "replayssm_decode", "read_state"),
-    "verify": ("per_draft_state_verify", "fla_fused_recurrent_tokens", "fla_chunk_tokens"),
-    "accept": ("per_draft_state_accept",),
-    "pool_verify": ("verify",),
-    "pool_accept": ("accept",),
-    "round": ("per_draft_state_round", "fla_fused_recurrent_tokens", "replayssm_round"),
-    "pool_round": ("round", "per_draft_state_round", "replayssm_round"),
-    "pool_round_per_layer": ("pool_round", "replayssm_round"),
-    "replayssm_decode": ("recurrent_decode", "read_state"),
-    "sglang_decode": ("recurrent_decode", "read_state"),
-    "replayssm_round": ("per_draft_state_round",),
-    "round_cycle": ("replayssm_round_cycle", "round"),
-    "pool_round_cycle": ("replayssm_round_cycle", "round_cycle", "pool_round"),
-    "tree_round": ("per_draft_state_tree_round", "round"),
-}
 
 
 def build(op: str, api: Api, wl: Workload) -> Case:

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 # transformers imports fla where it is installed; on a CPU fla warns that it found no GPU (expected here)
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
-from kvbuffer_ref.integrations import transformers as kt  # noqa: E402
+from kvbuffer.integrations import transformers as kt  # noqa: E402
 
 
 def progress_bar(label: str, total: int):

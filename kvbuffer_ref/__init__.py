@@ -2,7 +2,7 @@
 
 See docs/math.md for the derivations and docs/conventions.md for shapes and argument order.  What is
 built on the oracle (``kvbuffer validate``, its adapters, the golden vectors, the hypothesis strategies
-and properties) is the sub-package ``kvbuffer_ref.validate``.
+and properties) is the sub-package ``kvbuffer.validate``.
 """
 
 from .buffer import Drafts, KVBuffer

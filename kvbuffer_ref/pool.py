@@ -48,6 +48,7 @@ from .checks import check_capacity, check_count_arg, check_state, check_tokens, 
 from .decode import buffered_decode, flush, materialize_state
 from .entries import fold_count
 from .prefill import prefill
+from .recurrent import check_cu_seqlens
 from .speculative import accept, path_to, verify
 
 __all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device", "varlen_admit", "admit_state"]
@@ -187,7 +188,6 @@ def varlen_admit(s: torch.Tensor, tokens: dict, cu_seqlens, initial_state=None):
     [1, T, H, K]); cu_seqlens: [N + 1] (``recurrent.check_cu_seqlens``).  Returns (the valid entries'
     prompts gathered along T, their tokens as an int64 index into T on q's device, their offsets [n + 1]
     as a tensor like ``cu_seqlens``, their initial states or None).  A pad's prompt is never read."""
-    from .recurrent import check_cu_seqlens
 
     check_tokens(**tokens)  # the packed tensors' shapes agree before any token is gathered along T
     q = tokens["q"]

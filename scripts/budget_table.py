@@ -5,7 +5,7 @@ kernel off by 1 % lands, at Qwen3-Next's heads and real lengths.
     python3 scripts/budget_table.py --device cuda --impl reference,fast --T 64,1024,4096 --json out.json
 
 For every lane (recurrent, chunk, direct, decode, verify + accept, prefill), dtype, gate kind (scalar,
-per-channel) and length T it runs the validator's own property (``kvbuffer_ref.validate.properties``) on
+per-channel) and length T it runs the validator's own property (``kvbuffer.validate.properties``) on
 one case, under the arithmetic contract the implementation's adapter declares for that lane (kvbuffer_fast's
 compiled chunk kernels: bfloat16 products for 16-bit inputs), for the correct implementations and for three
 wrong ones built from each: q scaled by 1.01 (a 1 %
@@ -30,9 +30,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from kvbuffer_ref.validate import Case, resolve  # noqa: E402
-from kvbuffer_ref.validate import properties as P  # noqa: E402
-from kvbuffer_ref.validate.tolerances import active_contract  # noqa: E402
+from kvbuffer.implementations import resolve  # noqa: E402
+from kvbuffer.validate import Case  # noqa: E402
+from kvbuffer.validate import properties as P  # noqa: E402
+from kvbuffer.validate.tolerances import active_contract  # noqa: E402
 
 LOOSEST = 20.0  # a correct kernel's budget over its error must stay below this
 #: the validator's operation behind each lane here (whose declared arithmetic contract the lane is judged by)

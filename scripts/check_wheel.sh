@@ -22,8 +22,8 @@ wheel=$(ls "$work"/wheel/kvbuffer-*.whl)
 "$PY" - "$wheel" <<'EOF'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-golden = [n for n in names if n.startswith("kvbuffer_ref/validate/golden/data/")]
-assert "kvbuffer_ref/validate/golden/data/index.json" in golden and len(golden) > 10, golden
+golden = [n for n in names if n.startswith("kvbuffer/golden/data/")]
+assert "kvbuffer/golden/data/index.json" in golden and len(golden) > 10, golden
 print(f"[check_wheel] {sys.argv[1].rsplit('/', 1)[-1]}: {len(names)} files, {len(golden)} of them golden vectors")
 EOF
 
@@ -63,7 +63,7 @@ test -s "$work/rep/report.md" && test -s "$work/rep/quick-lanes.png"
 step "the golden vectors from the installed wheel"
 "$V" - <<'EOF'
 import torch
-from kvbuffer_ref.validate import golden
+from kvbuffer import golden
 cases = golden.load_cases()
 assert "site-packages" in str(golden.default_dir()), golden.default_dir()
 reports = golden.check(ops=["decode", "verify_chain"])

@@ -48,8 +48,8 @@ def emulated_reference(contract: str):
     import torch
 
     import kvbuffer_ref as ref
-    from kvbuffer_ref.validate.adapters import OPERATION_ATTRS, describe
-    from kvbuffer_ref.validate.contracts import emulate
+    from kvbuffer.validate.adapters import OPERATION_ATTRS, describe
+    from kvbuffer.validate.contracts import emulate
 
     def wrap(fn):
         def call(*a, **kw):
@@ -68,7 +68,7 @@ def stepwise_reference():
     import torch
 
     import kvbuffer_ref as ref
-    from kvbuffer_ref.validate.adapters import describe
+    from kvbuffer.validate.adapters import describe
 
     def recurrent_decode(q, k, v, *, g, beta, state, scale=None):
         o, new = ref.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
@@ -81,10 +81,11 @@ def stepwise_reference():
 
 
 def _impl(name: str):
-    from kvbuffer_ref.validate import adapters
+    from kvbuffer.validate import adapters
+    from kvbuffer import implementations
 
-    return {"reference": adapters.reference, "fast": adapters.fast, "stepwise": stepwise_reference,
-            "fla": adapters.fla}[name]()
+    return {"reference": implementations.reference, "fast": implementations.fast, "stepwise": stepwise_reference,
+            "fla": implementations.fla}[name]()
 
 
 def _ratio(r) -> float:
@@ -119,13 +120,13 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-    from kvbuffer_ref.validate import lanes, runner
+    from kvbuffer.validate import lanes, runner
 
     names = [x.strip() for x in args.impl.split(",") if x.strip()]
     bad = [n for n in names if n not in IMPLS]
     if bad:
         ap.error(f"--impl: unknown {bad}; known: {', '.join(IMPLS)}")
-    from kvbuffer_ref.validate.contracts import check_contract
+    from kvbuffer.validate.contracts import check_contract
 
     try:
         contracts = [check_contract(c.strip(), "--contracts") for c in args.contracts.split(",") if c.strip()]

@@ -104,7 +104,7 @@ validate() {  # one process per group of lanes, side by side (compiling dominate
   run_lanes() {  # NAME ARGS...: one kvbuffer validate process, its log and JSON named NAME (skipped unless in $LANES)
     local name=$1; shift
     [ -z "${LANES:-}" ] || [[ ",$LANES," == *",$name,"* ]] || return 0
-    python3 -m kvbuffer_ref.validate.cli validate --device cuda --profile gpu --max-examples 2 "$@" \
+    python3 -m kvbuffer.cli validate --device cuda --profile gpu --max-examples 2 "$@" \
       --json "$OUTDIR/validate-$name.json" > "$OUTDIR/validate-$name.log" 2>&1
   }
   run_lanes fast-prefill --impl fast --ops chunk,chunk_varlen,direct,prefill & pids+=($!)
@@ -127,7 +127,7 @@ validate() {  # one process per group of lanes, side by side (compiling dominate
   run_lanes sglang-pool --impl sglang-pool --peer-path .whl/sglang --dtype float32,bfloat16 & pids+=($!)
   run_lanes sglang-chunk --impl sglang-chunk --peer-path .whl/sglang --dtype bfloat16,float16 & pids+=($!)
   if [ -z "${LANES:-}" ] || [[ ",$LANES," == *",precision,"* ]]; then
-    python3 -m kvbuffer_ref.validate.cli validate --device cuda --report precision --impl fast --impl fla \
+    python3 -m kvbuffer.cli validate --device cuda --report precision --impl fast --impl fla \
       "${PREC_PEER[@]}" --json "$OUTDIR/precision.json" > "$OUTDIR/precision.md" 2>&1 & pids+=($!)
   fi
   if [ ${#PEER[@]} -gt 0 ]; then

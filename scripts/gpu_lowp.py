@@ -65,8 +65,8 @@ import kvbuffer_ref as ref  # noqa: E402
 from bench.gpu import copy_bandwidth, device_ms, versions  # noqa: E402
 from kvbuffer_fast.baselines import recurrent_decode  # noqa: E402
 from kvbuffer_ref.buffer import KVBuffer  # noqa: E402
-from kvbuffer_ref.validate import compare
-from kvbuffer_ref.validate.tolerances import tolerance_for  # noqa: E402
+from kvbuffer.validate import compare
+from kvbuffer.validate.tolerances import tolerance_for  # noqa: E402
 
 F32 = torch.float32
 

@@ -51,8 +51,8 @@ from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
 from kvbuffer_fast.launch import config_for, key_of  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from bench.gpu import device_ms, versions  # noqa: E402
-from kvbuffer_ref.validate import compare  # noqa: E402
-from kvbuffer_ref.validate.properties import truth_and_baseline  # noqa: E402
+from kvbuffer.validate import compare  # noqa: E402
+from kvbuffer.validate.properties import truth_and_baseline  # noqa: E402
 
 PEAK_TFLOPS = {"bfloat16": 989.0, "float32": 494.0}  # H200 dense: bf16 tensor cores; TF32 for fp32 inputs
 QWEN = dict(H=16, HV=32, K=128, V=128)

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Rebuild the golden vectors in kvbuffer_ref/validate/golden/data/ (deterministically: same files, bit for bit).
+"""Rebuild the golden vectors in kvbuffer/golden/data/ (deterministically: same files, bit for bit).
 
-    PYTHONPATH=. python scripts/make_golden.py [--out kvbuffer_ref/validate/golden/data] [--only ID ...] [--check]
+    PYTHONPATH=. python scripts/make_golden.py [--out kvbuffer/golden/data] [--only ID ...] [--check]
 
 Inputs come from numpy's PCG64 generator seeded per case, using only exactly rounded operations
 (+, *, /, sqrt), so they do not depend on the platform's libm.  Expected outputs are computed on the
-CPU in float64 by the recurrent oracle (``kvbuffer_ref.validate.golden.truth``), with one torch thread.
+CPU in float64 by the recurrent oracle (``kvbuffer.golden.truth``), with one torch thread.
 Before a case is written, the buffered reference (both buffer forms) is checked against it under the
 float64 budget of the tolerance table (~9e-13 relative): a case the reference disagrees with is
 never frozen.  ``--check`` writes nothing and exits non-zero if any stored file differs (bit for bit where
@@ -35,7 +35,7 @@ except ImportError:
 
 import kvbuffer_ref  # noqa: E402
 from kvbuffer_ref.buffer import KVBuffer  # noqa: E402
-from kvbuffer_ref.validate import golden  # noqa: E402
+from kvbuffer import golden  # noqa: E402
 from kvbuffer_ref.prefill import default_tail  # noqa: E402
 
 NAN = float("nan")
@@ -363,7 +363,7 @@ def index_header() -> dict:
         "format": golden.FORMAT,
         "version": golden.VERSION,
         "generator": "scripts/make_golden.py",
-        "truth": "float64 recurrent reference over each case's token history (kvbuffer_ref.validate.golden.truth)",
+        "truth": "float64 recurrent reference over each case's token history (kvbuffer.golden.truth)",
         "conventions": {
             "q, k": "[B, T, H, K]", "v": "[B, T, HV, V]", "g": "[B, T, HV] (scalar) or [B, T, HV, K] (per-channel)",
             "beta": "[B, T, HV]", "state": "[B, HV, K, V] (key-major: o = S^T q)",
@@ -396,7 +396,7 @@ def _without_digests(text: str, ids: list) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "kvbuffer_ref" / "validate" / "golden" / "data")
+    ap.add_argument("--out", type=Path, default=ROOT / "kvbuffer" / "golden" / "data")
     ap.add_argument("--only", nargs="*", help="rebuild only these case ids (the index is rewritten in full)")
     ap.add_argument("--check", action="store_true", help="compare with the stored files; write nothing")
     a = ap.parse_args(argv)

@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.baselines import per_draft_state_accept, per_draft_state_verify, recurrent_decode  # noqa: E402
-from kvbuffer_ref.validate.tolerances import compare  # noqa: E402
+from kvbuffer.validate.tolerances import compare  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

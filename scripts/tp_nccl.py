@@ -151,7 +151,7 @@ class Comparer:
         self.exact, self.rows = exact, []
 
     def __call__(self, what: str, tp_out, single_out, valid, head_axis: int):
-        from kvbuffer_ref.validate import compare
+        from kvbuffer.validate import compare
         a, b = tp_out[valid], single_out[valid]
         same = bool(torch.equal(a, b))
         diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0

@@ -32,8 +32,8 @@ os.environ.setdefault("KVBUFFER_CACHE_DIR", tempfile.mkdtemp(prefix="kvbuffer-te
 
 import pytest  # noqa: E402
 
-from kvbuffer_ref.validate import load_profile  # noqa: E402
-from kvbuffer_ref.validate import profiles  # noqa: E402
+from kvbuffer.validate import load_profile  # noqa: E402
+from kvbuffer.validate import profiles  # noqa: E402
 
 EXAMPLE_DB = Path(__file__).resolve().parent / ".hypothesis-db"
 SEED = profiles.run_seed()

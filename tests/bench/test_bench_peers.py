@@ -22,7 +22,7 @@ POOL_OPS = "buffered_decode,pool_decode,pool_decode_engine,round,pool_round,pool
 
 def _sglang_wheel() -> bool:
     from bench.workloads import SGLANG_PATH
-    from kvbuffer_ref.validate import sglang as sg
+    from kvbuffer.peers import sglang as sg
 
     return bool(sg._tree(Path(SGLANG_PATH)))
 
@@ -64,7 +64,7 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
 
 def _replayssm_api(**replace):
     from bench import workloads as W
-    from kvbuffer_ref.validate.peers import emulation
+    from kvbuffer.peers.replayssm import emulation
 
     em = emulation(**replace)
     api = W.Api()
@@ -87,7 +87,7 @@ def test_replayssm_cases_match_the_oracle_through_the_kernel_model(op):
 @pytest.mark.parametrize("op, check", [("replayssm_round", "state_after_commit"),
                                        ("replayssm_round_cycle", "state_after_cycle")])
 def test_a_wrong_cursor_model_fails_the_round_check(op, check):
-    from kvbuffer_ref.validate.peers import _em_commit
+    from kvbuffer.peers.replayssm import _em_commit
 
     def no_advance(write_pos, cache_base, is_flush, num_accepted, state_batch_indices, **kw):
         _em_commit(write_pos, cache_base, is_flush, num_accepted * 0, state_batch_indices, **kw)

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("triton", reason="triton not installed: the benchmarks time the Triton kernels")
 
 from bench import workloads as W  # noqa: E402
-from kvbuffer_ref.validate import sglang as sg  # noqa: E402
+from kvbuffer.peers import sglang as sg  # noqa: E402
 
 DEVICE = "cpu"  # tests/conftest.py sets TRITON_INTERPRET=1 on a machine without CUDA
 

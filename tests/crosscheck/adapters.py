@@ -104,7 +104,7 @@ def hf_torch_fallbacks():
     """
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
-    from kvbuffer_ref.integrations.transformers import torch_function_behind
+    from kvbuffer.integrations.transformers import torch_function_behind
 
     out = {}
     for name in ("torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule"):

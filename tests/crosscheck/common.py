@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvbuffer_ref import KVBuffer
-from kvbuffer_ref.validate import Case, compare, golden, make_inputs
-from kvbuffer_ref.validate.properties import truth_and_baseline
+from kvbuffer import golden
+from kvbuffer.validate import Case, compare, make_inputs
+from kvbuffer.validate.properties import truth_and_baseline
 
 @contextlib.contextmanager
 def expected_import_warnings():

@@ -23,10 +23,10 @@ import torch
 
 import kvbuffer_ref
 from kvbuffer_ref.buffer import KVBuffer
-from kvbuffer_ref.validate import golden
+from kvbuffer import golden
 
 ROOT = Path(__file__).resolve().parents[2]
-HERE = ROOT / "kvbuffer_ref" / "validate" / "golden" / "data"  # the vectors: package data, shipped in the wheel
+HERE = ROOT / "kvbuffer" / "golden" / "data"  # the vectors: package data, shipped in the wheel
 CASES = golden.load_cases(HERE)
 BY_ID = {c.id: c for c in CASES}
 

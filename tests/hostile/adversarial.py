@@ -13,7 +13,7 @@ import torch
 import kvbuffer_fast as fast
 import kvbuffer_fast.baselines as base
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate.properties import truth_and_baseline
+from kvbuffer.validate.properties import truth_and_baseline
 
 from .probes import (B, C, F32, F64, HV, INF, K, NAN, T, TOKEN_OPS, V, Probe, Setup, _buffered, _cmp, _edit,
                      _prefill_check, _put, _set, buffer, buffer_check, copy_check, f64, own_chunk, token_probe, tokens)

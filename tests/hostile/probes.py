@@ -5,7 +5,7 @@ A probe builds its inputs, calls one function and passes when
 * the call raises ``ValueError`` or ``TypeError`` whose message names the argument (``expect="error"``;
   ``NotImplementedError`` only where a probe allows it: kvbuffer_fast and the raw buffer form), or
 * the call returns the exact answer (``expect="exact"``): the float64 oracle's, through the error
-  table's ``compare`` (``kvbuffer_ref.validate``), and
+  table's ``compare`` (``kvbuffer.validate``), and
 * no input was modified: every tensor reachable from the arguments is cloned before the call and
   compared after it (bit for bit, NaN equal to NaN).  kvbuffer_fast's in-place arguments (its
   buffers, ``recurrent_decode``'s and ``per_draft_state_accept``'s state) may change only when the
@@ -38,9 +38,9 @@ import kvbuffer_fast.baselines as base  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref import Drafts, KVBuffer  # noqa: E402
 from kvbuffer_ref.checks import RESET_GATE  # noqa: E402
-from kvbuffer_ref.validate import Case, compare, upcast_inputs  # noqa: E402
-from kvbuffer_ref.validate.tolerances import compute_dtype  # noqa: E402
-from kvbuffer_ref.validate.properties import (FORM_CHUNK, buffer_to, poison_unused_, ragged_buffer,  # noqa: E402
+from kvbuffer.validate import Case, compare, upcast_inputs  # noqa: E402
+from kvbuffer.validate.tolerances import compute_dtype  # noqa: E402
+from kvbuffer.validate.properties import (FORM_CHUNK, buffer_to, poison_unused_, ragged_buffer,  # noqa: E402
                                               truth_and_baseline)
 
 F32, F64 = torch.float32, torch.float64

@@ -14,8 +14,8 @@ import pytest  # noqa: E402
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast._common import GROWTH_LIMIT  # noqa: E402
-from kvbuffer_ref.validate.properties import truth_and_baseline  # noqa: E402
-from kvbuffer_ref.validate.tolerances import compare  # noqa: E402
+from kvbuffer.validate.properties import truth_and_baseline  # noqa: E402
+from kvbuffer.validate.tolerances import compare  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, T, H, K = 1, 8, 1, 16

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 import kvbuffer_ref
-from kvbuffer_ref.validate.cli import main
+from kvbuffer.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_version_names_the_package_torch_and_triton(capsys):
 
 
 def test_version_from_the_command_line():
-    proc = subprocess.run([sys.executable, "-m", "kvbuffer_ref.validate.cli", "--version"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "kvbuffer.cli", "--version"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"kvbuffer {kvbuffer_ref.__version__} ")

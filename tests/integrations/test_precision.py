@@ -1,8 +1,8 @@
-"""Next-token precision of the served models (``kvbuffer_ref.integrations.precision``): the KL divergence and
+"""Next-token precision of the served models (``kvbuffer.integrations.precision``): the KL divergence and
 top-1 agreement of reduced-precision pools against the fp32 and float64 pools over a generation.
 
 Tiny configs, random weights (seed 0), a few dozen tokens: seconds per test.  Bounds come from the error
-table (``kvbuffer_ref.validate.tolerances``) and from Hoeffding's lemma, which turns a logit error into a KL
+table (``kvbuffer.validate.tolerances``) and from Hoeffding's lemma, which turns a logit error into a KL
 bound: KL(p || q) <= (max d - min d)^2 / 8 for d = logits_q - logits_p, hence <= ||d||^2 / 2.
 """
 
@@ -21,10 +21,10 @@ if importlib.util.find_spec("transformers") is None:
 
 import torch  # noqa: E402
 
-from kvbuffer_ref.integrations import precision as mp  # noqa: E402
-from kvbuffer_ref.integrations import transformers as kt  # noqa: E402
-from kvbuffer_ref.validate import cli as kcli  # noqa: E402
-from kvbuffer_ref.validate.tolerances import compare, tolerance_for  # noqa: E402
+from kvbuffer.integrations import precision as mp  # noqa: E402
+from kvbuffer.integrations import transformers as kt  # noqa: E402
+from kvbuffer import cli as kcli  # noqa: E402
+from kvbuffer.validate.tolerances import compare, tolerance_for  # noqa: E402
 
 F64_REL = tolerance_for(torch.float64).floor * torch.finfo(torch.float64).eps  # the float64 row's floor
 

@@ -1,12 +1,12 @@
 """Real models end to end: Qwen3-Next, Qwen3.5 and Kimi Linear say through KVBuffer what they say without it.
 
 Tiny configs (hidden 64, 4 layers: 3 linear-attention, 1 full-attention; random weights, seed 0), built
-by ``kvbuffer_ref.integrations.transformers.build_model``; nothing is downloaded.
+by ``kvbuffer.integrations.transformers.build_model``; nothing is downloaded.
 
 * Greedy generation through ``KVBufferRunner`` (the linear layers' recurrence in a ``kvbuffer_ref.KVPool``)
   equals transformers' own ``generate`` token for token, batched with ragged prompt lengths on both
   sides of C, for C in {4, 16, 64}.  Logits are held to the error table
-  (``kvbuffer_ref.validate.tolerances``) against the float64 truth: a float64 copy of the model whose
+  (``kvbuffer.validate.tolerances``) against the float64 truth: a float64 copy of the model whose
   recurrence is ``kvbuffer_ref.recurrent_gated_delta_rule`` in float64, teacher-forced over the same
   tokens; the baseline is transformers' own float32 path.  One slice = one (request, step).
 * A step where KVBuffer's argmax differs from transformers' is a genuine tie only when a top-two gap
@@ -35,8 +35,8 @@ if importlib.util.find_spec("transformers") is None:
 
 import torch  # noqa: E402
 
-from kvbuffer_ref.integrations import transformers as kt  # noqa: E402
-from kvbuffer_ref.validate.tolerances import compare  # noqa: E402
+from kvbuffer.integrations import transformers as kt  # noqa: E402
+from kvbuffer.validate.tolerances import compare  # noqa: E402
 
 TOKENS = int(os.environ.get("KVBUFFER_HF_TOKENS", "16"))
 MODELS = ["qwen3_next", "qwen3_5", "kimi_linear"]

@@ -18,9 +18,9 @@ import kvbuffer_fast as fast  # noqa: E402
 from kvbuffer_fast.chunk import chunk_launches_for  # noqa: E402
 from kvbuffer_fast.launch import (  # noqa: E402
     SM90_SHARED_BYTES, TABLES, ChunkConfig, DirectConfig, Key, chunk_smem_bytes, config_for)
-from kvbuffer_ref.validate import Case  # noqa: E402
-from kvbuffer_ref.validate import properties as P  # noqa: E402
-from kvbuffer_ref.validate.tolerances import active_contract  # noqa: E402
+from kvbuffer.validate import Case  # noqa: E402
+from kvbuffer.validate import properties as P  # noqa: E402
+from kvbuffer.validate.tolerances import active_contract  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(

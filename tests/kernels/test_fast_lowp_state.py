@@ -31,7 +31,7 @@ if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels ar
 
 import pytest  # noqa: E402
 
-from kvbuffer_ref.validate.tolerances import tolerance_for  # noqa: E402
+from kvbuffer.validate.tolerances import tolerance_for  # noqa: E402
 
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
@@ -39,8 +39,8 @@ from kvbuffer_fast.launch import config_for, key_of  # noqa: E402
 from kvbuffer_fast.pool import KVPool  # noqa: E402
 from kvbuffer_ref.buffer import Drafts, KVBuffer  # noqa: E402
 from kvbuffer_ref.entries import fold_dtype  # noqa: E402
-from kvbuffer_ref.validate import compare  # noqa: E402
-from kvbuffer_ref.validate.properties import poison_unused_  # noqa: E402
+from kvbuffer.validate import compare  # noqa: E402
+from kvbuffer.validate.properties import poison_unused_  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter mishandles bfloat16 arithmetic")

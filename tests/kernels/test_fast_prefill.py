@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.launch import PrefillConfig  # noqa: E402
-from kvbuffer_ref.validate import Case, assert_matches  # noqa: E402
-from kvbuffer_ref.validate import properties as P  # noqa: E402
+from kvbuffer.validate import Case, assert_matches  # noqa: E402
+from kvbuffer.validate import properties as P  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -19,8 +19,8 @@ import kvbuffer_fast as fast  # noqa: E402
 from kvbuffer_fast.baselines import recurrent_decode  # noqa: E402
 from kvbuffer_fast.launch import DecodeConfig, RecurrentConfig  # noqa: E402
 
-from kvbuffer_ref.validate import Case, assert_matches  # noqa: E402
-from kvbuffer_ref.validate import properties as P  # noqa: E402
+from kvbuffer.validate import Case, assert_matches  # noqa: E402
+from kvbuffer.validate import properties as P  # noqa: E402
 
 from tests.property.strategies_local import Calling, counted, fast_drawn, informative  # noqa: E402
 

@@ -25,8 +25,8 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import compare
-from kvbuffer_ref.validate.properties import truth_and_baseline
+from kvbuffer.validate import compare
+from kvbuffer.validate.properties import truth_and_baseline
 
 #: the pool's tensors per buffer slot (axis 1; ``live``: axis 0) and per state slot (axis 1)
 PER_BUFFER = ("k", "u", "G", "lengths", "has_state", "state_slot", "dk", "du", "dG", "parents", "num_drafts",

@@ -48,9 +48,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.entries import fold_count  # noqa: E402
-from kvbuffer_ref.validate import compare  # noqa: E402
-from kvbuffer_ref.validate.contracts import segmented_forms  # noqa: E402
-from kvbuffer_ref.validate.properties import FORM_CHUNK  # noqa: E402
+from kvbuffer.validate import compare  # noqa: E402
+from kvbuffer.validate.contracts import segmented_forms  # noqa: E402
+from kvbuffer.validate.properties import FORM_CHUNK  # noqa: E402
 
 from .schedule import FIELDS, Tokens, _addressing, _padded, _same, assert_untouched, snapshot  # noqa: E402
 

@@ -24,7 +24,7 @@ import traceback
 import torch
 
 from kvbuffer_ref.tp import all_gather_heads, check_pool_shard, shard_tokens, tp_shard
-from kvbuffer_ref.validate import compare
+from kvbuffer.validate import compare
 
 #: (name, head axis) of the pool's per-head tensors; the rest is bookkeeping, equal on every shard
 PER_HEAD = {"state": 2, "k": 3, "u": 3, "G": 3, "dk": 3, "du": 3, "dG": 3}

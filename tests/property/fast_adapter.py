@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # tests/conftest.py does this too; kernels ar
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvbuffer_fast as fast  # noqa: E402
-from kvbuffer_ref.validate.properties import poison_unused_  # noqa: E402
+from kvbuffer.validate.properties import poison_unused_  # noqa: E402
 
 
 class Poisoned:

@@ -1,4 +1,4 @@
-"""What the property tests draw beyond ``kvbuffer_ref.validate.strategies.cases``, and the check that
+"""What the property tests draw beyond ``kvbuffer.validate.strategies.cases``, and the check that
 their examples are not vacuous.
 
 * ``Drawn``: a ``Case`` plus the regions its inputs cover: q and k of any norm (not only unit length),
@@ -30,8 +30,8 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import Case
-from kvbuffer_ref.validate import strategies as kst
+from kvbuffer.validate import Case
+from kvbuffer.validate import strategies as kst
 
 #: the regimes drawn, informative ones first (hypothesis favours and shrinks towards the first)
 GATES = ("mixed", "mild", "strong", "underflow", "zero")

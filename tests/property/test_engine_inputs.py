@@ -19,7 +19,7 @@ import kvbuffer_ref
 from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.engine_inputs import engine_inputs as ref_inputs
 from kvbuffer_fast.engine_inputs import engine_inputs as fast_inputs
-from kvbuffer_ref.validate.tolerances import compare
+from kvbuffer.validate.tolerances import compare
 
 NAMES = ("q", "k", "v", "g", "beta")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

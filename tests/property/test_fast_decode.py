@@ -25,8 +25,8 @@ import kvbuffer_fast.decode as dec  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.launch import DecodeConfig, FlushConfig, Key, config_for  # noqa: E402
 
-from kvbuffer_ref.validate import Case, assert_matches, compare  # noqa: E402
-from kvbuffer_ref.validate import properties as P, strategies as kst  # noqa: E402
+from kvbuffer.validate import Case, assert_matches, compare  # noqa: E402
+from kvbuffer.validate import properties as P, strategies as kst  # noqa: E402
 
 from .fast_adapter import Poisoned, assert_all as _assert_all  # noqa: E402
 from .strategies_local import Calling, counted, fast_drawn, informative  # noqa: E402

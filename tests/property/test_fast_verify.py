@@ -32,7 +32,7 @@ import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_fast.launch import AcceptConfig, VerifyConfig, config_for, key_of  # noqa: E402
 
-from kvbuffer_ref.validate import cases, properties as P, strategies as kst, tolerances  # noqa: E402
+from kvbuffer.validate import cases, properties as P, strategies as kst, tolerances  # noqa: E402
 
 from kvbuffer_fast.baselines import per_draft_state_accept, per_draft_state_verify  # noqa: E402
 

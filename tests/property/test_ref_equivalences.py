@@ -12,9 +12,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import Case
-from kvbuffer_ref.validate import properties as P
-from kvbuffer_ref.validate import strategies as kst
+from kvbuffer.validate import Case
+from kvbuffer.validate import properties as P
+from kvbuffer.validate import strategies as kst
 
 from .fast_adapter import assert_all as _assert_all
 from .strategies_local import BETAS_WITH_STATE, Calling, Drawn, buffered, counted, drawn, informative, is_informative

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import assert_matches
-from kvbuffer_ref.validate import properties as P
-from kvbuffer_ref.validate import strategies as kst
+from kvbuffer.validate import assert_matches
+from kvbuffer.validate import properties as P
+from kvbuffer.validate import strategies as kst
 
 from .strategies_local import Calling, buffered, counted, drawn, informative
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import Case
+from kvbuffer.validate import Case
 
 B, T, H, HV, K, V = 2, 3, 2, 4, 5, 3
 

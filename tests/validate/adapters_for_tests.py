@@ -45,7 +45,7 @@ def factory():
 
 # ----------------------------------------------------------------------------- arithmetic contracts
 def _emulated(contract, fn):
-    from kvbuffer_ref.validate.contracts import emulate
+    from kvbuffer.validate.contracts import emulate
 
     def call(*a, **kw):
         with emulate(contract):
@@ -118,8 +118,8 @@ def agrees_with_recurrence(got, x, initial_state=None, chunk=None):
     """An adapter's (o, S) against the float64 recurrence over the inputs ``x`` (from ``initial_state``), with
     the correct forms in float32 as the baseline (``truth_and_baseline``: the recurrence, and with ``chunk``, the
     chunk of a kernel that keeps cumulative gates, the chunkwise form too): the one error table decides."""
-    from kvbuffer_ref.validate.properties import truth_and_baseline
-    from kvbuffer_ref.validate.tolerances import compare
+    from kvbuffer.validate.properties import truth_and_baseline
+    from kvbuffer.validate.tolerances import compare
 
     truth, base = truth_and_baseline(x, initial_state, chunk=chunk)
     for name, a, e, b, axis in (("o", got[0], truth[0], base[0], 2), ("state", got[1], truth[1], base[1], 1)):

@@ -1,5 +1,5 @@
 """A plain-PyTorch "engine kernel" in vLLM's fused sigmoid-gating decode convention, and realistic wrong
-variants of it, for the tests of ``kvbuffer_ref.validate.engine``.
+variants of it, for the tests of ``kvbuffer.peers.engine``.
 
 Convention (vLLM's ``fused_sigmoid_gating_delta_rule_update`` for decode): q, k [1, N, H, K], v [1, N, HV, V]
 (varlen: one token per sequence, ``cu_seqlens``), raw gating (A_log, dt_bias [HV]; a, b [1, N, HV]),
@@ -9,7 +9,7 @@ q and k L2-normalised in the kernel (in float32, whatever the input dtype), the 
 
 import torch
 
-from kvbuffer_ref.validate.engine import engine_adapter
+from kvbuffer.peers.engine import engine_adapter
 
 
 def sigmoid_gating_decode(A_log, a, b, dt_bias, q, k, v, *, scale, initial_state, cu_seqlens, ssm_state_indices,

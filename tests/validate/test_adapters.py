@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, lanes
-from kvbuffer_ref.validate import Case
+from kvbuffer.validate import adapters, lanes
+from kvbuffer import implementations
+from kvbuffer.validate import Case
 
 
 def test_discovery_lists_every_operation_as_run_or_not_provided():
@@ -34,10 +35,10 @@ def test_forms_and_dtypes_the_adapter_does_not_declare_are_reported():
 
 
 def test_the_reference_is_not_validated_against_itself():
-    planned = lanes.plan([adapters.reference()], lanes.select_ops("recurrent,chunk"))
+    planned = lanes.plan([implementations.reference()], lanes.select_ops("recurrent,chunk"))
     st = {l.op.key: l.status for l in planned}
     assert st == {"recurrent": "NOT PROVIDED", "chunk": "RUN"}
-    mutant_like = adapters.reference_from("kvbuffer_ref", as_truth=False)
+    mutant_like = implementations.reference_from("kvbuffer_ref", as_truth=False)
     assert {l.op.key: l.status for l in lanes.plan([mutant_like], lanes.select_ops("recurrent"))} == \
         {"recurrent": "RUN"}
 
@@ -62,7 +63,7 @@ def test_stepwise_recurrent_runs_one_token_at_a_time():
 
 def test_resolve_errors_are_adapter_errors():
     with pytest.raises(adapters.AdapterError, match="no module named"):
-        adapters.resolve("no_such_module_xyz:thing")
+        implementations.resolve("no_such_module_xyz:thing")
     with pytest.raises(adapters.AdapterError, match="forms must be"):
         adapters.describe(types.SimpleNamespace(flush=ref.flush, forms=("v",)))
 
@@ -72,7 +73,7 @@ def test_fast_adapter_calls_the_public_api_and_turns_on_nan_outputs(monkeypatch)
     import kvbuffer_fast
 
     monkeypatch.delenv(adapters.POISON_ENV, raising=False)
-    impl = adapters.fast()
+    impl = implementations.fast()
     for name in ("recurrent_gated_delta_rule", "buffered_decode", "flush", "materialize_state", "verify", "accept"):
         assert getattr(impl.obj, name) is getattr(kvbuffer_fast, name), name
     assert impl.has("recurrent_decode")  # the in-place step of kvbuffer_fast.baselines, validated stepwise

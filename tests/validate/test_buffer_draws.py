@@ -6,8 +6,8 @@ import types
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, lanes, runner
-from kvbuffer_ref.validate.cases import NORMAL
+from kvbuffer.validate import adapters, lanes, runner
+from kvbuffer.validate.cases import NORMAL
 
 
 def _run(obj, ops, *, dtype=torch.float64, max_examples=1, seed=11):

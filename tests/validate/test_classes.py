@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, lanes, runner
-from kvbuffer_ref.validate.cases import GPU
+from kvbuffer.validate import adapters, lanes, runner
+from kvbuffer import implementations
+from kvbuffer.validate.cases import GPU
 
 
 def _direct(fn, **extra):
@@ -75,7 +76,7 @@ def _contiguous_strides(q, k, v, *, g, beta, scale=None):
 def test_each_class_is_caught_and_named(fn, klass, text):
     (r,) = _run(_direct(fn))
     assert r.status == "FAIL" and r.klass == klass, (r.status, r.klass, r.why, r.failure)
-    assert f"[{klass}]" in __import__("kvbuffer_ref.validate.report", fromlist=["x"]).table_row(r)
+    assert f"[{klass}]" in __import__("kvbuffer.validate.report", fromlist=["x"]).table_row(r)
     blob = (r.why or "") + " " + str((r.failure or {}).get("error")) + " " + str((r.failure or {}).get("edge"))
     assert text in blob, blob
 
@@ -141,8 +142,8 @@ def test_without_triton_the_fast_rows_are_listed_as_not_run(monkeypatch):
     def no_triton():
         raise adapters.AdapterError("kvbuffer_fast needs triton, which is not installed")
 
-    monkeypatch.setattr(adapters, "fast", no_triton)
-    impls = adapters.default_implementations()
+    monkeypatch.setattr(implementations, "fast", no_triton)
+    impls = implementations.default_implementations()
     assert [i.name for i in impls] == ["kvbuffer_ref", "kvbuffer_fast"]
     rep = runner.run_validation(impls, ops=lanes.select_ops("direct"), dtypes=[torch.float64], seed=1,
                                 max_examples=1, progress=None)
@@ -164,7 +165,7 @@ TINY_GPU = replace(GPU, name="gpu (tiny, for the CPU test)", max_B=2, max_T=6, m
 
 def test_the_gpu_profile_runs_its_lanes(monkeypatch):
     monkeypatch.setattr(runner, "GPU", TINY_GPU)
-    impl = adapters.reference_from("kvbuffer_ref", as_truth=False)
+    impl = implementations.reference_from("kvbuffer_ref", as_truth=False)
     rep = runner.run_validation([impl], ops=lanes.select_ops("recurrent,chunk,decode[u],verify_tree[u],prefill[u]"),
                                 dtypes=[torch.float32], profile="gpu", seed=3, max_examples=1, progress=None)
     ran = [r for r in rep.lanes if r.status != "NOT PROVIDED"]

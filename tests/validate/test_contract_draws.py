@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, lanes, runner
-from kvbuffer_ref.validate.cases import Case
+from kvbuffer.validate import adapters, lanes, runner
+from kvbuffer.validate.cases import Case
 
 VARLEN = ("recurrent_gated_delta_rule",)
 

@@ -5,12 +5,14 @@ import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, cli as kcli
-from kvbuffer_ref.validate.cases import Case
-from kvbuffer_ref.validate import properties as P
-from kvbuffer_ref.validate.contracts import (CONTRACTS, baseline_recurrent, check_contract, correct_forms, emulate,
+from kvbuffer.validate import adapters
+from kvbuffer import cli as kcli
+from kvbuffer import implementations
+from kvbuffer.validate.cases import Case
+from kvbuffer.validate import properties as P
+from kvbuffer.validate.contracts import (CONTRACTS, baseline_recurrent, check_contract, correct_forms, emulate,
                                              round_bf16, round_tf32)
-from kvbuffer_ref.validate.tolerances import active_contract, compare
+from kvbuffer.validate.tolerances import active_contract, compare
 
 from .conftest import ADAPTERS
 
@@ -145,7 +147,7 @@ def test_a_lane_contract_covers_every_form_of_its_operation():
     assert impl.contract_for("decode[raw]", torch.bfloat16) == "tf32"
     assert impl.contract_for("decode[u]", torch.bfloat16) == "ieee"
     if not adapters.interpreter_active():
-        assert adapters.fast().contract_for("prefill[u]", torch.bfloat16) == "bf16"
+        assert implementations.fast().contract_for("prefill[u]", torch.bfloat16) == "bf16"
 
 
 def test_fast_declares_16_bit_products_for_every_chunk_lane(monkeypatch):
@@ -154,8 +156,8 @@ def test_fast_declares_16_bit_products_for_every_chunk_lane(monkeypatch):
     at 4.0e-3 against 1.1e-5 while the fixed-length lanes passed as bf16); the recurrence, decode and
     verify lanes keep the fp32 contract.  Their float32 products are three TF32 products (tf32x3): judged as
     IEEE float32 on the H200's gpu profile, the chunk lane came out 1.2x its budget."""
-    monkeypatch.setattr(adapters, "interpreter_active", lambda: False)
-    impl = adapters.fast()
+    monkeypatch.setattr(implementations, "interpreter_active", lambda: False)
+    impl = implementations.fast()
     for op in ("chunk", "chunk_varlen", "direct", "prefill[u]"):
         for dt in (torch.float16, torch.bfloat16):
             assert impl.contract_for(op, dt) == "bf16", (op, dt)

@@ -10,10 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, lanes, runner
-from kvbuffer_ref.validate import strategies as kst
-from kvbuffer_ref.validate.cases import GPU, NORMAL, SMALL, Case, reset_positions
-from kvbuffer_ref.validate.report import table_row
+from kvbuffer.validate import adapters, lanes, runner
+from kvbuffer import implementations
+from kvbuffer.validate import strategies as kst
+from kvbuffer.validate.cases import GPU, NORMAL, SMALL, Case, reset_positions
+from kvbuffer.validate.report import table_row
 
 CHUNK_LIKE = ("chunk", "chunk_varlen", "direct", "prefill")
 QUICK = settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -54,7 +55,7 @@ def test_a_dtype_not_run_is_counted_by_the_summary(monkeypatch):
 
 
 def test_the_bundled_kernels_plan_every_dtype_they_declare():
-    for impl in adapters.default_implementations():
+    for impl in implementations.default_implementations():
         if impl.unavailable:
             continue
         planned = {l.dtype for l in lanes.plan([impl]) if l.dtype is not None}

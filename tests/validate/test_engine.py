@@ -10,10 +10,10 @@ import types
 import pytest
 import torch
 
-from kvbuffer_ref.validate import adapters
-from kvbuffer_ref.validate.engine import Convention, engine_adapter, from_raw_gates, to_raw_gates
-from kvbuffer_ref.validate.lanes import plan
-from kvbuffer_ref.validate.runner import run_validation
+from kvbuffer.validate import adapters
+from kvbuffer.peers.engine import Convention, engine_adapter, from_raw_gates, to_raw_gates
+from kvbuffer.validate.lanes import plan
+from kvbuffer.validate.runner import run_validation
 
 from . import engine_kernels as ek
 

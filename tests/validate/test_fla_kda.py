@@ -8,8 +8,10 @@ import inspect
 import pytest
 import torch
 
-from kvbuffer_ref.validate import adapters, Case
-from kvbuffer_ref.validate.runner import run_validation
+from kvbuffer.validate import adapters, Case
+
+from kvbuffer import implementations
+from kvbuffer.validate.runner import run_validation
 
 from .adapters_for_tests import agrees_with_recurrence
 
@@ -25,7 +27,7 @@ def _recording(fn, calls):
 
 @pytest.mark.parametrize("channel", [True, False])
 def test_recurrent_gates_go_to_kda_or_the_gated_delta_rule_exactly(channel):
-    impl = adapters.resolve("fla")
+    impl = implementations.resolve("fla")
     gdn, kda = [], []
     impl.obj._fused = _recording(impl.obj._fused, gdn)
     impl.obj._fused_kda = _recording(impl.obj._fused_kda, kda)
@@ -42,7 +44,7 @@ def test_recurrent_gates_go_to_kda_or_the_gated_delta_rule_exactly(channel):
 
 
 def test_per_channel_decode_steps_and_varlen_batches_reach_kda():
-    impl = adapters.resolve("fla")
+    impl = implementations.resolve("fla")
     assert impl.supports_channel_gate(("recurrent_decode",)) and "recurrent_gated_delta_rule" in impl.varlen
     x = Case(B=1, T=2, H=1, HV=2, K=4, V=5, channel_gate=True, gate="strong", seed=7).inputs(torch.float32)
     S = torch.randn(1, 2, 4, 5, generator=torch.Generator().manual_seed(1))
@@ -69,7 +71,7 @@ def test_chunk_calls_bind_to_fla_signatures_exactly(channel):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    impl = adapters.resolve("fla")
+    impl = implementations.resolve("fla")
     real, recurrent = (chunk_kda, fused_recurrent_kda) if channel else \
         (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)
     bound = []
@@ -98,7 +100,7 @@ def test_chunk_calls_bind_to_fla_signatures_exactly(channel):
 
 
 def test_the_pooled_kda_decode_passes_in_its_engine_convention():
-    impl = adapters.resolve("fla-pool")
+    impl = implementations.resolve("fla-pool")
     assert impl.dtypes == (torch.float32, torch.float16) and impl.supports_channel_gate(("recurrent_decode",))
     rep = run_validation([impl], ops=[("recurrent_decode", None)], dtypes=list(impl.dtypes), seed=3,
                          max_examples=2, progress=None, explain=False)

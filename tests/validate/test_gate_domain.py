@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, lanes, runner
-from kvbuffer_ref.validate.report import format_failure, table_row
+from kvbuffer.validate import adapters, lanes, runner
+from kvbuffer.validate.report import format_failure, table_row
 
 
 def _plain_chunk(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64):

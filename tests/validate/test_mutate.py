@@ -26,7 +26,7 @@ def test_at_least_twenty_mutants_in_the_ci_selection(mutate):
 
 
 def test_several_mutants_per_class_plain_pytorch_and_kernel(mutate):
-    from kvbuffer_ref.validate.runner import CLASSES
+    from kvbuffer.validate.runner import CLASSES
 
     planted = [m for m in mutate.MUTANTS if m.klass]
     assert sum(m.id[0] in "PK" for m in planted) >= 30  # written for the classes (P: plain PyTorch, K: kernel)
@@ -79,7 +79,7 @@ def test_one_percent_and_16_bit_mutants_run_long_sequences_with_small_heads(muta
     H: rounding to 16 bits where fp32 arithmetic is declared, and 1 % errors, with bfloat16 and float16 inputs.
     All at the "long" size budget (boundary cases at T = 256, heads small enough for a CPU run); none may survive
     under the IEEE or TF32 contract (``below_rounding`` names 16-bit contracts only)."""
-    from kvbuffer_ref.validate.cases import Sizes
+    from kvbuffer.validate.cases import Sizes
 
     long = Sizes(**mutate.SIZES["long"])
     assert long.edge_T >= 256

@@ -4,8 +4,10 @@ import os
 
 import pytest
 
-from kvbuffer_ref.validate import adapters
-from kvbuffer_ref.validate import cli as kcli
+from kvbuffer.validate import adapters
+
+from kvbuffer import implementations
+from kvbuffer import cli as kcli
 
 PEER = os.environ.get("KVBUFFER_PEER_PATH")
 
@@ -13,7 +15,7 @@ PEER = os.environ.get("KVBUFFER_PEER_PATH")
 def test_without_a_checkout_the_adapter_says_how_to_give_one(monkeypatch, capsys):
     monkeypatch.delenv("KVBUFFER_PEER_PATH", raising=False)
     with pytest.raises(adapters.AdapterError, match="--peer-path <checkout>"):
-        adapters.resolve("replayssm")
+        implementations.resolve("replayssm")
     assert kcli.main(["validate", "--impl", "replayssm", "--peer-path", "/nonexistent/checkout"]) == 2
     assert "no vllm/model_executor/layers/fla/ops/fused_recurrent_replayssm.py there" in capsys.readouterr().err
 
@@ -21,7 +23,7 @@ def test_without_a_checkout_the_adapter_says_how_to_give_one(monkeypatch, capsys
 @pytest.mark.skipif(not PEER, reason="set KVBUFFER_PEER_PATH to a ReplaySSM checkout to test its adapter")
 def test_the_replayssm_kernel_loads_from_the_checkout_without_vllm():
     import sys
-    impl = adapters.resolve("replayssm")
+    impl = implementations.resolve("replayssm")
     assert impl.contract == "tf32" and impl.has("recurrent_gated_delta_rule")
     assert not any(n == "vllm" or n.startswith("vllm.") for n in sys.modules)  # the shims are gone again
     if impl.interpreted:
@@ -38,8 +40,8 @@ LANES = [("recurrent", None), ("verify_chain", None), ("decode", None), ("flush"
 def _lanes(kernels, ops=LANES, seed=3, n=4):
     import torch
 
-    from kvbuffer_ref.validate import peers
-    from kvbuffer_ref.validate.runner import run_validation
+    from kvbuffer.peers import replayssm as peers
+    from kvbuffer.validate.runner import run_validation
 
     impl = adapters.describe(peers.ReplaySSM(kernels=kernels, name="replayssm-model"))
     rep = run_validation([impl], ops=ops, dtypes=[torch.float32], seed=seed, max_examples=n, progress=None,
@@ -48,7 +50,7 @@ def _lanes(kernels, ops=LANES, seed=3, n=4):
 
 
 def test_the_mapping_passes_through_the_kernel_model():
-    from kvbuffer_ref.validate import peers
+    from kvbuffer.peers import replayssm as peers
 
     lanes = _lanes(peers.emulation())
     for op in ("recurrent", "verify_chain[u]", "decode[u]", "flush[u]"):
@@ -57,7 +59,7 @@ def test_the_mapping_passes_through_the_kernel_model():
 
 
 def test_a_cursor_kernel_that_forgets_the_flush_rebase_fails_verify():
-    from kvbuffer_ref.validate import peers
+    from kvbuffer.peers import replayssm as peers
 
     def no_rebase(write_pos, cache_base, is_flush, num_accepted, state_batch_indices, **kw):
         base = cache_base.clone()
@@ -68,7 +70,7 @@ def test_a_cursor_kernel_that_forgets_the_flush_rebase_fails_verify():
 
 
 def test_a_flush_launch_that_does_not_fold_fails_decode():
-    from kvbuffer_ref.validate import peers
+    from kvbuffer.peers import replayssm as peers
 
     def no_fold(*a, is_flush, **kw):
         return peers._em_spec(*a, is_flush=torch_zeros_like(is_flush), **kw)
@@ -84,7 +86,7 @@ def torch_zeros_like(x):
 def test_a_draft_tree_is_refused_with_the_reason():
     import torch
 
-    from kvbuffer_ref.validate import peers
+    from kvbuffer.peers import replayssm as peers
 
     lanes = _lanes(peers.emulation(), ops=[("verify_tree", None), ("recurrent", None)], n=1)
     lane = lanes["verify_tree"]
@@ -102,7 +104,7 @@ def test_the_model_and_the_adapter_call_the_checkouts_api():
     the launch table is the checkout's own (its tuned GDN configs, vllm.platforms shimmed)."""
     import inspect
 
-    from kvbuffer_ref.validate import peers
+    from kvbuffer.peers import replayssm as peers
 
     ad = peers.ReplaySSM(PEER)
     em = peers.emulation()

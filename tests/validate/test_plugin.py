@@ -12,7 +12,7 @@ def _pytest(pytester, *args):
     pytester.makepyfile(test_trivial="def test_trivial():\n    assert True\n")
     # pip-installed, the package registers the plugin through its pytest11 entry point; from a bare
     # checkout (PYTHONPATH only) it has to be named with -p, and naming it twice is an error
-    load = [] if _entry_point_installed() else ["-p", "kvbuffer_ref.validate.pytest_plugin"]
+    load = [] if _entry_point_installed() else ["-p", "kvbuffer.pytest_plugin"]
     r = pytester.runpytest_inprocess(*load, "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:benchmark", "-rs", *args)
     return types.SimpleNamespace(returncode=int(r.ret), stdout=r.stdout.str(), stderr=r.stderr.str())
 
@@ -20,7 +20,7 @@ def _pytest(pytester, *args):
 def _entry_point_installed() -> bool:
     from importlib.metadata import entry_points
 
-    return any(ep.value == "kvbuffer_ref.validate.pytest_plugin" for ep in entry_points(group="pytest11"))
+    return any(ep.value == "kvbuffer.pytest_plugin" for ep in entry_points(group="pytest11"))
 
 
 def test_without_the_option_the_plugin_does_nothing(pytester):

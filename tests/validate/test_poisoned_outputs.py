@@ -8,7 +8,7 @@ import torch
 import torch.utils.deterministic as det
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters, lanes, runner
+from kvbuffer.validate import adapters, lanes, runner
 
 
 def _one_row_unwritten(q, k, v, *, g, beta, scale=None):

@@ -5,7 +5,10 @@ import sys
 
 import pytest
 
-from kvbuffer_ref.validate import adapters, cli as kcli, precision as prec
+from kvbuffer.validate import adapters, precision as prec
+from kvbuffer import cli as kcli
+
+from kvbuffer import implementations
 
 from .conftest import ADAPTERS
 
@@ -19,7 +22,7 @@ def test_checkpoints_are_the_powers_of_two_then_the_last_step():
 
 
 def _report(name, steps=16, **kw):
-    return prec.precision_report(adapters.resolve(f"{ADAPTERS}:{name}"), steps=steps, **kw)
+    return prec.precision_report(implementations.resolve(f"{ADAPTERS}:{name}"), steps=steps, **kw)
 
 
 def test_the_rows_tell_a_bf16_state_and_a_bug_from_the_fp32_recurrence():
@@ -41,7 +44,7 @@ def test_the_rows_tell_a_bf16_state_and_a_bug_from_the_fp32_recurrence():
 
 
 def test_the_buffered_decode_row_folds_its_buffer_and_reads_its_state():
-    rep = prec.precision_report(adapters.reference(), steps=8, capacity=3)
+    rep = prec.precision_report(implementations.reference(), steps=8, capacity=3)
     row = rep["series"]["kvbuffer_ref buffered_decode[C=3]"]
     assert max(row["state"]) < 1e-6 and max(rep["ratio_to_fp32"]["o"]["kvbuffer_ref buffered_decode[C=3]"]) < 4
     assert any("no recurrent_decode" in n for n in rep["notes"])

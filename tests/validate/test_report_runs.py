@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvbuffer_ref.validate import cli as kcli
-from kvbuffer_ref.validate import report as rep
-from kvbuffer_ref.validate.adapters import resolve
-from kvbuffer_ref.validate.lanes import parse_dtypes, select_ops
-from kvbuffer_ref.validate.runner import run_validation
+from kvbuffer import cli as kcli
+from kvbuffer.validate import report as rep
+from kvbuffer.implementations import resolve
+from kvbuffer.validate.lanes import parse_dtypes, select_ops
+from kvbuffer.validate.runner import run_validation
 
 from .conftest import ADAPTERS, ROOT
 

@@ -1,4 +1,4 @@
-"""The built-in SGLang adapters (``kvbuffer_ref.validate.sglang``): each call they make binds to the real
+"""The built-in SGLang adapters (``kvbuffer.peers.sglang``): each call they make binds to the real
 kernel's signature; the recurrent kernels' lanes pass under the Triton interpreter; the chunk kernel, which
 the interpreter cannot run, through its real signature with SGLang's pooled recurrent kernel behind it; a
 wrong state layout fails; without SGLang the lanes are NOT RUN with how to get it.
@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbuffer_ref.validate import adapters, Case
-from kvbuffer_ref.validate import sglang as sg
-from kvbuffer_ref.validate.adapters import AdapterError
-from kvbuffer_ref.validate.engine import engine_adapter
-from kvbuffer_ref.validate.peers import PEER_ENV
-from kvbuffer_ref.validate.runner import run_validation
+from kvbuffer.validate import adapters, Case
+
+from kvbuffer import implementations
+from kvbuffer.peers import sglang as sg
+from kvbuffer.validate.adapters import AdapterError
+from kvbuffer.peers.engine import engine_adapter
+from kvbuffer.peers.replayssm import PEER_ENV
+from kvbuffer.validate.runner import run_validation
 
 from .adapters_for_tests import agrees_with_recurrence
 
@@ -176,7 +178,7 @@ def test_chunk_calls_bind_to_the_real_signature_and_compute_the_recurrence(kerne
 ])
 def test_lanes_pass(name, ops, kernels, monkeypatch):
     monkeypatch.setenv(PEER_ENV, WHERE or "")
-    impl = adapters.resolve(name)
+    impl = implementations.resolve(name)
     assert not impl.unavailable and impl.contract == "ieee"
     rep = run_validation([impl], ops=[(o, None) for o in ops], dtypes=[torch.float32], seed=3, max_examples=2,
                          progress=None, explain=False, device=DEVICE)
@@ -201,7 +203,7 @@ def test_a_state_read_in_the_wrong_layout_fails(kernels):
 def test_the_chunk_lanes_say_why_they_do_not_run_under_the_interpreter(kernels, monkeypatch):
     monkeypatch.setenv(PEER_ENV, WHERE or "")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    impl = adapters.resolve("sglang-chunk")
+    impl = implementations.resolve("sglang-chunk")
     assert "Triton interpreter" in impl.unavailable and "Block pointers" in impl.unavailable
 
 
@@ -209,6 +211,6 @@ def test_without_sglang_every_lane_is_not_run_with_how_to_get_it(tmp_path, monke
     monkeypatch.setenv(PEER_ENV, str(tmp_path))
     monkeypatch.setattr(sg.importlib.util, "find_spec", lambda name, *a: None)
     for name in ("sglang", "sglang-decode", "sglang-packed", "sglang-pool", "sglang-chunk"):
-        impl = adapters.resolve(name)
+        impl = implementations.resolve(name)
         assert "SGLang's kernels not found" in impl.unavailable and str(tmp_path) in impl.unavailable
         assert "pip download --no-deps sglang" in impl.unavailable

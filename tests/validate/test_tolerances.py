@@ -1,4 +1,4 @@
-"""The error policy's budget (kvbuffer_ref.validate.tolerances): per (request, head) slice,
+"""The error policy's budget (kvbuffer.validate.tolerances): per (request, head) slice,
 ``err <= kappa x baseline_err + floor x eps(compute) + tiny / rms(ref)``, the baseline what a correct
 implementation computes in the compute dtype (``properties.truth_and_baseline``); what it admits, what it
 still rejects (1 % off in q, g or beta), and the line that reports it."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import properties as P
-from kvbuffer_ref.validate.cases import Case
-from kvbuffer_ref.validate.tolerances import (TOLERANCES, active_contract, assert_matches, compare, compute_dtype,
+from kvbuffer.validate import properties as P
+from kvbuffer.validate.cases import Case
+from kvbuffer.validate.tolerances import (TOLERANCES, active_contract, assert_matches, compare, compute_dtype,
                                               current_contract, rel_rms_slices, tolerance_for)
 
 EPS32 = torch.finfo(torch.float32).eps

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate import adapters
-from kvbuffer_ref.validate.runner import run_validation
+from kvbuffer.validate import adapters
+from kvbuffer.validate.runner import run_validation
 
 
 def _run(obj, ops=(("chunk_varlen", None),), n=8, seed=5):

@@ -60,8 +60,9 @@ from typing import Optional
 
 import torch
 
-from .adapters import AdapterError, describe, interpreter_active, unavailable
-from .peers import PEER_ENV
+from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
+from .engine import engine_adapter
+from .replayssm import PEER_ENV
 
 __all__ = ["load_kernels", "locate", "KERNELS", "sglang", "sglang_decode", "sglang_packed", "sglang_pool",
            "sglang_chunk", "SGLangRecurrent", "SGLangChunk", "decode_step", "packed_step", "pool_step"]
@@ -248,7 +249,7 @@ def _interpreter_fixes(modules: dict) -> None:
     device context -> a null context where torch has no device context for the tensors' device (CPU)."""
     import triton.language as tl
 
-    from . import _sglang_interp as ji
+    from . import _sglang_interp as ji  # here: it imports triton, after the interpreter is chosen
 
     alias = {id(tl.exp): ji.exp, id(tl.math.exp2): ji.exp2, id(tl.log): ji.log, id(tl.log2): ji.log2}
     for m in modules.values():
@@ -457,7 +458,6 @@ def sglang():
 
 
 def _engine(kind: str, label: str, step_of):
-    from .engine import engine_adapter
     k, missing = _load(f"sglang-{kind}")
     if missing:
         return missing

@@ -36,11 +36,11 @@ every other one as "not provided", with the reason.  Optional attributes describ
     in_place       dict        {attribute: argument names it updates IN PLACE by contract}; every other
                                tensor argument (and field of a buffer or drafts argument) must be left
                                bit for bit as it was (default: ``{"recurrent_decode": ("state",)}``)
-    contract       str         the arithmetic it keeps (kvbuffer_ref.validate.contracts): "ieee" (IEEE float32,
+    contract       str         the arithmetic it keeps (kvbuffer.validate.contracts): "ieee" (IEEE float32,
                                the default), "tf32" (TF32 products), "bf16" (bfloat16 products, float32
                                accumulation), "bf16-state" (a bfloat16 recurrent state); the baselines of
                                its budgets are computed in that arithmetic, and the verdict follows it
-    convention     dict        an engine kernel's calling convention (kvbuffer_ref.validate.engine): the
+    convention     dict        an engine kernel's calling convention (kvbuffer.peers.engine): the
                                validator converts to it; see ``engine.engine_adapter``
     varlen         tuple       the attributes that take ``cu_seqlens`` (variable-length batches, B = 1):
                                "recurrent_gated_delta_rule", "chunk_gated_delta_rule"; their varlen lanes
@@ -63,18 +63,13 @@ every fresh allocation (``torch.empty`` and its kin) is filled with NaN (integer
 without the implementation's cooperation (``poisoned_allocations``): an output element a kernel leaves
 unwritten is non-finite, whatever the allocator would have handed out.
 
-``resolve("module:attr")`` loads an adapter; ``attr`` may also be a factory (a callable that is not
-itself an operation, called with no arguments).  Ready adapters: ``reference`` (kvbuffer_ref, float64
-and float32, both forms), ``fast`` (kvbuffer_fast, the Triton kernels), ``fla`` (flash-linear-attention's
-fused_recurrent / chunk kernels, gated delta rule and KDA), ``fla-pool`` (fla's pooled KDA decode step, in
-its engine convention).  Short names: ``ref``, ``fast``, ``fla``, ``fla-pool``.
+``kvbuffer.implementations.resolve("module:attr")`` loads an adapter; the ready ones (this project's two
+packages and the peers) are listed there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import os
 import types
 import warnings
@@ -86,11 +81,11 @@ import torch
 from kvbuffer_ref.checks import byte_range
 
 from .cases import NORMAL, SMALL, Sizes
+from .contracts import check_contract
 
-__all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "OPERATION_ATTRS", "AdapterError", "Implementation", "describe", "resolve", "builtin_names",
-           "reference", "reference_from", "fast", "fast_from", "fla", "FlaAdapter", "fla_pool", "stepwise_recurrent",
-           "interpreter_active", "POISON_ENV", "unavailable", "default_implementations", "returned_changed",
-           "GATE_DOMAINS", "poisoned_allocations"]
+__all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "OPERATION_ATTRS", "AdapterError",
+           "Implementation", "describe", "stepwise_recurrent", "interpreter_active", "POISON_ENV", "unavailable",
+           "returned_changed", "GATE_DOMAINS", "poisoned_allocations"]
 
 #: Every operation attribute the validator knows, in report order.
 OPERATION_ATTRS = (
@@ -220,7 +215,6 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
     if gates not in GATE_DOMAINS:
         raise AdapterError(f"adapter {label}: gates must be one of {GATE_DOMAINS} (\"finite\": a kernel whose "
                            f"gates are never a reset, -inf or -1e30), got {gates!r}")
-    from .contracts import check_contract
     try:
         contract = check_contract(getattr(obj, "contract", "ieee"), f"adapter {label}: contract")
     except ValueError as e:
@@ -235,305 +229,10 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
                           varlen=tuple(getattr(obj, "varlen", ()) or ()))
 
 
-# ----------------------------------------------------------------------------- ready adapters
-#: The forms kvbuffer_ref and kvbuffer_fast take variable-length batches in (``cu_seqlens``).
-_VARLEN = ("recurrent_gated_delta_rule", "chunk_gated_delta_rule")
-
-def reference_from(package: str = "kvbuffer_ref", *, as_truth: bool = True) -> Implementation:
-    """A pure-PyTorch package with kvbuffer_ref's functions, in float64 and float32, both buffer forms.
-
-    as_truth: it is the oracle itself, whose recurrence is the truth (so it is not validated against
-    itself); False for a copy (e.g. a mutant in scripts/mutate.py), whose recurrence is validated too.
-    """
-    mod = importlib.import_module(package)
-    not_provided = {"recurrent_decode": "the reference has no in-place decode step"}
-    if as_truth:
-        not_provided["recurrent_gated_delta_rule"] = "it is the float64 truth itself"
-    return Implementation(name=package, obj=mod, dtypes=(torch.float64, torch.float32), forms=("u", "raw"),
-                          channel_gate=True, interpreted=False, is_truth=as_truth, not_provided=not_provided,
-                          varlen=_VARLEN)
-
-
-def reference() -> Implementation:
-    """The oracle's own forms (kvbuffer_ref) in float64 and float32, both buffer forms."""
-    return reference_from("kvbuffer_ref")
-
-
-#: Where kvbuffer_fast keeps what is not part of the mirrored API (``recurrent_decode``, the in-place
-#: decode step serving engines run today): validated too, through ``stepwise_recurrent``.
-_FAST_EXTRA_MODULES = ("baselines",)
-
-
-#: kvbuffer_fast's buffer operations update the buffer's tensors IN PLACE (its contract); its verify and
-#: materialize_state leave the buffer as it was.
-FAST_IN_PLACE = {**DEFAULT_IN_PLACE, "buffered_decode": ("buffer",), "flush": ("buffer",), "accept": ("buffer",)}
-
-
-def fast_from(package: str = "kvbuffer_fast") -> Implementation:
-    """A package with kvbuffer_fast's public API (e.g. a mutant copy): u-cache form, float32 and float16
-    (and bfloat16 when compiled).
-
-    The operations are the package's public functions (and ``recurrent_decode`` of its ``baselines``
-    module), called with the reference's signatures.  ``prepare`` sets ``KVBUFFER_POISON=1``, which the
-    package reads whenever it allocates an output: every output starts as NaN, so an element a kernel
-    forgets to write fails.
-    """
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:  # pragma: no cover - triton is installed where the kernels are used
-        raise AdapterError(f"{package} needs triton, which is not installed ({e}); pip install 'kvbuffer[fast]'") \
-            from None
-    modules = [importlib.import_module(package)]
-    for extra in _FAST_EXTRA_MODULES:
-        if importlib.util.find_spec(f"{package}.{extra}") is not None:
-            modules.insert(0, importlib.import_module(f"{package}.{extra}"))
-    ops = {}
-    for attr in OPERATION_ATTRS:
-        fn = next((getattr(m, attr) for m in modules if callable(getattr(m, attr, None))), None)
-        if fn is not None:
-            ops[attr] = fn
-
-    def prepare():
-        os.environ[POISON_ENV] = "1"
-
-    missing = {a: f"not implemented in {package}" for a in OPERATION_ATTRS if a not in ops}
-    # compiled, the chunk kernels multiply float32 inputs as three TF32 products and 16-bit inputs in 16-bit
-    # products (kvbuffer_fast/chunk.py, "Precision"; docs/kernels.md)
-    lane_contracts = {} if interpreter_active() else {
-        (op, dt): "tf32x3" if dt == torch.float32 else "bf16" for op in ("chunk", "chunk_varlen", "direct", "prefill")
-        for dt in (torch.float32, torch.float16, torch.bfloat16)}
-    # bfloat16 only compiled: under the Triton interpreter bfloat16 arithmetic is not what the GPU computes
-    dtypes = (torch.float32, torch.float16) + (() if interpreter_active() else (torch.bfloat16,))
-    return Implementation(name=package, obj=types.SimpleNamespace(prepare=prepare, **ops),
-                          dtypes=dtypes, forms=("u",), channel_gate=True,
-                          interpreted=interpreter_active(), not_provided=missing,
-                          sizes=SMALL if interpreter_active() else NORMAL, in_place=dict(FAST_IN_PLACE),
-                          lane_contracts=lane_contracts, varlen=_VARLEN)
-
-
 def unavailable(name: str, reason: str) -> Implementation:
     """An implementation that cannot run here (``reason``): the report lists each of its lanes as NOT RUN."""
     return Implementation(name=name, obj=types.SimpleNamespace(), dtypes=(torch.float32,), forms=("u",),
                           unavailable=reason)
-
-
-def default_implementations() -> list:
-    """What ``kvbuffer validate`` checks without --impl: the reference's forms and kvbuffer_fast; without
-    triton, kvbuffer_fast is listed as NOT RUN (with the reason) rather than dropped."""
-    try:
-        return [reference(), fast()]
-    except AdapterError as e:
-        return [reference(), unavailable("kvbuffer_fast", str(e))]
-
-
-def fast() -> Implementation:
-    """This project's Triton kernels (kvbuffer_fast): compiled on CUDA, on the interpreter on the CPU."""
-    return fast_from("kvbuffer_fast")
-
-
-class FlaAdapter:
-    """flash-linear-attention (fla >= 0.6) behind the protocol: scalar gates go to its gated-delta-rule
-    kernels (``fla.ops.gated_delta_rule``), per-channel gates [B, T, HV, K] to its KDA kernels
-    (``fla.ops.kda``, Kimi Delta Attention).
-
-    * ``recurrent_gated_delta_rule`` -> ``fused_recurrent_gated_delta_rule`` (scalar ``g`` [B, T, HV]) or
-      ``fused_recurrent_kda`` (per-channel ``g``), fla's decode kernels.  fla takes g and beta
-      positionally after v; here they are keywords.  beta [B, T, HV] is "head-wise" (one per value
-      head); fla's default scale is also K ** -0.5; its initial_state is [B, HV, K, V] in float32 (the
-      same layout; ``state_v_first=False``); q/k normalisation inside the kernel is off
-      (``use_qk_l2norm_in_kernel=False``: the caller normalises, as our convention says); grouped
-      value heads (HV > H, head i uses q/k head i // (HV // H)) are native to fla.  KDA's gate is
-      passed in log space as it is (``use_gate_in_kernel=False``: no in-kernel ``-exp(A_log)
-      softplus(g + dt_bias)``) and beta as it is (``use_beta_sigmoid_in_kernel=False``): no conversion.
-    * ``recurrent_decode``: the same kernels called with T = 1, the state passed in and its final state
-      copied back (how a serving engine calls them per decode step).
-    * ``chunk_gated_delta_rule`` -> ``chunk_gated_delta_rule`` (scalar gates) or ``chunk_kda``
-      (per-channel gates), fla's prefill kernels, with fla's own chunk size 64 (the requested size is a
-      property of our reference form; fla takes 16/32/64, KDA 32/64), and CUDA only: their kernels do
-      not run under the Triton interpreter (their autotuners benchmark on a GPU driver), so on the CPU
-      they are reported as not provided.
-    * Every kernel takes ``cu_seqlens`` (int64 offsets, B = 1): the varlen lanes.
-    * No buffered decode, flush, verify or accept exists in fla: not provided.  Its pooled KDA decode
-      (state slots addressed by ``ssm_state_indices``) is the separate adapter ``fla_pool``.
-    """
-
-    name = "fla"
-    forms = ("u",)
-    channel_gate = frozenset({"recurrent_gated_delta_rule", "recurrent_decode", "chunk_gated_delta_rule"})
-
-    def __init__(self):
-        try:
-            with warnings.catch_warnings():  # fla warns at import when it finds no GPU
-                warnings.simplefilter("ignore")
-                import fla  # noqa: F401
-                from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-                from fla.ops.kda import chunk_kda, fused_recurrent_kda
-        except ImportError as e:
-            raise AdapterError(f"the fla adapter needs fla-core 0.6.0 (pip install 'kvbuffer[crosscheck]', or pip install fla-core==0.6.0): {e}") \
-                from None
-        self._fused, self._fused_kda = fused_recurrent_gated_delta_rule, fused_recurrent_kda
-        self._chunk, self._chunk_kda = chunk_gated_delta_rule, chunk_kda
-        self.version = getattr(fla, "__version__", "?")
-        self.name = f"fla {self.version}"
-        self.interpreted = interpreter_active()
-        on_gpu = torch.cuda.is_available() and not self.interpreted
-        self.dtypes = (torch.float32, torch.float16, torch.bfloat16) if on_gpu else (torch.float32, torch.float16)
-        self.not_provided = {
-            "direct_gated_delta_rule": "fla has no stateless (direct) form",
-            "buffered_decode": "fla has no buffered decode (it reads and writes the state every step)",
-            "flush": "fla has no buffer", "materialize_state": "fla has no buffer",
-            "verify": "fla has no gated-delta-rule speculative verification",
-            "accept": "fla has no gated-delta-rule speculative verification",
-            "prefill": "fla has no buffer hand-off",
-        }
-        if not on_gpu:
-            self.not_provided["chunk_gated_delta_rule"] = (
-                "fla's chunk kernels (chunk_gated_delta_rule, chunk_kda) do not run under the Triton interpreter "
-                "(CPU: their autotuners need a GPU driver); validate them with --device cuda")
-            self.chunk_gated_delta_rule = None
-
-    varlen = ("recurrent_gated_delta_rule", "chunk_gated_delta_rule")  # fla's cu_seqlens (int64 offsets)
-
-    def recurrent_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                   cu_seqlens=None):
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        kw = dict(beta=beta, scale=scale, initial_state=_fla_state(initial_state), output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=False, **_fla_offsets(cu_seqlens))
-        if g.dim() == 4:
-            return self._fused_kda(q, k, v, g=g, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, **kw)
-        return self._fused(q, k, v, g=g, **kw)
-
-    def recurrent_decode(self, q, k, v, *, g, beta, state, scale=None):
-        """One decode step the way serving calls fla: state in, final state out, copied back in place."""
-        o, new = self.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
-                                                 output_final_state=True)
-        state.copy_(new)
-        return o
-
-    def chunk_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               chunk_size=64, cu_seqlens=None):
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        kw = dict(scale=scale, initial_state=_fla_state(initial_state), output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=False, **_fla_offsets(cu_seqlens))
-        if g.dim() == 4:
-            return self._chunk_kda(q, k, v, g, beta, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, **kw)
-        return self._chunk(q, k, v, g, beta, **kw)
-
-
-def _fla_state(S):
-    """An initial state as fla's kernels take it: [N, HV, K, V], float32, contiguous (or None)."""
-    return None if S is None else S.to(torch.float32).contiguous()
-
-
-def _fla_offsets(cu_seqlens) -> dict:
-    """fla's ``cu_seqlens`` keyword (int64 offsets), or none."""
-    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(torch.int64)}
-
-
-def fla() -> Implementation:
-    """flash-linear-attention's kernels (see ``FlaAdapter``)."""
-    return describe(FlaAdapter())
-
-
-def fla_pool() -> Implementation:
-    """fla's pooled KDA decode step in its own calling convention (``engine.engine_adapter``), as a serving
-    engine calls it: ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd`` with the states in a pool
-    [slots, HV, K, V] (float32) addressed by ``ssm_state_indices`` and updated in place
-    (``inplace_final_state=True``), tokens flattened with ``cu_seqlens``, q and k L2-normalised in the
-    kernel (``use_qk_l2norm_in_kernel=True``).  Padded rows carry slot 0, a reserved null block (the
-    kernel has no pad check: a negative slot would address memory before the pool).  The gate goes in
-    log space and beta as it is (``use_gate_in_kernel=False``, ``use_beta_sigmoid_in_kernel=False``): the
-    in-kernel gating (``-exp(A_log) softplus(g + dt_bias)`` per channel, ``sigmoid(beta)``) would need
-    raw inputs converted from our log gates, which float32 cannot hold exactly, so it is not exercised.
-    A scalar gate is passed as the same gate in every key channel (exact).  Inputs in float32 and float16
-    (the engine convention's dtypes)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import fla
-            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    except ImportError as e:
-        raise AdapterError(f"the fla-pool adapter needs fla-core 0.6.0 (pip install fla-core==0.6.0): {e}") from None
-    from .engine import engine_adapter
-
-    def step(*, q, k, v, g, beta, state, slots, cu_seqlens, scale):
-        if g.dim() == beta.dim():
-            g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
-        o, _ = fused_recurrent_kda_fwd(q, k, v, g.contiguous(), beta, scale=scale, initial_state=state,
-                                       inplace_final_state=True, cu_seqlens=cu_seqlens, ssm_state_indices=slots,
-                                       use_qk_l2norm_in_kernel=True)
-        return o
-
-    adapter = engine_adapter(step, name=f"fla {getattr(fla, '__version__', '?')} kda pool decode", qk_l2norm=True,
-                             pool=True, pad_slot=0, reserved_slots=(0,), pad_writes=True, varlen=True)
-    adapter.interpreted = interpreter_active()
-    return describe(adapter)
-
-
-def replayssm() -> Implementation:
-    """ReplaySSM's decode kernel, loaded from the checkout in $KVBUFFER_PEER_PATH (``peers.replayssm``)."""
-    from .peers import replayssm as load
-    return load()
-
-
-def _sglang(kind: str):
-    """SGLang's kernels (``kvbuffer_ref.validate.sglang``), from --peer-path or an installed sglang."""
-    def factory():
-        from . import sglang
-        return getattr(sglang, kind)()
-    return factory
-
-
-_SGLANG = {"sglang": _sglang("sglang"), "sglang-decode": _sglang("sglang_decode"),
-           "sglang-packed": _sglang("sglang_packed"), "sglang-pool": _sglang("sglang_pool"),
-           "sglang-chunk": _sglang("sglang_chunk")}
-_BUILTIN = {"reference": reference, "ref": reference, "kvbuffer_ref": reference,
-            "fast": fast, "kvbuffer_fast": fast, "fla": fla, "fla-pool": fla_pool, "replayssm": replayssm, **_SGLANG}
-
-
-def builtin_names() -> list[str]:
-    return ["reference", "fast", "fla", "fla-pool", "replayssm", *_SGLANG]
-
-
-def resolve(spec: str) -> Implementation:
-    """An implementation from ``module:attr`` (an adapter object, module or factory), ``module`` (the
-    module itself is the adapter) or a ready adapter's short name (``builtin_names``)."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise AdapterError(f"--impl: expected module:attr or one of {builtin_names()}, got {spec!r}")
-    spec = spec.strip()
-    if spec in _BUILTIN:
-        return _BUILTIN[spec]()
-    mod_name, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        if e.name and mod_name.startswith(e.name):
-            raise AdapterError(f"--impl {spec}: no module named {mod_name!r} (is it on PYTHONPATH?)") from None
-        raise AdapterError(f"--impl {spec}: importing {mod_name!r} failed: {e}") from None
-    except Exception as e:
-        raise AdapterError(f"--impl {spec}: importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
-    if not attr:
-        return describe(mod, name=mod_name)
-    obj = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AdapterError(f"--impl {spec}: module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if isinstance(obj, Implementation):
-        return obj
-    if not _is_adapter(obj) and callable(obj):
-        try:
-            obj = obj()
-        except AdapterError:
-            raise
-        except Exception as e:
-            raise AdapterError(f"--impl {spec}: calling the factory {attr!r} failed: {type(e).__name__}: {e}") from None
-        if isinstance(obj, Implementation):
-            return obj
-    if not _is_adapter(obj):
-        raise AdapterError(f"--impl {spec}: {attr!r} is not an adapter: it has none of the operation attributes "
-                           f"{', '.join(OPERATION_ATTRS)} (see kvbuffer_ref.validate.adapters)")
-    return describe(obj, name=spec)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Optional
 
 import torch
+
+import kvbuffer_ref
 
 from .lanes import dtype_name
 
@@ -88,10 +91,6 @@ def _ratio(c) -> float:
 def run_environment() -> dict:
     """Where a run ran: the Python environment (``sys.prefix``), its interpreter, the working directory,
     the host and the versions of kvbuffer and torch (``kvbuffer report`` names the run by them)."""
-    import platform
-
-    import kvbuffer_ref
-
     return dict(prefix=sys.prefix, python=sys.executable, python_version=platform.python_version(), cwd=os.getcwd(),
                 host=platform.node(), kvbuffer=kvbuffer_ref.__version__, torch=torch.__version__)
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import random
 import sys
 import tempfile
 import types
@@ -53,8 +54,13 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterError, interpreter_active
-from .cases import Sizes
+import kvbuffer_ref as ref
+from kvbuffer_ref.buffer import KVBuffer
+from kvbuffer_ref.checks import RESET_GATE
+
+from ..validate.adapters import AdapterError, describe, interpreter_active
+from ..validate.cases import Sizes
+from .engine import to_raw_gates
 
 __all__ = ["replayssm", "ReplaySSMDecode", "PEER_ENV", "load_kernel_module"]
 
@@ -158,12 +164,10 @@ def _finite_gates(g: torch.Tensor) -> torch.Tensor:
     included) is taken as -RESET_GATE[float32] = -200, the library's own convention (docs/conventions.md,
     "Reset gates": the same exact zero decay), since no finite a gives -inf through -exp(A_log) softplus(a +
     dt_bias), and ReplaySSM's kernels sum gates (an -inf there is a NaN decay).  Every other gate unchanged."""
-    from ..checks import RESET_GATE
     return g.float().clamp(min=-float(RESET_GATE[torch.float32]))
 
 
 def _gate_rng(*tensors):
-    import random
     return random.Random(int(sum(float(t.detach().double().nan_to_num(0.0, 0.0, 0.0).clamp(-1e6, 1e6).sum())
                                   for t in tensors) * 1e6) % 2**31)
 
@@ -252,7 +256,6 @@ class ReplaySSM:
     # ------------------------------------------------------------------ recurrent: the decode kernel
     def recurrent_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None,
                                    output_final_state=False):
-        from .engine import to_raw_gates
 
         B, T, H, K0 = q.shape
         HV, V0 = v.shape[2], v.shape[3]
@@ -355,7 +358,6 @@ class ReplaySSM:
     def _buffer_from(self, r: _Ring, key_dtype, dtype):
         """The u-cache KVBuffer of the ring after a commit: request b's write_pos[idx[b]] entries from its
         cache_base on (circular), G their cumulative gates, its checkpoint as the state (owned by all)."""
-        from ..buffer import KVBuffer
 
         B, H, HV, K0, V0, K, V = r.dims
         dev = r.h.device
@@ -383,7 +385,6 @@ class ReplaySSM:
         """One round's verify: ReplaySSM's speculative kernel over request b's first num_drafts[b] tokens
         (packed, vLLM's query_start_loc), both launches (verify, and the folding flush launch for the
         blocks whose is_flush is set).  Returns (o [B, D, HV, V], the ring after the kernel)."""
-        from .engine import to_raw_gates
 
         B, D, H, K0 = q.shape
         HV, V0 = v.shape[2], v.shape[3]
@@ -466,9 +467,6 @@ class ReplaySSM:
     def flush(self, buffer, *, count=None):
         """The oracle's fold of the buffer (the ring's contents) in float64: ReplaySSM has no fold of its own
         outside a round (its flush launch folds the history as part of one)."""
-        import kvbuffer_ref as ref
-        from ..buffer import KVBuffer
-
         f64 = KVBuffer(**{n: (None if t is None else (t.double() if t.is_floating_point() else t))
                           for n, t in buffer.tensors().items()})
         out = ref.flush(f64, count=count)
@@ -627,7 +625,6 @@ ReplaySSMDecode = ReplaySSM
 def replayssm():
     """ReplaySSM's kernels from ``$KVBUFFER_PEER_PATH`` (``--peer-path``); AdapterError (a clear message,
     exit 2) when no checkout is given or it lacks the kernel files."""
-    from .adapters import describe
 
     path = os.environ.get(PEER_ENV)
     if not path:

@@ -69,7 +69,7 @@ def _transformers():
 
     lo, hi = TRANSFORMERS_RANGE
     if not Version(lo) <= Version(transformers.__version__) < Version(hi):
-        raise ImportError(f"kvbuffer_ref.integrations.transformers: transformers {transformers.__version__} is not "
+        raise ImportError(f"kvbuffer.integrations.transformers: transformers {transformers.__version__} is not "
                           f"supported; it needs transformers>={lo},<{hi} (the hf extra: pip install -e '.[hf]')")
     return transformers
 

@@ -73,7 +73,7 @@ class KvbufferItem(pytest.Item):
         self.add_marker(pytest.mark.kvbuffer)
 
     def runtest(self):
-        from . import report, runner
+        from .validate import report, runner  # here, not at the top: see the module's docstring
 
         lane, o = self.lane, self.options
         if lane.status != "RUN":
@@ -101,13 +101,14 @@ def pytest_collection_modifyitems(session, config, items):
         return
     import random
 
-    from . import adapters, lanes
-    from .profiles import PROFILES, register_profiles
+    from . import implementations  # here, not at the top: see the module's docstring
+    from .validate import adapters, lanes
+    from .validate.profiles import PROFILES, register_profiles
 
     try:
         ops = lanes.select_ops(config.getoption("kvbuffer_ops"))
         dtypes = lanes.parse_dtypes(config.getoption("kvbuffer_dtype"))
-        impls = [(adapters.resolve(spec), spec) for spec in config.getoption("kvbuffer_impl")]
+        impls = [(implementations.resolve(spec), spec) for spec in config.getoption("kvbuffer_impl")]
         profile = config.getoption("kvbuffer_profile") or os.environ.get("HYPOTHESIS_PROFILE", "ci")
         if profile not in PROFILES:
             raise ValueError(f"HYPOTHESIS_PROFILE: expected one of {PROFILES}, got {profile!r}")

@@ -25,7 +25,7 @@ __all__ = ["FORMAT", "VERSION", "ENV_VAR", "PACKAGE_DIR", "OPS", "BUFFER_OPS", "
 FORMAT = "kvbuffer-golden"
 VERSION = 1
 ENV_VAR = "KVBUFFER_GOLDEN_DIR"
-#: The vectors this installation ships (package data of kvbuffer_ref.validate.golden).
+#: The vectors this installation ships (package data of kvbuffer.golden).
 PACKAGE_DIR = Path(__file__).resolve().parent / "data"
 
 #: Every operation a case can exercise (the ``op`` field of the index).
@@ -52,7 +52,7 @@ def _resolve(path) -> Path:
             how = f"the vectors installed with kvbuffer are in {PACKAGE_DIR} (the default when {ENV_VAR} is unset)"
         else:
             how = (f"this installation lacks its vectors ({PACKAGE_DIR}): pip install --force-reinstall kvbuffer, "
-                   f"or point {ENV_VAR} or path= at a copy of kvbuffer_ref/validate/golden/data")
+                   f"or point {ENV_VAR} or path= at a copy of kvbuffer/golden/data")
         where = f"{ENV_VAR}={d}" if path is None and os.environ.get(ENV_VAR) else str(d)
         raise FileNotFoundError(f"golden vectors: no index.json in {where}; {how}")
     return d

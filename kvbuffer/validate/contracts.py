@@ -30,6 +30,11 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+import kvbuffer_ref as ref
+from kvbuffer_ref.chunk import _wy_chunk
+from kvbuffer_ref.core import fold_state
+from kvbuffer_ref.inputs import prepare_tokens
+
 __all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
            "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms"]
 
@@ -43,6 +48,32 @@ CONTRACT_TEXT = {
     "bf16": ("bf16", "bfloat16 products with float32 accumulation"),
     "bf16-state": ("bf16-state", "a bfloat16 recurrent state"),
 }
+
+
+_ACTIVE = ["ieee"]
+
+
+def current_contract() -> str:
+    """The contract the baselines are computed under when none is passed (``active_contract``; default "ieee")."""
+    return _ACTIVE[-1]
+
+
+class active_contract:
+    """``with active_contract("tf32"):`` every baseline computed inside follows that contract's arithmetic and
+    every ``compare`` is labelled with it (the runner sets the lane's declared contract this way)."""
+
+    def __init__(self, contract: str):
+        if contract not in CONTRACTS:
+            raise ValueError(f"contract: expected one of {', '.join(CONTRACTS)}, got {contract!r}")
+        self.contract = contract
+
+    def __enter__(self):
+        _ACTIVE.append(self.contract)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+        return False
 
 
 def check_contract(name, label: str = "contract") -> str:
@@ -121,8 +152,6 @@ def emulate(contract: str):
 def recurrent_bf16_state(q, k, v, *, g, beta, scale=None, initial_state=None):
     """The plain recurrence (in the inputs' compute dtype) with its state rounded to bfloat16 after every
     token: (o, S)."""
-    import kvbuffer_ref as ref
-
     B, T, HV, V = v.shape
     K = k.shape[-1]
     dt = torch.promote_types(q.dtype, torch.float32)
@@ -142,10 +171,6 @@ def baseline_recurrent(q, k, v, *, g, beta, scale=None, initial_state=None, outp
                        contract=None):
     """The plain recurrence under ``contract`` (default: the active one, ``tolerances.current_contract``):
     the baseline every comparison's budget is relative to (``ieee``: the plain recurrence itself)."""
-    import kvbuffer_ref as ref
-
-    from .tolerances import current_contract
-
     contract = check_contract(current_contract() if contract is None else contract)
     if contract == "bf16-state":
         o, S = recurrent_bf16_state(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state)
@@ -239,12 +264,6 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
     the buffer's start), so it is the buffer operations' own form.  rounded: the cumulative gates as correctly
     rounded partial sums (``_RoundedCumsum``) instead of a loop of float32 additions (``_SequentialCumsum``).  bf16-state rounds the state at
     every boundary.  Batch of any B, the same boundaries for every request."""
-    from kvbuffer_ref.chunk import _wy_chunk
-    from kvbuffer_ref.core import fold_state
-    from kvbuffer_ref.inputs import prepare_tokens
-
-    from .tolerances import current_contract
-
     contract = check_contract(current_contract() if contract is None else contract)
     T = q.shape[1]
     edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T] if T else []

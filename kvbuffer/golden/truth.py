@@ -17,10 +17,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ...buffer import KVBuffer
-from ...entries import fold_count
-from ...recurrent import recurrent_gated_delta_rule
-from ...speculative import path_to
+from kvbuffer_ref.buffer import KVBuffer
+from kvbuffer_ref.entries import fold_count
+from kvbuffer_ref.recurrent import recurrent_gated_delta_rule
+from kvbuffer_ref.speculative import path_to
 from .files import BUFFER_OPS, OPS
 
 __all__ = ["truth", "derive_buffer", "torch_arrays"]

@@ -4,7 +4,7 @@ The kernels SGLang, vLLM, TensorRT-LLM and FlashInfer run for Qwen3-Next / Qwen3
 take the oracle's signature.  An adapter states, as data, which convention its kernel follows, and the
 validator converts the oracle's cases to it (``engine_adapter``)::
 
-    from kvbuffer_ref.validate.engine import engine_adapter
+    from kvbuffer.peers.engine import engine_adapter
 
     def step(*, q, k, v, A_log, dt_bias, a, b, state, slots, cu_seqlens, scale):
         return my_kernel(A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q, k=k, v=v, scale=scale,
@@ -61,7 +61,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .adapters import AdapterError, ContractViolation, _bits
+from ..validate.adapters import AdapterError, ContractViolation, _bits
 
 __all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates"]
 

@@ -1,7 +1,7 @@
 """What a reduced-precision pool does to a real model's next-token distributions (docs/models.md, "Reduced
 precision: next-token KL and top-1"; ``kvbuffer validate --report precision --models ...``).
 
-A model of a served family (``kvbuffer_ref.integrations.transformers``) generates over the same prompts
+A model of a served family (``kvbuffer.integrations.transformers``) generates over the same prompts
 once per *serving precision* (``ServingPrecision``): the reference is the float32 pool (float32 state,
 float32 u-cache, the model in float32) generating greedily; every other precision is teacher-forced on the
 reference's tokens, so that step n of every run reads the same history and only the linear layers' stored
@@ -48,7 +48,10 @@ from typing import Optional, Sequence
 import torch
 
 from kvbuffer_ref.pool import KVPool
-from kvbuffer_ref.validate.tolerances import rel_rms_slices
+
+from . import transformers as kt
+from .transformers import FAMILIES, KVBufferRunner, family_of
+from ..validate.tolerances import rel_rms_slices
 
 __all__ = ["ServingPrecision", "serving_precisions", "precision_pool", "kl_divergence", "top1_agreement",
            "checkpoints4", "slow_gates", "random_prompts", "serve", "model_precision_report",
@@ -144,7 +147,6 @@ def slow_gates(model, seed: int) -> bool:
     (``dt_bias = 1``, A in [0.01, 16]) forgets within about a token in almost every head, so that a state's
     rounding hardly reaches the logits.  Kimi's layers (per-channel gates, already so drawn) are left as
     they are.  Returns whether anything was redrawn."""
-    from .transformers import family_of
 
     fam = family_of(model)
     if fam.channel_gate:
@@ -175,7 +177,6 @@ def serve(model, input_ids, attention_mask, *, steps: int, sp: ServingPrecision,
     [B, steps].  Returns (tokens [B, steps], logits [B, steps, vocab] float64, states {n: [L, B, HV, K, V]
     float64 on the CPU}: at each step n of ``marks``, every linear layer's current state (``state_of``) that
     the n-th distribution was read from)."""
-    from .transformers import KVBufferRunner
 
     runner = KVBufferRunner(model, capacity=sp.capacity or capacity, pool_cls=precision_pool(pool_cls, sp),
                             max_requests=input_ids.shape[0])
@@ -238,7 +239,6 @@ def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 
     "slow" (``slow_gates``) or "model" (transformers' own init); ``pool_cls`` serves the
     float32-compute runs (default ``kvbuffer_ref.KVPool``; the float64 run always uses it), on ``device``
     (default the CPU).  A JSON-ready dict; ``model_precision_markdown`` renders it."""
-    from . import transformers as kt
 
     precisions = list(precisions or serving_precisions(lowp))
     names = [sp.name for sp in precisions]
@@ -339,7 +339,6 @@ def model_precision_markdown(rep: dict) -> str:
 def parse_models(text: str) -> list[str]:
     """``--models``: a comma list of served model types, or ``all`` (``DEFAULT_MODELS``); ValueError naming
     the served ones otherwise.  Needs no transformers."""
-    from .transformers import FAMILIES
 
     names = list(DEFAULT_MODELS) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in FAMILIES]
@@ -353,7 +352,6 @@ def models_section(models: Sequence[str], *, steps: Optional[int], device: str, 
     None: 64 on the CPU, 256 on CUDA.  The pool: ``kvbuffer_ref.KVPool`` on the CPU,
     ``kvbuffer_fast.pool.KVPool`` on CUDA.  Without a usable transformers, one line saying why and no
     reports."""
-    from . import transformers as kt
 
     try:
         kt._transformers()
@@ -362,7 +360,7 @@ def models_section(models: Sequence[str], *, steps: Optional[int], device: str, 
                 f"(pip install -e '.[hf]')\n"), []
     pool_cls = KVPool
     if device == "cuda":
-        from kvbuffer_fast.pool import KVPool as pool_cls
+        from kvbuffer_fast.pool import KVPool as pool_cls  # here: triton is optional, and CUDA only
     steps = steps or (256 if device == "cuda" else 64)
     threads = torch.get_num_threads()
     if device != "cuda":

@@ -4,7 +4,7 @@
 (``kvbuffer_ref`` itself, ``kvbuffer_fast``, or a ``types.SimpleNamespace`` with just the functions
 you have; restrict ``ops=`` accordingly), and returns one ``CaseReport`` per case and buffer form:
 worst-slice relative RMS error, max-abs error and pass/fail of every expected tensor under the one
-tolerance table (``kvbuffer_ref.validate.TOLERANCES``).  At ``dtype=torch.float64`` only the float64
+tolerance table (``kvbuffer.validate.TOLERANCES``).  At ``dtype=torch.float64`` only the float64
 floor counts; at a narrower dtype the baseline of the error policy (docs/testing.md) is, output by output,
 the worst of the correct forms in that dtype on the same inputs (``baselines``): the recurrent oracle over
 the same history (``truth.truth``); for the operations that form cumulative gates (all but recurrent) the
@@ -21,8 +21,12 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ...buffer import KVBuffer
-from ..tolerances import Comparison, compare
+import kvbuffer_ref
+from kvbuffer_ref.buffer import KVBuffer
+
+from ..validate.contracts import emulate
+from ..validate.properties import truth_and_baseline
+from ..validate.tolerances import Comparison, compare, current_contract
 from .files import BUFFER_OPS, GoldenCase, load_cases
 from .truth import torch_arrays, truth
 
@@ -78,7 +82,7 @@ def run_case(case: GoldenCase, impl=None, *, dtype: torch.dtype = torch.float64,
     outputs under the names of the expected tensors (``expected_o`` -> ``o``, ...), without the prefix.
     """
     if impl is None:
-        import kvbuffer_ref as impl
+        impl = kvbuffer_ref
     KVBuffer.form_fields(form)  # ValueError for an unknown form
     t = torch_arrays(case.inputs, dtype)
     p = case.params
@@ -162,11 +166,6 @@ def baselines(case: GoldenCase, dtype: torch.dtype, form: str = "u") -> dict[str
     operation's own form (``kvbuffer_ref`` on the same inputs and buffer in ``form``, under the active
     arithmetic contract; not for recurrent, which forms no cumulative gate) and, for chunk, direct and prefill,
     the chunkwise forms with chunks of 64 and of the operation's own chunk (chunk_size, T, capacity)."""
-    import kvbuffer_ref
-
-    from ..contracts import emulate
-    from ..properties import truth_and_baseline
-    from ..tolerances import current_contract
 
     out: dict[str, list[torch.Tensor]] = {}
 
@@ -199,7 +198,7 @@ def check_case(case: GoldenCase, impl=None, *, dtype: torch.dtype = torch.float6
     """Run ``case`` through ``impl`` and compare every output with the stored float64 truth.
 
     Exact fields (buffer lengths, has_state) must match exactly; floating fields pass under the
-    tolerance table (``kvbuffer_ref.validate.TOLERANCES``) for ``dtype``; buffer entries are compared
+    tolerance table (``kvbuffer.validate.TOLERANCES``) for ``dtype``; buffer entries are compared
     only in used slots (slot < expected length), the stale state only where a state is owned.
     Exceptions are reported (``error``) unless ``raise_errors``.
     """
@@ -253,7 +252,7 @@ def check(impl=None, *, path=None, cases: Optional[Sequence[GoldenCase]] = None,
 
     ``forms`` applies to the buffered operations and prefill (non-buffered ops run once).  Example::
 
-        from kvbuffer_ref.validate import golden
+        from kvbuffer import golden
         reports = golden.check(my_impl, ops=["recurrent", "chunk"], dtype=torch.float32)
         assert all(r.passed for r in reports), "\\n".join(str(r) for r in reports if not r.passed)
     """

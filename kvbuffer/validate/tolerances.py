@@ -42,7 +42,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .contracts import CONTRACTS as CONTRACT_NAMES
+from .contracts import CONTRACTS as CONTRACT_NAMES  # noqa: F401
+from .contracts import active_contract, current_contract
 
 __all__ = ["Tolerance", "TOLERANCES", "active_contract", "current_contract", "tolerance_for", "compute_dtype",
            "Comparison", "rel_rms_slices", "compare", "assert_matches", "CONTRACT_NAMES"]
@@ -83,30 +84,6 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.bfloat16: Tolerance(kappa=4.0, floor=8.0, kappa_rounding=2.0),
 }
 
-_ACTIVE = ["ieee"]
-
-
-def current_contract() -> str:
-    """The contract the baselines are computed under when none is passed (``active_contract``; default "ieee")."""
-    return _ACTIVE[-1]
-
-
-class active_contract:
-    """``with active_contract("tf32"):`` every baseline computed inside follows that contract's arithmetic and
-    every ``compare`` is labelled with it (the runner sets the lane's declared contract this way)."""
-
-    def __init__(self, contract: str):
-        if contract not in CONTRACT_NAMES:
-            raise ValueError(f"contract: expected one of {', '.join(CONTRACT_NAMES)}, got {contract!r}")
-        self.contract = contract
-
-    def __enter__(self):
-        _ACTIVE.append(self.contract)
-        return self
-
-    def __exit__(self, *exc):
-        _ACTIVE.pop()
-        return False
 
 
 def tolerance_for(dtype: torch.dtype) -> Tolerance:

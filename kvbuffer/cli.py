@@ -9,7 +9,7 @@ a folder of the cache named by a hash of ``sys.prefix`` and the checkout), which
 without a file renders: another virtual environment or checkout keeps its own.
 
 Exit status of ``kvbuffer report``: 0 when it rendered every file, 2 when a file is missing or is
-none of the JSONs it knows (a validation report, ``bench/gpu.py``'s or pytest-benchmark's JSON).
+not a validation report (benchmark JSON is rendered by ``python3 -m bench.report`` in a checkout).
 """
 
 from __future__ import annotations
@@ -20,12 +20,24 @@ import importlib
 import json
 import math
 import os
+import random
 import sys
 import tempfile
+import types
+from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .profiles import PROFILES
+import torch
+
+import kvbuffer_ref
+
+from . import implementations
+from .integrations import precision as mprec
+from .validate import adapters, lanes, precision as prec, report as rep, runner
+from .validate.contracts import check_contract
+from .validate.profiles import PROFILES
+from .validate.report import case_label
 
 USAGE_EXAMPLES = """\
 examples:
@@ -43,7 +55,7 @@ examples:
 
 An adapter (module:attr) is an object or module with some of the attributes recurrent_gated_delta_rule,
 recurrent_decode, chunk_gated_delta_rule, direct_gated_delta_rule, buffered_decode, flush,
-materialize_state, verify, accept, prefill (docs/validate-your-kernel.md, kvbuffer_ref/validate/adapters.py).
+materialize_state, verify, accept, prefill (docs/validate-your-kernel.md, kvbuffer/validate/adapters.py).
 """
 
 
@@ -52,15 +64,12 @@ examples:
   kvbuffer report report.json                         # the run `kvbuffer validate --json report.json` wrote
   kvbuffer report report.json --out results/          # results/report.md and results/report-lanes.png
   kvbuffer report                                     # the last run of this environment and checkout
-                                                      # (and ./bench/results/latest/*.json)
-  kvbuffer report bench/results/latest/gpu.json       # a benchmark run (from a checkout: bench/ renders it)
+  python3 -m bench.report bench/results/latest/gpu.json   # a benchmark run: bench/ renders it, in a checkout
 """
 
 #: The file name, in this environment's folder of ``cache_dir()`` (``last_report_path``), that every
 #: ``kvbuffer validate`` run writes its JSON report to.
 LAST_REPORT = "last-validate.json"
-#: Benchmark JSON read by ``kvbuffer report`` without arguments (relative to the working directory).
-BENCH_LATEST = Path("bench") / "results" / "latest"
 
 
 def cache_dir() -> Path:
@@ -154,18 +163,16 @@ def _parser() -> argparse.ArgumentParser:
                         "random weights; needs transformers): 'all' (qwen3_next, qwen3_5, kimi_linear) or a comma "
                         "list; --steps (default 64 on the CPU, 256 on CUDA)")
     r = sub.add_parser(
-        "report", help="render validation and benchmark JSON as Markdown (and plots, with matplotlib)",
+        "report", help="render validation runs' JSON as Markdown (and plots, with matplotlib)",
         description="Render JSON reports as Markdown: the files given (`kvbuffer validate --json PATH` writes "
                     "one), else the last `kvbuffer validate` run of this Python environment (sys.prefix) and "
                     "checkout (kept under the cache folder: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer, "
-                    "else ~/.cache/kvbuffer, in runs/<hash of both>/) and, in a checkout, the benchmark JSON of "
-                    "bench/results/latest/. The report names its run (command, implementations, seed, time, "
+                    "else ~/.cache/kvbuffer, in runs/<hash of both>/). The report names its run (command, implementations, seed, time, "
                     "environment) first. Plots need matplotlib and --out.",
         epilog=REPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("json", nargs="*", metavar="JSON",
-                   help="files to render: `kvbuffer validate --json` reports, bench/gpu.py's gpu.json, pytest-benchmark "
-                        "JSON (default: the last validation report of this environment and checkout, and "
-                        "./bench/results/latest/*.json)")
+                   help="files to render: `kvbuffer validate --json` reports (default: the last validation report "
+                        "of this environment and checkout)")
     r.add_argument("--out", metavar="DIR", help="write DIR/report.md and the plots (PNG) instead of printing the Markdown")
     r.add_argument("--no-plot", action="store_true", help="no plots, even with matplotlib installed")
     return p
@@ -174,15 +181,7 @@ def _parser() -> argparse.ArgumentParser:
 def version_text() -> str:
     """``kvbuffer <version> (torch <version>, triton <version or 'not installed'>)``, without importing triton
     (which would fix the interpreter setting before a command could choose it)."""
-    from importlib import metadata
-
-    import kvbuffer_ref
-
-    try:
-        import torch
-        torch_v = torch.__version__
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch_v = "not installed"
+    torch_v = torch.__version__
     triton_v = "not installed"
     for dist in ("triton", "pytorch-triton"):
         try:
@@ -209,10 +208,6 @@ def _cwd_on_path() -> None:
 def _looks_like_adapter(name: str, obj) -> bool:
     """An attribute of a module that ``--impl module:attr`` could mean: an adapter object or
     ``Implementation``, or a factory / class named like one."""
-    import types
-
-    from . import adapters
-
     if name.startswith("_") or isinstance(obj, types.ModuleType):
         return False
     if isinstance(obj, adapters.Implementation):
@@ -227,10 +222,8 @@ def _module_not_adapter(spec: str) -> Optional[str]:
     """For ``--impl module`` (no ``:attr``) of a module that is no adapter itself (none of the operation
     attributes): the message that suggests its attributes that look like adapters; None otherwise (a
     ready adapter's short name, ``module:attr``, an adapter module, or a module that does not import:
-    ``adapters.resolve`` says why)."""
-    from . import adapters
-
-    if ":" in spec or spec.strip() in adapters.builtin_names() or spec.strip() in adapters._BUILTIN:
+    ``implementations.resolve`` says why)."""
+    if ":" in spec or spec.strip() in implementations.builtin_names() or spec.strip() in implementations._BUILTIN:
         return None
     try:
         mod = importlib.import_module(spec.strip())
@@ -251,11 +244,8 @@ def _module_not_adapter(spec: str) -> Optional[str]:
 
 
 def _validate(args) -> int:
-    # Decide the device before anything imports triton: the interpreter must be chosen first.
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover
-        return _bad(f"torch is required: {e}")
+    # Decide the device before anything imports triton (kvbuffer_fast, a peer's kernels): the interpreter
+    # must be chosen first.  Nothing this module imports at its top imports triton.
     cuda = torch.cuda.is_available()
     device = args.device or ("cuda" if cuda else "cpu")
     if device == "cuda" and not cuda:
@@ -270,8 +260,6 @@ def _validate(args) -> int:
     if args.seed is not None and not 0 <= args.seed < 2**32:
         return _bad(f"--seed: expected an integer in 0..2**32-1, got {args.seed}")
 
-    from . import adapters, lanes, report as rep, runner
-
     _cwd_on_path()
     try:
         ops = lanes.select_ops(args.ops)
@@ -284,16 +272,15 @@ def _validate(args) -> int:
                 hint = _module_not_adapter(spec)
                 if hint:
                     return _bad(hint)
-                impl = adapters.resolve(spec)
+                impl = implementations.resolve(spec)
                 impls.append(impl)
                 specs[impl.name] = spec
         else:
-            impls = adapters.default_implementations()
+            impls = implementations.default_implementations()
             specs.update({impls[0].name: "reference", impls[1].name: "fast"})
     except (adapters.AdapterError, lanes.ValidationError) as e:
         return _bad(str(e))
     if args.contract is not None:
-        from .contracts import check_contract
         try:
             contract = check_contract(args.contract, "--contract")
         except ValueError as e:
@@ -321,7 +308,6 @@ def _validate(args) -> int:
                       f"{'' if i.contract == 'ieee' else f' [contract {i.contract}]'}" for i in impls)
     seed = args.seed
     if seed is None:
-        import random
         seed = random.SystemRandom().randrange(2**31)
     if not args.quiet:
         print(f"kvbuffer validate: profile {profile}, seed {seed}, device {device}; implementations: {names}")
@@ -366,9 +352,6 @@ _DTYPES = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16
 
 def _precision(args, impls, device: str) -> int:
     """``kvbuffer validate --report precision``: the error growth table of every implementation."""
-    import torch
-
-    from . import precision as prec
 
     def dtype_of(text, label, allowed):
         name = _DTYPES.get(str(text).strip())
@@ -392,7 +375,6 @@ def _precision(args, impls, device: str) -> int:
                     f"CPU: use float16 here, bfloat16 with --device cuda")
     models = []
     if args.models is not None:
-        from kvbuffer_ref.integrations import precision as mprec
         try:
             models = mprec.parse_models(args.models)
         except ValueError as e:
@@ -442,7 +424,6 @@ def _precision(args, impls, device: str) -> int:
 def _keep_last(report) -> None:
     """Write ``report`` to ``last_report_path()``, this environment's and checkout's own (atomically:
     parallel runs never leave half a file); a folder that cannot be written costs a note, not the run."""
-    from . import report as rep
 
     path = last_report_path()
     folder = path.parent
@@ -538,7 +519,6 @@ def validation_markdown(data: dict, plot: Optional[str] = None, notes: Sequence[
         if r.get("why"):
             md.append(f"- Caught by [{klass}]: {r['why']}")
         if f.get("case") is not None:
-            from .report import case_label
 
             case = f["case"]
             if isinstance(case, dict):
@@ -632,25 +612,6 @@ def plot_lanes(data: dict, path: Path) -> bool:
 NO_MATPLOTLIB = "no plots: matplotlib is not installed (pip install matplotlib, or the `test` extra)"
 
 
-def _bench_report_module(json_path: Path):
-    """``bench.report`` (which renders benchmark JSON) from the checkout the file lies in or the working
-    directory; None outside a checkout (bench/ is not part of the installed package)."""
-    try:
-        import bench.report as br
-        return br
-    except ImportError:
-        pass
-    for folder in [Path.cwd(), *json_path.resolve().parents]:
-        if (folder / "bench" / "report.py").is_file():
-            sys.path.insert(0, str(folder))
-            try:
-                import bench.report as br
-                return br
-            except ImportError:
-                sys.path.remove(str(folder))
-    return None
-
-
 def _render(path: Path, data: dict, out: Optional[Path], plot: bool) -> str:
     """The Markdown of one JSON file (its plots written under ``out``; without matplotlib the report
     says so); ValueError for an unknown file."""
@@ -662,24 +623,17 @@ def _render(path: Path, data: dict, out: Optional[Path], plot: bool) -> str:
             img = f"{stem}-lanes.png"
         return validation_markdown(data, img, [f"No plot: {NO_MATPLOTLIB}."] if missing else ())
     if data.get("kind") == "kvbuffer-gpu-runner" or "benchmarks" in data:
-        br = _bench_report_module(path)
-        if br is None:
-            raise ValueError(f"{path}: a benchmark JSON; its renderer is bench/report.py of a kvbuffer checkout "
-                             f"(not part of the installed package): run `kvbuffer report` from the checkout")
-        if "benchmarks" in data:
-            return br.pytest_markdown(data)
-        drawn = out is not None and plot and br.plot_latency(data, out / f"{stem}-latency.png")
-        text = br.runner_markdown(dict(data, _plot=drawn)).replace("(latency.png)", f"({stem}-latency.png)")
-        return text + (f"\n> No plot: {NO_MATPLOTLIB}.\n" if missing else "\n")
-    raise ValueError(f"{path}: neither a `kvbuffer validate --json` report nor bench/gpu.py's or pytest-benchmark's "
+        raise ValueError(f"{path}: a benchmark JSON; bench/ renders it in a kvbuffer checkout "
+                         f"(`python3 -m bench.report {path}`); kvbuffer report renders validation runs")
+    raise ValueError(f"{path}: not a `kvbuffer validate --json` report, nor bench/gpu.py's or pytest-benchmark's "
                      f"JSON")
 
 
 def default_report_files() -> list[Path]:
     """The last validation report of this environment and checkout (``last_report_path``, if a run kept
-    one) and ./bench/results/latest/*.json."""
+    one)."""
     last = last_report_path()
-    return ([last] if last.is_file() else []) + sorted(BENCH_LATEST.glob("*.json"))
+    return [last] if last.is_file() else []
 
 
 def _report(args) -> int:
@@ -691,7 +645,7 @@ def _report(args) -> int:
     if not files:
         return bad(f"nothing to render: no file given, no {last_report_path()} (the last run of this environment "
                    f"{sys.prefix} and checkout {checkout_dir()}: run `kvbuffer validate` first, or `kvbuffer report "
-                   f"PATH` on the file of `kvbuffer validate --json PATH`) and no {BENCH_LATEST}/*.json here")
+                   f"PATH` on the file of `kvbuffer validate --json PATH`)")
     out = None
     if args.out:
         out = Path(args.out)
