@@ -1,14 +1,25 @@
 """The fold: S = diag(exp(G_end)) S0 + sum_j (exp(G_end - G_j) k_j) u_j^T, the one update every kernel
 that folds buffered entries into a state uses (decode's fold launches, flush, accept's fold).
 
-The helpers work on one program's [BK, BV] tile of a request's state (o_k, o_v: its rows and columns,
-m_k, m_v: their masks; i_b, i_h, i_hv, i_bhv as ``_common._program_ids`` gives them).
+Two shapes of it live here:
+
+* over one program's whole [BK, BV] tile of a request's state (o_k, o_v: its rows and columns, m_k, m_v:
+  their masks; i_b, i_h, i_hv, i_bhv as ``_common._program_ids`` gives them): ``state_tile``, ``decay``
+  and ``fold_dot`` (FB entries per tl.dot) for decode's tile fold (``decode._fold_tile_kernel``, C > 32);
+  ``decay`` and ``fold_rows`` (rank-1 steps) for flush (``flush._flush_program``); ``fold_empty`` for the
+  tile fold's bookkeeping;
+* ``fold_block``, the inner step of the block loops that walk a tile in [KB, BV] state blocks: decode's
+  grouped fold (``decode._fold_group_program``, C <= 32) and accept's fold (``accept._fold_program``: its
+  old entries and its path entries, one tl.dot each).  The callers load the state block, the keys and
+  the u rows and give G_end and the entries' gates (per-channel: where to read their G); it decays the
+  block and adds the decayed keys' products.  Flush's fold stays rank-1 steps over the whole tile
+  (``fold_rows``): no tl.dot, so that its results keep their bits.
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["state_tile", "decay", "fold_rows", "fold_dot", "fold_empty"]
+__all__ = ["state_tile", "decay", "fold_rows", "fold_dot", "fold_block", "fold_empty"]
 
 
 @triton.jit
@@ -79,6 +90,36 @@ def fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v,
                      mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
         s = tl.dot(kt, uf, s, input_precision="ieee")
     return s
+
+
+@triton.jit
+def fold_block(st, ge, m_k, kf, uf, gj, m_j, kd, ud, gd, m_d, CHANNEL: tl.constexpr, TWO: tl.constexpr):
+    """One step of a fold's block loop: diag(exp(G_end)) st + sum_j (exp(G_end - G_j) k_j) u_j^T over a
+    [KB, BV] state block ``st`` (float32; its key rows masked by ``m_k`` [KB]) and J entries, one tl.dot of
+    [KB, J] x [J, BV] per set of entries (fp32 FMA: input_precision="ieee").  kf [KB, J]: the entries'
+    keys over the block's rows, uf [J, BV]: their u rows (float32, zero outside the entries).  Per-channel
+    gates (CHANNEL): ge [KB] is G_end over the block's rows, ``gj`` [KB, J] the pointers of the entries' G
+    there (read where m_k and ``m_j`` [J]), and the keys outside m_j are dropped by a select.  Scalar
+    gates: ge is the scalar G_end and ``gj`` [J] the weights exp(G_end - G_j), 0 outside the entries
+    (hoisted out of the block loop by the caller; m_k and m_j are not read).  TWO: a second set of entries
+    (kd, ud, gd, m_d as kf, uf, gj, m_j: accept's path entries after its old entries) folds into the same
+    block with a second tl.dot, the state decayed once; without TWO those arguments are not read."""
+    if CHANNEL:
+        gjk = tl.load(gj, mask=m_k[:, None] & m_j[None, :], other=0.0).to(tl.float32)
+        kf = tl.where(m_j[None, :], kf * tl.exp(ge[:, None] - gjk), 0.0)
+        if TWO:
+            gdk = tl.load(gd, mask=m_k[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            kd = tl.where(m_d[None, :], kd * tl.exp(ge[:, None] - gdk), 0.0)
+        st = st * tl.exp(ge)[:, None]
+    else:
+        kf = kf * gj[None, :]
+        if TWO:
+            kd = kd * gd[None, :]
+        st = st * tl.exp(ge)
+    st = tl.dot(kf, uf, st, input_precision="ieee")
+    if TWO:
+        st = tl.dot(kd, ud, st, input_precision="ieee")
+    return st
 
 
 @triton.jit

@@ -38,6 +38,7 @@ from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, che
 
 from ._common import (PoolLayer, _drafts_in_buffer, _pdl_prologue, as_input, block, checked_buffer, device_guard,
                       flag_view, pdl_launch, require_no_overlap, ticket_counters)
+from ._fold import fold_block
 from .launch import AcceptConfig, check_config, config_for, key_of
 
 __all__ = ["accept", "accept_pool", "programs_per_request", "launch_constants"]
@@ -150,25 +151,18 @@ def _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, d
                                  mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [KB, CB]
                     kd = tl.load(dk_ptr + ((c_b * D + o_d[None, :]) * H + i_h) * K + o_k[:, None],
                                  mask=m_k[:, None] & take[None, :], other=0.0).to(tl.float32)  # [KB, BD]
-                    if CHANNEL:
+                    if CHANNEL:  # G_end over the block's rows; the old and the path entries' G (pointers)
                         ge_old = tl.load(cg_ptr + (last * HV + i_hv) * K + o_k, mask=o_k < tl.where(n > 0, K, 0),
                                          other=0.0).to(tl.float32)
                         ge_new = tl.load(dg_ptr + (j_end * HV + i_hv) * K + o_k, mask=o_k < tl.where(nf > 0, K, 0),
                                          other=0.0).to(tl.float32)
                         ge = tl.where(nf > 0, ge_new, ge_old)  # [KB]
-                        gjk = tl.load(cg_ptr + ((c_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None],
-                                      mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-                        kf = tl.where(m_c[None, :], kf * tl.exp(ge[:, None] - gjk), 0.0)
-                        gdk = tl.load(dg_ptr + ((c_b * D + o_d[None, :]) * HV + i_hv) * K + o_k[:, None],
-                                      mask=m_k[:, None] & take[None, :], other=0.0).to(tl.float32)
-                        kd = tl.where(take[None, :], kd * tl.exp(ge[:, None] - gdk), 0.0)
-                        st = st * tl.exp(ge)[:, None]
-                    else:
-                        kf = kf * wc[None, :]
-                        kd = kd * wd[None, :]
-                        st = st * tl.exp(g_end)
-                    st = tl.dot(kf, uf, st, input_precision="ieee")
-                    st = tl.dot(kd, ud, st, input_precision="ieee")
+                        gw_c = cg_ptr + ((c_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None]
+                        gw_d = dg_ptr + ((c_b * D + o_d[None, :]) * HV + i_hv) * K + o_k[:, None]
+                    else:  # the scalar G_end and the entries' weights (above the block loop)
+                        ge, gw_c, gw_d = g_end, wc, wd
+                    # the n old entries, then the oldest nf path entries
+                    st = fold_block(st, ge, m_k, kf, uf, gw_c, m_c, kd, ud, gw_d, take, CHANNEL, True)
                     tl.store(state_ptr + ((s_w * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
                              st.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
 

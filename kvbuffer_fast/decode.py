@@ -49,7 +49,7 @@ from kvbuffer_ref.checks import check_scale, check_tokens
 
 from ._common import (PoolLayer, _gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block,
                       checked_buffer, checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
-from ._fold import decay, fold_dot, fold_empty, state_tile
+from ._fold import decay, fold_block, fold_dot, fold_empty, state_tile
 from .launch import DecodeConfig, check_config, config_for, key_of
 
 __all__ = ["buffered_decode", "decode_pool"]
@@ -430,17 +430,13 @@ def _fold_group_program(
                 st = tl.where(owns, st, 0.0)  # direct mode: S0 = 0 (the storage row may hold anything)
                 kf = tl.load(ck_ptr + ((c_b * C + rows[None, :]) * H + i_h) * K + o_k[:, None],
                              mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [KB, CB]
-                if CHANNEL:
+                if CHANNEL:  # G_end over the block's rows; the entries' G (pointers)
                     ge = tl.load(cg_ptr + ((c_b * C + C - 1) * HV + i_hv) * K + o_k, mask=m_k,
                                  other=0.0).to(tl.float32)
-                    gjk = tl.load(cg_ptr + ((c_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None],
-                                  mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-                    kf = tl.where(m_c[None, :], kf * tl.exp(ge[:, None] - gjk), 0.0)
-                    st = st * tl.exp(ge)[:, None]
-                else:
-                    kf = kf * w[None, :]
-                    st = st * tl.exp(g_end)
-                st = tl.dot(kf, uf, st, input_precision="ieee")
+                    gw = cg_ptr + ((c_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None]
+                else:  # the scalar G_end and the entries' weights (above the block loop)
+                    ge, gw = g_end, w
+                st = fold_block(st, ge, m_k, kf, uf, gw, m_c, kf, uf, gw, m_c, CHANNEL, False)
                 st = st.to(state_ptr.dtype.element_ty)  # rounded once (a no-op for an fp32 state) ...
                 tl.store(p_s, st, mask=m_s)
                 st = st.to(tl.float32)  # ... and the token is served from the state as stored
