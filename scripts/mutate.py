@@ -47,9 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The copies' package names and the adapter factory each is validated through.
 PACKAGES = {
-    "kvbuffer_fast": ("mut_fast", "from kvbuffer_ref.validate.adapters import fast_from\n\n\n"
+    "kvbuffer_fast": ("mut_fast", "from kvbuffer.implementations import fast_from\n\n\n"
                                   "def impl():\n    return fast_from('{name}')\n"),
-    "kvbuffer_ref": ("mut_ref", "from kvbuffer_ref.validate.adapters import reference_from\n\n\n"
+    "kvbuffer_ref": ("mut_ref", "from kvbuffer.implementations import reference_from\n\n\n"
                                 "def impl():\n    return reference_from('{name}', as_truth=False)\n"),
 }
 #: Modules of the reference copy that stay the real ones (the shared classes and argument checks).
@@ -246,7 +246,7 @@ PT_HEADER = '''import types
 import torch
 import torch.nn.functional as F
 import kvbuffer_ref as ref
-from kvbuffer_ref.validate.adapters import Implementation
+from kvbuffer.validate.adapters import Implementation
 
 _rec, _chunk, _direct = ref.recurrent_gated_delta_rule, ref.chunk_gated_delta_rule, ref.direct_gated_delta_rule
 _dec, _flush, _mat = ref.buffered_decode, ref.flush, ref.materialize_state
@@ -394,7 +394,7 @@ PT_MUTANTS = [
 # Copies of kvbuffer_ref off by 1 % in one input of one form (L: float32), or rounding to 16 bits where the
 # declared arithmetic keeps float32 (H: bfloat16 and float16 inputs, the IEEE contract = float32 arithmetic),
 # validated at the "long" size budget: every lane's boundary cases at T = 256 with small heads.  The
-# tolerance table promises that a 1 % error in scale, gate or beta fails (kvbuffer_ref/validate/tolerances.py);
+# tolerance table promises that a 1 % error in scale, gate or beta fails (kvbuffer/validate/tolerances.py);
 # these hold it to that on long sequences, where a gate's error accumulates and the budget's gate term grows.
 def _r(id, file, old, new, ops, what, dtype="float32", quick=False, below_rounding=()):
     return Mutant(id, R, file, old, new, ops, what, quick, dtype, "", tuple(below_rounding), "long")
@@ -546,7 +546,7 @@ def _adapter_text(package: str, name: str, sizes: str = "", dtype: str = "") -> 
         return text
     text = text.replace("def impl():", "def _impl():")
     return (text + "\n\nimport dataclasses as _dc\n\nimport torch as _torch\n\n"
-            "from kvbuffer_ref.validate.cases import Sizes as _Sizes\n\n\n"
+            "from kvbuffer.validate.cases import Sizes as _Sizes\n\n\n"
             "def impl():\n    base = _impl()\n"
             f"    dtypes = tuple(dict.fromkeys(base.dtypes + ({''.join(f'_torch.{d}, ' for d in extra)})))\n"
             f"    sizes = {f'_Sizes(**{SIZES[sizes]!r})' if sizes else 'base.sizes'}\n"
@@ -595,7 +595,7 @@ def _worker() -> int:
 
     import torch
 
-    from kvbuffer_ref.validate import lanes, runner
+    from kvbuffer.validate import lanes, runner
 
     torch.set_num_threads(1)
     for line in sys.stdin:
@@ -703,7 +703,7 @@ def main(argv=None) -> int:
         return _worker()
 
     contracts = [c.strip() for c in args.contracts.split(",") if c.strip()]
-    from kvbuffer_ref.validate.contracts import CONTRACTS
+    from kvbuffer.validate.contracts import CONTRACTS
     bad = [c for c in contracts if c not in CONTRACTS]
     if bad or not contracts:
         print(f"--contracts: expected a comma list of {', '.join(CONTRACTS)}, got {args.contracts!r}", file=sys.stderr)
