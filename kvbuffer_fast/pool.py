@@ -171,7 +171,8 @@ class KVPool:
     def _check_tokens(self, q, k, v, g, beta, s: torch.Tensor, T: Optional[int] = None,
                       num_drafts: Optional[torch.Tensor] = None):
         """The token checks over the valid rows (and, with verify's ``num_drafts`` [B], their drafts below
-        it: padding drafts may hold anything); their heads and dims must be the pool's.  Returns g."""
+        it: padding drafts may hold anything); their heads and dims must be the pool's.  Returns (dims, g):
+        ``checked_tokens``' sizes and gates."""
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             require_tensor(name, x)
             on_device(name, x, self.device)
@@ -212,11 +213,12 @@ class KVPool:
         row leaving a shared slot has its state copied to its fresh slot and folds there in place: its
         fold must not read the old slot, which the sharer that keeps it folds in place in the same launch.
         With ``accepted`` the rows' ``pending`` and ``num_drafts`` are cleared too (accept's kernels read
-        the draft room, not those).  Returns (cur, read, write, node, length): [layers, B] int64 each but node, the row's
-        slot before the call (-1: none), the slot its fold reads (-1: none, S0 = 0) and writes
-        (non-folding rows: the sink S), accept's nodes [B] (pads -1; else None), and the rows' lengths as the call began
-        ([layers, B]; pads 0).  With no free slot for every needing row in some layer:
-        a ValueError before anything is written (checked calls; unchecked, such a fold writes the sink)."""
+        the draft room, not those).  Returns five values (cur, read, write, node, length): the row's slot
+        before the call (-1: none), the slot its fold reads (-1: none, S0 = 0) and the slot it writes
+        (non-folding rows: the sink S), [layers, B] int64 each; accept's nodes [B] int64 (pads -1; None
+        without ``accepted``); the rows' lengths as the call began ([layers, B] int64; pads 0).  With no
+        free slot for every needing row in some layer: a ValueError before anything is written (checked
+        calls; unchecked, such a fold writes the sink)."""
         t, N, S = self._t, self.num_buffer_slots, self.num_state_slots
         NL, B, D, l0 = lay.stop - lay.start, s.shape[0], self.max_drafts, lay.start
         dev = s.device
