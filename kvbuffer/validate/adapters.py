@@ -15,6 +15,7 @@ are the operations it implements, each with the signature and conventions of doc
     verify(q, k, v, *, g, beta, buffer, parents=None, num_drafts=None, scale=None) -> (o, drafts)
     accept(buffer, drafts, *, counts=None, nodes=None) -> buffer
     prefill(q, k, v, *, g, beta, capacity, tail=None, scale=None, initial_state=None, form="u", chunk_size=64) -> (o, buffer)
+    engine_inputs(mixed_qkv, a, b, *, A_log, dt_bias, num_heads, head_k_dim, qk_l2norm=True) -> (q, k, v, g, beta)
 
 Buffers are ``kvbuffer_ref.KVBuffer`` objects (an adapter converts to its own layout inside and
 back).  The validator discovers which operations an adapter provides (``provided_ops``) and reports
@@ -90,7 +91,7 @@ __all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "
 #: Every operation attribute the validator knows, in report order.
 OPERATION_ATTRS = (
     "recurrent_gated_delta_rule", "recurrent_decode", "chunk_gated_delta_rule", "direct_gated_delta_rule",
-    "buffered_decode", "flush", "materialize_state", "verify", "accept", "prefill",
+    "buffered_decode", "flush", "materialize_state", "verify", "accept", "prefill", "engine_inputs",
 )
 
 
@@ -273,7 +274,8 @@ class ContractViolation(AssertionError):
 
 
 #: The positional parameters of each operation (the rest are keywords).
-_POSITIONAL = {"flush": ("buffer",), "materialize_state": ("buffer",), "accept": ("buffer", "drafts")}
+_POSITIONAL = {"flush": ("buffer",), "materialize_state": ("buffer",), "accept": ("buffer", "drafts"),
+               "engine_inputs": ("mixed_qkv", "a", "b")}
 
 
 def _tensors_of(name: str, x) -> dict:

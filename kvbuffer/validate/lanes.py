@@ -212,6 +212,40 @@ def _prefill_params(s, kw):
                               max_B=s.max_B, big_capacity=s.big_capacity, **_long(s), **_case_kw(s, kw))
 
 
+#: The gate regimes of the engine_inputs lane (``properties.engine_case_inputs``): "wide" (a in [-30, 40] around
+#: and past the softplus threshold, A_log in [-5, 3], dt_bias in [-5, 5]), "reset" (the same with a and b = +-inf
+#: too) and "mild" (a in [-3, 3]); only those the implementation's gate domain allows (``gates = "finite"``: no
+#: "reset").  Hypothesis shrinks towards the first.
+ENGINE_GATES = ("wide", "reset", "wide", "mild")
+
+
+def _engine_params(s, kw):
+    """The engine_inputs lane: the decode form (mixed_qkv [N, D], N = B) half of the time, else [B, T, D];
+    heads as the other lanes draw them (HV a multiple of H; the ``gpu`` profile's head shapes), norms of the q
+    and k rows "any" (tiny and large rows) three times in four."""
+    from hypothesis import strategies as st
+
+    gates = [g for g in ENGINE_GATES if g in kw.get("gates", GATES)]
+
+    @st.composite
+    def draw(d):
+        if s.head_shapes:
+            H, HV, K, V = d(st.sampled_from(s.head_shapes), label="head shape")
+        else:
+            H = d(st.integers(1, s.max_H), label="H")
+            HV = H * d(st.integers(1, s.max_group), label="group")
+            K, V = d(st.sampled_from(s.dims), label="K"), d(st.sampled_from(s.dims), label="V")
+        decode = d(st.booleans(), label="decode")
+        B = d(st.integers(1, s.max_B + (3 if decode else 0)), label="B")
+        T = 1 if decode else d(st.integers(1, s.max_T), label="T")
+        case = Case(B=B, T=T, H=H, HV=HV, K=K, V=V, gate=d(st.sampled_from(gates), label="gate"),
+                    norm=d(st.sampled_from(("any", "unit", "any", "any")), label="norm"),
+                    seed=d(st.integers(0, 2 ** 31 - 2), label="seed"), beta_max=kw.get("beta_max", 1.0),
+                    qk_l2norm=kw.get("qk_l2norm", False))
+        return dict(case=case, decode=decode)
+    return draw()
+
+
 # ----------------------------------------------------------------------------- anchor cases
 # A few fixed cases per operation that every run checks first (hypothesis explicit examples), before
 # the fresh random ones: each hits the paths a kernel is most likely to get wrong at once, whatever
@@ -259,6 +293,10 @@ def _anchors() -> dict:
         "verify_tree": [dict(case=c(2, 13, 1, 2, 5, 7, True, "strong"), capacity=3, history=5, lengths=[3, 1],
                              parents=[[-1, 0, 0, 1, 3, -1], [-1, 0, -1, 2, 3, 4]], num_drafts=[6, 4],
                              nodes=[4, 3], after=2, use_counts=False)],
+        # engine_inputs: decode rows [N, D] with grouped heads, a [B, T, D] batch, one [1, T, D] varlen batch
+        "engine_inputs": [dict(case=replace(c(3, 1, 2, 4, 8, 12, False, "wide"), norm="any"), decode=True),
+                          dict(case=c(2, 5, 1, 2, 5, 7, False, "wide", seed=2), decode=False),
+                          dict(case=replace(c(1, 9, 2, 6, 16, 3, False, "wide", seed=3), norm="any"), decode=False)],
         "prefill": [dict(case=c(2, 13, 2, 4, 6, 7, False), capacity=4, prompt=10, tail=None, chunk_size=3),
                     dict(case=c(1, 8, 1, 2, 5, 6, True, "strong", scale=0.6), capacity=3, prompt=6, tail=3, chunk_size=4,
                          initial=True)],
@@ -385,6 +423,10 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
                      edge=e) for e, d in big]
         out += [dict(case=c(C + 2, B=1), capacity=C, prompt=C, tail=None, chunk_size=s.edge_chunks[0], initial=False,
                      edge=f"rows={C}")]
+    elif key == "engine_inputs":  # decode rows [N, D] past a batch tile, value heads past a head tile, K and V past
+        # the column tiles; one varlen batch [1, T, D] of T tokens
+        out = [dict(case=c(1, gate="wide", **d), decode=True, edge=e) for e, d in big]
+        out.append(dict(case=c(T, B=1, gate="wide"), decode=False, edge=f"T={T}"))
     if s.head_shapes:  # production sizes: the operation's other anchors at the drawn head shapes
         for i, a in enumerate(ANCHORS.get(key, [])[1:]):
             H_, HV_, K_, V_ = s.head_shapes[(i + 1) % len(s.head_shapes)]
@@ -443,6 +485,10 @@ OPS: tuple[Op, ...] = (
                                                                     poison=True, **op_params(p))),
     Op("prefill", ("prefill", "buffered_decode", "flush"), "prefill hand-off at any split, then decode",
        _prefill_params, lambda o, p, dt, dev, f: P.check_prefill(o, p["case"], dt, form=f, device=dev, **op_params(p))),
+    Op("engine_inputs", ("engine_inputs",),
+       "an engine's packed q|k|v and raw gates -> q, k, v, g, beta == the float64 map (kvbuffer_ref.engine_inputs)",
+       _engine_params, lambda o, p, dt, dev, f: P.check_engine_inputs(o, p["case"], dt, device=dev,
+                                                                      decode=p.get("decode", False))),
 )
 #: Operations that pass ``cu_seqlens``: run only for attributes the adapter lists in ``varlen``.
 VARLEN_OPS = {"recurrent_varlen", "chunk_varlen"}

@@ -22,6 +22,7 @@ import torch
 import kvbuffer_ref as ref
 from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import RESET_GATE
+from kvbuffer_ref.engine_inputs import NORM_EPS, SOFTPLUS_THRESHOLD
 from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, l2norm_qk, upcast_inputs
@@ -50,6 +51,9 @@ __all__ = [
     "check_materialize",
     "LEDGER",
     "informative",
+    "engine_case_inputs",
+    "engine_map_in",
+    "check_engine_inputs",
 ]
 
 #: (comparison, informative) of every comparison made since the runner last cleared it: a comparison
@@ -704,4 +708,134 @@ def check_materialize(impl, case: Case, dtype: torch.dtype, *, capacity: int, le
         S = impl.materialize_state(buf)
         res.append(_cmp(f"{name}.call{i + 1}", S, S64, _forms(S64, base and base[1], *own[1], rows=2), xd,
                         head_axis=1))
+    return res
+
+
+# ----------------------------------------------------------------------------- engine inputs
+#: The five results of ``engine_inputs``, in order.
+ENGINE_OUTPUTS = ("q", "k", "v", "g", "beta")
+
+
+def engine_case_inputs(case: Case, dtype: torch.dtype, device="cpu", decode: bool = False) -> dict:
+    """mixed_qkv, a, b, A_log, dt_bias of ``case`` for ``engine_inputs``, drawn in float64 on the CPU from
+    ``case.seed``, then rounded to ``dtype`` (every one of them).  decode: mixed_qkv [N, D] and a, b [N, HV] with
+    N = case.B (``case.T`` must be 1); else [B, T, D] and [B, T, HV].
+
+    q and k heads: rows of unit norm (``case.norm`` "unit"), or ("any") of norm 10^-1 .. 10 with a quarter of
+    them tiny (10^-3.5 .. 10^-2, where the norm's eps = 1e-6 under the square root is visible; one such q row and
+    k row in every request at least) and an eighth large (10^2 .. 10^3); at one token of every request q and k
+    of head 0 point opposite ways (swapped q and k differ at any K); v of one drawn scale 10^-2 .. 10^2.
+    Gates by ``case.gate``: "mild": a in [-3, 3], A_log in [-2, 0.5], dt_bias in [-1, 1]; any other regime the
+    ranges engines see: a in [-30, 40] with a quarter of a + dt_bias within 1 of the softplus threshold (20),
+    A_log in [-5, 3], dt_bias in [-5, 5] (g down to -20 * 45, past every reset gate); "reset" also puts
+    +inf or -inf at a third of the elements of a and of b (at most 8 each; none where there are fewer than 3).
+    In every regime one gate per request has a + dt_bias in [-5, 5] (a decay no dtype rounds to 0).  b: in [-20, 20] half of
+    the time, N(0, 2^2) else."""
+    if decode and case.T != 1:
+        raise ValueError(f"decode: mixed_qkv [N, D] is one token per request, got case.T = {case.T}")
+    f64 = torch.float64
+    gen = torch.Generator().manual_seed(case.seed)
+    B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, case.K, case.V
+
+    def uni(lo, hi, *shape):
+        return lo + (hi - lo) * torch.rand(*shape, generator=gen, dtype=f64)
+
+    qk = torch.randn(B, T, 2, H, K, generator=gen, dtype=f64)
+    qk = qk / qk.norm(dim=-1, keepdim=True).clamp(min=1e-300)
+    if T > 0:  # q and k of head 0 antiparallel at one token of every request: a q/k mix-up shows at any K (K = 1 too)
+        t = torch.randint(0, T, (B,), generator=gen)
+        qk[torch.arange(B), t, 1, 0] = -qk[torch.arange(B), t, 0, 0]
+    if case.norm == "any":
+        r = torch.rand(B, T, 2, H, 1, generator=gen, dtype=f64)
+        n = torch.where(r < 0.25, 10.0 ** uni(-3.5, -2.0, B, T, 2, H, 1),
+                        torch.where(r < 0.375, 10.0 ** uni(2.0, 3.0, B, T, 2, H, 1), 10.0 ** uni(-1.0, 1.0, B, T, 2, H, 1)))
+        if T > 0:
+            t = torch.randint(0, T, (B,), generator=gen)
+            n[torch.arange(B), t, :, 0] = 10.0 ** uni(-3.5, -2.0, B, 2, 1)
+        qk = qk * n
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=f64) * 10.0 ** float(uni(-2.0, 2.0, 1))
+    mixed = torch.cat([qk[:, :, 0].flatten(-2), qk[:, :, 1].flatten(-2), v.flatten(-2)], dim=-1)
+    if case.gate == "mild":
+        A_log, dt_bias, a = uni(-2.0, 0.5, HV), uni(-1.0, 1.0, HV), uni(-3.0, 3.0, B, T, HV)
+    else:
+        A_log, dt_bias, a = uni(-5.0, 3.0, HV), uni(-5.0, 5.0, HV), uni(-30.0, 40.0, B, T, HV)
+        near = torch.rand(B, T, HV, generator=gen, dtype=f64) < 0.25
+        a = torch.where(near, SOFTPLUS_THRESHOLD - dt_bias + uni(-1.0, 1.0, B, T, HV), a)
+    b = torch.where(torch.rand(B, T, HV, generator=gen, dtype=f64) < 0.5, uni(-20.0, 20.0, B, T, HV),
+                    2.0 * torch.randn(B, T, HV, generator=gen, dtype=f64))
+    if case.gate == "reset":  # +-inf at a third of the elements (at most 8) of a and of b: the rest stay finite
+        for x in (a, b):
+            n = min(x.numel() // 3, 8)
+            at = torch.randperm(x.numel(), generator=gen)[:n]
+            x.view(-1)[at] = torch.where(torch.rand(n, generator=gen) < 0.5, float("inf"), float("-inf")).to(f64)
+    if T > 0:  # one gate per request of a moderate decay (a + dt_bias in [-5, 5]: g above -100, never clamped)
+        t, h = torch.randint(0, T, (B,), generator=gen), torch.randint(0, HV, (B,), generator=gen)
+        a[torch.arange(B), t, h] = uni(-5.0, 5.0, B) - dt_bias[h]
+    if decode:
+        mixed, a, b = mixed[:, 0], a[:, 0], b[:, 0]
+    out = dict(mixed_qkv=mixed, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    return {n: t.to(device=device, dtype=dtype) for n, t in out.items()}
+
+
+def engine_map_in(x: dict, compute: torch.dtype, num_heads: int, head_k_dim: int, qk_l2norm: bool = True) -> tuple:
+    """``kvbuffer_ref.engine_inputs``' map on the (already rounded) inputs ``x`` with every operation in
+    ``compute`` (float32 for float32 and 16-bit inputs): what a correct implementation computing in that dtype
+    returns, (q, k, v, g, beta) shaped as the oracle's, all in ``compute``."""
+    m = x["mixed_qkv"].detach()
+    H, K, HV = num_heads, head_k_dim, x["A_log"].shape[0]
+    B, T = (m.shape[0], 1) if m.dim() == 2 else tuple(m.shape[:2])
+    xm = m.reshape(B, T, m.shape[-1]).to(compute)
+    q = xm[..., :H * K].unflatten(-1, (H, K))
+    k = xm[..., H * K:2 * H * K].unflatten(-1, (H, K))
+    v = xm[..., 2 * H * K:].unflatten(-1, (HV, -1))
+    if qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + NORM_EPS)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + NORM_EPS)
+    z = x["a"].detach().reshape(B, T, HV).to(compute) + x["dt_bias"].detach().to(compute)
+    sp = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z)))
+    g = -torch.exp(x["A_log"].detach().to(compute)) * sp
+    g = torch.where(sp == 0, torch.zeros_like(g), torch.where(torch.isinf(sp), torch.full_like(g, -torch.inf), g))
+    g = g.clamp(min=-RESET_GATE[compute])
+    beta = torch.sigmoid(x["b"].detach().reshape(B, T, HV).to(compute))
+    return q, k, v, g, beta
+
+
+def check_engine_inputs(impl, case: Case, dtype: torch.dtype, device="cpu", *, decode: bool = False
+                        ) -> list[Comparison]:
+    """engine_inputs(impl) == ``kvbuffer_ref.engine_inputs`` on the same inputs upcast to float64: q, k, v, g
+    and beta each, under the one tolerance table (``engine_case_inputs`` draws them; ``decode``: the [N, D] form).
+
+    Each output is judged in its own dtype's row (q, k, g, beta in float32 for 16-bit inputs, as the oracle
+    returns them; v in mixed_qkv's dtype), the baseline the worst, row by row, of the oracle's float64 map
+    rounded once to that dtype and the map run operation by operation in the compute dtype
+    (``engine_map_in``), rounded to it (float64 lanes: none, only the floor counts).  Gates below
+    ``-RESET_GATE`` of the compute dtype (their decay is 0 there, as every operation takes them) count as that
+    value, in the truth and the result alike: -inf, -1e30 or -900 for a gate of -900 are all correct."""
+    x = engine_case_inputs(case, dtype, device, decode)
+    kw = dict(num_heads=case.H, head_k_dim=case.K, qk_l2norm=True)
+    x64 = upcast_inputs(x, device=None)
+    truth = ref.engine_inputs(x64["mixed_qkv"], x64["a"], x64["b"], A_log=x64["A_log"], dt_bias=x64["dt_bias"], **kw)
+    got = impl.engine_inputs(x["mixed_qkv"], x["a"], x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], **kw)
+    tag = f"engine_inputs[{'[N, D]' if decode else '[B, T, D]'}]"
+    if not isinstance(got, (tuple, list)) or len(got) != len(ENGINE_OUTPUTS):
+        raise AssertionError(f"[wrong-result] {tag}: expected (q, k, v, g, beta), got "
+                             f"{type(got).__name__}{'' if not isinstance(got, (tuple, list)) else f' of {len(got)}'}")
+    compute = compute_dtype(dtype)
+    forms = None if dtype == torch.float64 else engine_map_in(x, compute, **kw)
+    low = -RESET_GATE[compute]
+    res = []
+    for i, (name, out, t) in enumerate(zip(ENGINE_OUTPUTS, got, truth)):
+        if isinstance(out, torch.Tensor) and (not out.is_floating_point() or tuple(out.shape) != tuple(t.shape)):
+            raise AssertionError(f"[wrong-result] {tag}.{name}: expected a floating tensor of shape {list(t.shape)} "
+                                 f"(as kvbuffer_ref.engine_inputs), got {out.dtype} of shape {list(out.shape)}")
+        t = t.detach().cpu()
+        f = None if forms is None else forms[i].detach().cpu()
+        if name == "g" and isinstance(out, torch.Tensor):
+            t, out = t.clamp(min=low), out.clamp(min=low)
+            f = None if f is None else f.clamp(min=low)
+        od = out.dtype if isinstance(out, torch.Tensor) else dtype
+        # row by row (a token's head; for g and beta each element) the form furthest from the truth
+        e = (lambda y: y) if t.dim() == 4 else (lambda y: y[..., None])  # noqa: E731
+        base = None if f is None else worst_rows(e(t), [e(t.to(od)), e(f.to(od))], 3).reshape(t.shape)
+        res.append(_cmp(f"{tag}.{name}", out, t, base, od))
     return res
