@@ -119,4 +119,4 @@ def engine_inputs(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, 
     g = torch.where(softplus == 0, torch.zeros_like(g), torch.where(torch.isinf(softplus), -torch.inf, g))
     g = g.clamp(min=-RESET_GATE[dt]).to(dt)
     beta = torch.sigmoid(b.reshape(B, T, HV).to(torch.float64))
-    return q.to(dt), k.to(dt), v, g, beta.to(dt)
+    return q.to(dt, copy=True), k.to(dt, copy=True), v, g, beta.to(dt)  # never views of mixed_qkv

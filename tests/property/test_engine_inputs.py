@@ -263,3 +263,17 @@ def test_an_engine_decode_step_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         rows = slots >= 0
         assert torch.equal(out[rows], want[rows]), f"replay {replay}"
+
+
+def test_reference_outputs_never_alias_the_packed_tokens():
+    """q, k, v of ``kvbuffer_ref.engine_inputs`` are fresh tensors in every dtype and norm setting: an engine
+    that reuses its ``mixed_qkv`` buffer must not change them."""
+    import kvbuffer_ref as ref
+
+    for dt in (torch.float64, torch.float32):
+        x = torch.randn(3, 2 * 2 * 4 + 2 * 4, dtype=dt)
+        a, b = torch.randn(3, 2, dtype=dt), torch.randn(3, 2, dtype=dt)
+        for norm in (False, True):
+            q, k, v, _, _ = ref.engine_inputs(x, a, b, A_log=torch.zeros(2, dtype=dt), dt_bias=torch.zeros(2, dtype=dt),
+                                              num_heads=2, head_k_dim=4, qk_l2norm=norm)
+            assert not any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in (q, k, v))
