@@ -64,6 +64,7 @@ from bench.catalog import GROUPS, OPS, PEERS
 from bench.timing import device_ms
 from kvbuffer.validate.adapters import AdapterError
 from kvbuffer.validate.properties import truth_and_baseline
+from kvbuffer.validate.tolerances import active_contract
 import torch.nn.functional as F
 
 from bench import io_model as io
@@ -313,6 +314,7 @@ class Truth:
     base_o: Optional[torch.Tensor]
     S: torch.Tensor
     base_S: Optional[torch.Tensor]
+    contract: str = "ieee"  # the arithmetic the baselines were computed in
 
 
 class Workload:
@@ -362,17 +364,19 @@ class Workload:
 
         return History(x=x, buffer=_map_buffer(two[0], to_device), P=P)
 
-    def truth(self, new: dict, hist: History, upto: Optional[int] = None) -> Truth:
+    def truth(self, new: dict, hist: History, upto: Optional[int] = None, contract: str = "ieee") -> Truth:
         """The recurrence over each check row's history followed by its new tokens (the first
         ``upto`` of them, or all), and the baseline of the budgets: the correct forms in float32
-        (``truth_and_baseline``: the recurrence and the chunkwise form with the buffer's capacity as its chunk)."""
+        (``truth_and_baseline``: the recurrence and the chunkwise form with the buffer's capacity as its chunk),
+        under the arithmetic ``contract`` of the kernel checked (``kvbuffer.validate.contracts``)."""
 
         rows = torch.tensor(self.rows)
         x = {n: torch.cat([hist.x[n].index_select(0, rows % 2),
                            t[:, :upto].detach().cpu().index_select(0, rows)], dim=1) for n, t in new.items()}
-        (o64, S64), (ob, Sb) = truth_and_baseline(x, chunk=self.plan.C)
+        with active_contract(contract):
+            (o64, S64), (ob, Sb) = truth_and_baseline(x, chunk=self.plan.C)
         P = hist.P
-        return Truth(o64[:, P:], ob[:, P:].to(self.dtype), S64, Sb)
+        return Truth(o64[:, P:], ob[:, P:].to(self.dtype), S64, Sb, contract)
 
     def compare(self, name: str, actual: torch.Tensor, truth: Truth, *, state: bool = False,
                 dtype: Optional[torch.dtype] = None) -> dict:
@@ -382,9 +386,9 @@ class Workload:
         a = actual.detach().index_select(0, torch.tensor(self.rows, device=actual.device)).cpu()
         if state:
             dt = dtype or torch.promote_types(self.dtype, torch.float32)
-            c = _compare()(a, truth.S, truth.base_S, name=name, dtype=dt, head_axis=1)
+            c = _compare()(a, truth.S, truth.base_S, name=name, dtype=dt, head_axis=1, contract=truth.contract)
         else:
-            c = _compare()(a, truth.o, truth.base_o, name=name, dtype=self.dtype, head_axis=2)
+            c = _compare()(a, truth.o, truth.base_o, name=name, dtype=self.dtype, head_axis=2, contract=truth.contract)
         return dict(name=c.name, dtype=str(c.dtype).replace("torch.", ""), passed=bool(c.passed),
                     worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget, max_abs=c.max_abs,
                     text=str(c))
@@ -475,7 +479,10 @@ class _Builder:
         fn = _fla(fn_name)
         hist = self.wl.history(buffered=0) if T == 1 else self._state_history()
         states, xs = self._states(hist), self._tokens(T, seed=1 if T == 1 else 3)
-        truth = self.wl.truth(xs[0], hist)
+        # fla's chunk kernel multiplies 16-bit tokens in 16-bit tensor-core products: judged under that
+        # contract ("bf16"); its fused_recurrent kernel keeps IEEE float32
+        chunk16 = fn_name.startswith("chunk") and self.wl.dtype in (torch.float16, torch.bfloat16)
+        truth = self.wl.truth(xs[0], hist, contract="bf16" if chunk16 else "ieee")
         try:
             o, S = _fla_call(fn, xs[0], states[0], self.scale)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run here (e.g. autotuning under the interpreter)
