@@ -10,9 +10,12 @@ convolution's output; the outputs are contiguous, so the operations that follow 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvbuffer_ref.checks import RESET_GATE
 from kvbuffer_ref.engine_inputs import NORM_EPS, SOFTPLUS_THRESHOLD, check_engine_inputs
@@ -23,10 +26,24 @@ __all__ = ["engine_inputs"]
 
 
 @triton.jit
-def _log1p(e):
-    """log(1 + e) for e >= 0 to a few ulps (Goldberg: log(u) e / (u - 1) with u = 1 + e rounded)."""
-    u = 1.0 + e
-    return tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """exp(x): libdevice's, compiled (tl.exp compiles to the GPU's approximate ex2, whose relative error grows
+    with |x|: 1e-6 at x = -28); tl.exp under the Triton interpreter (numpy's, which has no libdevice)."""
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log1p(e, LIBDEVICE: tl.constexpr):
+    """log(1 + e) for e >= 0 to a few ulps: libdevice's, compiled; under the interpreter Goldberg's
+    log(u) e / (u - 1) with u = 1 + e rounded."""
+    if LIBDEVICE:
+        return libdevice.log1p(e)
+    else:
+        u = 1.0 + e
+        return tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
 
 
 @triton.jit
@@ -34,7 +51,7 @@ def _engine_inputs_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, q_ptr, k_ptr, 
                           T, sx_b, sx_t, sa_b, sa_t, sb_b, sb_t, RESET, THRESHOLD, EPS,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BH: tl.constexpr, BK: tl.constexpr, BHV: tl.constexpr, BVV: tl.constexpr,
-                          NORM: tl.constexpr):
+                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)  # the token: request i // T, position i % T
     bi, ti = i // T, i % T
     row = x_ptr + bi * sx_b + ti * sx_t
@@ -54,12 +71,12 @@ def _engine_inputs_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, q_ptr, k_ptr, 
     mh = c < HV
     z = (tl.load(a_ptr + bi * sa_b + ti * sa_t + c, mask=mh, other=0.0).to(tl.float32)
          + tl.load(dtb_ptr + c, mask=mh, other=0.0).to(tl.float32))
-    sp = tl.where(z > THRESHOLD, z, _log1p(tl.exp(tl.minimum(z, THRESHOLD))))
-    g = -tl.exp(tl.load(alog_ptr + c, mask=mh, other=0.0).to(tl.float32)) * sp
+    sp = tl.where(z > THRESHOLD, z, _log1p(_exp(tl.minimum(z, THRESHOLD), LIBDEVICE), LIBDEVICE))
+    g = -_exp(tl.load(alog_ptr + c, mask=mh, other=0.0).to(tl.float32), LIBDEVICE) * sp
     g = tl.where(sp == 0.0, 0.0, tl.where(sp == float("inf"), -RESET, g))
     tl.store(g_ptr + i * HV + c, tl.maximum(g, -RESET), mask=mh)
     bv = tl.load(b_ptr + bi * sb_b + ti * sb_t + c, mask=mh, other=0.0).to(tl.float32)
-    e = tl.exp(-tl.abs(bv))  # sigmoid without overflow: 1 / (1 + e) for b >= 0, e / (1 + e) below
+    e = _exp(-tl.abs(bv), LIBDEVICE)  # sigmoid without overflow: 1 / (1 + e) for b >= 0, e / (1 + e) below
     tl.store(beta_ptr + i * HV + c, tl.where(bv >= 0, 1.0 / (1.0 + e), e / (1.0 + e)), mask=mh)
 
 
@@ -98,5 +115,6 @@ def engine_inputs(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, 
         _engine_inputs_kernel[(B * T,)](
             x, a_, b_, as_input(A_log), as_input(dt_bias), q, k, v, g, beta, T, sx_b, sx_t, sa_b, sa_t, sb_b, sb_t,
             RESET_GATE[torch.float32], SOFTPLUS_THRESHOLD, NORM_EPS, H=H, HV=HV, K=K, V=V, BH=block(H, 1),
-            BK=block(K, 1), BHV=block(HV, 1), BVV=block(HV * V, 1), NORM=bool(qk_l2norm), num_warps=4)
+            BK=block(K, 1), BHV=block(HV, 1), BVV=block(HV * V, 1), NORM=bool(qk_l2norm),
+            LIBDEVICE=x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), num_warps=4)
     return q, k, v, g, beta
