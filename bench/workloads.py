@@ -59,7 +59,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 import kvbuffer_ref as ref
-from bench import replayssm as R
+from bench import replayssm as replayssm_io
 from bench.catalog import GROUPS, OPS, PEERS
 from bench.timing import device_ms
 from kvbuffer.validate.adapters import AdapterError
@@ -192,7 +192,7 @@ class Api:
                        "kernels; they are loaded from there, never copied here")
         if self._replayssm is None:
             try:
-                self._replayssm = R.load(self.peer_path)
+                self._replayssm = replayssm_io.load(self.peer_path)
             except AdapterError as e:
                 raise Skip(str(e)) from None
         return self._replayssm
@@ -883,8 +883,8 @@ class _Builder:
         xs = self._tokens(C, seed=2)
         raw = []  # per layer, per step: the engine's inputs
         for layer, x in enumerate(xs):
-            A_log, dt_bias, a, b = R.raw_gates(x["g"], x["beta"], seed=500 + layer)  # a, b [B, C, HV]
-            rows = R.pack(x).view(self.B, C, -1)
+            A_log, dt_bias, a, b = replayssm_io.raw_gates(x["g"], x["beta"], seed=500 + layer)  # a, b [B, C, HV]
+            rows = replayssm_io.pack(x).view(self.B, C, -1)
             raw.append([dict(mixed_qkv=rows[:, t].contiguous(), a=a[:, t].contiguous(), b=b[:, t].contiguous(),
                              A_log=A_log, dt_bias=dt_bias) for t in range(C)])
 
@@ -1031,8 +1031,8 @@ class _Builder:
         for layer, x in enumerate(xs):
             pool = torch.empty(B, s.HV, s.V, s.K, device=dev)
             pool[sl] = hist.buffer.state.float().transpose(-1, -2)  # request b's state in slot slots[b]
-            A_log, dt_bias, a, b = R.raw_gates(x["g"][:, 0], x["beta"][:, 0], seed=400 + layer)
-            layers.append(dict(mixed_qkv=R.pack(x), a=a, b=b, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+            A_log, dt_bias, a, b = replayssm_io.raw_gates(x["g"][:, 0], x["beta"][:, 0], seed=400 + layer)
+            layers.append(dict(mixed_qkv=replayssm_io.pack(x), a=a, b=b, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
                                out=torch.empty(B, 1, s.HV, s.V, device=dev, dtype=dt)))
         scale = self.scale
 
@@ -1084,8 +1084,8 @@ class _Builder:
                         g=torch.zeros(B + 1, s.HV, Lr, device=dev))
             steps = []
             for t, st in enumerate(self.wl.steps(x)):
-                A_log, dt_bias, a, b = R.raw_gates(st["g"][:, 0], st["beta"][:, 0], seed=100 + layer)
-                steps.append(dict(mixed=R.pack(st), a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                A_log, dt_bias, a, b = replayssm_io.raw_gates(st["g"][:, 0], st["beta"][:, 0], seed=100 + layer)
+                steps.append(dict(mixed=replayssm_io.pack(st), a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                                   out=torch.empty(B, s.HV, s.V, device=dev, dtype=dt),
                                   pos=torch.full((B,), t, device=dev, dtype=torch.int32)))
             layers.append((ring, steps))
@@ -1099,7 +1099,7 @@ class _Builder:
             step(ring0, st)
         truth = self.wl.truth(xs[0], hist)
         o = torch.stack([st["out"] for st in steps0], 1)
-        S = R.ring_state(ring0["h"], ring0["d"], ring0["k"], ring0["g"], blocks, [0] * B)
+        S = replayssm_io.ring_state(ring0["h"], ring0["d"], ring0["k"], ring0["g"], blocks, [0] * B)
         checks = [self.wl.compare(f"replayssm_decode[L={Lr}] cycle.o", o, truth),
                   self.wl.compare(f"replayssm_decode[L={Lr}] cycle.state", S, truth, state=True)]
 
@@ -1107,7 +1107,7 @@ class _Builder:
             for t in range(Lr):
                 for ring, steps in layers:
                     step(ring, steps[t])
-        ent = R.entry_bytes(s, B)
+        ent = replayssm_io.entry_bytes(s, B)
         nbytes = io.state_bytes(s, B) * (1 + 1 / Lr) + ent * (sum(range(Lr)) / Lr + (Lr - 1) / Lr)
         c = self.case("replayssm_decode", "decode", run, self.L * Lr, nbytes, checks, C=Lr)
         c.peer, c.note = True, (f"ReplaySSM's fused_recurrent_gated_delta_rule_replayssm, a cycle of its ring of {Lr} "
@@ -1139,9 +1139,9 @@ class _Builder:
             d[bl[:, None], :, pos[None, :]] = hb.u[:, :n].to(dt)  # [B, n, HV, V] into [.., HV, pos, V]
             k[bl[:, None], :, pos[None, :]] = hb.k[:, :n].to(dt)
             g[bl[:, None], :, pos[None, :]] = gg
-            A_log, dt_bias, a, b = R.raw_gates(x["g"].reshape(B * T, s.HV), x["beta"].reshape(B * T, s.HV),
+            A_log, dt_bias, a, b = replayssm_io.raw_gates(x["g"].reshape(B * T, s.HV), x["beta"].reshape(B * T, s.HV),
                                                seed=200 + layer)
-            layers.append(dict(h=h, d=d, k=k, g=g, mixed=R.pack(x), a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+            layers.append(dict(h=h, d=d, k=k, g=g, mixed=replayssm_io.pack(x), a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                                out=torch.empty(B * T, s.HV, s.V, device=dev, dtype=dt)))
         cur0 = dict(write_pos=torch.zeros(B + 1, dtype=torch.int32, device=dev),
                     cache_base=torch.zeros(B + 1, dtype=torch.int32, device=dev),
@@ -1159,7 +1159,7 @@ class _Builder:
                              scale=scale)
         round_()
         ly0 = layers[0]
-        S = R.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
+        S = replayssm_io.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
                          cur["cache_base"][bl].tolist())
         checks = [self.wl.compare(f"replayssm_round[T={T}].o", ly0["out"].view(B, T, s.HV, s.V),
                                   self.wl.truth(xs[0], hist)),
@@ -1170,7 +1170,7 @@ class _Builder:
             for name, t in cur.items():  # back to n entries of history (three tiny copies)
                 t.copy_(cur0[name])
             round_()
-        ent = R.entry_bytes(s, B)
+        ent = replayssm_io.entry_bytes(s, B)
         c = self.case("replayssm_round", "round", run, self.L, io.state_bytes(s, B) + (n + T) * ent, checks, C=C, n=n,
                       d=T, m=m)
         c.peer, c.note = True, (f"ReplaySSM's gdn_replayssm_spec_decode on every layer (L = C + T = {Lc}, ring "
@@ -1195,13 +1195,13 @@ class _Builder:
         for layer, x in enumerate(xs):
             h = torch.zeros(B + 1, s.HV, s.V, s.K, device=dev)
             h[bl] = hist.buffer.state.float().transpose(-1, -2)
-            A_log, dt_bias, a, b = R.raw_gates(x["g"].reshape(B * R * T, s.HV), x["beta"].reshape(B * R * T, s.HV),
+            A_log, dt_bias, a, b = replayssm_io.raw_gates(x["g"].reshape(B * R * T, s.HV), x["beta"].reshape(B * R * T, s.HV),
                                                 seed=300 + layer)
             a, b = a.view(B, R * T, s.HV), b.view(B, R * T, s.HV)
             per_round = []
             for r in range(R):
                 xr = self._round_tokens(x, r, T)
-                per_round.append(dict(mixed=R.pack(xr), a=a[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
+                per_round.append(dict(mixed=replayssm_io.pack(xr), a=a[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
                                       b=b[:, r * T:(r + 1) * T].reshape(B * T, s.HV).contiguous(),
                                       out=torch.empty(B * T, s.HV, s.V, device=dev, dtype=dt)))
             layers.append(dict(h=h, d=torch.zeros(B + 1, s.HV, Rb, s.V, device=dev, dtype=dt),
@@ -1223,7 +1223,7 @@ class _Builder:
                                  T=T, Rb=Rb, scale=scale)
         cycle()
         ly0 = layers[0]
-        S = R.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
+        S = replayssm_io.ring_state(ly0["h"], ly0["d"], ly0["k"], ly0["g"], blocks, cur["write_pos"][bl].tolist(),
                           cur["cache_base"][bl].tolist())
         checks = [self.wl.compare(f"replayssm_round_cycle[R={R}] round 0.o",
                                   ly0["rounds"][0]["out"].view(B, T, s.HV, s.V),
@@ -1235,7 +1235,7 @@ class _Builder:
             flushes += fl
             wp = m if fl else wp + m
             fl = wp + 2 * T > Lc
-        ent = R.entry_bytes(s, B)
+        ent = replayssm_io.entry_bytes(s, B)
         nbytes = R * (io.state_bytes(s, B) + T * ent) + flushes * io.state_bytes(s, B)
         c = self.case("replayssm_round_cycle", "round", cycle, self.L * R, nbytes, checks, C=C, d=T, m=m, R=R)
         c.peer, c.note = True, (f"ReplaySSM's round (spec decode on every layer, one commit) {R} times from empty "

@@ -39,8 +39,6 @@ def test_unknown_overrides_fail_clearly(overrides, match):
 @pytest.mark.parametrize("op, fields", [("decode", {"fold_FH": 2}), ("verify", {"early": True, "KB": 16})])
 def test_override_replaces_only_its_fields_and_writes_no_module_state(op, fields):
     api = W.Api({op: fields})
-    if not api.config_api:
-        pytest.skip("this kvbuffer_fast has the keyword API")
     tables = copy.deepcopy(launch.TABLES)
     wl = W.Workload(W.SMOKE, 2, "cpu")
     x = wl.tokens(1, seed=0)
@@ -52,8 +50,7 @@ def test_override_replaces_only_its_fields_and_writes_no_module_state(op, fields
     key = launch.key_of(x["q"], C=W.SMOKE.C, B=2, HV=W.SMOKE.shapes.HV, V=W.SMOKE.shapes.V)
     assert cfg == dataclasses.replace(launch.config_for(op, key), **fields)
     assert launch.TABLES == tables and launch.config_for(op, key) != cfg
-    both = api.kwargs(op, lambda q, *, validate=True, config=None: None, x, C=W.SMOKE.C)
-    assert both == {"validate": False, "config": cfg}  # a keyword-API op skips its value checks
+    assert api.kwargs("accept", fn, x, C=W.SMOKE.C) == {}  # no override of that table: no keyword
 
 
 def test_aot_register_report_runs():
@@ -74,8 +71,6 @@ def test_overrides_reach_the_pools_calls(op, monkeypatch):
     """``--set verify.* / accept.*`` reach the pool's verify and accept in the pool ops (each call gets the
     replaced config), so the pool round's launches can be swept like the plain ones."""
     api = W.Api({"verify": {"KB": 16}, "accept": {"CH": 256}})
-    if not api.config_api:
-        pytest.skip("this kvbuffer_fast has the keyword API")
     KVPool = api.pool_class()
     seen = {"verify": [], "accept": []}
     for name in seen:
