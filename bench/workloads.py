@@ -64,7 +64,7 @@ from bench.catalog import GROUPS, OPS, PEERS
 from bench.timing import device_ms
 from kvbuffer.validate.adapters import AdapterError
 from kvbuffer.validate.properties import truth_and_baseline
-from kvbuffer.validate.tolerances import active_contract
+from kvbuffer.validate.tolerances import active_contract, compare
 import torch.nn.functional as F
 
 from bench import io_model as io
@@ -244,16 +244,6 @@ class Api:
 
 
 # ----------------------------------------------------------------------------- inputs and the oracle
-def _compare():
-    """The tolerance table's ``compare`` (kvbuffer_ref's testing helpers)."""
-    for mod in ("kvbuffer_ref.testing", "kvbuffer.validate", "kvbuffer.validate.tolerances"):
-        try:
-            return importlib.import_module(mod).compare
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError("compare (the tolerance table) is in none of kvbuffer_ref.testing, kvbuffer.validate")
-
-
 def _map_buffer(buf, fn):
     """A KVBuffer whose every tensor field is ``fn(name, tensor)`` (None stays None)."""
     return type(buf)(**{f.name: (None if getattr(buf, f.name) is None else fn(f.name, getattr(buf, f.name)))
@@ -386,9 +376,9 @@ class Workload:
         a = actual.detach().index_select(0, torch.tensor(self.rows, device=actual.device)).cpu()
         if state:
             dt = dtype or torch.promote_types(self.dtype, torch.float32)
-            c = _compare()(a, truth.S, truth.base_S, name=name, dtype=dt, head_axis=1, contract=truth.contract)
+            c = compare(a, truth.S, truth.base_S, name=name, dtype=dt, head_axis=1, contract=truth.contract)
         else:
-            c = _compare()(a, truth.o, truth.base_o, name=name, dtype=self.dtype, head_axis=2, contract=truth.contract)
+            c = compare(a, truth.o, truth.base_o, name=name, dtype=self.dtype, head_axis=2, contract=truth.contract)
         return dict(name=c.name, dtype=str(c.dtype).replace("torch.", ""), passed=bool(c.passed),
                     worst_rel=c.worst_rel, baseline_rel=c.baseline_rel, budget=c.budget, max_abs=c.max_abs,
                     text=str(c))

@@ -221,11 +221,12 @@ def _decode_program(
                 gb = tl.load(g_ptr + i_bhv * K + k0 + o_kb, mask=m_kb, other=0.0).to(tl.float32)
                 gl = tl.load(cg_ptr + ((i_b * C + last) * HV + i_hv) * K + k0 + o_kb, mask=m_kb,
                              other=0.0).to(tl.float32)
-                gn = tl.where(n > 0, gl, 0.0) + gb  # G_new over this block of channels
+                gt = tl.where(n > 0, gl, 0.0)  # the tail's G over this block of channels (0 if empty)
+                gn = gt + gb  # G_new
                 gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
                               mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
                 live = (rows < n)[:, None]
-                gap = tl.where(n > 0, gl, 0.0)[None, :] - gcb  # tail minus entry, then the new gate
+                gap = gt[None, :] - gcb  # tail minus entry, then the new gate
                 kd = tl.where(live, kc * tl.exp(tl.where(live, gap + gb[None, :], 0.0)), 0.0)
                 wk += tl.sum(kd * kb[None, :], 1)
                 wq += tl.sum(kd * qb[None, :], 1)

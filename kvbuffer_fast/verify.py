@@ -186,8 +186,9 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
     for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
         a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
         g_j = tl.sum(tl.where((o_r == j)[:, None], g, 0.0), 0)
-        Gs += tl.where(a_j[:, None], g_j[None, :], 0.0)
-        Gr += tl.where(a_j[:, None], g_j[None, :], 0.0)
+        step = tl.where(a_j[:, None], g_j[None, :], 0.0)
+        Gs += step
+        Gr += step
     Gs = tl.where(m_t[:, None], Gs, 0.0)  # the gates along the path alone
     Gr = tl.where(m_t[:, None], Gr, 0.0)
     gap = base[None, :] - gc  # [BC, KC] tail minus entry: exact where they are close (Sterbenz)
@@ -210,7 +211,7 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
 
 
 @triton.jit
-def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n):
+def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t):
     """Scalar gates: G of each row's draft (the buffer tail's G plus the gates along its path) and the
     scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by their decays exp(G_i - G_j)."""
     base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
@@ -218,7 +219,7 @@ def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n):
     Gs = tl.sum(tl.where(anc, gd[None, :], 0.0), 1)  # [R] the gates along each row's path
     Gr = tl.zeros_like(Gs) + base
     o_c = tl.arange(0, Gs.shape[0])
-    for j in range(0, Gs.shape[0] // 2):  # root to node: G_i = G_parent(i) + g_i, rounded per step as a decode stores it
+    for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
         a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
         Gr += tl.where(a_j, tl.sum(tl.where(o_c == j, gd, 0.0), 0), 0.0)
     Gs = tl.where(m_t, Gs, 0.0)
@@ -367,7 +368,7 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
         gc = tl.sum(tl.where(sel, gc2, 0.0), 0)
         b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
-        Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n)
+        Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t)
         tl.store(dg_dst + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
         L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
         _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)

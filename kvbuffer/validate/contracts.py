@@ -262,29 +262,26 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
     cumulative gates start at its first token (``carried`` boundaries: rebased from the frame before it,
     ``_segment_gates``).  A buffer computes exactly this way between its folds (its cumulative gates run from
     the buffer's start), so it is the buffer operations' own form.  rounded: the cumulative gates as correctly
-    rounded partial sums (``_RoundedCumsum``) instead of a loop of float32 additions (``_SequentialCumsum``).  bf16-state rounds the state at
-    every boundary.  Batch of any B, the same boundaries for every request."""
+    rounded partial sums (``_RoundedCumsum``) instead of a loop of float32 additions (``_SequentialCumsum``).
+    bf16-state rounds the state at every boundary.  Batch of any B, the same boundaries for every request."""
     contract = check_contract(current_contract() if contract is None else contract)
     T = q.shape[1]
-    edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T] if T else []
-    S = initial_state
+    if not T:  # no tokens: the state as it was (zeros without one)
+        S = initial_state if initial_state is not None else torch.zeros(
+            q.shape[0], v.shape[2], k.shape[-1], v.shape[3], dtype=torch.promote_types(q.dtype, torch.float32),
+            device=q.device)
+        return v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3]), S
+    edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T]
     outs = []
     with (_RoundedCumsum() if rounded else _SequentialCumsum()), emulate(contract):
-        if not T:
-            edges = []
-        x = prepare_tokens(q, k, v, g, beta, scale) if T else None
-        if S is None and T:
-            S = torch.zeros(x.dims.B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
-        S = S.to(x.v.dtype) if T else S
-        gates = [] if not T else _segment_gates(x.g, edges, {int(c) for c in carried})
-        for (a, b), G in zip(zip(edges, edges[1:]), gates):
+        x = prepare_tokens(q, k, v, g, beta, scale)
+        S = (torch.zeros(x.dims.B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
+             if initial_state is None else initial_state.to(x.v.dtype))
+        for (a, b), G in zip(zip(edges, edges[1:]), _segment_gates(x.g, edges, {int(c) for c in carried})):
             sl = slice(a, b)
             o, u = _wy_chunk(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.beta[:, sl], G, S)
             S = fold_state(S, x.k[:, sl], u, G, G[:, -1])
             if contract == "bf16-state":
                 S = round_bf16(S)
             outs.append(o.to(x.out_dtype))
-    if S is None:  # no tokens
-        S = torch.zeros(q.shape[0], v.shape[2], k.shape[-1], v.shape[3], dtype=torch.promote_types(q.dtype, torch.float32),
-                        device=q.device)
-    return (torch.cat(outs, 1) if outs else v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3])), S
+    return torch.cat(outs, 1), S
