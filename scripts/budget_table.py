@@ -2,6 +2,7 @@
 kernel off by 1 % lands, at Qwen3-Next's heads and real lengths.
 
     python3 scripts/budget_table.py                        # CPU: kvbuffer_ref in float32 and bfloat16
+    python3 scripts/budget_table.py --impl reference-bf16 --dtypes bfloat16   # bfloat16 products, emulated
     python3 scripts/budget_table.py --device cuda --impl reference,fast --T 64,1024,4096 --json out.json
 
 For every lane (recurrent, chunk, direct, decode, verify + accept, prefill), dtype, gate kind (scalar,
@@ -10,8 +11,11 @@ one case, under the arithmetic contract the implementation's adapter declares fo
 compiled chunk kernels: bfloat16 products for 16-bit inputs), for the correct implementations and for three
 wrong ones built from each: q scaled by 1.01 (a 1 %
 wrong scale), g scaled by 1.01 and beta scaled by 1.01.  It prints budget / error for the correct ones
-(how loose the budget is; the rule wants it small) and error / budget for the wrong ones (above 1: the
-wrong kernel FAILs), each the worst over the lane's comparisons.  Exit status 1 when a correct kernel fails,
+(how loose the RMS budget is; the rule wants it small), their mean gain over its budget (the gain check's
+room: well below 1), and error / budget for the wrong ones (the larger of the RMS and the gain check's
+ratios; above 1: the wrong kernel FAILs), each the worst over the lane's comparisons.  ``reference-bf16`` is
+kvbuffer_ref with every product rounded to bfloat16 (``contracts.emulate``), declaring bfloat16 products: a
+correct kernel in that arithmetic on a CPU.  Exit status 1 when a correct kernel fails,
 a wrong one passes, or a correct kernel's budget is more than 20x its error.
 """
 
@@ -33,6 +37,7 @@ import torch  # noqa: E402
 from kvbuffer.implementations import resolve  # noqa: E402
 from kvbuffer.validate import Case  # noqa: E402
 from kvbuffer.validate import properties as P  # noqa: E402
+from kvbuffer.validate.contracts import emulate  # noqa: E402
 from kvbuffer.validate.tolerances import active_contract  # noqa: E402
 
 LOOSEST = 20.0  # a correct kernel's budget over its error must stay below this
@@ -59,6 +64,18 @@ def wrong(impl, name: str, factor: float = 1.01):
         if hasattr(impl, op):
             setattr(ns, op, wrap(getattr(impl, op)))
     return ns
+
+
+def emulated(impl, contract: str):
+    """``impl`` with each operation called inside ``contracts.emulate(contract)``: its products rounded so."""
+    def wrap(fn):
+        def call(*args, **kw):
+            with emulate(contract):
+                return fn(*args, **kw)
+        return call
+
+    return types.SimpleNamespace(**{n: wrap(getattr(impl, n)) if callable(getattr(impl, n)) and not n.startswith("_")
+                                    else getattr(impl, n) for n in dir(impl) if not n.startswith("__")})
 
 
 def lanes(T: int):
@@ -96,20 +113,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     H, HV, K, V = (int(t) for t in a.heads.split(","))
-    impls = {}
+    impls, contracts = {}, {}
     for name in a.impl.split(","):
-        if name == "reference":
+        if name in ("reference", "reference-bf16"):
             import kvbuffer_ref
-            impls["kvbuffer_ref"] = kvbuffer_ref
+            impls[name.replace("reference", "kvbuffer_ref")] = (kvbuffer_ref if name == "reference"
+                                                                else emulated(kvbuffer_ref, "bf16"))
         elif name == "fast":
             import kvbuffer_fast
             impls["kvbuffer_fast"] = kvbuffer_fast
         else:
-            raise SystemExit(f"--impl: expected reference or fast, got {name!r}")
-    declared = {n: resolve({"kvbuffer_ref": "reference", "kvbuffer_fast": "fast"}[n]) for n in impls}
+            raise SystemExit(f"--impl: expected reference, reference-bf16 or fast, got {name!r}")
+    declared = {n: resolve("fast" if n == "kvbuffer_fast" else "reference") for n in impls}
     rows, bad = [], 0
-    print(f"{'impl':<14} {'lane':<14} {'dtype':<9} {'gate':<8} {'arith':<5} {'T':>5}  {'budget/err':>10}  "
-          f"{'scale x1.01':>11} {'gate x1.01':>10} {'beta x1.01':>10}  (wrong: error/budget, FAIL above 1)", flush=True)
+    print(f"{'impl':<19} {'lane':<14} {'dtype':<9} {'gate':<8} {'arith':<5} {'T':>5}  {'budget/err':>10} "
+          f"{'gain/budget':>11}  {'scale x1.01':>11} {'gate x1.01':>10} {'beta x1.01':>10}  "
+          f"(wrong: error/budget, FAIL above 1)", flush=True)
     for T in (int(t) for t in a.T.split(",")):
         for dname in a.dtypes.split(","):
             dtype = getattr(torch, dname)
@@ -124,16 +143,18 @@ def main(argv=None) -> int:
                             continue
                         lname, fn, kw = lane
                         t0 = time.perf_counter()
-                        contract = declared[iname].contract_for(OPS[lname], dtype)
+                        contract = ("bf16" if iname.endswith("-bf16")
+                                    else declared[iname].contract_for(OPS[lname], dtype))
                         with active_contract(contract):
                             good = run_lane(impl, fn, case, dtype, kw, a.device)
                             res = {w: run_lane(wrong(impl, w), fn, case, dtype, kw, a.device)
                                    for w in ("scale", "gate", "beta")}
                         loose = min(c.budget / max(c.worst_rel, 1e-300) for c in good)
+                        gain = max((abs(c.gain) / c.gain_budget for c in good if c.gain_judged), default=None)
                         ok = all(c.passed for c in good)
-                        past = {w: max(c.worst_rel / c.budget for c in cs) for w, cs in res.items()}
+                        past = {w: max(c.ratio for c in cs) for w, cs in res.items()}
                         row = dict(impl=iname, lane=lname, dtype=dname, gate="channel" if channel else "scalar", T=T,
-                                   contract=contract,
+                                   contract=contract, gain_over_budget=gain,
                                    budget_over_error=loose, correct_passed=ok, device=a.device,
                                    **{f"{w}_error_over_budget": v for w, v in past.items()},
                                    seconds=time.perf_counter() - t0)
@@ -143,7 +164,9 @@ def main(argv=None) -> int:
                             bad += 1
                             flag = "  <-- " + ("correct FAILS" if not ok else "budget too loose" if loose > LOOSEST
                                               else "a wrong kernel PASSES")
-                        print(f"{iname:<14} {lname:<14} {dname:<9} {row['gate']:<8} {contract:<5} {T:>5}  {loose:>10.2f}  "
+                        gtxt = "-" if gain is None else f"{gain:.3f}"
+                        print(f"{iname:<19} {lname:<14} {dname:<9} {row['gate']:<8} {contract:<5} {T:>5}  {loose:>10.2f} "
+                              f"{gtxt:>11}  "
                               f"{past['scale']:>11.2f} {past['gate']:>10.2f} {past['beta']:>10.2f}{flag}", flush=True)
     if a.json:
         meta = dict(torch=torch.__version__, device=a.device, heads=a.heads, B=a.B,

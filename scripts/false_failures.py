@@ -4,6 +4,7 @@
     python3 scripts/false_failures.py --quick         # 20 seeds, fewer examples: a smoke run of a few minutes
     python3 scripts/false_failures.py --impl reference,stepwise --seeds 200 --json ff.json
     python3 scripts/false_failures.py --seeds 50 --contracts tf32,bf16,bf16-state   # as if each were declared
+    python3 scripts/false_failures.py --profile gpu --device cuda --impl fast,fla --seeds 20   # production shapes
 
 The implementations are correct by construction, so every FAIL or ERROR is a false verdict of the
 validator (a budget too tight, or a bug of the harness): ``reference`` (kvbuffer_ref's forms in float64
@@ -89,6 +90,9 @@ def _impl(name: str):
 
 
 def _ratio(r) -> float:
+    """The lane's largest error / budget: the RMS and the gain checks' (``ratios``), else its worst comparison's."""
+    if r.ratios:
+        return max(r.ratios.values())
     if r.worst_rel is None or r.budget is None:
         return 0.0
     if r.budget <= 0:
@@ -106,6 +110,7 @@ def main(argv=None) -> int:
                     help="examples per lane (default: the ci profile's, 30 on the interpreter; --quick: 3)")
     ap.add_argument("--quick", action="store_true", help="20 seeds, 3 examples per lane")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    ap.add_argument("--profile", default="ci", help="the validator's profile (ci, thorough, gpu; default ci)")
     ap.add_argument("--contracts", default="ieee",
                     help="comma list of the arithmetic contracts each implementation is judged as declaring "
                          "(default ieee; e.g. ieee,tf32,bf16,bf16-state)")
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
         op = ops[i % len(ops)]
         for name, impl in impls.items():
             try:
-                rep = runner.run_validation([impl], ops=[(op, None)], seed=seed, device=device,
+                rep = runner.run_validation([impl], ops=[(op, None)], seed=seed, device=device, profile=args.profile,
                                             max_examples=args.examples, shrink=False, explain=False)
             except runner.NothingToRun:
                 continue
@@ -191,10 +196,11 @@ def main(argv=None) -> int:
     rate = failed / total if total else 0.0
     print(f"\n{args.seeds} seeds (first {args.first_seed}), {total} lanes, {failed} false failures "
           f"(rate {rate:.4f}); worst ratio {max((s['worst'] for s in stats.values()), default=0.0):.3g}; "
-          f"{time.perf_counter() - t0:.0f} s, device {device}")
+          f"{time.perf_counter() - t0:.0f} s, device {device}, profile {args.profile}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            seeds=args.seeds, first_seed=args.first_seed, examples=args.examples, device=device, lanes=total,
+            seeds=args.seeds, first_seed=args.first_seed, examples=args.examples, device=device, profile=args.profile,
+            lanes=total,
             false_failures=failed, rate=rate, rows=rows,
             summary=[dict(operation=k[0], implementation=k[1], dtype=k[2], **v) for k, v in sorted(stats.items())],
         ), indent=1, default=str) + "\n")

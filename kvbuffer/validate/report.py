@@ -81,8 +81,11 @@ def severity(c) -> tuple:
 
 
 def _ratio(c) -> float:
+    """The comparison's largest error / budget (its RMS and its gain check's)."""
     if c.nonfinite or c.worst_rel != c.worst_rel:
         return float("inf")
+    if c.ratio:
+        return c.ratio
     if c.budget <= 0:
         return 0.0 if c.worst_rel == 0 else float("inf")
     return c.worst_rel / c.budget

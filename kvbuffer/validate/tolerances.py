@@ -28,6 +28,19 @@ below its smallest normal number (float32: 1.2e-38) a value has no relative prec
 that small per element is no error of the implementation; it only matters for slices whose exact value
 is itself that small.  NaN or Inf never passes.
 
+A second check sees what the RMS error cannot tell from rounding when the arithmetic is coarse (bfloat16
+products: there a scale, gate or beta off by 1 % moves the output by about 2.5 times a correct kernel's
+error).  The **gain** of a slice is its error's component along the truth, ``<x - ref, ref> / <ref, ref>``:
+a wrong scale, gate or beta shifts every slice the same way, rounding goes either way.  Over the n
+(request, head) slices of one comparison (those with an informative truth, at least ``GAIN_MIN_SLICES``),
+the mean gain passes when
+
+    |mean gain(actual)| <= kappa * |mean gain(baseline)| + GAIN_Z * sd(gain(actual)) / sqrt(n) + floor * eps(compute)
+
+the baseline's mean gain being what the declared arithmetic itself shifts (a correct kernel's), the second
+term the spread of a mean of n slice gains (GAIN_Z standard errors), the floor the same as above.  With
+fewer slices the gain is not judged (the RMS check alone decides).
+
 ``TOLERANCES`` below is the only place kappa and the floor are written; no test loosens them.  What a
 budget is worth is measured, not argued: ``python3 scripts/budget_table.py`` prints, per lane, the budget
 of correct kernels over their error and the error of kernels off by 1 % over their budget
@@ -45,7 +58,7 @@ import torch
 from .contracts import CONTRACTS as CONTRACT_NAMES  # noqa: F401
 from .contracts import active_contract, current_contract
 
-__all__ = ["Tolerance", "TOLERANCES", "active_contract", "current_contract", "tolerance_for", "compute_dtype",
+__all__ = ["Tolerance", "TOLERANCES", "GAIN_MIN_SLICES", "GAIN_Z", "gain_slices", "active_contract", "current_contract", "tolerance_for", "compute_dtype",
            "Comparison", "rel_rms_slices", "compare", "assert_matches", "CONTRACT_NAMES"]
 
 @dataclass(frozen=True)
@@ -84,6 +97,16 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.bfloat16: Tolerance(kappa=4.0, floor=8.0, kappa_rounding=2.0),
 }
 
+
+
+#: The gain check (module docstring) judges a comparison of at least this many informative slices: with fewer,
+#: a sample standard deviation says little about the spread of their mean.
+GAIN_MIN_SLICES = 32
+#: How many standard errors of the mean slice gain the budget allows: with 32 slices a correct kernel's mean
+#: lies that far out with probability below 1e-6 (Student's t, 31 degrees of freedom; the slices of one head
+#: group share their keys and count for fewer, which 8 still covers), while a 1 % wrong scale or beta at
+#: Qwen3-Next's heads is 15 to 30 standard errors out (docs/testing.md).
+GAIN_Z = 8.0
 
 
 def tolerance_for(dtype: torch.dtype) -> Tolerance:
@@ -127,6 +150,23 @@ def rel_rms_slices(actual: torch.Tensor, expected: torch.Tensor, head_axis: int 
     return torch.where(bad, torch.full_like(rel, float("inf")), rel)
 
 
+def gain_slices(actual: torch.Tensor, expected: torch.Tensor, head_axis: int = 2,
+                valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gain of each (request, head) slice, ``<a - e, e> / <e, e>`` (a [B, H] float64 tensor; NaN where the
+    truth is 0 or ``actual`` is not finite): the component of the error along the truth, as a relative scale."""
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    if valid is not None:
+        mask = valid.expand(a.shape) if valid.shape != a.shape else valid
+        a = torch.where(mask, a, torch.zeros((), dtype=a.dtype, device=a.device))
+        e = torch.where(mask, e, torch.zeros((), dtype=e.dtype, device=e.device))
+    bad = _slice_view(~torch.isfinite(a), head_axis).any(dim=-1)
+    a, e = _slice_view(torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0), head_axis), _slice_view(e, head_axis)
+    ee = (e * e).sum(-1)
+    g = ((a - e) * e).sum(-1) / ee.clamp_min(torch.finfo(torch.float64).tiny)
+    return torch.where(bad | (ee == 0), torch.full_like(g, float("nan")), g)
+
+
 def _range_terms(expected: torch.Tensor, head_axis: int, valid: Optional[torch.Tensor],
                  dtype: torch.dtype) -> torch.Tensor:
     """Per slice: ``tiny(dtype) / rms(ref)``, the relative size of an error of one smallest normal number
@@ -150,7 +190,10 @@ class Comparison:
     (request, head) slice with the largest ratio of error to budget.  ``baseline_rel`` is the baseline's
     error there (the worst of the correct forms in the declared arithmetic), ``range_term`` its
     ``tiny / rms(ref)``, ``contract`` the arithmetic the baseline was computed in, ``ratio`` the largest
-    error / budget over the slices and ``ratios`` the same keyed by contract (the runner's aggregate)."""
+    error / budget over the slices and ``ratios`` the same keyed by contract (the runner's aggregate), both
+    counting the gain check.  ``gain`` is the mean gain over the ``gain_slices`` judged slices (module
+    docstring), ``gain_budget`` its budget (inf when fewer than ``GAIN_MIN_SLICES`` slices are informative: not
+    judged), ``gain_baseline`` the baseline's mean gain and ``gain_se`` the standard error of the mean."""
 
     name: str
     dtype: torch.dtype
@@ -164,10 +207,23 @@ class Comparison:
     contract: str = "ieee"
     ratio: float = 0.0
     ratios: Optional[dict] = None
+    gain: float = 0.0
+    gain_budget: float = float("inf")
+    gain_baseline: float = 0.0
+    gain_se: float = 0.0
+    gain_slices: int = 0
+
+    @property
+    def gain_judged(self) -> bool:
+        return self.gain_budget != float("inf")
+
+    @property
+    def gain_passed(self) -> bool:
+        return abs(self.gain) <= self.gain_budget
 
     @property
     def passed(self) -> bool:
-        return self.nonfinite == 0 and self.worst_rel <= self.budget
+        return self.nonfinite == 0 and self.worst_rel <= self.budget and self.gain_passed
 
     @property
     def over_baseline(self) -> float:
@@ -185,16 +241,27 @@ class Comparison:
             terms += f" + tiny / rms(ref) {self.range_term:.3e}"
         return terms
 
+    def gain_terms(self) -> str:
+        """The gain budget's terms, as the report prints them."""
+        tol = tolerance_for(self.dtype)
+        eps = torch.finfo(compute_dtype(self.dtype)).eps
+        return (f"{tol.multiple(self.contract):g} x baseline's {abs(self.gain_baseline):.2e} + {GAIN_Z:g} x s.e. "
+                f"{self.gain_se:.2e} + {tol.floor:g} x eps {eps:.2e}")
+
     def __str__(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         b, h = self.worst_slice
         extra = f", {self.nonfinite} non-finite elements" if self.nonfinite else ""
         arith = "" if self.contract == "ieee" else f" in {self.contract} arithmetic"
-        return (
+        text = (
             f"{verdict} {self.name} [{str(self.dtype).replace('torch.', '')}]: worst slice (request {b}, head {h}) "
             f"rel-RMS {self.worst_rel:.3e} ({self.over_baseline:.3g}x a correct kernel's error{arith}), "
             f"max-abs {self.max_abs:.3e}{extra}; budget {self.budget:.3e} = {self.budget_terms()}"
         )
+        if self.gain_judged and (not self.gain_passed or self.nonfinite == 0 and self.worst_rel <= self.budget):
+            text += (f"; gain (error along the truth, mean of {self.gain_slices} slices) {self.gain:+.3e}"
+                     f"{'' if self.gain_passed else ' PAST'} its budget {self.gain_budget:.3e} = {self.gain_terms()}")
+        return text
 
 
 Baseline = Union[None, torch.Tensor, Sequence[torch.Tensor]]
@@ -238,7 +305,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Baseline = N
     for b in bases:
         base = torch.maximum(base, rel_rms_slices(cpu(b), expected, head_axis, valid))
     ranges = _range_terms(expected, head_axis, valid, dtype)
-    budgets = tol.multiple(contract) * base + tol.floor * torch.finfo(compute_dtype(dtype)).eps + ranges
+    floor = tol.floor * torch.finfo(compute_dtype(dtype)).eps
+    budgets = tol.multiple(contract) * base + floor + ranges
     a = actual.detach().to(torch.float64)
     finite = torch.isfinite(a)
     v = torch.ones_like(finite) if valid is None else valid.expand(a.shape)
@@ -255,9 +323,33 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Baseline = N
     H = rel.shape[1]
     at = lambda t: float(t.reshape(-1)[idx])  # noqa: E731
     ratio = float(r.max()) if not nonfinite else float("inf")
+    gain = _gain_check(actual, expected, bases, head_axis, valid, informative=(base < 0.5) & (ranges <= floor),
+                       multiple=tol.multiple(contract), floor=floor)
+    if gain.get("gain_budget", float("inf")) != float("inf"):
+        ratio = max(ratio, abs(gain["gain"]) / gain["gain_budget"])
     return Comparison(name=name, dtype=dtype, worst_rel=at(rel), worst_slice=(idx // H, idx % H), max_abs=max_abs,
                       baseline_rel=at(base), budget=at(budgets), nonfinite=nonfinite, range_term=at(ranges),
-                      contract=contract, ratio=ratio, ratios={contract: ratio})
+                      contract=contract, ratio=ratio, ratios={contract: ratio}, **gain)
+
+
+def _gain_check(actual, expected, bases, head_axis, valid, *, informative: torch.Tensor, multiple: float,
+                floor: float) -> dict:
+    """The gain check's figures (module docstring) over the ``informative`` slices ([B, H] bool: a baseline that
+    keeps some digits, a truth inside the dtype's normal range) whose gains are finite: Comparison's ``gain*``
+    fields, the budget inf when fewer than ``GAIN_MIN_SLICES`` slices count."""
+    g = gain_slices(actual, expected, head_axis, valid)
+    keep = informative & ~g.isnan()
+    n = int(keep.sum())
+    if n < GAIN_MIN_SLICES:
+        return dict(gain=float(g[keep].mean()) if n else 0.0, gain_slices=n)
+    gk = g[keep]
+    mean, se = float(gk.mean()), float(gk.std()) / math.sqrt(n)
+    gb = 0.0
+    for b in bases:
+        gb_all = gain_slices(b, expected, head_axis, valid)[keep]
+        gb = max(gb, float(gb_all.nan_to_num(nan=0.0).mean()), key=abs)
+    return dict(gain=mean, gain_budget=multiple * abs(gb) + GAIN_Z * se + floor, gain_baseline=gb, gain_se=se,
+                gain_slices=n)
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, baseline: Baseline = None,

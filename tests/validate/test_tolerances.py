@@ -9,8 +9,9 @@ import torch
 import kvbuffer_ref as ref
 from kvbuffer.validate import properties as P
 from kvbuffer.validate.cases import Case
-from kvbuffer.validate.tolerances import (TOLERANCES, active_contract, assert_matches, compare, compute_dtype,
-                                              current_contract, rel_rms_slices, tolerance_for)
+from kvbuffer.validate.contracts import emulate
+from kvbuffer.validate.tolerances import (GAIN_MIN_SLICES, TOLERANCES, active_contract, assert_matches, compare,
+                                          compute_dtype, current_contract, rel_rms_slices, tolerance_for)
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -244,3 +245,46 @@ def test_the_float32_buffer_forms_pass_the_case_a_validator_run_failed():
     state = next(c for c in comps if c.name.endswith(".state"))
     assert 4e-5 < state.worst_rel < 1e-4  # the error is real, and the one the run reported
     assert all(c.passed for c in comps), [str(c) for c in comps]
+
+
+# ----------------------------------------------------------------------------- the gain check
+def _bf16_products_kernel(x: dict, **scaled):
+    """A correct kernel in bfloat16 products (``contracts.emulate``), chunks of 16 tokens (none of the baseline's
+    forms chunk that way); ``scaled`` makes it wrong."""
+    with emulate("bf16"):
+        return _kernel(x, x["q"].dtype, 16, **scaled)
+
+
+@pytest.mark.parametrize("name", ["q", "g", "beta"])
+def test_one_percent_off_in_bfloat16_products_fails_on_its_gain(name):
+    """In bfloat16 products a 1 % wrong scale, gate or beta stays inside the RMS budget (a correct kernel's error
+    there is about 0.4 %), but it shifts every slice's error along the truth the same way: the mean gain over
+    the 32 slices fails, while the correct kernel's stays a small fraction of its budget."""
+    x = Case(B=2, T=64, H=8, HV=16, K=64, V=64, gate="mild", seed=3).inputs(torch.bfloat16)
+    with active_contract("bf16"):
+        (o64, S64), (ob, Sb) = P.truth_and_baseline(x, chunk=64)
+        o, S = _bf16_products_kernel(x)
+        good = [compare(o, o64, ob), compare(S, S64, Sb, head_axis=1)]
+        o, S = _bf16_products_kernel(x, **{name: 1.01})
+        bad = [compare(o, o64, ob), compare(S, S64, Sb, head_axis=1)]
+    for c in good:
+        assert c.passed and c.gain_judged and c.gain_slices == 32 and abs(c.gain) < 0.25 * c.gain_budget, str(c)
+    past = [c for c in bad if not c.gain_passed]
+    assert past, [str(c) for c in bad]
+    assert "PAST its budget" in str(past[0]) and past[0].ratio > 1
+    if name != "g":  # 1 % of q or beta: every slice's gain is +1 %, tens of standard errors out
+        assert abs(past[0].gain) / past[0].gain_budget > 5, str(past[0])
+
+
+def test_the_gain_is_judged_from_the_minimum_number_of_slices():
+    """A 1 % gain on every slice: judged (and failed, the RMS check alone would pass it against a baseline of
+    1 % noise) from GAIN_MIN_SLICES slices on; with fewer the RMS check alone decides."""
+    gen = torch.Generator().manual_seed(0)
+    for heads in (GAIN_MIN_SLICES - 1, GAIN_MIN_SLICES):
+        e = torch.randn(1, 64, heads, 32, generator=gen, dtype=torch.float64)
+        noise = lambda: 0.01 * e.abs().mean() * torch.randn(e.shape, generator=gen, dtype=torch.float64)  # noqa: E731
+        base = (e + noise()).float()
+        c = compare((1.01 * e + noise()).float(), e, base)
+        assert c.worst_rel <= c.budget, str(c)
+        assert c.gain_judged == (heads >= GAIN_MIN_SLICES) and c.passed == (heads < GAIN_MIN_SLICES), str(c)
+    assert compare((e + noise()).float(), e, base).passed  # the same noise without the gain passes
