@@ -89,6 +89,14 @@ def _impl(name: str):
             "fla": implementations.fla}[name]()
 
 
+def _version(dist: str):
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def _ratio(r) -> float:
     """The lane's largest error / budget: the RMS and the gain checks' (``ratios``), else its worst comparison's."""
     if r.ratios:
@@ -200,6 +208,8 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             seeds=args.seeds, first_seed=args.first_seed, examples=args.examples, device=device, profile=args.profile,
+            gpu=torch.cuda.get_device_name() if device == "cuda" else None, torch=torch.__version__,
+            triton=_version("triton"), fla=_version("fla-core"),
             lanes=total,
             false_failures=failed, rate=rate, rows=rows,
             summary=[dict(operation=k[0], implementation=k[1], dtype=k[2], **v) for k, v in sorted(stats.items())],
