@@ -127,6 +127,43 @@ def _slice_view(x: torch.Tensor, head_axis: int) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
 
 
+def _slice_sums(actual: torch.Tensor, expected: torch.Tensor, head_axis: int,
+                valid: Optional[torch.Tensor]) -> tuple:
+    """Per (request, head) slice, in float64, one pass: (||a - e||^2, <a - e, e>, ||e||^2, bad, max |a - e|,
+    the count of valid elements, the count of non-finite valid elements of ``actual``); ``bad`` where ``actual``
+    holds a NaN or Inf (those elements left out of the sums); padding outside ``valid`` counts as zero."""
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(device=a.device, dtype=torch.float64)
+    mask = None
+    if valid is not None:
+        mask = valid.to(a.device)
+        mask = mask.expand(a.shape) if mask.shape != a.shape else mask
+        a = torch.where(mask, a, torch.zeros((), dtype=a.dtype, device=a.device))
+        e = torch.where(mask, e, torch.zeros((), dtype=e.dtype, device=e.device))
+    fin = _slice_view(torch.isfinite(a), head_axis)
+    nonfinite = (~fin).sum(dim=-1)
+    e = _slice_view(e, head_axis)
+    d = torch.where(fin, _slice_view(a, head_axis) - e, torch.zeros((), dtype=a.dtype, device=a.device))
+    count = (torch.full(e.shape[:2], e.shape[-1], dtype=torch.float64, device=e.device) if mask is None
+             else _slice_view(mask, head_axis).sum(dim=-1).to(torch.float64))
+    big = d.abs().amax(dim=-1) if d.shape[-1] else torch.zeros(d.shape[:2], dtype=d.dtype, device=d.device)
+    d = torch.where(fin, d, -e)  # a non-finite element counts as 0 in the sums (its slice is bad anyway)
+    return (d * d).sum(-1), (d * e).sum(-1), (e * e).sum(-1), nonfinite > 0, big, count, int(nonfinite.sum())
+
+
+def _rel(dd: torch.Tensor, ee: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``||a - e|| / ||e||`` from the slice sums: 0/0 counts as 0, x/0 as inf, a non-finite slice as inf."""
+    rel = torch.where(ee > 0, (dd / ee.clamp_min(torch.finfo(torch.float64).tiny)).sqrt(),
+                      torch.where(dd > 0, torch.full_like(dd, float("inf")), torch.zeros_like(dd)))
+    return torch.where(bad, torch.full_like(rel, float("inf")), rel)
+
+
+def _gain(de: torch.Tensor, ee: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``<a - e, e> / <e, e>`` from the slice sums; NaN where the truth is 0 or the slice is not finite."""
+    g = de / ee.clamp_min(torch.finfo(torch.float64).tiny)
+    return torch.where(bad | (ee == 0), torch.full_like(g, float("nan")), g)
+
+
 def rel_rms_slices(actual: torch.Tensor, expected: torch.Tensor, head_axis: int = 2,
                    valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Relative RMS error ``||a - e|| / ||e||`` per (request, head) slice, as a [B, H] float64 tensor.
@@ -135,53 +172,16 @@ def rel_rms_slices(actual: torch.Tensor, expected: torch.Tensor, head_axis: int 
     ``valid`` (broadcastable to ``actual``) excludes padding.  0/0 counts as 0, x/0 as inf, and any
     NaN/Inf in ``actual`` makes its slice inf.
     """
-    a = actual.detach().to(torch.float64)
-    e = expected.detach().to(torch.float64)
-    if valid is not None:
-        mask = valid.expand(a.shape) if valid.shape != a.shape else valid
-        a = torch.where(mask, a, torch.zeros((), dtype=a.dtype, device=a.device))
-        e = torch.where(mask, e, torch.zeros((), dtype=e.dtype, device=e.device))
-    bad = _slice_view(~torch.isfinite(a), head_axis).any(dim=-1)
-    a = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
-    diff = _slice_view(a - e, head_axis).norm(dim=-1)
-    ref = _slice_view(e, head_axis).norm(dim=-1)
-    rel = torch.where(ref > 0, diff / ref.clamp_min(torch.finfo(torch.float64).tiny),
-                      torch.where(diff > 0, torch.full_like(diff, float("inf")), torch.zeros_like(diff)))
-    return torch.where(bad, torch.full_like(rel, float("inf")), rel)
+    dd, _, ee, bad = _slice_sums(actual, expected, head_axis, valid)[:4]
+    return _rel(dd, ee, bad)
 
 
 def gain_slices(actual: torch.Tensor, expected: torch.Tensor, head_axis: int = 2,
                 valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gain of each (request, head) slice, ``<a - e, e> / <e, e>`` (a [B, H] float64 tensor; NaN where the
     truth is 0 or ``actual`` is not finite): the component of the error along the truth, as a relative scale."""
-    a = actual.detach().to(torch.float64)
-    e = expected.detach().to(torch.float64)
-    if valid is not None:
-        mask = valid.expand(a.shape) if valid.shape != a.shape else valid
-        a = torch.where(mask, a, torch.zeros((), dtype=a.dtype, device=a.device))
-        e = torch.where(mask, e, torch.zeros((), dtype=e.dtype, device=e.device))
-    bad = _slice_view(~torch.isfinite(a), head_axis).any(dim=-1)
-    a, e = _slice_view(torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0), head_axis), _slice_view(e, head_axis)
-    ee = (e * e).sum(-1)
-    g = ((a - e) * e).sum(-1) / ee.clamp_min(torch.finfo(torch.float64).tiny)
-    return torch.where(bad | (ee == 0), torch.full_like(g, float("nan")), g)
-
-
-def _range_terms(expected: torch.Tensor, head_axis: int, valid: Optional[torch.Tensor],
-                 dtype: torch.dtype) -> torch.Tensor:
-    """Per slice: ``tiny(dtype) / rms(ref)``, the relative size of an error of one smallest normal number
-    per element (0 where the slice's truth is 0: there any error is infinitely relative anyway)."""
-    e = expected.detach().to(torch.float64)
-    if valid is not None:
-        mask = valid.expand(e.shape) if valid.shape != e.shape else valid
-        e = torch.where(mask, e, torch.zeros((), dtype=e.dtype, device=e.device))
-        n = _slice_view(mask.to(torch.float64), head_axis).sum(dim=-1)
-    else:
-        n = torch.full(_slice_view(e, head_axis).shape[:2], float(_slice_view(e, head_axis).shape[-1]),
-                       dtype=torch.float64, device=e.device)
-    norm = _slice_view(e, head_axis).norm(dim=-1)
-    return torch.where(norm > 0, torch.finfo(dtype).tiny * n.sqrt() / norm.clamp_min(torch.finfo(torch.float64).tiny),
-                       torch.zeros_like(norm))
+    _, de, ee, bad = _slice_sums(actual, expected, head_axis, valid)[:4]
+    return _gain(de, ee, bad)
 
 
 @dataclass(frozen=True)
@@ -296,23 +296,25 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Baseline = N
     contract = current_contract() if contract is None else contract
     if contract not in CONTRACT_NAMES:
         raise ValueError(f"contract: expected one of {', '.join(CONTRACT_NAMES)}, got {contract!r}")
-    # the budget is computed on the host in float64, whatever device the tensors are on
-    cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
-    actual, expected, valid = cpu(actual), cpu(expected), cpu(valid)
+    # the budget is computed in float64 on the truth's device
+    dev = expected.device
+    on = lambda t: None if t is None else t.detach().to(dev)  # noqa: E731
+    actual, valid = on(actual), on(valid)
     tol = tolerance_for(dtype)
-    rel = rel_rms_slices(actual, expected, head_axis, valid)
+    dd, de, ee, bad, big, count, nonfinite = _slice_sums(actual, expected, head_axis, valid)
+    rel = _rel(dd, ee, bad)
     base = torch.zeros_like(rel)
+    base_gains = []
     for b in bases:
-        base = torch.maximum(base, rel_rms_slices(cpu(b), expected, head_axis, valid))
-    ranges = _range_terms(expected, head_axis, valid, dtype)
+        bdd, bde, _, bbad = _slice_sums(on(b), expected, head_axis, valid)[:4]
+        base = torch.maximum(base, _rel(bdd, ee, bbad))
+        base_gains.append(_gain(bde, ee, bbad))
+    # tiny / rms(ref) per slice: an error of one smallest normal number per element, relative (0 for a zero truth)
+    ranges = torch.where(ee > 0, torch.finfo(dtype).tiny * (count / ee.clamp_min(torch.finfo(torch.float64).tiny)).sqrt(),
+                         torch.zeros_like(ee))
     floor = tol.floor * torch.finfo(compute_dtype(dtype)).eps
     budgets = tol.multiple(contract) * base + floor + ranges
-    a = actual.detach().to(torch.float64)
-    finite = torch.isfinite(a)
-    v = torch.ones_like(finite) if valid is None else valid.expand(a.shape)
-    nonfinite = int((~finite & v).sum())
-    diff = torch.where(v & finite, (a - expected.detach().to(torch.float64)).abs(), torch.zeros((), dtype=a.dtype))
-    max_abs = float(diff.max()) if diff.numel() else 0.0
+    max_abs = float(big.max()) if big.numel() else 0.0
     if rel.numel() == 0:  # nothing to compare (B = 0 or no heads)
         return Comparison(name=name, dtype=dtype, worst_rel=0.0, worst_slice=(0, 0), max_abs=max_abs,
                           baseline_rel=0.0, budget=tol.floor * torch.finfo(compute_dtype(dtype)).eps,
@@ -323,7 +325,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Baseline = N
     H = rel.shape[1]
     at = lambda t: float(t.reshape(-1)[idx])  # noqa: E731
     ratio = float(r.max()) if not nonfinite else float("inf")
-    gain = _gain_check(actual, expected, bases, head_axis, valid, informative=(base < 0.5) & (ranges <= floor),
+    gain = _gain_check(_gain(de, ee, bad), base_gains, informative=(base < 0.5) & (ranges <= floor),
                        multiple=tol.multiple(contract), floor=floor)
     if gain.get("gain_budget", float("inf")) != float("inf"):
         ratio = max(ratio, abs(gain["gain"]) / gain["gain_budget"])
@@ -332,12 +334,12 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Baseline = N
                       contract=contract, ratio=ratio, ratios={contract: ratio}, **gain)
 
 
-def _gain_check(actual, expected, bases, head_axis, valid, *, informative: torch.Tensor, multiple: float,
+def _gain_check(g: torch.Tensor, base_gains: list, *, informative: torch.Tensor, multiple: float,
                 floor: float) -> dict:
-    """The gain check's figures (module docstring) over the ``informative`` slices ([B, H] bool: a baseline that
-    keeps some digits, a truth inside the dtype's normal range) whose gains are finite: Comparison's ``gain*``
-    fields, the budget inf when fewer than ``GAIN_MIN_SLICES`` slices count."""
-    g = gain_slices(actual, expected, head_axis, valid)
+    """The gain check's figures (module docstring) from the slice gains ``g`` [B, H] of the actual and
+    ``base_gains`` of each baseline, over the ``informative`` slices ([B, H] bool: a baseline that keeps some
+    digits, a truth inside the dtype's normal range) whose gains are finite: Comparison's ``gain*`` fields, the
+    budget inf when fewer than ``GAIN_MIN_SLICES`` slices count."""
     keep = informative & ~g.isnan()
     n = int(keep.sum())
     if n < GAIN_MIN_SLICES:
@@ -345,9 +347,8 @@ def _gain_check(actual, expected, bases, head_axis, valid, *, informative: torch
     gk = g[keep]
     mean, se = float(gk.mean()), float(gk.std()) / math.sqrt(n)
     gb = 0.0
-    for b in bases:
-        gb_all = gain_slices(b, expected, head_axis, valid)[keep]
-        gb = max(gb, float(gb_all.nan_to_num(nan=0.0).mean()), key=abs)
+    for b in base_gains:
+        gb = max(gb, float(b[keep].nan_to_num(nan=0.0).mean()), key=abs)
     return dict(gain=mean, gain_budget=multiple * abs(gb) + GAIN_Z * se + floor, gain_baseline=gb, gain_se=se,
                 gain_slices=n)
 
