@@ -65,6 +65,7 @@ LEDGER: list = []
 def informative(truth: torch.Tensor, valid=None) -> bool:
     t = truth.detach()
     if valid is not None:
+        valid = valid.to(t.device)
         t = t[valid.expand_as(t)] if valid.dim() == t.dim() else t
     t = t[torch.isfinite(t)]
     return t.numel() > 0 and bool((t.max() - t.min()) > 0)
@@ -338,10 +339,9 @@ def _cmp(name, actual, truth, base, dtype, **kw) -> Comparison:
     if actual is None:
         raise AssertionError(f"[arguments] {name}: the implementation returned None (expected a tensor of shape "
                              f"{list(truth.shape)})")
-    truth, valid = truth.detach().cpu(), kw.pop("valid", None)
-    valid = None if valid is None else valid.cpu()
-    c = compare(actual.detach().cpu(), truth, None if base is None else base.detach().cpu(),
-                name=name, dtype=dtype, valid=valid, **kw)
+    truth, valid = truth.detach(), kw.pop("valid", None)  # compared on the truth's device
+    c = compare(actual.detach(), truth, None if base is None else base.detach(), name=name, dtype=dtype,
+                valid=valid, **kw)
     LEDGER.append((c, informative(truth, valid)))
     return c
 
