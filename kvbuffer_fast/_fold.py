@@ -1,25 +1,25 @@
 """The fold: S = diag(exp(G_end)) S0 + sum_j (exp(G_end - G_j) k_j) u_j^T, the one update every kernel
-that folds buffered entries into a state uses (decode's fold launches, flush, accept's fold).
+that folds buffered entries into a state uses.
 
-Two shapes of it live here:
+``fold_block`` is the one fold step: it folds a set of entries into a state block with one tl.dot
+(fp32 FMA), decaying the block first unless told not to.  Its callers:
 
-* over one program's whole [BK, BV] tile of a request's state (o_k, o_v: its rows and columns, m_k, m_v:
-  their masks; i_b, i_h, i_hv, i_bhv as ``_common._program_ids`` gives them): ``state_tile``, ``decay``
-  and ``fold_dot`` (FB entries per tl.dot) for decode's tile fold (``decode._fold_tile_kernel``, C > 32);
-  ``decay`` and ``fold_rows`` (rank-1 steps) for flush (``flush._flush_program``); ``fold_empty`` for the
-  tile fold's bookkeeping;
-* ``fold_block``, the inner step of the block loops that walk a tile in [KB, BV] state blocks: decode's
-  grouped fold (``decode._fold_group_program``, C <= 32) and accept's fold (``accept._fold_program``: its
-  old entries and its path entries, one tl.dot each).  The callers load the state block, the keys and
-  the u rows and give G_end and the entries' gates (per-channel: where to read their G); it decays the
-  block and adds the decayed keys' products.  Flush's fold stays rank-1 steps over the whole tile
-  (``fold_rows``): no tl.dot, so that its results keep their bits.
+* the block loops, which walk a request's [K, BV] tile in [KB, BV] state blocks and fold all entries
+  into each block: decode's grouped fold (``decode._fold_group_program``, C <= 32) and accept's fold
+  (``accept._fold_program``: its old entries and its path entries, one tl.dot each);
+* ``fold_tile``, the chunk loop over one program's whole [BK, BV] tile: it decays the tile once
+  (``decay``) and folds the entries FB at a time.  Decode's tile fold (``decode._fold_tile_kernel``,
+  C > 32) and flush (``flush._flush_program``) call it.
+
+The tile callers take their tile from ``state_tile`` (or load it themselves) with o_k, o_v (its rows and
+columns), m_k, m_v (their masks) and i_b, i_h, i_hv as ``_common._program_ids`` gives them.
+``fold_empty`` does the tile fold's bookkeeping.
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["state_tile", "decay", "fold_rows", "fold_dot", "fold_block", "fold_empty"]
+__all__ = ["state_tile", "decay", "fold_tile", "fold_block", "fold_empty"]
 
 
 @triton.jit
@@ -45,81 +45,64 @@ def decay(s, cg_ptr, row, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, CHA
 
 
 @triton.jit
-def fold_rows(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
-               C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               CHANNEL: tl.constexpr):
-    """s + sum_{j < n_fold} (exp(g_end - G_j) * k_j) u_j^T over this tile's columns: rank-1 updates, four
-    rows per step with their loads issued together.  Rows past n_fold re-read row n_fold - 1 (a valid
-    entry, so finite) and are weighted 0."""
-    for j0 in range(0, n_fold, 4):
-        for i in tl.static_range(4):
-            j = tl.minimum(j0 + i, n_fold - 1)
-            k_j = tl.load(ck_ptr + ((i_b * C + j) * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            u_j = tl.load(cu_ptr + ((i_b * C + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            if CHANNEL:
-                G_j = tl.load(cg_ptr + ((i_b * C + j) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            else:
-                G_j = tl.load(cg_ptr + (i_b * C + j) * HV + i_hv).to(tl.float32)
-            w = tl.where(j0 + i < n_fold, tl.exp(g_end - G_j), 0.0)
-            s += (k_j * w)[:, None] * u_j[None, :]
-    return s
-
-
-@triton.jit
-def fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, g_end, o_k, o_v, m_k, m_v,
-              C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-              FB: tl.constexpr, CHANNEL: tl.constexpr):
-    """s + sum_{j < n_fold} (exp(g_end - G_j) * k_j) u_j^T over this [BK, BV] tile, FB rows per tl.dot
-    (fp32 FMA: input_precision="ieee").  n_fold must be a runtime value: with a constant trip count
-    ptxas unrolled the loop into 32 registers and kilobytes of spills (sm_90)."""
-    o_f = tl.arange(0, FB)
-    for c0 in range(0, n_fold, FB):
-        rows_f = c0 + o_f
-        m_f = rows_f < n_fold
-        m_kf = m_k[:, None] & m_f[None, :]
-        kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None], mask=m_kf,
-                     other=0.0).to(tl.float32)  # [BK, FB]
-        if CHANNEL:
-            gt = tl.load(cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None], mask=m_kf,
-                         other=0.0).to(tl.float32)
-            kt = tl.where(m_kf, kt * tl.exp(g_end[:, None] - gt), 0.0)
-        else:
-            gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
-            kt = tl.where(m_kf, kt * tl.exp(g_end - gt)[None, :], 0.0)
-        uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
-                     mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
-        s = tl.dot(kt, uf, s, input_precision="ieee")
-    return s
-
-
-@triton.jit
-def fold_block(st, ge, m_k, kf, uf, gj, m_j, kd, ud, gd, m_d, CHANNEL: tl.constexpr, TWO: tl.constexpr):
-    """One step of a fold's block loop: diag(exp(G_end)) st + sum_j (exp(G_end - G_j) k_j) u_j^T over a
-    [KB, BV] state block ``st`` (float32; its key rows masked by ``m_k`` [KB]) and J entries, one tl.dot of
-    [KB, J] x [J, BV] per set of entries (fp32 FMA: input_precision="ieee").  kf [KB, J]: the entries'
-    keys over the block's rows, uf [J, BV]: their u rows (float32, zero outside the entries).  Per-channel
-    gates (CHANNEL): ge [KB] is G_end over the block's rows, ``gj`` [KB, J] the pointers of the entries' G
-    there (read where m_k and ``m_j`` [J]), and the keys outside m_j are dropped by a select.  Scalar
-    gates: ge is the scalar G_end and ``gj`` [J] the weights exp(G_end - G_j), 0 outside the entries
-    (hoisted out of the block loop by the caller; m_k and m_j are not read).  TWO: a second set of entries
-    (kd, ud, gd, m_d as kf, uf, gj, m_j: accept's path entries after its old entries) folds into the same
-    block with a second tl.dot, the state decayed once; without TWO those arguments are not read."""
+def fold_block(st, ge, m_k, kf, uf, gj, m_j, kd, ud, gd, m_d, CHANNEL: tl.constexpr, TWO: tl.constexpr,
+               DECAY: tl.constexpr):
+    """The fold step: diag(exp(G_end)) st + sum_j (exp(G_end - G_j) k_j) u_j^T over a [KB, BV] state block
+    ``st`` (float32; its key rows masked by ``m_k`` [KB]) and J entries, one tl.dot of [KB, J] x [J, BV]
+    per set of entries (fp32 FMA: input_precision="ieee").  kf [KB, J]: the entries' keys over the block's
+    rows, uf [J, BV]: their u rows (float32, zero outside the entries).  Per-channel gates (CHANNEL): ge
+    [KB] is G_end over the block's rows, ``gj`` [KB, J] the pointers of the entries' G there (read where
+    m_k and ``m_j`` [J]), and the keys outside m_j are dropped by a select.  Scalar gates: ge is the scalar
+    G_end and ``gj`` [J] the weights exp(G_end - G_j), 0 outside the entries (computed by the caller, out
+    of its block loop where it can; m_k and m_j are not read).  TWO: a second set of entries (kd, ud, gd,
+    m_d as kf, uf, gj, m_j: accept's path entries after its old entries) folds into the same block with a
+    second tl.dot, the state decayed once; without TWO those arguments are not read.  DECAY: st is decayed
+    here (diag(exp(ge)) st); without it st is already decayed (``fold_tile``'s chunks) and only the
+    entries' products are added."""
     if CHANNEL:
         gjk = tl.load(gj, mask=m_k[:, None] & m_j[None, :], other=0.0).to(tl.float32)
         kf = tl.where(m_j[None, :], kf * tl.exp(ge[:, None] - gjk), 0.0)
         if TWO:
             gdk = tl.load(gd, mask=m_k[:, None] & m_d[None, :], other=0.0).to(tl.float32)
             kd = tl.where(m_d[None, :], kd * tl.exp(ge[:, None] - gdk), 0.0)
-        st = st * tl.exp(ge)[:, None]
+        if DECAY:
+            st = st * tl.exp(ge)[:, None]
     else:
         kf = kf * gj[None, :]
         if TWO:
             kd = kd * gd[None, :]
-        st = st * tl.exp(ge)
+        if DECAY:
+            st = st * tl.exp(ge)
     st = tl.dot(kf, uf, st, input_precision="ieee")
     if TWO:
         st = tl.dot(kd, ud, st, input_precision="ieee")
     return st
+
+
+@triton.jit
+def fold_tile(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, o_k, o_v, m_k, m_v,
+              C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              FB: tl.constexpr, CHANNEL: tl.constexpr):
+    """diag(exp(G_end)) s + sum_{j < n_fold} (exp(G_end - G_j) * k_j) u_j^T over this [BK, BV] tile, with
+    G_end the G of entry n_fold - 1 of buffer row i_b (n_fold >= 1): the tile decayed once, then FB entries
+    per ``fold_block`` step.  n_fold must be a runtime value: with a constant trip count ptxas unrolled
+    the loop into 32 registers and kilobytes of spills (sm_90)."""
+    s, g_end = decay(s, cg_ptr, i_b * C + n_fold - 1, i_hv, o_k, m_k, HV, K, CHANNEL)
+    o_f = tl.arange(0, FB)
+    for c0 in range(0, n_fold, FB):
+        rows_f = c0 + o_f
+        m_f = rows_f < n_fold
+        kt = tl.load(ck_ptr + ((i_b * C + rows_f[None, :]) * H + i_h) * K + o_k[:, None],
+                     mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)  # [BK, FB]
+        if CHANNEL:  # the entries' G (pointers, read by fold_block)
+            gw = cg_ptr + ((i_b * C + rows_f[None, :]) * HV + i_hv) * K + o_k[:, None]
+        else:  # the entries' weights
+            gt = tl.load(cg_ptr + (i_b * C + rows_f) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
+            gw = tl.where(m_f, tl.exp(g_end - gt), 0.0)
+        uf = tl.load(cu_ptr + ((i_b * C + rows_f[:, None]) * HV + i_hv) * V + o_v[None, :],
+                     mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [FB, BV]
+        s = fold_block(s, g_end, m_k, kt, uf, gw, m_f, kt, uf, gw, m_f, CHANNEL, False, False)
+    return s
 
 
 @triton.jit

@@ -162,7 +162,7 @@ def _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, d
                     else:  # the scalar G_end and the entries' weights (above the block loop)
                         ge, gw_c, gw_d = g_end, wc, wd
                     # the n old entries, then the oldest nf path entries
-                    st = fold_block(st, ge, m_k, kf, uf, gw_c, m_c, kd, ud, gw_d, take, CHANNEL, True)
+                    st = fold_block(st, ge, m_k, kf, uf, gw_c, m_c, kd, ud, gw_d, take, CHANNEL, True, True)
                     tl.store(state_ptr + ((s_w * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
                              st.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
 

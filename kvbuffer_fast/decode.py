@@ -49,7 +49,7 @@ from kvbuffer_ref.checks import check_scale, check_tokens
 
 from ._common import (PoolLayer, _gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block,
                       checked_buffer, checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
-from ._fold import decay, fold_block, fold_dot, fold_empty, state_tile
+from ._fold import fold_block, fold_empty, fold_tile, state_tile
 from .launch import DecodeConfig, check_config, config_for, key_of
 
 __all__ = ["buffered_decode", "decode_pool"]
@@ -317,18 +317,17 @@ def _fold_tile_kernel(
     FB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, CHANNEL: tl.constexpr,
 ):
     """The fold launch for C > 32: every FULL buffer (n == C) is folded into its state tile,
-    S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T (FB rows per tl.dot), and emptied (the request's
-    last program sets its length to 0 and has_state); every other program returns at once.  The decode
-    launch then serves those requests with an empty buffer and the folded state."""
+    S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T (``_fold.fold_tile``: FB entries per fold step), and
+    emptied (the request's last program sets its length to 0 and has_state); every other program returns
+    at once.  The decode launch then serves those requests with an empty buffer and the folded state."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     n = tl.load(len_ptr + i_b).to(tl.int32)
     if n >= C:
         owns = tl.load(own_ptr + i_b) != 0
         o_k, o_v, m_k, m_v = _tile_offsets(i_v, BK, BV, K, V)
         p_s, s = state_tile(state_ptr, owns, i_bhv, o_k, o_v, m_k, m_v, K, V)
-        s, g_end = decay(s, cg_ptr, i_b * C + C - 1, i_hv, o_k, m_k, HV, K, CHANNEL)
-        s = fold_dot(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, tl.minimum(n, C), g_end, o_k, o_v, m_k, m_v,
-                     C, H, HV, K, V, FB, CHANNEL)
+        s = fold_tile(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, tl.minimum(n, C), o_k, o_v, m_k, m_v,
+                      C, H, HV, K, V, FB, CHANNEL)
         tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
         fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, HV * NV)
 
@@ -437,7 +436,7 @@ def _fold_group_program(
                     gw = cg_ptr + ((c_b * C + rows[None, :]) * HV + i_hv) * K + o_k[:, None]
                 else:  # the scalar G_end and the entries' weights (above the block loop)
                     ge, gw = g_end, w
-                st = fold_block(st, ge, m_k, kf, uf, gw, m_c, kf, uf, gw, m_c, CHANNEL, False)
+                st = fold_block(st, ge, m_k, kf, uf, gw, m_c, kf, uf, gw, m_c, CHANNEL, False, True)
                 st = st.to(state_ptr.dtype.element_ty)  # rounded once (a no-op for an fp32 state) ...
                 tl.store(p_s, st, mask=m_s)
                 st = st.to(tl.float32)  # ... and the token is served from the state as stored

@@ -2,9 +2,9 @@
 
 ``_flush_kernel``, grid (V / BV, B * HV): for a per-request prefix m (count[b]) a program folds
     S = diag(exp(G_m)) S0 + sum_{j<m} (exp(G_m - G_j) * k_j) u_j^T
-into its [K, BV] state tile (rank-1 steps; flush is off the decode path) and moves the remaining u
-columns of its tile down by m.  The keys and G, shared with other programs, are moved and rebased
-afterwards in plain torch (small tensors).
+into its [K, BV] state tile (``_fold.fold_tile``, the loop of decode's tile fold: FB entries per fold
+step) and moves the remaining u columns of its tile down by m.  The keys and G, shared with other
+programs, are moved and rebased afterwards in plain torch (small tensors).
 
 A serving pool (``kvbuffer_fast.pool.KVPool.flush``) runs the same launch through ``flush_pool`` on a
 ``PoolLayer`` (``_flush_slots_kernel``, the same grid and body): each call row on its slot's buffer row,
@@ -24,7 +24,7 @@ from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import check_flush_count
 
 from ._common import PoolLayer, _program_ids, _tile_offsets, block, checked_buffer, device_guard, flag_view
-from ._fold import decay, fold_rows
+from ._fold import fold_tile
 from .launch import FlushConfig, Key, check_config, config_for
 
 __all__ = ["flush", "flush_pool", "materialize_state"]
@@ -34,20 +34,20 @@ __all__ = ["flush", "flush_pool", "materialize_state"]
 def _flush_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FB: tl.constexpr, CHANNEL: tl.constexpr,
 ):
     """Fold the first m entries into the state tile and move this tile's remaining u columns down.
     A request in direct mode folds into S0 = 0 (its storage is not read)."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     _flush_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, i_v, i_b, i_hv, i_h, i_b, i_bhv,
-                   i_bhv, C, H, HV, K, V, BC, BK, BV, CHANNEL)
+                   i_bhv, C, H, HV, K, V, BC, BK, BV, FB, CHANNEL)
 
 
 @triton.jit
 def _flush_slots_kernel(
     ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, bslot_ptr, sread_ptr, swrite_ptr,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FB: tl.constexpr, CHANNEL: tl.constexpr,
 ):
     """``_flush_kernel`` on a pool: row i_b (its count count[i_b]) folds buffer row ``bslot[i_b]`` on the
     state of slot ``sread[i_b]`` (-1: none) into slot ``swrite[i_b]``, int64 offsets; a pad (-1) does
@@ -58,13 +58,14 @@ def _flush_slots_kernel(
         s_r = tl.maximum(tl.load(sread_ptr + i_b).to(tl.int64), 0)
         s_w = tl.load(swrite_ptr + i_b).to(tl.int64)
         _flush_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, i_v, i_b, i_hv, i_h, c_b,
-                       s_r * HV + i_hv, s_w * HV + i_hv, C, H, HV, K, V, BC, BK, BV, CHANNEL)
+                       s_r * HV + i_hv, s_w * HV + i_hv, C, H, HV, K, V, BC, BK, BV, FB, CHANNEL)
 
 
 @triton.jit
 def _flush_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_ptr, i_v, i_b, i_hv, i_h, c_b,
                    s_r, s_w, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHANNEL: tl.constexpr):
+                   V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FB: tl.constexpr,
+                   CHANNEL: tl.constexpr):
     """The body of the flush kernels: count row i_b on buffer row c_b, the state read at row s_r and
     written at row s_w (per value head: slot * HV + i_hv; outside a pool all are the program's own)."""
     m = tl.load(count_ptr + i_b).to(tl.int32)
@@ -75,8 +76,7 @@ def _flush_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, count_pt
         o_k, o_v, m_k, m_v = _tile_offsets(i_v, BK, BV, K, V)
         p_s = state_ptr + (s_r * K + o_k[:, None]) * V + o_v[None, :]
         s = tl.load(p_s, mask=(o_k < tl.where(owns, K, 0))[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        s, g_end = decay(s, cg_ptr, c_b * C + m - 1, i_hv, o_k, m_k, HV, K, CHANNEL)
-        s = fold_rows(s, ck_ptr, cu_ptr, cg_ptr, c_b, i_h, i_hv, m, g_end, o_k, o_v, m_k, m_v, C, H, HV, K, V,
+        s = fold_tile(s, ck_ptr, cu_ptr, cg_ptr, c_b, i_h, i_hv, m, o_k, o_v, m_k, m_v, C, H, HV, K, V, FB,
                       CHANNEL)
         p_s = state_ptr + (s_w * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
@@ -113,7 +113,7 @@ def flush(buffer: KVBuffer, *, count=None, config: Optional[FlushConfig] = None)
     with device_guard(buffer.k):
         _flush_kernel[(triton.cdiv(V, BV), B * HV)](
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), buffer.state, count,
-            C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV, CHANNEL=buffer.channel_gate,
+            C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV, FB=cfg.FB, CHANNEL=buffer.channel_gate,
             num_warps=cfg.num_warps,
         )
         _shift_keys_and_gates(buffer, count)
@@ -145,7 +145,7 @@ def flush_pool(pool: PoolLayer, *, count: torch.Tensor, lengths: torch.Tensor, r
     with device_guard(pool.slots):
         _flush_slots_kernel[(triton.cdiv(V, BV), B * HV)](
             buf.k, buf.u, buf.G, buf.lengths, flag_view(buf.has_state), pool.state, count, pool.slots, read, write,
-            C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV, CHANNEL=buf.channel_gate,
+            C=C, H=H, HV=HV, K=K, V=V, BC=block(C), BK=block(K), BV=BV, FB=cfg.FB, CHANNEL=buf.channel_gate,
             num_warps=cfg.num_warps)
     bs = torch.where(pool.slots >= 0, pool.slots.to(torch.int64), buf.k.shape[0] - 1)  # pads: the sink row
     rows = SimpleNamespace(k=buf.k[bs], G=buf.G[bs])  # keys and G: small, moved in torch

@@ -119,10 +119,13 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class FlushConfig:
-    """flush: BV state columns per program."""
+    """flush: BV state columns per program, FB entries per fold step (one tl.dot).  BV = 64 with 8 warps
+    compiles without spills for sm_90 (``scripts/aot_regs.py flush``: 165 registers with scalar gates, 182
+    per-channel); BV = 128 with 4 warps spills there (12 and 416 bytes)."""
 
-    BV: int = 128
-    num_warps: int = 4
+    BV: int = 64
+    num_warps: int = 8
+    FB: int = 16
 
 
 @dataclass(frozen=True)

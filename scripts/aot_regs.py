@@ -8,8 +8,9 @@ package roots with the same Triton (e.g. before and after a refactor) rather tha
     python scripts/aot_regs.py KERNEL [KEY=VALUE ...] [--root DIR]
     python scripts/aot_regs.py all [--root DIR]
 
-KERNEL: decode, fold_group, fold_full (the tile fold), book (kvbuffer_fast/decode.py), verify_prep_group,
-verify_prep, verify_stream (kvbuffer_fast/verify.py; speculative.py in older trees), accept_fold_slots,
+KERNEL: decode, fold_group, fold_full (the tile fold), book (kvbuffer_fast/decode.py), flush
+(kvbuffer_fast/flush.py), verify_prep_group, verify_prep, verify_stream (kvbuffer_fast/verify.py;
+speculative.py in older trees), accept_fold_slots,
 accept_slots (kvbuffer_fast/accept.py, the pool's fold and copy launches), chunk_prep
 (kvbuffer_fast/chunk.py, bf16 inputs at chunk 64), or ``all``.
 Constexprs take, in order: KEY=VALUE from the command line, the value of the default H200 launch
@@ -50,6 +51,8 @@ KERNELS = {
     "fold_full": (("decode", "_fold", "flush"), ("_fold_full_kernel", "_fold_tile_kernel"),
                   dict(C=16, H=16, HV=32, K=128, V=128, FB=16, BK=128, BV=64, NV=2, CHANNEL=False, SNAP=False,
                        STORAGE=True, SERVE=False), dict(num_warps=4)),
+    "flush": (("flush",), "_flush_kernel",
+              dict(C=16, H=16, HV=32, K=128, V=128, BC=16, BK=128, BV=64, FB=16, CHANNEL=False), dict(num_warps=8)),
     "book": (("decode",), "_book_kernel", dict(C=16, H=16, HV=32, K=128, BK=128, BH=16, BHV=32, CHANNEL=False,
                                                PDL=True), dict(num_warps=4)),
     "verify_prep_group": (("verify", "speculative"), "_verify_prep_group_kernel",

@@ -239,6 +239,29 @@ def test_flush_prefix_matches_reference_flush(setup, data):
         assert_matches(got.state.cpu(), want.state, base.state, name="flush.state", head_axis=1, valid=owned)
 
 
+@pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
+def test_flush_and_the_tile_fold_store_the_same_state(channel):
+    """flush and decode's tile fold run one fold loop (``_fold.fold_tile``): a full buffer flushed, and the
+    same buffer folded by a decode step's tile fold, store the same state bit for bit (the same column
+    tile; a stateful request and a direct one, partial 32-row blocks)."""
+    C, HV, K, V = 34, 2, 24, 24
+    case = Case(B=2, T=C + 3, H=1, HV=HV, K=K, V=V, channel_gate=channel, gate="mild" if channel else "mixed",
+                beta="uniform", seed=21)
+    x64 = P.upcast_inputs(case.inputs(torch.float64))
+    buf = P.buffer_to(P.ragged_buffer(x64, [C, C], C, compute=torch.float32), dtype=torch.float32, device=DEVICE)
+    buf.has_state[1] = False  # request 1 in direct mode: both fold its entries into S0 = 0
+    config = config_for("decode", Key(C=C, columns=2 * HV * V, channel=channel))
+    assert config.fold == "tile"
+    folded, flushed = ref.KVBuffer(**buf.cloned()), ref.KVBuffer(**buf.cloned())
+    token = _token(2, 1, HV, K, V)
+    if channel:
+        token["g"] = -torch.rand(2, 1, HV, K, device=DEVICE)
+    Poisoned.buffered_decode(**token, buffer=folded, config=config)
+    Poisoned.flush(flushed, config=FlushConfig(BV=config.fold_BV))
+    assert folded.lengths.tolist() == [1, 1] and flushed.lengths.tolist() == [0, 0]
+    assert torch.equal(folded.state, flushed.state), "flush and the tile fold stored different states"
+
+
 def test_materialize_state_is_zero_for_requests_without_a_state():
     """A request that owns no state and has no entries: its storage row is garbage (here NaN), not a state."""
     buf = ref.KVBuffer.empty(2, 1, 2, 8, 8, 4, dtype=torch.float32, device=DEVICE)
