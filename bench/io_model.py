@@ -123,6 +123,11 @@ def buffered_accept(s: Shapes, B: int, m: int) -> float:
     return 2 * m * entry_bytes(s, B)
 
 
+def buffered_flush(s: Shapes, B: int, n: int) -> float:
+    """A flush of n entries: the state read and written, the n entries read."""
+    return 2 * state_bytes(s, B) + n * entry_bytes(s, B)
+
+
 def floor_us(nbytes: float, copy_TBps: float) -> float:
     """The read-once floor: ``nbytes`` at the measured copy bandwidth, in microseconds."""
     return nbytes / (copy_TBps * 1e12) * 1e6

@@ -25,6 +25,8 @@ verify    ``fla_fused_recurrent_tokens``   fla's fused_recurrent over the same d
 verify    ``fla_chunk_tokens``             fla's ``chunk_gated_delta_rule`` over the same d tokens
 accept    ``accept``                       buffered accept of m drafts (lengths reset to n first)
 accept    ``per_draft_state_accept``       the baseline's accept: intermediate m - 1 copied over the state
+accept    ``flush``                        a fold on demand: every entry of full buffers (C) folded into the
+                                           state (lengths reset to C first)
 round     ``round``                        a speculative round: verify of every layer, then accept
 round     ``per_draft_state_round``        the baseline's round
 round     ``round_cycle``                  a cycle of C // m + 1 rounds from empty buffers, one accept folding
@@ -628,6 +630,23 @@ class _Builder:
         c = self.case("accept", "accept", run, self.L, io.buffered_accept(self.s, self.B, m), checks, n=n, m=m,
                       d=self.p.drafts)
         c.note = "each replay first fills every layer's lengths back to n (one tiny kernel for all layers)"
+        return c
+
+    def flush(self) -> Case:
+        flush, C = self.api.fast.flush, self.p.C
+        hist = self.wl.history(buffered=C)
+        lengths, bufs = _shared_lengths(self._buffers(hist))
+        x = self._tokens(1, seed=11)[0]
+        kw = self.api.kwargs("flush", flush, x, C=C)
+        flush(bufs[0], **kw)
+        checks = [self.wl.compare(f"flush[n={C}].state", bufs[0].state, self.wl.truth(x, hist, upto=0), state=True)]
+
+        def run():
+            lengths.fill_(C)
+            for buf in bufs:
+                flush(buf, **kw)
+        c = self.case("flush", "accept", run, self.L, io.buffered_flush(self.s, self.B, C), checks, n=C)
+        c.note = "each replay first fills every layer's lengths back to C (one tiny kernel for all layers)"
         return c
 
     def per_draft_state_accept(self) -> Case:
