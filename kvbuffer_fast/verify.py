@@ -178,20 +178,16 @@ def _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K: tl.constexpr, KC: tl.
 def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexpr, R: tl.constexpr,
                    BC: tl.constexpr, SCORES: tl.constexpr):
     """Per-channel gates, one column chunk: G of every row (base + the gates along its path) and this
-    chunk's share of the decayed scores vs the buffer [R, BC] and vs the tree [R, R], row by row."""
+    chunk's share of the decayed scores vs the buffer [R, BC] and vs the tree [R, R], row by row, the decays
+    differences of those G and the buffer's (``_scalar_decays`` says why)."""
     base = tl.sum(tl.where((o_m == n - 1)[:, None], gc, 0.0), 0)  # the buffer tail's G (0 if empty)
-    Gs = tl.zeros(kq.shape, dtype=tl.float32)
     Gr = tl.zeros(kq.shape, dtype=tl.float32) + base[None, :]
     o_c = tl.arange(0, R)
     for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
         a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
         g_j = tl.sum(tl.where((o_r == j)[:, None], g, 0.0), 0)
-        step = tl.where(a_j[:, None], g_j[None, :], 0.0)
-        Gs += step
-        Gr += step
-    Gs = tl.where(m_t[:, None], Gs, 0.0)  # the gates along the path alone
+        Gr += tl.where(a_j[:, None], g_j[None, :], 0.0)
     Gr = tl.where(m_t[:, None], Gr, 0.0)
-    gap = base[None, :] - gc  # [BC, KC] tail minus entry: exact where they are close (Sterbenz)
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
     n_rows = t * 0
@@ -201,11 +197,11 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
         r = tl.where(rr < t, rr, BD + rr - t)
         sel = o_r == r
         x_r = tl.sum(tl.where(sel[:, None], kq, 0.0), 0)
-        G_r = tl.sum(tl.where(sel[:, None], Gs, 0.0), 0)
-        dec = tl.exp(tl.where(m_n[:, None], gap + G_r[None, :], float("-inf")))
+        G_r = tl.sum(tl.where(sel[:, None], Gr, 0.0), 0)
+        dec = tl.exp(tl.where(m_n[:, None], G_r[None, :] - gc, float("-inf")))
         SB = tl.where(sel[:, None], tl.sum(kc * dec * x_r[None, :], 1)[None, :], SB)
         a_r = tl.sum(tl.where(sel[:, None] & anc, 1, 0), 0) > 0  # [R] ancestors-or-self (as key rows)
-        decd = tl.exp(tl.where(a_r[:, None], G_r[None, :] - Gs, float("-inf")))
+        decd = tl.exp(tl.where(a_r[:, None], G_r[None, :] - Gr, float("-inf")))
         SS = tl.where(sel[:, None], tl.sum(kq * decd * x_r[None, :], 1)[None, :], SS)
     return Gr, SB, SS
 
@@ -213,21 +209,24 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
 @triton.jit
 def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t):
     """Scalar gates: G of each row's draft (the buffer tail's G plus the gates along its path) and the
-    scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by their decays exp(G_i - G_j)."""
+    scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by their decays exp(G_i - G_j).
+
+    The decays are differences of the G that are stored (the buffer's, and Drafts.G as returned): accept and
+    flush fold the drafts' u with exactly those G, so u must be solved with them.  At |G| of a few hundred a
+    float32 G carries ~1e-5 of rounding; a fold undoes what the solve saw, and only that (decays taken from
+    the drafts' path sums alone, more accurate by themselves, left the state after accept + flush 4-5x the
+    error of the oracle's float32 forms: tests/property/test_fast_verify.py, the buffer's frame)."""
     base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
     gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)  # [R] over columns
-    Gs = tl.sum(tl.where(anc, gd[None, :], 0.0), 1)  # [R] the gates along each row's path
-    Gr = tl.zeros_like(Gs) + base
-    o_c = tl.arange(0, Gs.shape[0])
+    Gr = tl.zeros_like(gd) + base
+    o_c = tl.arange(0, gd.shape[0])
     for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
         a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
         Gr += tl.where(a_j, tl.sum(tl.where(o_c == j, gd, 0.0), 0), 0.0)
-    Gs = tl.where(m_t, Gs, 0.0)
     Gr = tl.where(m_t, Gr, 0.0)  # [R] G of each row's draft
-    Gc = tl.sum(tl.where(is_self, Gs[:, None], 0.0), 0)  # [R] the path sums, over columns
-    # decays from differences taken before the large tail G is added: (base - G_m) + path, path_i - path_j
-    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], (base - gc)[None, :] + Gs[:, None], float("-inf")))
-    SS = SS * tl.exp(tl.where(anc, Gs[:, None] - Gc[None, :], float("-inf")))
+    Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] the same, over columns
+    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
+    SS = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
     return Gr, SB, SS
 
 

@@ -37,7 +37,7 @@ from kvbuffer.validate import cases, properties as P, strategies as kst, toleran
 from kvbuffer_fast.baselines import per_draft_state_accept, per_draft_state_verify  # noqa: E402
 
 from .fast_adapter import Poisoned, assert_all as _assert_all  # noqa: E402
-from .strategies_local import Calling, counted, fast_drawn, informative  # noqa: E402
+from .strategies_local import Calling, Drawn, counted, fast_drawn, informative  # noqa: E402
 
 # The accept fold computes exp(G_end - G_j) for every draft j up to the accepted node and selects 0 for those
 # it does not fold (on another branch, or kept in the buffer); with strongly decaying gates (the 'underflow'
@@ -213,6 +213,35 @@ def test_deep_chain_strong_coupling():
         Poisoned, case, torch.float32, capacity=4, history=3, lengths=[3, 1],
         parents=[list(range(-1, 9)), list(range(-1, 9))], num_drafts=[10, 9], nodes=[9, 4], after=2,
         device=DEVICE))
+
+
+# ------------------------------------------------------------------ the decays in the buffer's frame
+# verify's innovations are folded later (accept past C, flush) with the float32 G the Drafts store, so the
+# decays they are solved with must be differences of those same G: at |G| of a few hundred each G carries
+# ~1e-5 of rounding, which the fold undoes only when verify saw it too.  Decays taken from the drafts' path
+# sums instead (more accurate alone) left the state after accept + flush 4.35x and 4.81x past the oracle's
+# float32 forms in the two cases below (found by the chain property and by `kvbuffer validate --seed 1`).
+def test_chain_accept_state_large_gates():
+    """A chain over a buffer holding 4 of C = 8 entries, K = 3 and beta = 1 (the solve couples strongly), a
+    draft gate of -118 then -107 (G down to -357 from the buffer's start); accepting 4 drafts fills the buffer,
+    flush folds it (test_chain_verify_accept_counts_match_oracle's draw)."""
+    d = Drawn(Case(B=2, T=14, H=3, HV=3, K=3, V=3, gate="mixed", beta="one", seed=2_147_483_647), q_norm=True,
+              v_decades=-3.0)
+    _assert_all(P.check_verify_accept(Calling(Poisoned, d), d, torch.float32, capacity=8, history=8, lengths=[0, 4],
+                                      parents=[list(range(-1, 5))] * 2, num_drafts=[0, 6], nodes=[-1, 3], after=0,
+                                      device=DEVICE, use_counts=True))
+
+
+def test_channel_reset_accept_state_fp16():
+    """Per-channel gates with a reset (-inf, taken as -200) in the buffered history, float16 inputs, a full
+    chain of 4 drafts by the defaults; accepting 3 of them folds the buffer's 3 entries and rebases the
+    drafts' G by one subtraction, then flush folds them (`kvbuffer validate --impl fast --ops verify_chain
+    --dtype float16 --seed 1`'s draw)."""
+    case = Case(B=1, T=8, H=1, HV=2, K=1, V=2, channel_gate=True, gate="reset", beta="mixed", seed=140, norm="any",
+                v_scale=0.05)
+    _assert_all(P.check_verify_accept(Poisoned, case, torch.float16, capacity=4, history=4, lengths=[3],
+                                      parents=[[-1, 0, 1, 2]], num_drafts=[4], nodes=[2], after=0, device=DEVICE,
+                                      poison=True, index_dtype="int32", scalar=True, defaults=True))
 
 
 def test_zero_drafts_and_empty_buffers():
