@@ -226,8 +226,8 @@ def _decode_program(
                 gcb = tl.load(cg_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * K + k0 + o_kb[None, :],
                               mask=m_c[:, None] & m_kb[None, :], other=0.0).to(tl.float32)
                 live = (rows < n)[:, None]
-                gap = gt[None, :] - gcb  # tail minus entry, then the new gate
-                kd = tl.where(live, kc * tl.exp(tl.where(live, gap + gb[None, :], 0.0)), 0.0)
+                # G_new as stored minus the entry's: the decays the fold will use (math.md, "Numerics")
+                kd = tl.where(live, kc * tl.exp(tl.where(live, gn[None, :] - gcb, 0.0)), 0.0)
                 wk += tl.sum(kd * kb[None, :], 1)
                 wq += tl.sum(kd * qb[None, :], 1)
                 en = tl.exp(gn)
@@ -247,7 +247,7 @@ def _decode_program(
     if not CHANNEL:
         g_last = tl.where(n > 0, tl.sum(tl.where(rows == n - 1, gc, 0.0), 0), 0.0)
         g_new = g_last + g_tok
-        dec = tl.exp(tl.where(m_r, (g_last - gc) + g_tok, float("-inf")))  # the tail's gap first: exact
+        dec = tl.exp(tl.where(m_r, g_new - gc, float("-inf")))  # G_new as stored: the fold's decays
         wk = tl.where(m_r, wk * dec, 0.0)
         wq = tl.where(m_r, wq * dec, 0.0)
         e_new = tl.exp(g_new)

@@ -103,6 +103,18 @@ def test_long_run_with_flushes_matches_oracle():
                                flushes={2: [1, 0, 2], 7: None}, device=DEVICE))
 
 
+@pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
+def test_decode_state_large_gates(channel):
+    """The new token's decays are differences of its G as stored and the entries' G, the decays the fold
+    then uses (docs/math.md, "Numerics").  K = 1, beta = 1 and unit keys: each write replaces the state, so
+    the state after flush is the last token's write alone and every older term must cancel in the fold.
+    Gates of -107..-115 put G near -340; decays taken from the tail's gap plus the new gate (more accurate
+    by themselves) missed the stored G by its rounding, and the state came out 314x the error of the
+    oracle's float32 forms."""
+    case = Case(B=1, T=11, H=1, HV=1, K=1, V=8, channel_gate=channel, gate="mixed", beta="one", seed=187316)
+    _assert_all(P.check_decode(Poisoned, case, torch.float32, capacity=8, history=6, lengths=[1], device=DEVICE))
+
+
 # The launch table's paths: capacity, history, lengths, steps, value heads, per-channel gates, the
 # config's change from the table, and the fold kernel that must run.  C <= 32 takes the grouped fold
 # launch, serving the tokens it folds; FH (value heads per fold program) is 4 below the table's
