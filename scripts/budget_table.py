@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="reference", help="comma list: reference, fast")
     ap.add_argument("--T", default="64,1024", help="comma list of lengths")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--gates", default="scalar,channel", help="comma list: scalar, channel")
     ap.add_argument("--heads", default="16,32,128,128", help="H,HV,K,V (default Qwen3-Next's)")
     ap.add_argument("--B", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     for T in (int(t) for t in a.T.split(",")):
         for dname in a.dtypes.split(","):
             dtype = getattr(torch, dname)
-            for channel in (False, True):
+            for channel in [g == "channel" for g in a.gates.split(",")]:
                 case = Case(B=a.B, T=T, H=H, HV=HV, K=K, V=V, channel_gate=channel, gate="mild", beta="uniform",
                             seed=7, norm="unit")
                 for iname, impl in impls.items():
