@@ -34,7 +34,7 @@ import kvbuffer_ref
 
 from . import implementations
 from .integrations import precision as mprec
-from .validate import adapters, lanes, precision as prec, report as rep, runner
+from .validate import adapters, lanes, parallel, precision as prec, report as rep, runner
 from .validate.contracts import check_contract
 from .validate.profiles import PROFILES
 from .validate.report import case_label
@@ -66,6 +66,9 @@ examples:
   kvbuffer report                                     # the last run of this environment and checkout
   python3 -m bench.report bench/results/latest/gpu.json   # a benchmark run: bench/ renders it, in a checkout
 """
+
+#: The environment variable that sets ``kvbuffer validate``'s default ``--jobs``.
+JOBS_ENV = "KVBUFFER_JOBS"
 
 #: The file name, in this environment's folder of ``cache_dir()`` (``last_report_path``), that every
 #: ``kvbuffer validate`` run writes its JSON report to.
@@ -142,6 +145,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--max-examples", type=int, metavar="N", help="examples per lane (overrides the profile)")
     v.add_argument("--no-shrink", action="store_true", help="report the first failing case without shrinking it")
     v.add_argument("--fail-fast", action="store_true", help="stop after the first failing lane")
+    v.add_argument("-j", "--jobs", type=int, metavar="N",
+                   help="lanes run at once, each in a worker process (default: $KVBUFFER_JOBS, else the usable "
+                        f"CPUs, at most {parallel.MAX_JOBS}, on the CPU; 1 with --device cuda); 1 runs them in this "
+                        "process.  Rows, seeds and verdicts are the same for any N")
     v.add_argument("--replay", metavar="BLOB", help="replay one failure from its @reproduce_failure blob "
                                                     "(select its single lane with --impl/--ops/--dtype)")
     v.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
@@ -259,6 +266,18 @@ def _validate(args) -> int:
         return _bad(f"--max-examples: expected a positive integer, got {args.max_examples}")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         return _bad(f"--seed: expected an integer in 0..2**32-1, got {args.seed}")
+    jobs = args.jobs
+    if jobs is None and os.environ.get(JOBS_ENV, "").strip():
+        try:
+            jobs = int(os.environ[JOBS_ENV])
+        except ValueError:
+            return _bad(f"${JOBS_ENV}: expected a positive integer, got {os.environ[JOBS_ENV]!r}")
+        if jobs < 1:
+            return _bad(f"${JOBS_ENV}: expected a positive integer, got {jobs}")
+    elif jobs is not None and jobs < 1:
+        return _bad(f"--jobs: expected a positive integer, got {jobs}")
+    if jobs is None:
+        jobs = parallel.default_jobs(device)
 
     _cwd_on_path()
     try:
@@ -315,7 +334,7 @@ def _validate(args) -> int:
     try:
         report = runner.run_validation(impls, ops=ops, dtypes=dtypes, profile=profile, device=device, seed=seed,
                                          max_examples=args.max_examples, shrink=not args.no_shrink,
-                                         fail_fast=args.fail_fast, replay=args.replay, on_result=show)
+                                         fail_fast=args.fail_fast, replay=args.replay, on_result=show, jobs=jobs)
     except runner.NothingToRun as e:
         for r in e.report.lanes:
             print(rep.table_row(r, widths))

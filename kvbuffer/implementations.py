@@ -104,10 +104,14 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
 def default_implementations() -> list:
     """What ``kvbuffer validate`` checks without --impl: the reference's forms and kvbuffer_fast; without
     triton, kvbuffer_fast is listed as NOT RUN (with the reason) rather than dropped."""
+    ref = reference()
+    ref.spec = "reference"
     try:
-        return [reference(), fast()]
+        kernels = fast()
     except AdapterError as e:
-        return [reference(), unavailable("kvbuffer_fast", str(e))]
+        return [ref, unavailable("kvbuffer_fast", str(e))]
+    kernels.spec = "fast"
+    return [ref, kernels]
 
 
 def fast() -> Implementation:
@@ -128,10 +132,17 @@ def builtin_names() -> list[str]:
 
 def resolve(spec: str) -> Implementation:
     """An implementation from ``module:attr`` (an adapter object, module or factory), ``module`` (the
-    module itself is the adapter) or a ready adapter's short name (``builtin_names``)."""
+    module itself is the adapter) or a ready adapter's short name (``builtin_names``); its ``spec`` is
+    ``spec`` (a worker process of ``run_validation(jobs=N)`` resolves it again)."""
     if not isinstance(spec, str) or not spec.strip():
         raise AdapterError(f"--impl: expected module:attr or one of {builtin_names()}, got {spec!r}")
     spec = spec.strip()
+    impl = _resolve(spec)
+    impl.spec = spec
+    return impl
+
+
+def _resolve(spec: str) -> Implementation:
     if spec in _BUILTIN:
         return _BUILTIN[spec]()
     mod_name, _, attr = spec.partition(":")

@@ -1,7 +1,7 @@
 """Test-wide setup: the hypothesis profile (HYPOTHESIS_PROFILE=ci|thorough|gpu, default ci) with fresh
 examples every run, NaN-poisoned library outputs (KVBUFFER_POISON=1: every output kvbuffer_fast allocates
-starts as NaN, so an element a kernel forgets to write fails) and, on a machine without CUDA, the Triton
-interpreter (set before anything imports triton).
+starts as NaN, so an element a kernel forgets to write fails), `kvbuffer validate` without worker processes
+(KVBUFFER_JOBS=1) and, on a machine without CUDA, the Triton interpreter (set before anything imports triton).
 
 Seeds: the run's seed is $KVBUFFER_SEED, else a random one (exported to $KVBUFFER_SEED before the
 pytest-xdist workers start, so they share it); it is printed in the pytest header.  Every hypothesis
@@ -27,6 +27,9 @@ except Exception:  # pragma: no cover - torch is a hard dependency
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KVBUFFER_POISON", "1")
+# `kvbuffer validate` runs one lane at a time in the test's own process (pytest -n already spreads the tests over
+# the cores); tests/validate/test_jobs.py runs it with --jobs
+os.environ.setdefault("KVBUFFER_JOBS", "1")
 # `kvbuffer validate` keeps its last report in the cache dir: tests write to a temporary one, not ~/.cache
 os.environ.setdefault("KVBUFFER_CACHE_DIR", tempfile.mkdtemp(prefix="kvbuffer-tests-"))
 

@@ -8,8 +8,8 @@
   ``resolve`` are ``kvbuffer.implementations``;
   ``Sizes`` (``NORMAL``, ``SMALL``, ``GPU``): the size budgets an adapter declares (``cases``);
 * ``CLASSES``: the bug classes a failure is attributed to (``runner``);
-* ``run_validation``: ``kvbuffer validate`` as a function (``lanes``, ``runner``, ``report``); its command
-  line is ``kvbuffer.cli``, its pytest plugin ``kvbuffer.pytest_plugin``.
+* ``run_validation``: ``kvbuffer validate`` as a function (``lanes``, ``runner``, ``parallel``, ``report``);
+  its command line is ``kvbuffer.cli``, its pytest plugin ``kvbuffer.pytest_plugin``.
 
 See docs/testing.md and docs/validate-your-kernel.md.
 """

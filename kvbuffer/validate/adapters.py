@@ -136,6 +136,9 @@ class Implementation:
     qk_l2norm: bool = False
     #: the gate domain it serves (``GATE_DOMAINS``): "all" (resets -inf, -1e30, -300 drawn) or "finite" (not)
     gates: str = "all"
+    #: what ``kvbuffer.implementations.resolve`` made it from ("fast", "module:attr"): a worker process of
+    #: ``run_validation(jobs=N)`` rebuilds the adapter from it (None: its lanes run in the calling process)
+    spec: Optional[str] = None
 
     def contract_for(self, op: str, dtype) -> str:
         """The contract the lane (op, dtype) declares: its ``lane_contracts`` entry by the lane's name

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from . import parallel
 from . import properties as P
 from .adapters import ContractViolation, Guarded, Implementation, interpreter_active, returned_changed
 from .cases import GPU
@@ -567,13 +568,18 @@ def run_validation(impls: Sequence[Implementation], *, ops=None, dtypes=None, pr
                    device: str = "cpu", seed: Optional[int] = None, max_examples: Optional[int] = None,
                    shrink: bool = True, fail_fast: bool = False, replay: Optional[str] = None,
                    on_result: Optional[Callable[[LaneResult], None]] = None, progress=sys.stderr,
-                   explain: bool = True) -> Report:
+                   explain: bool = True, jobs: int = 1) -> Report:
     """Run every lane of ``plan(impls, ops, dtypes)``; return the ``Report``.
 
     seed: None draws a fresh one (printed in the report; pass it back to replay the run).
-    on_result: called with each ``LaneResult`` as soon as it is known (the CLI prints rows with it).
+    on_result: called with each ``LaneResult`` in plan order, as soon as it and every lane before it are
+    known (the CLI prints rows with it).
     progress: where a long lane reports cases done / total every few seconds (None: nowhere).
     explain: state the verdicts under the other arithmetic contracts too (``run_lane``; more lane runs).
+    jobs: worker processes that run lanes at once (``parallel``; at most one per lane to run); 1 runs every
+    lane in this process.  Workers rebuild each implementation from its ``spec`` (``implementations.resolve``
+    sets it): with an implementation without one, every lane runs in this process.  The lanes' cases, seeds
+    and verdicts do not depend on ``jobs``.
     """
     if profile not in PROFILES:
         raise ValidationError(f"--profile: expected one of {PROFILES}, got {profile!r}")
@@ -592,24 +598,41 @@ def run_validation(impls: Sequence[Implementation], *, ops=None, dtypes=None, pr
         report.lanes = [LaneResult(l.op.name, l.impl.name, l.dtype and dtype_name(l.dtype), l.status, reason=l.reason)
                         for l in lanes]
         raise NothingToRun(report)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValidationError(f"--jobs: expected a positive integer, got {jobs!r}")
     prepared = set()
     t0 = time.perf_counter()
-    stop = False
     threads = torch.get_num_threads()
+    jobs = min(jobs, sum(l.status == "RUN" for l in lanes))
     if device == "cpu":  # the cases are small: a thread pool costs more than it saves (5-10x on 2 busy cores)
         torch.set_num_threads(1)
+    lane_threads = 1 if device == "cpu" else max(1, threads // jobs)  # a worker's share of the threads
+    kw = dict(device=device, profile=profile, seed=seed, max_examples=max_examples, shrink=shrink, replay=replay,
+              progress=progress, explain=explain)
     try:
-        _run_lanes(lanes, report, device=device, profile=profile, seed=seed, max_examples=max_examples,
-                   shrink=shrink, replay=replay, fail_fast=fail_fast, on_result=on_result, progress=progress,
-                   prepared=prepared, explain=explain)
+        if jobs > 1 and parallel.parallel_ok(lanes):
+            def here(i):
+                return _run_one(lanes[i], lanes, prepared, **kw)
+            parallel.run_lanes_parallel(lanes, report, jobs=jobs, fail_fast=fail_fast, on_result=on_result,
+                                        threads=lane_threads, run_here=here, **kw)
+        else:
+            _run_lanes(lanes, report, fail_fast=fail_fast, on_result=on_result, prepared=prepared, **kw)
     finally:
         torch.set_num_threads(threads)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _run_lanes(lanes, report, *, device, profile, seed, max_examples, shrink, replay, fail_fast, on_result,
-               progress, prepared, explain=True):
+def _run_one(lane: Lane, lanes: list, prepared: set, **kw) -> LaneResult:
+    """One lane in this process, its implementation prepared first (once: ``prepared``)."""
+    if id(lane.impl) not in prepared:
+        lane.impl.prepare()
+        prepared.add(id(lane.impl))
+    return run_lane(lane, edge_part=_edge_part(lane, lanes), **kw)
+
+
+def _run_lanes(lanes, report, *, fail_fast, on_result, prepared, **kw):
+    """Every lane in this process, in plan order."""
     stop = False
     for lane in lanes:
         if lane.status != "RUN":
@@ -619,11 +642,7 @@ def _run_lanes(lanes, report, *, device, profile, seed, max_examples, shrink, re
             r = LaneResult(lane.op.name, lane.impl.name, dtype_name(lane.dtype), "SKIP",
                            reason="--fail-fast: an earlier lane failed")
         else:
-            if id(lane.impl) not in prepared:
-                lane.impl.prepare()
-                prepared.add(id(lane.impl))
-            r = run_lane(lane, device=device, profile=profile, seed=seed, max_examples=max_examples, shrink=shrink,
-                         replay=replay, progress=progress, edge_part=_edge_part(lane, lanes), explain=explain)
+            r = _run_one(lane, lanes, prepared, **kw)
             stop = fail_fast and r.failed
         report.lanes.append(r)
         if on_result:
