@@ -50,15 +50,9 @@ def emulated_reference(contract: str):
 
     import kvbuffer_ref as ref
     from kvbuffer.validate.adapters import OPERATION_ATTRS, describe
-    from kvbuffer.validate.contracts import emulate
+    from kvbuffer.validate.contracts import under_contract
 
-    def wrap(fn):
-        def call(*a, **kw):
-            with emulate(contract):
-                return fn(*a, **kw)
-        return call
-
-    ops = {a: wrap(getattr(ref, a)) for a in OPERATION_ATTRS if callable(getattr(ref, a, None))}
+    ops = {a: under_contract(getattr(ref, a), contract) for a in OPERATION_ATTRS if callable(getattr(ref, a, None))}
     return describe(types.SimpleNamespace(name=f"kvbuffer_ref {contract}-emulated", dtypes=(torch.float32,),
                                           forms=("u", "raw"), contract=contract, **ops))
 
