@@ -78,6 +78,10 @@ class Sizes:
     #: ``max_T`` keeps B <= long_B, HV <= long_HV (H = 1 or a group of 2) and K, V in ``long_dims``.  The
     #: boundary cases cross c - 1 .. 2c + 1 for every c of ``edge_chunks`` (``lanes.edge_params``).
     long_T: int = 129
+    #: the longest case of the direct lane (drawn and boundary): direct mode serves short contexts, and its
+    #: float64 truth and baselines hold a decay for every pair of tokens (per-channel gates: B T^2 HV K of
+    #: them, 1 TiB at T = 4096 with Qwen3-Next's heads), so its lengths stop at two chunks of 64 and one
+    direct_T: int = 129
     long_B: int = 2
     long_HV: int = 4
     long_dims: tuple = (3, 8, 16, 24)

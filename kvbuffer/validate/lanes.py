@@ -125,7 +125,8 @@ def _direct_params(s, kw):
     """Direct mode: T around every multiple of 16, 32, 64 (a direct kernel chunks internally: 64 in
     kvbuffer_fast and fla) two thirds of the time (``strategies.chunk_cases``)."""
     from hypothesis import strategies as st
-    return st.fixed_dictionaries({"case": kst.chunk_cases(max_B=s.max_B, max_T=s.max_T, **_long(s),
+    return st.fixed_dictionaries({"case": kst.chunk_cases(max_B=s.max_B, max_T=min(s.max_T, s.direct_T),
+                                                          **_long(s, long_T=min(s.long_T, s.direct_T)),
                                                           **_case_kw(s, kw))})
 
 
@@ -352,9 +353,10 @@ def edge_params(key: str, s: Sizes, seed: int = 1, channel: bool = True) -> list
         out = [dict(case=c(3, **d), edge=e, **extra) for e, d in big]
         if key != "direct":
             out.append(dict(case=c(T, B=B1), edge=f"T={T}", **extra))
-        else:  # every length around a multiple of 16, 32 and 64 (a kernel's own chunk)
-            out += [dict(case=c(n, B=B1), edge=f"T={n}") for n in sorted({n for _, n in near})]
-            if longer:
+        else:  # every length around a multiple of 16, 32 and 64 (a kernel's own chunk), up to Sizes.direct_T
+            out += [dict(case=c(n, B=B1), edge=f"T={n}") for n in sorted({n for _, n in near if n <= s.direct_T})]
+            T = min(T, s.direct_T)
+            if T > 2 * max(n for _, n in near):
                 out.append(dict(case=c(T, B=B1), edge=f"T={T}"))
         if key == "direct":  # mild gates: the history before a time block still matters at its end (the mixed
             # gates' underflows reset it, so a block restarting from zero errs by 1e-3, below 16-bit contracts);
