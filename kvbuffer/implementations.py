@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import functools
 import os
 import types
 
@@ -105,12 +106,12 @@ def default_implementations() -> list:
     """What ``kvbuffer validate`` checks without --impl: the reference's forms and kvbuffer_fast; without
     triton, kvbuffer_fast is listed as NOT RUN (with the reason) rather than dropped."""
     ref = reference()
-    ref.spec = "reference"
+    ref.spec, ref.rebuild = "reference", functools.partial(resolve, "reference")
     try:
         kernels = fast()
     except AdapterError as e:
         return [ref, unavailable("kvbuffer_fast", str(e))]
-    kernels.spec = "fast"
+    kernels.spec, kernels.rebuild = "fast", functools.partial(resolve, "fast")
     return [ref, kernels]
 
 
@@ -138,7 +139,7 @@ def resolve(spec: str) -> Implementation:
         raise AdapterError(f"--impl: expected module:attr or one of {builtin_names()}, got {spec!r}")
     spec = spec.strip()
     impl = _resolve(spec)
-    impl.spec = spec
+    impl.spec, impl.rebuild = spec, functools.partial(resolve, spec)
     return impl
 
 

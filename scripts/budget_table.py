@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from kvbuffer.implementations import resolve  # noqa: E402
 from kvbuffer.validate import Case  # noqa: E402
 from kvbuffer.validate import properties as P  # noqa: E402
-from kvbuffer.validate.contracts import emulate  # noqa: E402
+from kvbuffer.validate.contracts import under_contract  # noqa: E402
 from kvbuffer.validate.tolerances import active_contract  # noqa: E402
 
 LOOSEST = 20.0  # a correct kernel's budget over its error must stay below this
@@ -67,14 +67,9 @@ def wrong(impl, name: str, factor: float = 1.01):
 
 
 def emulated(impl, contract: str):
-    """``impl`` with each operation called inside ``contracts.emulate(contract)``: its products rounded so."""
-    def wrap(fn):
-        def call(*args, **kw):
-            with emulate(contract):
-                return fn(*args, **kw)
-        return call
-
-    return types.SimpleNamespace(**{n: wrap(getattr(impl, n)) if callable(getattr(impl, n)) and not n.startswith("_")
+    """``impl`` with each public operation computed under ``contract``'s products (``contracts.under_contract``)."""
+    return types.SimpleNamespace(**{n: under_contract(getattr(impl, n), contract)
+                                    if callable(getattr(impl, n)) and not n.startswith("_")
                                     else getattr(impl, n) for n in dir(impl) if not n.startswith("__")})
 
 

@@ -50,15 +50,9 @@ def emulated_reference(contract: str):
 
     import kvbuffer_ref as ref
     from kvbuffer.validate.adapters import OPERATION_ATTRS, describe
-    from kvbuffer.validate.contracts import emulate
+    from kvbuffer.validate.contracts import under_contract
 
-    def wrap(fn):
-        def call(*a, **kw):
-            with emulate(contract):
-                return fn(*a, **kw)
-        return call
-
-    ops = {a: wrap(getattr(ref, a)) for a in OPERATION_ATTRS if callable(getattr(ref, a, None))}
+    ops = {a: under_contract(getattr(ref, a), contract) for a in OPERATION_ATTRS if callable(getattr(ref, a, None))}
     return describe(types.SimpleNamespace(name=f"kvbuffer_ref {contract}-emulated", dtypes=(torch.float32,),
                                           forms=("u", "raw"), contract=contract, **ops))
 
@@ -82,11 +76,18 @@ def stepwise_reference():
 
 
 def _impl(name: str):
-    from kvbuffer.validate import adapters
+    import torch
+
     from kvbuffer import implementations
 
-    return {"reference": implementations.reference, "fast": implementations.fast, "stepwise": stepwise_reference,
+    impl = {"reference": implementations.reference, "fast": implementations.fast, "stepwise": stepwise_reference,
             "fla": implementations.fla}[name]()
+    if name == "fla" and not impl.interpreted:
+        # compiled, fla's chunk kernels multiply float32 operands in TF32 (tl.dot's default) and 16-bit ones in
+        # 16-bit products: judged as declaring what they keep
+        impl.lane_contracts = {(op, dt): "tf32" if dt == torch.float32 else "bf16"
+                               for op in ("chunk", "chunk_varlen") for dt in (torch.float32, torch.float16, torch.bfloat16)}
+    return impl
 
 
 def _version(dist: str):
@@ -123,6 +124,8 @@ def main(argv=None) -> int:
                     help="comma list of the arithmetic contracts each implementation is judged as declaring "
                          "(default ieee; e.g. ieee,tf32,bf16,bf16-state)")
     ap.add_argument("--json", metavar="PATH", help="write every lane's verdict and the summary as JSON")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="start no seed after S seconds; the summary counts the seeds that ran")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every lane")
     args = ap.parse_args(argv)
     if args.quick:
@@ -158,7 +161,12 @@ def main(argv=None) -> int:
     ops = [k for k, _ in lanes.select_ops(args.ops)]
     stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))
     rows, t0 = [], time.perf_counter()
+    ran = 0
     for i in range(args.seeds):
+        if args.time_limit is not None and time.perf_counter() - t0 > args.time_limit:
+            print(f"time limit: {args.time_limit:g} s passed, {i} of {args.seeds} seeds ran", flush=True)
+            break
+        ran = i + 1
         seed = args.first_seed + i
         op = ops[i % len(ops)]
         for name, impl in impls.items():
@@ -202,12 +210,12 @@ def main(argv=None) -> int:
         print(f"{op:18s}  {impl:34s}  {dt:8s}  {s['lanes']:5d}  {s['failed']:5d}  {s['worst']:11.3g}  "
               f"seed {s['worst_seed']} {s['worst_name'] or ''}")
     rate = failed / total if total else 0.0
-    print(f"\n{args.seeds} seeds (first {args.first_seed}), {total} lanes, {failed} false failures "
+    print(f"\n{ran} seeds (first {args.first_seed}), {total} lanes, {failed} false failures "
           f"(rate {rate:.4f}); worst ratio {max((s['worst'] for s in stats.values()), default=0.0):.3g}; "
           f"{time.perf_counter() - t0:.0f} s, device {device}, profile {args.profile}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            seeds=args.seeds, first_seed=args.first_seed, examples=args.examples, device=device, profile=args.profile,
+            seeds=ran, first_seed=args.first_seed, examples=args.examples, device=device, profile=args.profile,
             gpu=torch.cuda.get_device_name() if device == "cuda" else None, torch=torch.__version__,
             triton=_version("triton"), fla=_version("fla-core"),
             lanes=total,

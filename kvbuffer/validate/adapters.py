@@ -75,7 +75,7 @@ import os
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -136,9 +136,11 @@ class Implementation:
     qk_l2norm: bool = False
     #: the gate domain it serves (``GATE_DOMAINS``): "all" (resets -inf, -1e30, -300 drawn) or "finite" (not)
     gates: str = "all"
-    #: what ``kvbuffer.implementations.resolve`` made it from ("fast", "module:attr"): a worker process of
-    #: ``run_validation(jobs=N)`` rebuilds the adapter from it (None: its lanes run in the calling process)
+    #: what ``kvbuffer.implementations.resolve`` made it from ("fast", "module:attr")
     spec: Optional[str] = None
+    #: makes it again, in a worker process of ``run_validation(jobs=N)`` (set by ``resolve``: a picklable
+    #: callable returning an Implementation; None: its lanes run in the calling process)
+    rebuild: Optional[Callable] = None
 
     def contract_for(self, op: str, dtype) -> str:
         """The contract the lane (op, dtype) declares: its ``lane_contracts`` entry by the lane's name

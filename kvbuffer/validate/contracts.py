@@ -16,8 +16,8 @@ The contracts, and their emulation (``emulate``):
     bf16        the operands of every product rounded to bfloat16 (8-bit mantissa), float32 accumulation
     bf16-state  IEEE float32 products, the recurrent state rounded to bfloat16 after every token
 
-``emulate(contract)`` is a torch function mode: inside it, every ``torch.einsum`` (the reference's
-forms take all their products through einsum) rounds its operands as the contract says;
+``emulate(contract)`` is a torch function mode (``_Arithmetic``): inside it, every ``torch.einsum`` (the
+reference's forms take all their products through einsum) rounds its operands as the contract says;
 ``recurrent_bf16_state`` runs the recurrence with its state rounded to bfloat16 after every token, and
 ``segmented_form`` the chunkwise form (rounding the state after every chunk under bf16-state).
 ``correct_forms`` runs the forms a comparison's budget is taken from, in the contract's arithmetic.
@@ -26,6 +26,7 @@ forms take all their products through einsum) rounds its operands as the contrac
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -36,7 +37,8 @@ from kvbuffer_ref.core import fold_state
 from kvbuffer_ref.inputs import prepare_tokens
 
 __all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
-           "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms"]
+           "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms", "exp_ex2",
+           "LOG2E_F32", "under_contract"]
 
 #: The contracts an adapter may declare, tightest first (``ieee`` is the default).
 CONTRACTS = ("ieee", "tf32x3", "tf32", "bf16", "bf16-state")
@@ -109,44 +111,102 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
 _ROUND = {"tf32": round_tf32, "bf16": round_bf16}
 
 
-class _Products(TorchFunctionMode):
-    """Every ``torch.einsum`` with its operands rounded by ``fn`` (the products of the reference's forms)."""
+#: log2(e) as a float32 kernel holds it.
+LOG2E_F32 = float(torch.tensor(1.4426950408889634, dtype=torch.float32))
 
-    def __init__(self, fn):
+
+def exp_ex2(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` of a float32 ``x`` as a GPU kernel computes it: ``2 ** fl32(x * log2 e)`` (Triton's ``tl.exp``
+    and CUDA's ``__expf`` lower to ``ex2.approx.f32`` of that product).  The product's rounding leaves a
+    relative error of about ``|x| * 2^-24 * ln 2`` in the result, 3e-6 at x = -50; the power itself is taken
+    correctly rounded here (``ex2.approx`` is within 2 ulp of that).  Other dtypes: ``torch.exp``."""
+    if x.dtype != torch.float32:
+        return torch.exp(x)
+    y = x * torch.tensor(LOG2E_F32, dtype=torch.float32, device=x.device)
+    return torch.exp2(y.double()).float()
+
+
+def _sequential_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Cumulative sum of ``x`` along ``dim`` as a loop of additions in its dtype, one rounding after each."""
+    x = x.movedim(dim, 0)
+    out = torch.empty_like(x)
+    acc = torch.zeros_like(x[0])
+    for i in range(x.shape[0]):
+        acc = acc + x[i]
+        out[i] = acc
+    return out.movedim(0, dim)
+
+
+def _split_product(func, eq, a, b, **kwargs):
+    """A two-operand einsum as three TF32 products: each operand split into a TF32 head and the TF32 rounding
+    of its tail, the tail x tail product dropped (Triton's ``input_precision="tf32x3"``)."""
+    ah, bh = round_tf32(a), round_tf32(b)
+    al, bl = round_tf32(a - ah), round_tf32(b - bh)
+    return func(eq, ah, bh, **kwargs) + (func(eq, ah, bl, **kwargs) + func(eq, al, bh, **kwargs))
+
+
+class _Arithmetic(TorchFunctionMode):
+    """The arithmetic of one correct form, as a torch function mode over the reference's own code.
+
+    products: None (as computed), "tf32x3" (``_split_product``) or a rounding applied to the operands of
+    every ``torch.einsum`` (the reference's forms take all their products through einsum).
+    cumsum: None (as computed), "sequential" (every float32 cumulative sum a loop of float32 additions: a
+    kernel carrying its running sum in a register, on any device; ``torch.cumsum`` accumulates float32 in
+    float64 on a CPU and in a parallel scan on CUDA) or "rounded" (every float32 partial sum correctly
+    rounded, computed in float64).  Kernels sum their cumulative gates either way; a decay
+    ``exp(G_i - G_j)`` of large ``|G|`` keeps only the low bits the two ways leave, which differ.
+    exp: None (correctly rounded) or "ex2" (every float32 exponential as a GPU kernel takes it, ``exp_ex2``).
+    One mode for all three: each torch call inside it pays one Python dispatch, not one per concern."""
+
+    def __init__(self, products=None, cumsum=None, exp=None):
         super().__init__()
-        self.fn = fn
+        self.products, self.cumsum, self.exp = products, cumsum, exp
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.einsum and args and isinstance(args[0], str):
-            args = (args[0], *[self.fn(a) if isinstance(a, torch.Tensor) else a for a in args[1:]])
+        if func is torch.einsum:
+            if self.products is not None and args and isinstance(args[0], str):
+                if self.products == "tf32x3":
+                    if len(args) == 3 and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                                              for a in args[1:]):
+                        return _split_product(func, *args, **kwargs)
+                else:
+                    args = (args[0], *[self.products(a) if isinstance(a, torch.Tensor) else a for a in args[1:]])
+        elif func in (torch.cumsum, torch.Tensor.cumsum):
+            if self.cumsum is not None and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].dtype == torch.float32:
+                if self.cumsum == "rounded":
+                    return func(args[0].double(), *args[1:], **kwargs).float()
+                return _sequential_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
+        elif func in (torch.exp, torch.Tensor.exp):
+            if self.exp == "ex2" and args and isinstance(args[0], torch.Tensor) and not kwargs:
+                return exp_ex2(args[0])
         return func(*args, **kwargs)
 
 
-class _SplitProducts(TorchFunctionMode):
-    """Every two-operand ``torch.einsum`` as three TF32 products: each operand split into a TF32 head and
-    the TF32 rounding of its tail, the tail x tail product dropped (Triton's ``input_precision="tf32x3"``)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.einsum and len(args) == 3 and isinstance(args[0], str) \
-                and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[1:]):
-            eq, a, b = args
-            ah, bh = round_tf32(a), round_tf32(b)
-            al, bl = round_tf32(a - ah), round_tf32(b - bh)
-            return func(eq, ah, bh, **kwargs) + (func(eq, ah, bl, **kwargs) + func(eq, al, bh, **kwargs))
-        return func(*args, **kwargs)
+def _products(contract: str):
+    """The ``products`` argument of ``_Arithmetic`` for ``contract``."""
+    contract = check_contract(contract)
+    if contract == "tf32x3":
+        return "tf32x3"
+    return _ROUND.get(contract)
 
 
 def emulate(contract: str):
     """A context in which the reference's products follow ``contract`` ("tf32x3", "tf32" or "bf16"; "ieee"
     and "bf16-state" change no product: a no-op)."""
-    contract = check_contract(contract)
-    if contract == "tf32x3":
-        return _SplitProducts()
-    if contract in _ROUND:
-        return _Products(_ROUND[contract])
-    return contextlib.nullcontext()
+    products = _products(contract)
+    return _Arithmetic(products=products) if products is not None else contextlib.nullcontext()
+
+
+def under_contract(fn, contract: str):
+    """``fn`` called inside ``emulate(contract)``: an operation of the reference computed in that contract's
+    products, a correct implementation of it (the scripts and tests that check the validator use it)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with emulate(contract):
+            return fn(*args, **kwargs)
+    return call
 
 
 def recurrent_bf16_state(q, k, v, *, g, beta, scale=None, initial_state=None):
@@ -168,28 +228,34 @@ def recurrent_bf16_state(q, k, v, *, g, beta, scale=None, initial_state=None):
 
 
 def baseline_recurrent(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=True,
-                       contract=None):
+                       contract=None, exp=None):
     """The plain recurrence under ``contract`` (default: the active one, ``tolerances.current_contract``):
-    the baseline every comparison's budget is relative to (``ieee``: the plain recurrence itself)."""
+    the baseline every comparison's budget is relative to (``ieee``: the plain recurrence itself).
+    exp="ex2": its exponentials as a GPU kernel takes them (``exp_ex2``; not under bf16-state)."""
     contract = check_contract(current_contract() if contract is None else contract)
     if contract == "bf16-state":
         o, S = recurrent_bf16_state(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state)
         return o, (S if output_final_state else None)
-    with emulate(contract):
+    products = _products(contract)
+    mode = _Arithmetic(products=products, exp=exp) if products is not None or exp else contextlib.nullcontext()
+    with mode:
         return ref.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                                               output_final_state=output_final_state)
 
 
 def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=(), contract=None):
     """[(o, S), ...]: what correct implementations compute on these inputs in their compute dtype under
-    ``contract`` (default: the active one): the plain recurrence, and for each size in ``chunks`` the
-    chunkwise form with chunks of that many tokens (cumulative gates local to each chunk, as production
-    kernels keep them), its cumulative gates summed in float32 and, a second form, correctly rounded
-    (``segmented_form``).
+    ``contract`` (default: the active one): the plain recurrence with its exponentials correctly rounded and,
+    in float32, a second time with them as a GPU kernel takes them (``exp_ex2``); and for each size in
+    ``chunks`` the chunkwise forms with chunks of that many tokens (cumulative gates local to each chunk, as
+    production kernels keep them; ``segmented_forms``).
     The budget of a comparison is a small multiple of the worst of them (``tolerances``).  Outputs are in
     the compute dtype (float32 for float32 and narrower inputs); states too."""
+    contract = check_contract(current_contract() if contract is None else contract)
     x = dict(q=q, k=k, v=v, g=g, beta=beta)
     forms = [baseline_recurrent(**x, scale=scale, initial_state=initial_state, contract=contract)]
+    if torch.promote_types(q.dtype, torch.float32) == torch.float32 and contract != "bf16-state":
+        forms.append(baseline_recurrent(**x, scale=scale, initial_state=initial_state, contract=contract, exp="ex2"))
     for chunk in chunks:
         forms += segmented_forms(**x, scale=scale, initial_state=initial_state, starts=range(0, q.shape[1], int(chunk)),
                                  contract=contract)
@@ -197,48 +263,15 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
 
 
 def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
-    """[(o, S), ...]: ``segmented_form`` with its cumulative gates summed in float32 and correctly rounded,
-    the two ways a kernel may sum them; with ``carried`` boundaries, also both ways with the gates
-    rebased at those boundaries (a buffer's accept or partial flush) instead of summed afresh."""
-    ways = [dict(rounded=r) for r in (False, True)]
+    """[(o, S), ...]: ``segmented_form`` the two ways a kernel computes its decays: cumulative gates summed by
+    float32 additions with GPU exponentials (a kernel carrying its sum in a register, ``tl.exp``), and
+    correctly rounded sums with correctly rounded exponentials; with ``carried`` boundaries, also both ways
+    with the gates rebased at those boundaries (a buffer's accept or partial flush) instead of summed afresh."""
+    ways = [dict(rounded=False, exp="ex2"), dict(rounded=True)]
     if any(0 < int(c) < q.shape[1] for c in carried):
-        ways += [dict(rounded=r, carried=carried) for r in (False, True)]
+        ways += [dict(w, carried=carried) for w in ways]
     return [segmented_form(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,
                            contract=contract, **w) for w in ways]
-
-
-class _RoundedCumsum(TorchFunctionMode):
-    """Every float32 cumulative sum computed in float64 and rounded once: each partial sum the float32
-    number nearest the exact one, where ``cumsum`` in float32 rounds after every addition.  Kernels sum
-    their cumulative gates in either way (a scan in registers, a sum carried across blocks); a decay
-    ``exp(G_i - G_j)`` of large ``|G|`` keeps only the low bits the two ways leave, which differ."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.cumsum, torch.Tensor.cumsum) and args and isinstance(args[0], torch.Tensor) \
-                and args[0].dtype == torch.float32:
-            return func(args[0].double(), *args[1:], **kwargs).float()
-        return func(*args, **kwargs)
-
-
-class _SequentialCumsum(TorchFunctionMode):
-    """Every float32 cumulative sum as a loop of float32 additions, one rounding after each: what a kernel that
-    carries its running sum in a register computes, on any device (``torch.cumsum`` accumulates float32 in
-    float64 on a CPU, and in a parallel scan on CUDA)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.cumsum, torch.Tensor.cumsum) and args and isinstance(args[0], torch.Tensor) \
-                and args[0].dtype == torch.float32:
-            dim = args[1] if len(args) > 1 else kwargs["dim"]
-            x = args[0].movedim(dim, 0)
-            out = torch.empty_like(x)
-            acc = torch.zeros_like(x[0])
-            for i in range(x.shape[0]):
-                acc = acc + x[i]
-                out[i] = acc
-            return out.movedim(0, dim)
-        return func(*args, **kwargs)
 
 
 def _segment_gates(g: torch.Tensor, edges: list, carried: set) -> list:
@@ -256,13 +289,14 @@ def _segment_gates(g: torch.Tensor, edges: list, carried: set) -> list:
 
 
 def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), rounded: bool = False,
-                   carried=(), contract=None):
+                   carried=(), contract=None, exp=None):
     """(o, S) of the chunkwise form with chunk boundaries at ``starts`` (sorted token positions, the first 0),
     in the inputs' compute dtype under ``contract``: the tokens between two boundaries form one chunk, whose
     cumulative gates start at its first token (``carried`` boundaries: rebased from the frame before it,
     ``_segment_gates``).  A buffer computes exactly this way between its folds (its cumulative gates run from
     the buffer's start), so it is the buffer operations' own form.  rounded: the cumulative gates as correctly
-    rounded partial sums (``_RoundedCumsum``) instead of a loop of float32 additions (``_SequentialCumsum``).
+    rounded partial sums instead of a loop of float32 additions (``_Arithmetic``'s ``cumsum``); exp="ex2":
+    exponentials as a GPU kernel takes them (``exp_ex2``).
     bf16-state rounds the state at every boundary.  Batch of any B, the same boundaries for every request."""
     contract = check_contract(current_contract() if contract is None else contract)
     T = q.shape[1]
@@ -273,7 +307,7 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
         return v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3]), S
     edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T]
     outs = []
-    with (_RoundedCumsum() if rounded else _SequentialCumsum()), emulate(contract):
+    with _Arithmetic(products=_products(contract), cumsum="rounded" if rounded else "sequential", exp=exp):
         x = prepare_tokens(q, k, v, g, beta, scale)
         S = (torch.zeros(x.dims.B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
              if initial_state is None else initial_state.to(x.v.dtype))

@@ -2,10 +2,12 @@
 
 Each worker is a fresh Python started with the ``spawn`` method: it inherits this process's environment
 (``TRITON_INTERPRET`` included, so triton is imported in the right mode), ``sys.path`` and working
-directory, and none of its threads or Triton state.  It rebuilds each implementation from its ``spec``
-(``implementations.resolve``), keeping every declaration of the parent's object (a ``--contract``
-override included), runs the lanes it is sent one at a time with ``runner.run_lane`` (the same seeds, so
-the same cases and verdicts as in one process), and sends back each ``LaneResult`` and its progress lines.
+directory, and none of its threads or Triton state.  It rebuilds each implementation (``Implementation.rebuild``,
+which ``implementations.resolve`` sets), keeping every declaration of the parent's object (a ``--contract``
+override included), runs the lanes it is sent one at a time with the caller's ``run_lane`` (``runner.run_lane``:
+the same seeds, so the same cases and verdicts as in one process), and sends back each ``LaneResult`` and its
+progress lines.  The runner hands this module every function of its own that a worker needs, so this module
+imports nothing above it.
 
 Lanes are handed out in plan order, and results are reported (``on_result``, ``report.lanes``) in plan
 order, each as soon as every lane before it is known.  ``fail_fast``: a failing lane ends the lanes after
@@ -54,8 +56,8 @@ def default_jobs(device: str) -> int:
 
 
 def parallel_ok(lanes) -> bool:
-    """Whether every lane to run has an implementation a worker can rebuild (``Implementation.spec``)."""
-    return all(l.impl.spec for l in lanes if l.status == "RUN")
+    """Whether every lane to run has an implementation a worker can rebuild (``Implementation.rebuild``)."""
+    return all(l.impl.rebuild is not None for l in lanes if l.status == "RUN")
 
 
 def _lane_key(lane: Lane, impls: list) -> tuple:
@@ -95,13 +97,12 @@ def _worker(conn, setup: dict) -> None:
     lane sent until ``None``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the workers
     try:
-        from ..implementations import resolve
-        from . import runner
         from .profiles import register_profiles
 
         torch.set_num_threads(setup["threads"])
         register_profiles()
-        impls = [replace(i, obj=resolve(i.spec).obj) for i in setup["impls"]]
+        impls = [replace(i, obj=i.rebuild().obj) for i in setup["impls"]]
+        run_lane = setup["run_lane"]
     except BaseException:
         conn.send(("fatal", traceback.format_exc()))
         return
@@ -124,7 +125,7 @@ def _worker(conn, setup: dict) -> None:
             if n not in prepared:
                 impl.prepare()
                 prepared.add(n)
-            r = runner.run_lane(lane, device=setup["device"], profile=setup["profile"], seed=setup["seed"],
+            r = run_lane(lane, device=setup["device"], profile=setup["profile"], seed=setup["seed"],
                                 max_examples=setup["max_examples"], shrink=setup["shrink"], replay=setup["replay"],
                                 progress=stream, edge_part=edge_part, explain=setup["explain"])
         except Exception as e:
@@ -145,9 +146,7 @@ class _Worker:
     lane: Optional[int] = None  # the lane it runs
 
 
-def _crashed(lane: Lane, code: Optional[int], seed: int) -> LaneResult:
-    from .runner import lane_seed
-
+def _crashed(lane: Lane, code: Optional[int], seed: int, lane_seed: Callable) -> LaneResult:
     if code is not None and code < 0:
         try:
             how = f"killed by signal {signal.Signals(-code).name}"
@@ -166,9 +165,11 @@ def _crashed(lane: Lane, code: Optional[int], seed: int) -> LaneResult:
 def run_lanes_parallel(lanes: list, report, *, jobs: int, device: str, profile: str, seed: int,
                        max_examples: Optional[int], shrink: bool, replay: Optional[str], fail_fast: bool,
                        on_result: Optional[Callable], progress, explain: bool, threads: int,
-                       run_here: Callable[[int], LaneResult]) -> None:
+                       run_here: Callable[[int], LaneResult], run_lane: Callable, lane_seed: Callable,
+                       edge_part: Callable) -> None:
     """``runner._run_lanes`` over ``jobs`` worker processes (see the module's text).  run_here(i): lane i
-    run in this process (when the workers cannot start)."""
+    run in this process (when the workers cannot start); run_lane, lane_seed, edge_part: the runner's
+    (a worker runs each lane with ``run_lane``; ``run_lane`` must pickle by reference, a module-level function)."""
     impls = []
     for l in lanes:
         if l.status == "RUN" and not any(l.impl is i for i in impls):
@@ -176,10 +177,8 @@ def run_lanes_parallel(lanes: list, report, *, jobs: int, device: str, profile: 
     todo = [i for i, l in enumerate(lanes) if l.status == "RUN"]
     setup = dict(impls=[replace(i, obj=None) for i in impls], device=device, profile=profile, seed=seed,
                  max_examples=max_examples, shrink=shrink, replay=replay, explain=explain,
-                 progress=progress is not None, threads=threads)
-    from .runner import _edge_part
-
-    tasks = {i: (i, _lane_key(lanes[i], impls), _edge_part(lanes[i], lanes)) for i in todo}
+                 progress=progress is not None, threads=threads, run_lane=run_lane)
+    tasks = {i: (i, _lane_key(lanes[i], impls), edge_part(lanes[i], lanes)) for i in todo}
     ctx = multiprocessing.get_context("spawn")
     n_workers = max(1, min(jobs, len(todo)))
     pending = deque(todo)
@@ -282,7 +281,7 @@ def run_lanes_parallel(lanes: list, report, *, jobs: int, device: str, profile: 
             state["fallback"] = f"a worker process exited with status {code} before it was ready"
             return
         if w.lane is not None and w.lane not in results and needed(w.lane):
-            known(w.lane, _crashed(lanes[w.lane], code, seed))
+            known(w.lane, _crashed(lanes[w.lane], code, seed, lane_seed))
         refill()
 
     def receive(w) -> bool:

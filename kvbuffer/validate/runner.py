@@ -614,7 +614,8 @@ def run_validation(impls: Sequence[Implementation], *, ops=None, dtypes=None, pr
             def here(i):
                 return _run_one(lanes[i], lanes, prepared, **kw)
             parallel.run_lanes_parallel(lanes, report, jobs=jobs, fail_fast=fail_fast, on_result=on_result,
-                                        threads=lane_threads, run_here=here, **kw)
+                                        threads=lane_threads, run_here=here, run_lane=run_lane, lane_seed=lane_seed,
+                                        edge_part=_edge_part, **kw)
         else:
             _run_lanes(lanes, report, fail_fast=fail_fast, on_result=on_result, prepared=prepared, **kw)
     finally:

@@ -317,7 +317,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, baseline: Baseline = N
     max_abs = float(big.max()) if big.numel() else 0.0
     if rel.numel() == 0:  # nothing to compare (B = 0 or no heads)
         return Comparison(name=name, dtype=dtype, worst_rel=0.0, worst_slice=(0, 0), max_abs=max_abs,
-                          baseline_rel=0.0, budget=tol.floor * torch.finfo(compute_dtype(dtype)).eps,
+                          baseline_rel=0.0, budget=floor,
                           nonfinite=nonfinite, contract=contract, ratio=0.0, ratios={contract: 0.0})
     # the slice that comes closest to (or goes furthest past) its own budget decides
     r = (rel / budgets).nan_to_num(nan=float("inf"))

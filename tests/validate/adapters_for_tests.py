@@ -45,12 +45,9 @@ def factory():
 
 # ----------------------------------------------------------------------------- arithmetic contracts
 def _emulated(contract, fn):
-    from kvbuffer.validate.contracts import emulate
+    from kvbuffer.validate.contracts import under_contract
 
-    def call(*a, **kw):
-        with emulate(contract):
-            return fn(*a, **kw)
-    return call
+    return under_contract(fn, contract)
 
 
 def _tf32_recurrent(q, k, v, **kw):

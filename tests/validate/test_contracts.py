@@ -10,6 +10,7 @@ from kvbuffer import cli as kcli
 from kvbuffer import implementations
 from kvbuffer.validate.cases import Case
 from kvbuffer.validate import properties as P
+from kvbuffer.validate.contracts import _Arithmetic, LOG2E_F32, exp_ex2
 from kvbuffer.validate.contracts import (CONTRACTS, baseline_recurrent, check_contract, correct_forms, emulate,
                                              round_bf16, round_tf32)
 from kvbuffer.validate.tolerances import active_contract, compare
@@ -60,16 +61,32 @@ def test_unknown_contract_names_are_refused():
             ref.direct_gated_delta_rule)))())
 
 
+def test_the_gpu_exponential_is_two_to_the_float32_product_with_log2_e():
+    x = torch.tensor([-0.3, -8.0, -50.0, float("-inf")], dtype=torch.float32)
+    e = exp_ex2(x)
+    y = x * torch.tensor(LOG2E_F32)  # rounded to float32: the argument ex2.approx.f32 receives
+    assert y.dtype == torch.float32 and torch.equal(e, torch.exp2(y.double()).float())
+    rel = (e[:3].double() / x[:3].double().exp() - 1).abs()
+    # the product's rounding moves the result by up to |x| log2(e) 2^-24 ln 2, more than float32's own
+    # rounding of a correctly rounded exp (2^-24) once |x| is large
+    bound = x[:3].double().abs() * 2 ** -24 + 2 ** -24
+    assert bool((rel <= bound).all()) and float(rel[2]) > 2 ** -24
+    assert float(e[3]) == 0.0 and torch.equal(exp_ex2(x.double()), x.double().exp())
+
+
 def test_the_correct_forms_are_the_recurrence_and_with_a_chunk_the_chunkwise_form():
     x = Case(B=1, T=20, H=1, HV=2, K=8, V=8, gate="mixed", seed=2).inputs(torch.float32)
-    (rec,) = correct_forms(**x)
+    rec, rec_ex2 = correct_forms(**x)
     assert torch.equal(rec[0], ref.recurrent_gated_delta_rule(**x)[0])
+    with _Arithmetic(exp="ex2"):  # the recurrence with its exponentials as a GPU takes them
+        assert torch.equal(rec_ex2[0], ref.recurrent_gated_delta_rule(**x)[0])
+    assert len(correct_forms(**{n: t.double() for n, t in x.items()})) == 1  # float64: one exponential
     forms = correct_forms(**x, chunks=(8,))
-    assert len(forms) >= 2 and torch.equal(forms[0][0], rec[0])
+    assert len(forms) >= 3 and torch.equal(forms[0][0], rec[0])
     c8 = ref.chunk_gated_delta_rule(**x, chunk_size=8)[0]
     truth = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()})[0]
     # the chunkwise forms are the chunked computation (its cumulative gates summed one way or the other)
-    assert any(float((o - c8).norm()) <= float((c8 - truth).norm()) for o, _ in forms[1:])
+    assert any(float((o - c8).norm()) <= float((c8 - truth).norm()) for o, _ in forms[2:])
     # truth_and_baseline (chunks of 8 and of 64): row by row the worst of those forms, so each slice's baseline
     # error is at least each form's
     (o64, _), (ob, _) = P.truth_and_baseline(x, chunk=8)

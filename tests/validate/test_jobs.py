@@ -1,5 +1,6 @@
 """``kvbuffer validate --jobs N``: lanes in worker processes give the rows, verdicts and JSON of one process."""
 
+import functools
 import json
 import sys
 
@@ -63,7 +64,7 @@ def test_a_lane_that_ends_its_worker_is_that_lanes_error_and_the_rest_run():
 
 def test_the_lanes_run_in_this_process_when_the_workers_cannot_rebuild_the_adapter(capsys):
     impl = resolve("reference")
-    impl.spec = "tests.validate.no_such_module:reference"
+    impl.rebuild = functools.partial(resolve, "tests.validate.no_such_module:reference")
     rep = runner.run_validation([impl], ops=lanes.select_ops("direct"), seed=3, max_examples=1, jobs=2,
                                 progress=sys.stderr)
     assert [r.status for r in rep.lanes] == ["PASS", "PASS"]
