@@ -1120,13 +1120,14 @@ class _Builder:
                                out=torch.empty(B, T, s.HV, s.V, device=dev, dtype=self.wl.dtype)))
         return layers
 
-    def _fi_truth(self, ly: dict, hist: History, upto: Optional[int] = None) -> Truth:
+    def _fi_truth(self, ly: dict, hist: History, upto: Optional[int] = None, contract: str = "ieee") -> Truth:
         """The float64 truth over the history and the tokens as FlashInfer's kernel reads them (q, k normalised,
-        the gates of its raw inputs as rounded)."""
+        the gates of its raw inputs as rounded); the budgets' baseline under ``contract`` ("bf16-state" for its
+        bf16 pool: the correct forms with their state rounded to bf16 after every token)."""
         from kvbuffer.peers import flashinfer as FI
 
         x = FI.oracle_inputs(*(ly[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")))
-        return self.wl.truth(x, hist, upto=upto)
+        return self.wl.truth(x, hist, upto=upto, contract=contract)
 
     def _fi_slots(self, null_slot: bool) -> torch.Tensor:
         """int32 slots in a shuffled order, as an engine's are: 0..B-1, or 1..B where slot 0 is the null slot
@@ -1152,7 +1153,7 @@ class _Builder:
                for ly in layers]
         fn(**kws[0])
         ly0 = layers[0]
-        truth = self._fi_truth(ly0, hist)
+        truth = self._fi_truth(ly0, hist, contract="bf16-state" if bf16 else "ieee")
         S = FI.from_pool(ly0["pool"], slots if v_major else torch.arange(B, device=self.wl.device), v_major=v_major)
         checks = [self.wl.compare(f"{op}.o", ly0["out"], truth),
                   self.wl.compare(f"{op}.state", S, truth, state=True, dtype=torch.bfloat16 if bf16 else None)]
