@@ -2,13 +2,14 @@
 
     python3 -m bench.gpu [--out DIR] [--before DIR] [--batches 64,128,256,512] [--layers 4]
                          [--ops OP,...] [--peer-path REPLAYSSM_CHECKOUT] [--sglang-path WHEEL_OR_DIR]
-                         [--set OP.FIELD=VALUE ...] [--smoke]
+                         [--flashinfer-path DIR] [--set OP.FIELD=VALUE ...] [--smoke]
 
 For each batch and each operation of ``bench/workloads.py`` (a read of the state alone; decode over a
 whole buffer cycle, the fold included; verify of d drafts; accept of m; a speculative round; with their
 peers: the recurrent baseline, the per-draft-state baseline, fla's fused_recurrent and chunk kernels; the
 serving pool ``kvbuffer_fast.pool.KVPool``; ReplaySSM's decode and speculative kernels from ``--peer-path``;
-SGLang's packed decode from ``--sglang-path``, by default the checkout's ``.whl/sglang/``), the runner
+SGLang's packed decode from ``--sglang-path``, by default the checkout's ``.whl/sglang/``; FlashInfer's GDN
+decode, MTP verify and round from ``--flashinfer-path``, by default the checkout's ``.fi-site/``), the runner
 
 1. builds ``--layers`` layers of distinct states and buffers and compares layer 0's eager result,
    compiled, with the float64 oracle: a wrong result is recorded and not timed;
@@ -99,14 +100,15 @@ def _row(case, ms: float, method: str, copy: dict) -> dict:
 
 
 def measure(plan, overrides: dict, smoke: bool, deadline: float, ops=None, peer_path=None,
-            sglang_path=None) -> dict:
+            sglang_path=None, flashinfer_path=None) -> dict:
     """Every case of ``plan`` against the kvbuffer_fast on ``sys.path``: rows, skips, failures.  A peer's
     case (ReplaySSM's kernels from ``peer_path``, SGLang's from ``sglang_path``) is timed even where its
     error is past the budget: its row carries the comparisons and ``within_budget: false``."""
     import kvbuffer_fast  # here: under --smoke the interpreter is chosen before triton is imported
 
     device = "cpu" if smoke else "cuda"
-    api = W.Api(overrides, peer_path=peer_path, sglang_path=sglang_path)
+    api = W.Api(overrides, peer_path=peer_path, sglang_path=sglang_path,
+                **({} if flashinfer_path is None else dict(flashinfer_path=flashinfer_path)))
     package = Path(kvbuffer_fast.__file__).resolve().parent.parent
     out = dict(versions(), package=str(package), sources_sha256=sources_digest(package), rows=[],
                skips=[], failures=[])
@@ -218,6 +220,10 @@ def main(argv=None) -> int:
                          "for sglang_decode, its kernel files read from there, SGLang never installed (default: "
                          "the checkout's .whl/sglang/; without the wheel the op is skipped with the reason; '' "
                          "skips it)")
+    ap.add_argument("--flashinfer-path", metavar="DIR", default=None,
+                    help="a prefix holding FlashInfer and its CuTe-DSL dependencies (scripts/flashinfer_wheels.sh; "
+                         "default: the checkout's .fi-site/ where it exists, else an installed flashinfer) for the "
+                         "flashinfer_* ops; without FlashInfer they are skipped with the reason; '' skips them")
     ap.add_argument("--budget-s", type=float, default=TIME_BUDGET_S, help="time budget of the whole run")
     ap.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # one package root, into JSON
     ap.add_argument("--package-root", help=argparse.SUPPRESS)
@@ -253,25 +259,26 @@ def main(argv=None) -> int:
         got = Path(kvbuffer_fast.__file__).resolve().parent.parent
         if args.package_root and got != Path(args.package_root).resolve():
             raise SystemExit(f"bench.gpu worker: kvbuffer_fast came from {got}, not {args.package_root}")
-        res = measure(plan, {}, args.smoke, start + args.budget_s, ops, args.peer_path, args.sglang_path)
+        res = measure(plan, {}, args.smoke, start + args.budget_s, ops, args.peer_path, args.sglang_path,
+                      args.flashinfer_path)
         Path(args.worker).write_text(json.dumps(res))
         return 0
 
     result = dict(kind="kvbuffer-gpu-runner", smoke=args.smoke, started=time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                      time.gmtime()),
                   plan=plan.as_dict(), overrides=overrides, peer_path=args.peer_path, sglang_path=args.sglang_path,
-                  **git_commit())
+                  flashinfer_path=args.flashinfer_path, **git_commit())
     trees = {}
     if args.before:  # first, while this process holds no device memory
         passthru = ["--budget-s", str(args.budget_s / 2)] + (["--smoke"] if args.smoke else [])
         for flag, value in (("--batches", args.batches), ("--layers", args.layers), ("--ops", args.ops),
                             ("--peer-path", args.peer_path), ("--sglang-path", args.sglang_path),
-                            ("--fill", args.fill)):
+                            ("--flashinfer-path", args.flashinfer_path), ("--fill", args.fill)):
             passthru += [flag, str(value)] if value is not None else []
         trees["before"] = measure_before(Path(args.before), passthru, timeout=args.budget_s / 2 + 120)
     remaining = args.budget_s - (time.time() - start)
     trees["after"] = measure(plan, overrides, args.smoke, time.time() + remaining, ops, args.peer_path,
-                             args.sglang_path)
+                             args.sglang_path, args.flashinfer_path)
     for tree in trees.values():
         ratios(tree["rows"])
     result.update({k: v for k, v in trees["after"].items() if k in ("device", "torch", "triton", "fla", "python",

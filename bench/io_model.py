@@ -86,6 +86,15 @@ def packed_decode_step(s: Shapes, B: int, token_bytes: int = 2, gate_bytes: int 
     return 2 * state_bytes(s, B) + B * row
 
 
+def split_decode_step(s: Shapes, B: int, state_elem_bytes: int = 4, token_bytes: int = 2, gate_bytes: int = 2,
+                      indexed: bool = True) -> float:
+    """A decode step on separate q, k, v (FlashInfer's): the state read and written in place at
+    ``state_elem_bytes`` per element, q, k, v in and o out in the token dtype, a and b [B, HV] of
+    ``gate_bytes``, one int32 slot index per request where the state is a pool (``indexed``)."""
+    row = (2 * s.H * s.K + 2 * s.HV * s.V) * token_bytes + 2 * s.HV * gate_bytes + (4 if indexed else 0)
+    return 2 * B * s.HV * s.K * s.V * state_elem_bytes + B * row
+
+
 def engine_inputs_step(s: Shapes, B: int, token_bytes: int = 2) -> float:
     """``engine_inputs`` of one token per request: the packed row and a, b read; q, k (float32), v (the
     token dtype), g and beta (float32) written."""

@@ -90,11 +90,11 @@ def oracle_errors(rows: list) -> list:
 
 
 def peer_errors(rows: list) -> list:
-    """[op, B, comparison, worst rel, budget, within] of every peer row (ReplaySSM's, SGLang's): its error
+    """[op, B, comparison, worst rel, budget, within] of every peer row (ReplaySSM's, SGLang's, FlashInfer's): its error
     against the float64 oracle beside its time."""
     out = []
     for r in rows:
-        if r["op"].startswith(("replayssm", "sglang")):
+        if r["op"].startswith(("replayssm", "sglang", "flashinfer")):
             for c in r.get("checks", []):
                 out.append([r["op"], r["B"], c.get("name"), f"{c.get('worst_rel', float('nan')):.2e}",
                             f"{c.get('budget', float('nan')):.2e}", "yes" if c.get("passed") else "NO"])
@@ -154,7 +154,9 @@ def runner_markdown(result: dict) -> str:
         ops = {p[0] for p in perr}
         where = ([f"ReplaySSM's kernels from `{result.get('peer_path')}`"] if any(o.startswith("replayssm") for o in ops)
                  else []) + ([f"SGLang's from `{result.get('sglang_path')}`"] if any(o.startswith("sglang") for o in ops)
-                             else [])
+                             else []) + (
+            [f"FlashInfer {next((r.get('flashinfer') for r in after.get('rows', []) if r.get('flashinfer')), '?')}'s "
+             f"GDN kernels"] if any(o.startswith("flashinfer") for o in ops) else [])
         md += ["## Peers against the float64 oracle", "",
                ", ".join(where) + "; layer 0's comparisons (requests 0 and B - 1) under the tolerance table of the "
                "token dtype; a peer is timed even past the budget.", "",
@@ -176,7 +178,7 @@ def runner_markdown(result: dict) -> str:
 
 #: Name prefixes of the series that are not this project's: the peers and the per-draft-state baselines
 #: (``read_state`` is the measured floor of a state read, drawn as a reference).
-OTHERS = ("fla_", "replayssm_", "sglang_", "per_draft_state_")
+OTHERS = ("fla_", "replayssm_", "sglang_", "flashinfer_", "per_draft_state_")
 _OURS_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:cyan", "#1a237e", "tab:olive")
 _PEER_COLOURS = ("0.35", "tab:brown", "tab:pink", "0.6", "#8d6e63", "#9e9d24")
 _PEER_STYLES = (("--", "v"), (":", "s"), ("-.", "D"), ((0, (5, 1, 1, 1, 1, 1)), "^"), ((0, (1, 3)), "P"))

@@ -41,6 +41,10 @@ round
 decode    ``sglang_decode``                SGLang's packed decode from ``--sglang-path`` (default: the
                                            checkout's ``.whl/sglang/``): one token, its fp32 state pool
                                            updated in place by slot
+decode,   ``flashinfer_*``                 FlashInfer's GDN kernels (``--flashinfer-path``, default the
+verify,                                    checkout's ``.fi-site/``, else an installed flashinfer): decode
+round                                      (fp32 pool, bf16 pool, K-major state), MTP verify, and a round
+                                           (MTP verify, then the accepted state copied into the pool)
 ========  ===============================  ============================================================
 
 Each package root (this one, and ``--before``'s older one) is driven through ``Api``: ``config=`` objects from
@@ -72,11 +76,14 @@ import torch.nn.functional as F
 from bench import io_model as io
 
 __all__ = ["Plan", "GPU", "SMOKE", "Api", "Workload", "Case", "Skip", "OPS", "GROUPS", "PEERS", "build",
-           "parse_overrides", "SGLANG_PATH"]
+           "parse_overrides", "SGLANG_PATH", "FLASHINFER_PATH"]
 
 #: Where ``sglang_decode`` looks for SGLang's wheel by default: the checkout's ``.whl/sglang/`` (a folder
 #: holding a ``sglang-*.whl``; its kernel files are read from the wheel, SGLang is never installed).
 SGLANG_PATH = str(Path(__file__).resolve().parents[1] / ".whl" / "sglang")
+#: Where the ``flashinfer_*`` ops look for FlashInfer first: the prefix ``scripts/flashinfer_wheels.sh``
+#: prepares and the GPU call unpacks (``.fi-site/``); where it is absent, an installed flashinfer.
+FLASHINFER_PATH = str(Path(__file__).resolve().parents[1] / ".fi-site")
 
 
 @dataclass(frozen=True)
@@ -145,14 +152,16 @@ class Api:
     """
 
     def __init__(self, overrides: Optional[dict] = None, peer_path: Optional[str] = None,
-                 sglang_path: Optional[str] = SGLANG_PATH):
+                 sglang_path: Optional[str] = SGLANG_PATH, flashinfer_path: Optional[str] = FLASHINFER_PATH):
         import kvbuffer_fast as fast  # here: it imports triton, which --smoke must not import first
 
         self.fast = fast
         self.peer_path = peer_path
         self.sglang_path = sglang_path
+        self.flashinfer_path = flashinfer_path
         self._replayssm = None
         self._sglang = None
+        self._flashinfer = None
         here = os.path.dirname(fast.__file__)  # not find_spec: an editable install maps names to its own tree
         if not os.path.exists(os.path.join(here, "launch.py")):
             raise ImportError(f"{here}: this kvbuffer_fast has no launch tables (kvbuffer_fast.launch); the benchmarks "
@@ -225,6 +234,30 @@ class Api:
             return sg.load_kernels(path=self.sglang_path)
         except AdapterError as e:
             return Skip(f"--sglang-path: {e}")
+
+    def flashinfer(self, device: str):
+        """FlashInfer's GDN functions (``kvbuffer.peers.flashinfer.load``): from ``--flashinfer-path`` where
+        that folder exists, else an installed flashinfer.  Skip on the CPU (CuTe-DSL kernels, CUDA only),
+        where ``--flashinfer-path ''`` turns the ops off, or where it cannot be imported (the reason names
+        the package and version)."""
+        if device == "cpu":
+            raise Skip("FlashInfer's GDN kernels are CuTe-DSL CUDA kernels (SM90+): run bench.gpu on the GPU")
+        if self.flashinfer_path == "":
+            raise Skip("--flashinfer-path '': the flashinfer_* ops are off")
+        if self._flashinfer is None:
+            try:
+                fi = importlib.import_module("kvbuffer.peers.flashinfer")
+            except ImportError as e:
+                self._flashinfer = Skip(f"this kvbuffer has no FlashInfer peer (kvbuffer.peers.flashinfer): {e}")
+            else:
+                path = self.flashinfer_path if self.flashinfer_path and os.path.isdir(self.flashinfer_path) else None
+                try:
+                    self._flashinfer = fi.load(path)
+                except AdapterError as e:
+                    self._flashinfer = Skip(str(e))
+        if isinstance(self._flashinfer, Skip):
+            raise Skip(str(self._flashinfer))
+        return self._flashinfer
 
     def kwargs(self, op: str, fn: Callable, x: dict, C: int = 0) -> dict:
         """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x``: the ``config``
@@ -1067,6 +1100,164 @@ class _Builder:
         c.peer, c.note = True, (f"SGLang {kern.version}'s fused_recurrent_gated_delta_rule_packed_decode (from "
                                 f"{kern.source}): packed mixed_qkv, raw gates, q/k L2 norm in the kernel, each "
                                 "layer's fp32 pool [B, HV, V, K] in place by shuffled int32 slots")
+        return c
+
+    # ------------------------------------------------------------------ FlashInfer (--flashinfer-path)
+    def _fi_layers(self, T: int, seed: int, gate_seed: int, hist: History, *, pool_size: int, slots: torch.Tensor,
+                   state_dtype=torch.float32, v_major: bool = True):
+        """Per layer: the tokens, FlashInfer's raw gates (a, b in bf16) and a state pool holding the history's
+        state of request b in slot ``slots[b]`` (V-major [pool_size, HV, V, K] or K-major), built once."""
+        from kvbuffer.peers import flashinfer as FI
+
+        s, B, dev = self.s, self.B, self.wl.device
+        xs, layers = self._tokens(T, seed=seed), []
+        for layer, x in enumerate(xs):
+            A_log, dt_bias, a, b = FI.raw_gates(x["g"].reshape(B * T, s.HV), x["beta"].reshape(B * T, s.HV),
+                                                seed=gate_seed + layer)
+            pool = FI.to_pool(hist.buffer.state.float(), slots, pool_size, dtype=state_dtype, v_major=v_major)
+            layers.append(dict(q=x["q"], k=x["k"], v=x["v"], A_log=A_log, dt_bias=dt_bias,
+                               a=a.view(B, T, s.HV), b=b.view(B, T, s.HV), pool=pool,
+                               out=torch.empty(B, T, s.HV, s.V, device=dev, dtype=self.wl.dtype)))
+        return layers
+
+    def _fi_truth(self, ly: dict, hist: History, upto: Optional[int] = None, contract: str = "ieee") -> Truth:
+        """The float64 truth over the history and the tokens as FlashInfer's kernel reads them (q, k normalised,
+        the gates of its raw inputs as rounded); the budgets' baseline under ``contract`` ("bf16-state" for its
+        bf16 pool: the correct forms with their state rounded to bf16 after every token)."""
+        from kvbuffer.peers import flashinfer as FI
+
+        x = FI.oracle_inputs(*(ly[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")))
+        return self.wl.truth(x, hist, upto=upto, contract=contract)
+
+    def _fi_slots(self, null_slot: bool) -> torch.Tensor:
+        """int32 slots in a shuffled order, as an engine's are: 0..B-1, or 1..B where slot 0 is the null slot
+        (FlashInfer's bf16 pool redirects -1 pads to slot 0)."""
+        perm = torch.randperm(self.B, generator=torch.Generator().manual_seed(7)) + int(null_slot)
+        return perm.to(device=self.wl.device, dtype=torch.int32)
+
+    def _fi_decode(self, op: str, kind: str, state_dtype) -> Case:
+        fi = self.api.flashinfer(self.wl.device)
+        from kvbuffer.peers import flashinfer as FI
+
+        s, B = self.s, self.B
+        bf16 = state_dtype == torch.bfloat16
+        hist = self.wl.history(buffered=0)
+        slots = self._fi_slots(null_slot=bf16)
+        v_major = kind == "pretranspose"
+        layers = self._fi_layers(1, 1, 500 + 10 * bf16 + 20 * (not v_major), hist, pool_size=B + int(bf16),
+                                 slots=slots if v_major else torch.arange(B, device=self.wl.device),
+                                 state_dtype=state_dtype, v_major=v_major)
+        fn = fi.decode_pretranspose if v_major else fi.decode_kmajor
+        kws = [FI.decode_kwargs(kind, **{n: ly[n] for n in ("q", "k", "v", "A_log", "dt_bias", "a", "b", "pool",
+                                                             "out")}, slots=slots, scale=self.scale)
+               for ly in layers]
+        fn(**kws[0])
+        ly0 = layers[0]
+        truth = self._fi_truth(ly0, hist, contract="bf16-state" if bf16 else "ieee")
+        S = FI.from_pool(ly0["pool"], slots if v_major else torch.arange(B, device=self.wl.device), v_major=v_major)
+        checks = [self.wl.compare(f"{op}.o", ly0["out"], truth),
+                  self.wl.compare(f"{op}.state", S, truth, state=True, dtype=torch.bfloat16 if bf16 else None)]
+
+        def run():
+            for kw in kws:
+                fn(**kw)
+        nbytes = io.split_decode_step(s, B, state_elem_bytes=2 if bf16 else 4,
+                                      token_bytes=torch.empty(0, dtype=self.wl.dtype).element_size(), indexed=v_major)
+        c = self.case(op, "decode", run, self.L, nbytes, checks, flashinfer=fi.version, state_dtype=str(state_dtype)[6:],
+                      layout="[slots, HV, V, K]" if v_major else "[B, HV, K, V]")
+        c.peer = True
+        c.note = (f"FlashInfer {fi.version} {fn.__name__} (backend='flashinfer', from {fi.source}): separate q, k, v, "
+                  f"raw gates (a, b bf16), q/k L2 norm in the kernel, "
+                  + (f"each layer's {str(state_dtype)[6:]} pool [B{' + 1' if bf16 else ''}, HV, V, K] in place by "
+                     f"shuffled int32 slots{' (slot 0 its null slot)' if bf16 else ''}" if v_major else
+                     "each layer's fp32 state [B, HV, K, V] (our layout) in place, no pool"))
+        return c
+
+    def flashinfer_decode(self) -> Case:
+        """FlashInfer's ``gated_delta_rule_decode_pretranspose``, fp32 pool [B, HV, V, K] by int32 slots."""
+        return self._fi_decode("flashinfer_decode", "pretranspose", torch.float32)
+
+    def flashinfer_decode_bf16(self) -> Case:
+        """The same with a bf16 pool (its BF16-state kernel, K = V = 128; slot 0 the null slot)."""
+        return self._fi_decode("flashinfer_decode_bf16", "pretranspose", torch.bfloat16)
+
+    def flashinfer_decode_kmajor(self) -> Case:
+        """FlashInfer's ``gated_delta_rule_decode``: our layout [B, HV, K, V] fp32, one state per row."""
+        return self._fi_decode("flashinfer_decode_kmajor", "kmajor", torch.float32)
+
+    def _fi_mtp_layers(self, seed: int, gate_seed: int, hist: History, slots: torch.Tensor):
+        from kvbuffer.peers import flashinfer as FI
+
+        s, B, d = self.s, self.B, self.p.drafts
+        layers = self._fi_layers(d, seed, gate_seed, hist, pool_size=B, slots=slots)
+        kws = []
+        for ly in layers:  # preallocated per layer, as an engine's per-layer cache: no allocation inside the timing
+            ly["inter"] = torch.empty(B, d, s.HV, s.V, s.K, device=self.wl.device)
+            kws.append(FI.mtp_kwargs(**{n: ly[n] for n in ("q", "k", "v", "A_log", "dt_bias", "a", "b", "pool", "out")},
+                                     slots=slots, intermediate=ly["inter"], scale=self.scale))
+        return layers, kws
+
+    def flashinfer_mtp(self) -> Case:
+        """FlashInfer's ``gated_delta_rule_mtp`` of the d = 5 tokens (a chain) from each layer's fp32 pool by
+        slot: the pool frozen, every token's state written (the per-draft-state form)."""
+        fi = self.api.flashinfer(self.wl.device)
+        from kvbuffer.peers import flashinfer as FI
+
+        d = self.p.drafts
+        hist = self._state_history()
+        slots = self._fi_slots(null_slot=False)
+        layers, kws = self._fi_mtp_layers(3, 600, hist, slots)
+        fi.mtp(**kws[0])
+        ly0 = layers[0]
+        truth = self._fi_truth(ly0, hist)
+        checks = [self.wl.compare(f"flashinfer_mtp[d={d}].o", ly0["out"], truth),
+                  self.wl.compare(f"flashinfer_mtp[d={d}].last_state", ly0["inter"][:, d - 1].transpose(-1, -2),
+                                  truth, state=True),
+                  self.wl.compare(f"flashinfer_mtp[d={d}].pool_frozen", FI.from_pool(ly0["pool"], slots),
+                                  self._fi_truth(ly0, hist, upto=0), state=True)]
+
+        def run():
+            for kw in kws:
+                fi.mtp(**kw)
+        c = self.case("flashinfer_mtp", "verify", run, self.L, io.per_draft_verify(self.s, self.B, d), checks, d=d,
+                      flashinfer=fi.version)
+        c.peer = True
+        c.note = (f"FlashInfer {fi.version} gated_delta_rule_mtp (from {fi.source}): {d} tokens per request, the fp32 "
+                  "pool [B, HV, V, K] frozen (disable_state_update=True), every token's state into a per-layer "
+                  "intermediate_states_buffer [B, T, HV, V, K]; raw gates (a, b bf16), q/k L2 norm in the kernel")
+        return c
+
+    def flashinfer_round(self) -> Case:
+        """A speculative round as an engine runs it on FlashInfer: ``gated_delta_rule_mtp`` of d tokens on every
+        layer (pool frozen, every token's state kept), then on every layer the state after the m accepted
+        tokens copied into the request's slot (one ``index_copy_`` per layer)."""
+        fi = self.api.flashinfer(self.wl.device)
+        from kvbuffer.peers import flashinfer as FI
+
+        d, m = self.p.drafts, self.p.accepted
+        hist = self._state_history()
+        slots = self._fi_slots(null_slot=False)
+        sl = slots.long()
+        layers, kws = self._fi_mtp_layers(9, 700, hist, slots)
+        fi.mtp(**kws[0])
+        ly0 = layers[0]
+        FI.accept_into_pool(ly0["pool"], ly0["inter"], sl, m)
+        checks = [self.wl.compare(f"flashinfer_round[d={d}].o", ly0["out"], self._fi_truth(ly0, hist)),
+                  self.wl.compare(f"flashinfer_round[d={d}, m={m}].state", FI.from_pool(ly0["pool"], slots),
+                                  self._fi_truth(ly0, hist, upto=m), state=True)]
+
+        def run():
+            for kw in kws:
+                fi.mtp(**kw)
+            for ly in layers:
+                FI.accept_into_pool(ly["pool"], ly["inter"], sl, m)
+        c = self.case("flashinfer_round", "round", run, self.L,
+                      io.per_draft_verify(self.s, self.B, d) + io.per_draft_accept(self.s, self.B), checks, d=d, m=m,
+                      flashinfer=fi.version)
+        c.peer = True
+        c.note = (f"FlashInfer {fi.version} gated_delta_rule_mtp of {d} tokens on every layer (pool frozen, every "
+                  f"token's state kept), then the state after {m} tokens copied into each request's slot "
+                  "(index_copy_ per layer); FlashInfer's ReplaySSM commit needs SM100/SM120 and is not timed here")
         return c
 
     # ------------------------------------------------------------------ ReplaySSM (--peer-path)
