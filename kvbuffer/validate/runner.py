@@ -440,7 +440,10 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         notes = [str(x) for x in getattr(e, "__notes__", [])]
         f = state["failure"]
         m = next((_BLOB.search(x) for x in notes if _BLOB.search(x)), None)
-        if f is None:
+        if f is None and replay and type(e).__name__ == "DidNotReproduce":  # the replayed case passed
+            res.why = ("the replayed case passes: hypothesis could not reproduce the failure its blob records "
+                       "(fixed since, or recorded by another version of the implementation)")
+        elif f is None:
             res.status, res.klass = "ERROR", "raised"
             res.failure = dict(error=f"{type(e).__name__}: {e}", notes=notes, traceback=_where(e))
         else:

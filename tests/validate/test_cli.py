@@ -67,6 +67,10 @@ def test_an_exception_is_a_failure_shrunk_by_hypothesis_and_replayed_by_its_blob
     assert rc2 == 1
     assert f"seed={case['seed']}" in out2 and "B=3, T=3" in out2
     assert "  1  " in out2.splitlines()[3]  # one case run
+    # the same case against a correct implementation: it passes (not an ERROR of hypothesis's replay)
+    rc3, out3, _ = _main(capsys, "--impl", f"{ADAPTERS}:good", "--ops", "direct", "--dtype", "float64",
+                         "--replay", blob)
+    assert rc3 == 0 and "PASS" in out3 and "ERROR" not in out3, out3
 
 
 def test_the_same_seed_draws_the_same_cases(capsys, tmp_path):
