@@ -4,7 +4,8 @@
 callable that is not itself an operation, called with no arguments).  Ready adapters: ``reference``
 (kvbuffer_ref, float64 and float32, both forms), ``fast`` (kvbuffer_fast, the Triton kernels), ``fla``
 (flash-linear-attention's fused_recurrent / chunk kernels, gated delta rule and KDA), ``fla-pool`` (fla's
-pooled KDA decode step, in its engine convention), ``replayssm`` and the ``sglang`` family (``kvbuffer.peers``).
+pooled KDA decode step, in its engine convention), ``replayssm``, the ``sglang`` family, ``hf`` (HF transformers'
+torch fallbacks) and the ``vllm`` family (``kvbuffer.peers``).
 Short names: ``ref``, ``fast``, ``fla``, ``fla-pool``.
 """
 
@@ -18,7 +19,7 @@ import types
 
 import torch
 
-from .peers import replayssm, sglang
+from .peers import hf, replayssm, sglang, vllm
 from .peers.fla import fla, fla_pool
 from .validate.adapters import (DEFAULT_IN_PLACE, OPERATION_ATTRS, POISON_ENV, AdapterError, Implementation,
                                 _is_adapter, describe, interpreter_active, unavailable)
@@ -122,13 +123,14 @@ def fast() -> Implementation:
 
 _SGLANG = {"sglang": sglang.sglang, "sglang-decode": sglang.sglang_decode, "sglang-packed": sglang.sglang_packed,
            "sglang-pool": sglang.sglang_pool, "sglang-chunk": sglang.sglang_chunk}
+_VLLM = {"vllm": vllm.vllm, "vllm-decode": vllm.vllm_decode, "vllm-packed": vllm.vllm_packed}
 _BUILTIN = {"reference": reference, "ref": reference, "kvbuffer_ref": reference,
             "fast": fast, "kvbuffer_fast": fast, "fla": fla, "fla-pool": fla_pool, "replayssm": replayssm.replayssm,
-            **_SGLANG}
+            "hf": hf.hf, **_SGLANG, **_VLLM}
 
 
 def builtin_names() -> list[str]:
-    return ["reference", "fast", "fla", "fla-pool", "replayssm", *_SGLANG]
+    return ["reference", "fast", "fla", "fla-pool", "replayssm", *_SGLANG, "hf", *_VLLM]
 
 
 def resolve(spec: str) -> Implementation:

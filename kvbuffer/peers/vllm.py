@@ -1,0 +1,418 @@
+"""vLLM's own gated-delta-rule Triton kernels (its copy of fla) behind the validator, never copied here.
+
+The kernel files are read from where the user has them: ``--peer-path`` (``$KVBUFFER_PEER_PATH``: a vLLM
+checkout, a folder holding the ``vllm`` package such as site-packages or an unpacked wheel, a
+``vllm-*.whl`` or a folder holding one), else an installed ``vllm`` (found, not imported).  vLLM keeps
+the files under ``vllm/third_party/flash_linear_attention/ops/`` (0.34) or
+``vllm/model_executor/layers/fla/ops/`` (earlier releases); both are looked for.  Only the kernel files
+run: ``vllm/__init__`` and the rest of vLLM are never imported.  Their imports of the rest of vLLM are
+served by shims written to a temporary folder (the ops package itself is vLLM's folder, reached through
+the shim package's ``__path__``):
+
+    vllm.triton_utils            triton, tl, tldevice (libdevice): vLLM's own re-exports of Triton
+    vllm.platforms               current_platform: is_cuda, is_rocm, is_cuda_alike, get_device_name,
+                                 get_device_capability, is_device_capability(_family): the queries the
+                                 files make at import and launch, answered from torch.cuda as vLLM does
+    vllm.utils.platform_utils    cuda_get_device_properties, num_compute_units (imported by utils.py)
+
+Under the Triton interpreter fla's module-level aliases of Triton builtins (``exp = tl.exp`` in
+``op.py``, which the interpreter does not patch) become jitted calls of the same builtin, as for SGLang.
+
+The kernels and the lanes each serves (vLLM's convention: states [slots, HV, V, K] float32 in a pool
+addressed by int32 ``ssm_state_indices``, slot 0 the null block the kernels skip, ``cu_seqlens`` int32 as
+vLLM's ``query_start_loc``):
+
+``vllm``         ``fused_recurrent_gated_delta_rule`` (``inplace_final_state=True``) with q, k, v, log gate
+                 g and beta as the oracle has them: ``recurrent`` and ``recurrent_varlen`` through vLLM's
+                 multi-token layout (2-D indices [N, T]: the initial state read from column 0, the state
+                 after token t written to column t, as its speculative path calls it), the final state read
+                 from column T_n - 1; ``recurrent_decode`` through its decode layout (1-D indices, T = 1)
+``vllm-decode``  ``fused_sigmoid_gating_delta_rule_update``: the decode step of vLLM's Qwen3-Next / Qwen3.5
+                 GDN layer (``qwen_gdn_linear_attn.py``), in that convention (``engine.engine_adapter``)
+``vllm-packed``  ``fused_recurrent_gated_delta_rule_packed_decode``: the packed decode the same layer takes
+                 (``mixed_qkv`` [N, 2 H K + HV V], ``out`` [N, 1, HV, V])
+
+Contract: elementwise float32 (``tl.sum`` of products, no ``tl.dot``): "ieee".  Not mapped: vLLM's
+``chunk_gated_delta_rule`` (its prefill; its import chain reaches vLLM's JIT warm-up machinery,
+``vllm.model_executor.warmup``), the KDA and post-conv kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
+from .engine import engine_adapter
+from .replayssm import PEER_ENV
+
+__all__ = ["locate", "load_kernels", "VLLMRecurrent", "vllm", "vllm_decode", "vllm_packed", "decode_step",
+           "packed_step", "OPS_DIRS"]
+
+#: Where vLLM keeps its fla copy, newest layout first.
+OPS_DIRS = (Path("vllm/third_party/flash_linear_attention/ops"), Path("vllm/model_executor/layers/fla/ops"))
+_NEEDED = ("fused_recurrent.py", "fused_sigmoid_gating.py", "op.py", "utils.py")
+
+_SHIM_TRITON = '''"""Shim of vllm.triton_utils (kvbuffer validate): vLLM's re-exports of Triton."""
+import triton
+import triton.language as tl
+import triton.language.extra.libdevice as tldevice
+'''
+_SHIM_PLATFORMS = '''"""Shim of vllm.platforms (kvbuffer validate): the queries vLLM's fla files make, from torch.cuda."""
+from collections import namedtuple
+
+import torch
+
+_Capability = namedtuple("DeviceCapability", "major minor")
+
+
+class _Platform:
+    def is_cuda(self):
+        return torch.cuda.is_available() and torch.version.cuda is not None
+
+    def is_rocm(self):
+        return torch.cuda.is_available() and torch.version.hip is not None
+
+    def is_cuda_alike(self):
+        return torch.cuda.is_available()
+
+    def get_device_name(self, device_id=0):
+        return torch.cuda.get_device_name(device_id) if torch.cuda.is_available() else "cpu"
+
+    def get_device_capability(self, device_id=0):
+        if not torch.cuda.is_available():
+            return _Capability(0, 0)
+        return _Capability(*torch.cuda.get_device_capability(device_id))
+
+    def is_device_capability(self, capability, device_id=0):
+        c = self.get_device_capability(device_id or 0)
+        return c.major * 10 + c.minor == int(capability)
+
+    def is_device_capability_family(self, capability, device_id=0):
+        c = self.get_device_capability(device_id or 0)
+        return c.major == int(capability) // 10
+
+    def num_compute_units(self, device_id=0):
+        return torch.cuda.get_device_properties(device_id).multi_processor_count
+
+
+current_platform = _Platform()
+'''
+_SHIM_PLATFORM_UTILS = '''"""Shim of vllm.utils.platform_utils (kvbuffer validate)."""
+import torch
+
+
+def cuda_get_device_properties(device, names, init_cuda=False):
+    props = torch.cuda.get_device_properties(device)
+    return tuple(getattr(props, n) for n in names)
+
+
+def num_compute_units(device_id=0):
+    return torch.cuda.get_device_properties(device_id).multi_processor_count
+'''
+
+
+# ----------------------------------------------------------------------------- finding the kernel files
+def _version_of(root: Path) -> str:
+    """'0.34.0 (commit 62d4bc3c7)' from vllm/_version.py, else the checkout's git HEAD, else '?'."""
+    f = root / "vllm" / "_version.py"
+    if f.is_file():
+        text = f.read_text()
+        v = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text)
+        c = re.search(r"""__commit_id__\s*=\s*(?:commit_id\s*=\s*)?['"]g?([0-9a-f]+)['"]""", text)
+        if v:
+            return v.group(1) + (f" (commit {c.group(1)})" if c else "")
+    head = root / ".git" / "HEAD"
+    if head.is_file():
+        ref = head.read_text().strip()
+        if ref.startswith("ref: "):
+            p = root / ".git" / ref[5:]
+            ref = p.read_text().strip() if p.is_file() else ref
+        return f"git {ref[:12]}"
+    return "?"
+
+
+_EXTRACTED: dict = {}
+
+
+def _from_wheel(whl: Path) -> Path:
+    """The wheel's fla kernel folder and _version.py extracted to a temporary folder (a tree root)."""
+    key = str(whl.resolve())
+    if key not in _EXTRACTED:
+        root = Path(tempfile.mkdtemp(prefix="kvbuffer-vllm-wheel-"))
+        pats = [re.escape(d.as_posix()) + r"/[^/]+\.py" for d in OPS_DIRS] + [r"vllm/_version\.py"]
+        try:
+            with zipfile.ZipFile(whl) as z:
+                for n in z.namelist():
+                    if any(re.fullmatch(p, n) for p in pats):
+                        z.extract(n, root)
+        except (OSError, zipfile.BadZipFile) as e:
+            raise AdapterError(f"--peer-path {whl}: not a readable wheel ({e})") from None
+        _EXTRACTED[key] = root
+    return _EXTRACTED[key]
+
+
+def _ops_of(root: Path) -> Optional[Path]:
+    for d in OPS_DIRS:
+        if all((root / d / f).is_file() for f in _NEEDED):
+            return root / d
+    return None
+
+
+def _tree(path: Path) -> Optional[tuple]:
+    """(ops folder, version) of a checkout / a folder holding the vllm package / a wheel / a folder with one."""
+    if path.is_file() and path.suffix == ".whl":
+        root = _from_wheel(path)
+        ops = _ops_of(root)
+        return (ops, _version_of(root)) if ops else None
+    if not path.is_dir():
+        return None
+    ops = _ops_of(path)
+    if ops:
+        return ops, _version_of(path)
+    wheels = sorted(path.glob("vllm-*.whl"))
+    return _tree(wheels[-1]) if wheels else None
+
+
+def locate(path=None) -> tuple:
+    """(ops folder, version, where from) of vLLM's fla kernels: ``path`` when given (that place only), else
+    ``$KVBUFFER_PEER_PATH``, else an installed ``vllm``.  AdapterError saying what was looked at."""
+    where = [d.as_posix() for d in OPS_DIRS]
+    hint = ("Get them without vLLM's dependencies: git clone https://github.com/vllm-project/vllm (then "
+            "--peer-path vllm), or python3 -m pip download --no-deps vllm -d DIR (then --peer-path DIR)")
+    if path is not None:
+        found = _tree(Path(path))
+        if found:
+            return found[0], found[1], str(path)
+        raise AdapterError(f"vLLM's kernels not found: {path} holds none of {', '.join(where)} with "
+                           f"{', '.join(_NEEDED)}. {hint}")
+    looked = []
+    given = os.environ.get(PEER_ENV)
+    if given:
+        found = _tree(Path(given))
+        if found:
+            return found[0], found[1], f"--peer-path {given}"
+        looked.append(f"--peer-path {given} holds no vLLM fla kernels ({' or '.join(where)})")
+    spec = importlib.util.find_spec("vllm")  # found, not imported
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0]).parent
+        ops = _ops_of(root)
+        if ops:
+            return ops, _version_of(root), f"installed vllm ({root / 'vllm'})"
+        looked.append(f"the installed vllm ({root / 'vllm'}) has none of {', '.join(where)}")
+    else:
+        looked.append("no vllm package is installed")
+    raise AdapterError("vLLM's kernels not found: " + "; ".join(looked) + f". {hint}")
+
+
+# ----------------------------------------------------------------------------- loading them
+def _shims(ops: Path) -> tuple:
+    """A temporary folder with a minimal ``vllm`` package whose fla ops package is vLLM's own folder; and
+    the dotted name of that ops package."""
+    root = Path(tempfile.mkdtemp(prefix="kvbuffer-vllm-shims-"))
+    rel = next(d for d in OPS_DIRS if ops.as_posix().endswith(d.as_posix()))
+    files = {"vllm/__init__.py": '"""Shim of vllm (kvbuffer validate): only its fla kernel files load."""\n',
+             "vllm/triton_utils/__init__.py": _SHIM_TRITON, "vllm/platforms/__init__.py": _SHIM_PLATFORMS,
+             "vllm/utils/__init__.py": "", "vllm/utils/platform_utils.py": _SHIM_PLATFORM_UTILS}
+    parts = rel.parts
+    for i in range(2, len(parts)):
+        files.setdefault("/".join(parts[:i]) + "/__init__.py", "")
+    files[rel.as_posix() + "/__init__.py"] = f"__path__ = [{str(ops)!r}]\n"
+    for p, text in files.items():
+        (root / p).parent.mkdir(parents=True, exist_ok=True)
+        (root / p).write_text(text)
+    return root, ".".join(parts)
+
+
+def load_kernels(path=None) -> types.SimpleNamespace:
+    """vLLM's fla kernel modules (``locate(path)``), imported with the shims first on sys.path, the
+    process's own ``vllm`` modules (if any) set aside meanwhile and restored after."""
+    ops, version, source = locate(path)
+    shims, pkg = _shims(ops)
+    saved = {n: m for n, m in sys.modules.items() if n == "vllm" or n.startswith("vllm.")}
+    for n in saved:
+        del sys.modules[n]
+    sys.path.insert(0, str(shims))
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fr = importlib.import_module(f"{pkg}.fused_recurrent")
+            fs = importlib.import_module(f"{pkg}.fused_sigmoid_gating")
+        if interpreter_active():
+            from .sglang import _interpreter_fixes
+            _interpreter_fixes({n: m for n, m in sys.modules.items() if n.startswith(pkg + ".")})
+    except Exception as e:
+        raise AdapterError(f"vLLM's kernels from {source} ({ops}): importing them failed: {type(e).__name__}: {e}") \
+            from None
+    finally:
+        sys.path.remove(str(shims))
+        for n in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+    return types.SimpleNamespace(
+        version=version, source=source, ops=ops,
+        fused_recurrent_gated_delta_rule=fr.fused_recurrent_gated_delta_rule,
+        fused_recurrent_gated_delta_rule_packed_decode=getattr(fr, "fused_recurrent_gated_delta_rule_packed_decode",
+                                                               None),
+        fused_sigmoid_gating_delta_rule_update=fs.fused_sigmoid_gating_delta_rule_update)
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and not interpreter_active()
+
+
+_NOT_BUFFERED = {
+    "direct_gated_delta_rule": "vLLM has no stateless (direct) form",
+    "buffered_decode": "not a vLLM kernel (its decode reads and writes the state every step)",
+    "flush": "vLLM has no buffer", "materialize_state": "vLLM has no buffer",
+    "verify": "vLLM's speculative decode keeps a state per draft (not mapped here)",
+    "accept": "vLLM's speculative decode keeps a state per draft (not mapped here)",
+    "prefill": "vLLM has no buffer hand-off",
+}
+
+
+# ----------------------------------------------------------------------------- vllm: the oracle's convention
+class VLLMRecurrent:
+    """``fused_recurrent_gated_delta_rule`` of vLLM's fla copy in the oracle's signature (module docstring).
+
+    The state pool is float32 [1 + slots, HV, V, K], NaN wherever no state is placed (slot 0, the null
+    block, is never addressed); the slots are a shuffled range starting at 1.  q/k normalisation in the
+    kernel off (the caller normalises), scalar gates only (the kernel is launched with IS_KDA=False)."""
+
+    contract = "ieee"
+    channel_gate = False
+    forms = ("u",)
+    varlen = ("recurrent_gated_delta_rule",)
+
+    def __init__(self, kernels):
+        self._k = kernels
+        self.version = kernels.version
+        self.name = f"vllm {kernels.version}"
+        self.interpreted = interpreter_active()
+        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.not_provided = dict(_NOT_BUFFERED, chunk_gated_delta_rule="vLLM's chunk_gated_delta_rule is not mapped "
+                                 "by this adapter")
+        self._gen = torch.Generator().manual_seed(0)
+
+    def _slots(self, n: int, device) -> torch.Tensor:
+        return (torch.randperm(n, generator=self._gen) + 1).to(device=device, dtype=torch.int32)
+
+    def recurrent_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   cu_seqlens=None):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        if cu_seqlens is None:
+            lengths = [T] * B
+        else:
+            lengths = [int(b - a) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+        N, width = len(lengths), max(1, max(lengths, default=1))
+        idx = self._slots(N * width, q.device).view(N, width)
+        pool = torch.full((N * width + 1, HV, V, K), float("nan"), dtype=torch.float32, device=q.device)
+        first = idx[:, 0].long()
+        pool[first] = 0.0 if initial_state is None else initial_state.to(torch.float32).transpose(-1, -2)
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(torch.int32).contiguous()}
+        o, _ = self._k.fused_recurrent_gated_delta_rule(
+            q.contiguous(), k.contiguous(), v.contiguous(), g=g.contiguous(), beta=beta.contiguous(), scale=scale,
+            initial_state=pool, inplace_final_state=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=False, **kw)
+        if not output_final_state:
+            return o, None
+        last = idx[torch.arange(N, device=q.device), torch.tensor([max(n - 1, 0) for n in lengths],
+                                                                   device=q.device)].long()
+        return o, pool[last].transpose(-1, -2)
+
+    def recurrent_decode(self, q, k, v, *, g, beta, state, scale=None):
+        """One decode step as vLLM's GDN layer takes it: 1-D slot indices, one token per sequence (flattened,
+        ``cu_seqlens`` = 0..N), the pool updated in place; the new state copied back into ``state``."""
+        B, HV, K, V = state.shape
+        idx = self._slots(B, q.device)
+        pool = torch.full((B + 1, HV, V, K), float("nan"), dtype=torch.float32, device=q.device)
+        pool[idx.long()] = state.to(torch.float32).transpose(-1, -2)
+        flat = [t.reshape(1, B, *t.shape[2:]).contiguous() for t in (q, k, v, g, beta)]
+        cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+        o, _ = self._k.fused_recurrent_gated_delta_rule(
+            flat[0], flat[1], flat[2], g=flat[3], beta=flat[4], scale=scale, initial_state=pool,
+            inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx, use_qk_l2norm_in_kernel=False)
+        state.copy_(pool[idx.long()].transpose(-1, -2))
+        return o.reshape(v.shape)
+
+
+# ----------------------------------------------------------------------------- the engine-convention steps
+def decode_step(kernels):
+    """``fused_sigmoid_gating_delta_rule_update`` as vLLM's GDN layer calls it per decode step: q, k, v
+    [1, N, H|HV, K|V], a, b [1, N, HV], ``cu_seqlens`` (its query_start_loc), the pool updated in place
+    (``inplace_final_state=True``) by ``ssm_state_indices``, q/k L2-normalised in the kernel."""
+    def step(*, q, k, v, A_log, dt_bias, a, b, state, slots, cu_seqlens, scale):
+        o, _ = kernels.fused_sigmoid_gating_delta_rule_update(
+            A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q, k=k, v=v, scale=scale, initial_state=state,
+            inplace_final_state=True, cu_seqlens=cu_seqlens, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
+        return o
+    return step
+
+
+def packed_step(kernels):
+    """``fused_recurrent_gated_delta_rule_packed_decode`` as the layer calls it: ``mixed_qkv`` [N, 2 H K +
+    HV V], a, b [N, HV], ``out`` [N, 1, HV, V] allocated by the caller, the scale given (K ** -0.5)."""
+    def step(*, mixed_qkv, A_log, dt_bias, a, b, state, slots, scale):
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], 1, state.shape[1], state.shape[2])
+        kernels.fused_recurrent_gated_delta_rule_packed_decode(
+            mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+            scale=state.shape[-1] ** -0.5 if scale is None else scale, initial_state=state, out=out,
+            ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
+        return out
+    return step
+
+
+#: vLLM's engine conventions: slot 0 is the null block (NULL_BLOCK_ID), which the kernels skip.
+CONVENTIONS = {
+    "decode": dict(tokens="decode", qkv="separate", gating="raw", qk_l2norm=True, state_layout="VK", pool=True,
+                   pad_slot=0, reserved_slots=(0,), varlen=True),
+    "packed": dict(tokens="decode", qkv="packed", gating="raw", qk_l2norm=True, state_layout="VK", pool=True,
+                   pad_slot=0, reserved_slots=(0,), varlen=False),
+}
+
+
+# ----------------------------------------------------------------------------- the factories (--impl names)
+def _load(name: str):
+    try:
+        return load_kernels(), None
+    except AdapterError as e:
+        return None, unavailable(name, str(e))
+
+
+def vllm():
+    """``--impl vllm``: vLLM's ``fused_recurrent_gated_delta_rule`` (recurrent, recurrent_decode, recurrent_varlen)."""
+    k, missing = _load("vllm")
+    return missing or describe(VLLMRecurrent(k))
+
+
+def _engine(kind: str, label: str, step_of):
+    k, missing = _load(f"vllm-{kind}")
+    if missing:
+        return missing
+    if kind == "packed" and k.fused_recurrent_gated_delta_rule_packed_decode is None:
+        return unavailable(f"vllm {k.version} packed decode",
+                           f"{k.ops}/fused_recurrent.py has no fused_recurrent_gated_delta_rule_packed_decode")
+    adapter = engine_adapter(step_of(k), name=f"vllm {k.version} {label}", contract="ieee", **CONVENTIONS[kind])
+    adapter.interpreted = interpreter_active()
+    adapter.dtypes = tuple(adapter.dtypes) + ((torch.bfloat16,) if _on_gpu() else ())
+    return describe(adapter)
+
+
+def vllm_decode():
+    """``--impl vllm-decode``: ``fused_sigmoid_gating_delta_rule_update`` in vLLM's decode convention."""
+    return _engine("decode", "fused_sigmoid_gating decode", decode_step)
+
+
+def vllm_packed():
+    """``--impl vllm-packed``: ``fused_recurrent_gated_delta_rule_packed_decode`` (packed mixed_qkv)."""
+    return _engine("packed", "packed decode", packed_step)
