@@ -19,12 +19,24 @@ import tempfile
 import random
 from pathlib import Path
 
+# a pytest-xdist worker computes with its share of the cores, not with all of them: the workers already run
+# side by side, and the default (a thread per core in every worker, in torch and in numpy's BLAS, which the
+# Triton interpreter's dots use) oversubscribes them; the tests' small tensors lose more to thread hand-offs
+# than they gain.  Set before torch and numpy load; the programs a test starts inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _threads = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _threads)
+
 try:
     import torch
 
     _cuda = torch.cuda.is_available()
 except Exception:  # pragma: no cover - torch is a hard dependency
     _cuda = False
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # numpy or a plugin may have loaded torch first
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KVBUFFER_POISON", "1")
@@ -33,14 +45,6 @@ os.environ.setdefault("KVBUFFER_POISON", "1")
 os.environ.setdefault("KVBUFFER_JOBS", "1")
 # `kvbuffer validate` keeps its last report in the cache dir: tests write to a temporary one, not ~/.cache
 os.environ.setdefault("KVBUFFER_CACHE_DIR", tempfile.mkdtemp(prefix="kvbuffer-tests-"))
-# a pytest-xdist worker computes with its share of the cores, not with all of them: the workers already run
-# side by side, and torch's default (a thread per core in every worker) oversubscribes them; the tests' small
-# tensors lose more to thread hand-offs than they gain (2.2x faster measured on 2 cores, 2 workers)
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    _threads = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    torch.set_num_threads(_threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))  # the programs a test starts (CLI, bench, mutants)
 
 import pytest  # noqa: E402
 
@@ -78,3 +82,25 @@ def _seed_hypothesis(nodeid: str) -> None:
 def _hypothesis_seed(request):
     _seed_hypothesis(request.node.nodeid)
     yield
+
+
+#: the files holding the longest single tests (interpreted kernels over many steps, whole validation lanes,
+#: programs started), in that order: pytest-xdist hands tests out in collection order, so a long test collected
+#: late runs alone at the end while the other workers idle.  Scheduled first; the rest keep their order.
+SLOW_FIRST = (
+    "tests/pool/test_pool_stateful.py",
+    "tests/validate/test_sglang.py",
+    "tests/validate/test_fla_kda.py",
+    "tests/bench/test_bench_peers.py",
+    "tests/bench/test_bench_smoke.py",
+    "tests/validate/test_mutate.py",
+    "tests/property/test_fast_verify.py",
+    "tests/validate/test_jobs.py",
+    "tests/hostile/test_hostile.py",
+    "tests/pool/test_tp_gloo.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(SLOW_FIRST)))
