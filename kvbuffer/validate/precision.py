@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import kvbuffer_ref as ref
 from kvbuffer_ref.buffer import KVBuffer
 
+from .cases import l2norm_qk
 from .contracts import recurrent_bf16_state
 from .tolerances import rel_rms_slices
 
@@ -110,6 +111,9 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
     gate_dtype = torch.float32
     xin = {n: t.to(device=device, dtype=gate_dtype if n in ("g", "beta") else dtype) for n, t in x64.items()}
     xr = {n: t.detach().to("cpu", torch.float64) for n, t in xin.items()}  # the rounded inputs, as the truth sees
+    normalised = impl is not None and impl.qk_l2norm
+    if normalised:  # the kernel L2-normalises q and k itself: every row runs on those normalised inputs
+        xr = l2norm_qk(xr, torch.float64)
     o64s, S64 = _recurrence(xr, torch.float64, marks)
     o64 = torch.cat(o64s, dim=1)
     series = {}
@@ -124,7 +128,8 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
         outs.append(o.to(out_dtype))
         states[n] = S
     series["bf16-state recurrence"] = _errors(outs, states, o64, S64, marks)
-    notes = []
+    notes = ["q and k L2-normalised as the implementation does in its kernel: the truth and the reference rows "
+             "run on the normalised inputs"] if normalised else []
     if impl is not None:
         impl.prepare()
         obj = impl.obj

@@ -92,3 +92,25 @@ def test_bad_arguments_are_refused(capsys):
     assert rc == 2 and "--state-dtype" in err
     rc = kcli.main(["validate", "--impl", f"{ADAPTERS}:decode_fp32", "--steps", "4"])
     assert rc == 2 and "only with --report precision" in capsys.readouterr().err
+
+
+def test_an_implementation_that_normalises_q_and_k_is_measured_on_the_normalised_inputs():
+    """An engine kernel L2-normalises q and k itself (``qk_l2norm``): 16-bit unit rows are ~1e-4 off unit norm,
+    so a truth on the raw rows would charge that to the kernel (400-540x the fp32 row's state error)."""
+    import types
+
+    import kvbuffer_ref as ref
+    from kvbuffer.validate.cases import l2norm_qk
+
+    def recurrent_decode(q, k, v, *, g, beta, state, scale=None):
+        x = l2norm_qk(dict(q=q, k=k), torch.float32)
+        o, new = ref.recurrent_gated_delta_rule(x["q"], x["k"], v.float(), g=g, beta=beta, scale=scale,
+                                                initial_state=state, output_final_state=True)
+        state.copy_(new)
+        return o.to(v.dtype)
+
+    impl = adapters.describe(types.SimpleNamespace(name="normalising", recurrent_decode=recurrent_decode,
+                                                   qk_l2norm=True, dtypes=(torch.float16,)))
+    rep = prec.precision_report(impl, steps=64)
+    assert any("L2-normalised" in n for n in rep["notes"])
+    assert max(rep["ratio_to_fp32"]["state"]["normalising recurrent_decode"]) <= KAPPA32
