@@ -580,7 +580,7 @@ def run_validation(impls: Sequence[Implementation], *, ops=None, dtypes=None, pr
     progress: where a long lane reports cases done / total every few seconds (None: nowhere).
     explain: state the verdicts under the other arithmetic contracts too (``run_lane``; more lane runs).
     jobs: worker processes that run lanes at once (``parallel``; at most one per lane to run); 1 runs every
-    lane in this process.  Workers rebuild each implementation from its ``spec`` (``implementations.resolve``
+    lane in this process.  Workers rebuild each implementation with its ``rebuild`` (``implementations.resolve``
     sets it): with an implementation without one, every lane runs in this process.  The lanes' cases, seeds
     and verdicts do not depend on ``jobs``.
     """
