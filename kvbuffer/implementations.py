@@ -106,11 +106,13 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
 def default_implementations() -> list:
     """What ``kvbuffer validate`` checks without --impl: the reference's forms and kvbuffer_fast; without
     triton, kvbuffer_fast is listed as NOT RUN (with the reason) rather than dropped."""
-    ref = resolve("reference")
+    ref = reference()
+    ref.spec, ref.rebuild = "reference", functools.partial(resolve, "reference")
     try:
-        kernels = resolve("fast")
+        kernels = fast()
     except AdapterError as e:
         return [ref, unavailable("kvbuffer_fast", str(e))]
+    kernels.spec, kernels.rebuild = "fast", functools.partial(resolve, "fast")
     return [ref, kernels]
 
 
