@@ -95,6 +95,23 @@ def on_device(key: tuple, device, make):
     return hit
 
 
+#: Set to 1 under the Triton interpreter: float16 inputs take the 16-bit paths compiled CUDA kernels take
+#: (``sixteen_bit_paths``), so that a CPU checks them.
+SIXTEEN_BIT_PATHS_ENV = "KVBUFFER_FAST_16BIT_PATHS"
+
+
+def sixteen_bit_paths(x: torch.Tensor) -> bool:
+    """Whether 16-bit inputs on ``x``'s device take the compiled CUDA kernels' 16-bit products (the chunk
+    launches' ``LOWP`` and ``MMA16`` paths, ``kvbuffer_fast.chunk``): on CUDA always; under the Triton
+    interpreter when ``$KVBUFFER_FAST_16BIT_PATHS`` is 1, for float16 only (the interpreter's bfloat16
+    arithmetic is not the GPU's).  The interpreter then computes what the compiled kernel computes with its
+    16-bit operands, its other products in IEEE float32 (no TF32 there)."""
+    if x.is_cuda:
+        return True
+    return x.dtype == torch.float16 and os.environ.get(SIXTEEN_BIT_PATHS_ENV, "0") == "1" and \
+        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def values_checked(x: torch.Tensor) -> bool:
     """Whether the checks that read device values (lengths, has_state, counts) may run for tensors on
     ``x``'s device: False while a CUDA graph is being captured there (a host read would break the

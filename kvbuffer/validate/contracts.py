@@ -137,6 +137,26 @@ def _sequential_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def _scan_cumsum(x: torch.Tensor, dim: int, lanes: int = 32) -> torch.Tensor:
+    """Cumulative sum of ``x`` along ``dim`` in its dtype as a GPU scan forms it (Triton's ``tl.cumsum``, one
+    element per lane): within each run of ``lanes`` elements a Hillis-Steele scan (element i adds element
+    i - 2^s, s = 0, 1, ...: log2(lanes) rounded additions per element, in a tree order), then each run adds
+    the running total of the runs before it."""
+    x = x.movedim(dim, 0)
+    n = x.shape[0]
+    out = torch.empty_like(x)
+    carry = torch.zeros_like(x[0])
+    for a in range(0, n, lanes):
+        run = x[a : a + lanes].clone()
+        step = 1
+        while step < run.shape[0]:
+            run[step:] = run[step:] + run[:-step].clone()
+            step *= 2
+        out[a : a + lanes] = run + carry if a else run
+        carry = out[a + run.shape[0] - 1]
+    return out.movedim(0, dim)
+
+
 def _split_product(func, eq, a, b, **kwargs):
     """A two-operand einsum as three TF32 products: each operand split into a TF32 head and the TF32 rounding
     of its tail, the tail x tail product dropped (Triton's ``input_precision="tf32x3"``)."""
@@ -152,9 +172,11 @@ class _Arithmetic(TorchFunctionMode):
     every ``torch.einsum`` (the reference's forms take all their products through einsum).
     cumsum: None (as computed), "sequential" (every float32 cumulative sum a loop of float32 additions: a
     kernel carrying its running sum in a register, on any device; ``torch.cumsum`` accumulates float32 in
-    float64 on a CPU and in a parallel scan on CUDA) or "rounded" (every float32 partial sum correctly
-    rounded, computed in float64).  Kernels sum their cumulative gates either way; a decay
-    ``exp(G_i - G_j)`` of large ``|G|`` keeps only the low bits the two ways leave, which differ.
+    float64 on a CPU and in a parallel scan on CUDA), "scan" (the tree order of a GPU scan, ``tl.cumsum``:
+    ``_scan_cumsum``) or "rounded" (every float32 partial sum correctly rounded, computed in float64).
+    Kernels sum their cumulative gates each of these ways; a decay ``exp(G_i - G_j)`` of large ``|G|`` (after
+    a reset gate of -200, say) keeps only the low bits the way leaves, which differ: on one head a scan
+    leaves 15x the error of a loop, on the next a loop leaves the more.
     exp: None (correctly rounded) or "ex2" (every float32 exponential as a GPU kernel takes it, ``exp_ex2``).
     One mode for all three: each torch call inside it pays one Python dispatch, not one per concern."""
 
@@ -177,6 +199,8 @@ class _Arithmetic(TorchFunctionMode):
                     and args[0].dtype == torch.float32:
                 if self.cumsum == "rounded":
                     return func(args[0].double(), *args[1:], **kwargs).float()
+                if self.cumsum == "scan":
+                    return _scan_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
                 return _sequential_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
         elif func in (torch.exp, torch.Tensor.exp):
             if self.exp == "ex2" and args and isinstance(args[0], torch.Tensor) and not kwargs:
@@ -262,12 +286,17 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
     return forms
 
 
+#: How a kernel sums its cumulative gates and takes its exponentials: ``segmented_forms`` computes each.
+SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2"), dict(cumsum="scan", exp="ex2"), dict(cumsum="rounded"))
+
+
 def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
-    """[(o, S), ...]: ``segmented_form`` the two ways a kernel computes its decays: cumulative gates summed by
-    float32 additions with GPU exponentials (a kernel carrying its sum in a register, ``tl.exp``), and
-    correctly rounded sums with correctly rounded exponentials; with ``carried`` boundaries, also both ways
-    with the gates rebased at those boundaries (a buffer's accept or partial flush) instead of summed afresh."""
-    ways = [dict(rounded=False, exp="ex2"), dict(rounded=True)]
+    """[(o, S), ...]: ``segmented_form`` the three ways a kernel computes its decays: cumulative gates summed by
+    a loop of float32 additions with GPU exponentials (a kernel carrying its sum in a register, ``tl.exp``),
+    by a GPU scan with GPU exponentials (``tl.cumsum``), and as correctly rounded sums with correctly rounded
+    exponentials; with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
+    buffer's accept or partial flush) instead of summed afresh."""
+    ways = list(SEGMENT_WAYS)
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
     return [segmented_form(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,
@@ -288,14 +317,14 @@ def _segment_gates(g: torch.Tensor, edges: list, carried: set) -> list:
     return out
 
 
-def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), rounded: bool = False,
+def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), cumsum: str = "sequential",
                    carried=(), contract=None, exp=None):
     """(o, S) of the chunkwise form with chunk boundaries at ``starts`` (sorted token positions, the first 0),
     in the inputs' compute dtype under ``contract``: the tokens between two boundaries form one chunk, whose
     cumulative gates start at its first token (``carried`` boundaries: rebased from the frame before it,
     ``_segment_gates``).  A buffer computes exactly this way between its folds (its cumulative gates run from
-    the buffer's start), so it is the buffer operations' own form.  rounded: the cumulative gates as correctly
-    rounded partial sums instead of a loop of float32 additions (``_Arithmetic``'s ``cumsum``); exp="ex2":
+    the buffer's start), so it is the buffer operations' own form.  cumsum: how its float32 cumulative gates
+    are summed, "sequential", "scan" or "rounded" (``_Arithmetic``'s ``cumsum``); exp="ex2":
     exponentials as a GPU kernel takes them (``exp_ex2``).
     bf16-state rounds the state at every boundary.  Batch of any B, the same boundaries for every request."""
     contract = check_contract(current_contract() if contract is None else contract)
@@ -307,7 +336,7 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
         return v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3]), S
     edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T]
     outs = []
-    with _Arithmetic(products=_products(contract), cumsum="rounded" if rounded else "sequential", exp=exp):
+    with _Arithmetic(products=_products(contract), cumsum=cumsum, exp=exp):
         x = prepare_tokens(q, k, v, g, beta, scale)
         S = (torch.zeros(x.dims.B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
              if initial_state is None else initial_state.to(x.v.dtype))

@@ -194,3 +194,44 @@ def test_three_tf32_products_sit_between_ieee_and_tf32():
             o = ref.chunk_gated_delta_rule(**x)[0]
         err[c] = float((o.double() - o64).norm() / o64.norm())
     assert err["ieee"] < 1e-6 and err["tf32x3"] < 4 * err["ieee"] and err["tf32"] > 100 * err["tf32x3"]
+
+
+def test_a_gpu_scan_sums_in_a_tree_order_within_32_lanes_and_carries_between_them():
+    from kvbuffer.validate.contracts import _scan_cumsum
+    x = torch.randn(3, 70, 2, dtype=torch.float64)
+    assert torch.allclose(_scan_cumsum(x, 1), x.cumsum(1), rtol=0, atol=1e-12)  # a cumulative sum
+    # float32 after a gate of -200: element 3 is (x0 + x1) + (x2 + x3), not ((x0 + x1) + x2) + x3
+    g = torch.tensor([-0.38308, -0.11736, -200.0, -0.27897, -0.14824, -0.016843], dtype=torch.float32)
+    s = _scan_cumsum(g, 0)
+    assert float(s[3]) == float((g[0] + g[1]) + (g[2] + g[3]))
+    assert float(s[5]) == float(((g[0] + g[1]) + (g[2] + g[3])) + (g[4] + g[5]))
+    with _Arithmetic(cumsum="scan"):
+        assert torch.equal(torch.cumsum(g, 0), s) and torch.equal(g.cumsum(dim=0), s)
+
+
+def test_a_chunk_kernel_summing_its_gates_by_a_gpu_scan_is_within_its_baseline():
+    """Reset gates (-200) leave only the low bits of the cumulative gates after them, and which bits depends on
+    the order of the sum: on this case a kernel whose ``tl.cumsum`` sums in a scan's tree order made 14x the
+    error of the loop-summed form on one head (compiled kvbuffer_fast, H200), which the baseline now covers."""
+    c = Case(B=2, T=7, H=2, HV=4, K=7, V=5, gate="reset", beta="uniform", seed=1, norm="any")
+    x = c.inputs(torch.float32)
+    (o64, _), (ob, _) = P.truth_and_baseline(x, chunk=c.T)
+    with _Arithmetic(cumsum="scan", exp="ex2"):
+        scan = ref.chunk_gated_delta_rule(**x, chunk_size=64)[0]
+    with _Arithmetic(cumsum="sequential", exp="ex2"):
+        loop = ref.chunk_gated_delta_rule(**x, chunk_size=64)[0]
+    err = lambda o: torch.linalg.vector_norm(o.double() - o64, dim=(1, 3))  # noqa: E731
+    assert float((err(scan) / err(loop)).max()) > 10  # the order matters on some head
+    assert bool((err(scan) <= err(ob)).all()) and bool((err(loop) <= err(ob)).all())
+
+
+def test_the_interpreter_judges_fast_as_its_16_bit_paths_when_it_takes_them(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KVBUFFER_FAST_16BIT_PATHS", "1")
+    impl = implementations.fast()
+    for op in ("chunk", "chunk_varlen", "direct", "prefill[u]"):
+        assert impl.contract_for(op, torch.float16) == "bf16", op
+        assert impl.contract_for(op, torch.float32) == "ieee", op
+    assert impl.contract_for("recurrent", torch.float16) == "ieee"
+    monkeypatch.setenv("KVBUFFER_FAST_16BIT_PATHS", "0")
+    assert implementations.fast().contract_for("chunk", torch.float16) == "ieee"
