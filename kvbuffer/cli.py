@@ -138,8 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                         "ieee (IEEE float32, the default), tf32x3 (three TF32 products), tf32 (TF32 products), bf16 (bfloat16 products, float32 "
                         "accumulation), bf16-state (a bfloat16 recurrent state); the exit status follows it")
     v.add_argument("--peer-path", metavar="CHECKOUT",
-                   help="the checkout a peer adapter loads its kernels from (--impl replayssm, sglang*, vllm*); also "
-                        "$KVBUFFER_PEER_PATH")
+                   help="the checkout a peer adapter loads its kernels from (--impl replayssm, sglang*, vllm*), or the "
+                        "prefix scripts/flashinfer_wheels.sh prepares (--impl flashinfer*); also $KVBUFFER_PEER_PATH")
     v.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     v.add_argument("--seed", type=int, help="seed of the random cases (default: a fresh one each run, printed)")
     v.add_argument("--max-examples", type=int, metavar="N", help="examples per lane (overrides the profile)")

@@ -5,7 +5,7 @@ callable that is not itself an operation, called with no arguments).  Ready adap
 (kvbuffer_ref, float64 and float32, both forms), ``fast`` (kvbuffer_fast, the Triton kernels), ``fla``
 (flash-linear-attention's fused_recurrent / chunk kernels, gated delta rule and KDA), ``fla-pool`` (fla's
 pooled KDA decode step, in its engine convention), ``replayssm``, the ``sglang`` family, ``hf`` (HF transformers'
-torch fallbacks) and the ``vllm`` family (``kvbuffer.peers``).
+torch fallbacks), the ``vllm`` family and the ``flashinfer`` family (``kvbuffer.peers``).
 Short names: ``ref``, ``fast``, ``fla``, ``fla-pool``.
 """
 
@@ -19,7 +19,7 @@ import types
 
 import torch
 
-from .peers import hf, replayssm, sglang, vllm
+from .peers import flashinfer, hf, replayssm, sglang, vllm
 from .peers.fla import fla, fla_pool
 from .validate.adapters import (DEFAULT_IN_PLACE, OPERATION_ATTRS, POISON_ENV, AdapterError, Implementation,
                                 _is_adapter, describe, interpreter_active, unavailable)
@@ -130,13 +130,15 @@ def fast() -> Implementation:
 _SGLANG = {"sglang": sglang.sglang, "sglang-decode": sglang.sglang_decode, "sglang-packed": sglang.sglang_packed,
            "sglang-pool": sglang.sglang_pool, "sglang-chunk": sglang.sglang_chunk}
 _VLLM = {"vllm": vllm.vllm, "vllm-decode": vllm.vllm_decode, "vllm-packed": vllm.vllm_packed}
+_FLASHINFER = {"flashinfer": flashinfer.flashinfer, "flashinfer-bf16": flashinfer.flashinfer_bf16,
+               "flashinfer-mtp": flashinfer.flashinfer_mtp}
 _BUILTIN = {"reference": reference, "ref": reference, "kvbuffer_ref": reference,
             "fast": fast, "kvbuffer_fast": fast, "fla": fla, "fla-pool": fla_pool, "replayssm": replayssm.replayssm,
-            "hf": hf.hf, **_SGLANG, **_VLLM}
+            "hf": hf.hf, **_SGLANG, **_VLLM, **_FLASHINFER}
 
 
 def builtin_names() -> list[str]:
-    return ["reference", "fast", "fla", "fla-pool", "replayssm", *_SGLANG, "hf", *_VLLM]
+    return ["reference", "fast", "fla", "fla-pool", "replayssm", *_SGLANG, "hf", *_VLLM, *_FLASHINFER]
 
 
 def resolve(spec: str) -> Implementation:

@@ -24,6 +24,10 @@ The convention (``Convention``; every field has the oracle's meaning as its defa
     gating         "log": g [.., HV] (log decay) and beta [.., HV]; or "raw": ``A_log`` [HV], ``dt_bias`` [HV]
                    (float32), ``a`` [.., HV], ``b`` [.., HV] with g = -exp(A_log) softplus(a + dt_bias) and
                    beta = sigmoid(b) (scalar gates, beta in [0, 1])
+    raw_gate_dtype "bfloat16": ``a`` and ``b`` are handed over rounded to bfloat16 (a kernel whose wrapper
+                   rounds them, FlashInfer's): A_log and dt_bias are ``cases.raw_gate_params`` and a, b
+                   ``cases.raw_gates_in``, and the adapter declares ``raw_gate_dtype`` so that the
+                   validator's g and beta are those of the rounded gates (``cases.Case.raw_gate_dtype``)
     qk_l2norm      the kernel L2-normalises q and k itself (x / sqrt(sum x^2 + 1e-6), in float32 or wider):
                    the validator passes rows of any norm and computes the truth on their normalisation in
                    float64 (``cases.Case.qk_l2norm``)
@@ -35,8 +39,10 @@ The convention (``Convention``; every field has the oracle's meaning as its defa
                    padded rows carry ``pad_slot`` (-1; vLLM and SGLang: 0, the null block) and finite
                    garbage inputs; ``reserved_slots`` are never given to a request (vLLM: (0,)) and hold
                    finite garbage (a pad that reads the null block as a state and writes it back changes it)
-    pad_writes     the null block (``pad_slot`` >= 0) is scratch the pads may write: the kernel has no pad
-                   check (fla); default False: the null block must stay bit for bit unchanged
+    pad_writes     the null block (``pad_slot`` >= 0, or with ``pad_slot`` -1 the ``reserved_slots`` a kernel
+                   redirects -1 to: FlashInfer's bfloat16-state kernel reads and writes slot 0 for a -1) is
+                   scratch the pads may write: the kernel has no pad check (fla); default False: the null
+                   block must stay bit for bit unchanged
     varlen         tokens flattened to [1, total, ..] with ``cu_seqlens`` [N + 1] (int32); in "sequence"
                    mode empty sequences are mixed in
     index_dtype    the dtype of ``slots`` and ``cu_seqlens`` (default int32)
@@ -62,6 +68,7 @@ from typing import Callable, Optional
 import torch
 
 from ..validate.adapters import AdapterError, ContractViolation, _bits
+from ..validate.cases import RAW_GATE_DTYPES, raw_gates_in
 
 __all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates"]
 
@@ -71,6 +78,7 @@ class Convention:
     tokens: str = "decode"
     qkv: str = "separate"
     gating: str = "log"
+    raw_gate_dtype: str = ""
     qk_l2norm: bool = False
     state_layout: str = "KV"
     state_dtype: torch.dtype = torch.float32
@@ -88,6 +96,9 @@ class Convention:
                 raise AdapterError(f"convention {name}: expected one of {', '.join(ok)}, got {getattr(self, name)!r}")
         if not isinstance(self.state_dtype, torch.dtype) or not self.state_dtype.is_floating_point:
             raise AdapterError(f"convention state_dtype: expected a floating torch dtype, got {self.state_dtype!r}")
+        if self.raw_gate_dtype and (self.gating != "raw" or self.raw_gate_dtype not in RAW_GATE_DTYPES):
+            raise AdapterError(f"convention raw_gate_dtype: one of {sorted(RAW_GATE_DTYPES)} with gating='raw', "
+                               f"got {self.raw_gate_dtype!r} with gating={self.gating!r}")
         if self.pad_slot >= 0 and self.pad_slot not in self.reserved_slots:
             raise AdapterError(f"convention pad_slot: {self.pad_slot} is a real slot; reserve it (reserved_slots="
                                f"({self.pad_slot},)) or use -1")
@@ -137,6 +148,7 @@ class _Engine:
         self._rng = random.Random(seed)
         self._previous = None  # the last pool (its finite states: what a reused slot holds)
         self.qk_l2norm = conv.qk_l2norm
+        self.raw_gate_dtype = conv.raw_gate_dtype
         self.channel_gate = conv.gating == "log"
         self.dtypes = (torch.float32, torch.float16)
         self.in_place = {"recurrent_decode": ("state",)}
@@ -198,7 +210,10 @@ class _Engine:
         xs = {n: cat(parts) for n, parts in xs.items()}  # [N, T, ..] or [1, total, ..]
         call = {}
         if c.gating == "raw":
-            A_log, dt_bias, a, b = to_raw_gates(xs["g"], xs["beta"], self._rng)
+            if c.raw_gate_dtype:  # the fixed A_log, dt_bias the validator's gates were rounded with
+                A_log, dt_bias, a, b = raw_gates_in(xs["g"], xs["beta"], c.raw_gate_dtype)
+            else:
+                A_log, dt_bias, a, b = to_raw_gates(xs["g"], xs["beta"], self._rng)
             call.update(A_log=A_log, dt_bias=dt_bias, a=a, b=b)
         else:
             call.update(g=xs["g"], beta=xs["beta"])
@@ -261,8 +276,8 @@ class _Engine:
         after = call["state"]
         if c.pool:
             owned = set(slot_of)
-            if c.pad_writes and c.pad_slot >= 0:
-                owned.add(c.pad_slot)  # a scratch null block: pads may write it
+            if c.pad_writes:  # a scratch null block: pads may write it
+                owned.update((c.pad_slot,) if c.pad_slot >= 0 else c.reserved_slots)
             for s in range(n_slots):
                 if s not in owned and not torch.equal(torch.nan_to_num(after[s], nan=7.0),
                                                       torch.nan_to_num(before[s], nan=7.0)):

@@ -52,6 +52,14 @@ every other one as "not provided", with the reason.  Optional attributes describ
                                -inf, -1e30 and -300 of the "reset" regime included) or "finite" (gates such
                                as -exp(A_log) softplus(a + dt_bias), never a reset: the "reset" regime is not
                                drawn; every finite regime, down to -200, still is)
+    raw_gate_dtype str         "bfloat16": the kernel takes raw gates ``a``, ``b`` rounded to bfloat16 (an engine
+                               kernel whose wrapper rounds them): every case's g and beta are those of the
+                               rounded raw gates (``cases.Case.raw_gate_dtype``), the truth computes with
+                               them; the adapter derives its raw gates with ``cases.raw_gates_in``
+    declines       callable    ``declines(case) -> str``: why the kernel cannot take the case's shapes (a
+                               16-bit state kernel of K = V = 128 only, say), "" where it can; a declined case
+                               is not run, and the lane's report counts the declined cases with the reason
+                               (``LaneResult.declined``)
     not_provided   dict        {attribute or lane name: reason} for operations (or lanes, such as
                                "verify_tree") it deliberately leaves out
     prepare()      callable    called once before the validation (e.g. to turn on NaN-filled outputs)
@@ -81,7 +89,7 @@ import torch
 
 from kvbuffer_ref.checks import byte_range
 
-from .cases import NORMAL, SMALL, Sizes
+from .cases import NORMAL, RAW_GATE_DTYPES, SMALL, Sizes
 from .contracts import check_contract
 
 __all__ = ["ContractViolation", "Guarded", "layout_views", "DEFAULT_IN_PLACE", "OPERATION_ATTRS", "AdapterError",
@@ -136,6 +144,10 @@ class Implementation:
     qk_l2norm: bool = False
     #: the gate domain it serves (``GATE_DOMAINS``): "all" (resets -inf, -1e30, -300 drawn) or "finite" (not)
     gates: str = "all"
+    #: "bfloat16": it takes raw gates rounded to that dtype (``Case.raw_gate_dtype``); "": g and beta as drawn
+    raw_gate_dtype: str = ""
+    #: ``declines(case) -> str``: why it cannot take the case's shapes ("" where it can); None: it takes every case
+    declines: Optional[Callable] = None
     #: what ``kvbuffer.implementations.resolve`` made it from ("fast", "module:attr")
     spec: Optional[str] = None
     #: makes it again, in a worker process of ``run_validation(jobs=N)`` (set by ``resolve``: a picklable
@@ -221,6 +233,14 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
     if gates not in GATE_DOMAINS:
         raise AdapterError(f"adapter {label}: gates must be one of {GATE_DOMAINS} (\"finite\": a kernel whose "
                            f"gates are never a reset, -inf or -1e30), got {gates!r}")
+    raw_gate_dtype = getattr(obj, "raw_gate_dtype", "") or ""
+    if raw_gate_dtype not in ("", *RAW_GATE_DTYPES):
+        raise AdapterError(f"adapter {label}: raw_gate_dtype must be one of {sorted(RAW_GATE_DTYPES)} or \"\", got "
+                           f"{raw_gate_dtype!r}")
+    declines = getattr(obj, "declines", None)
+    if declines is not None and not callable(declines):
+        raise AdapterError(f"adapter {label}: declines must be a callable declines(case) -> str, got "
+                           f"{type(declines).__name__}")
     try:
         contract = check_contract(getattr(obj, "contract", "ieee"), f"adapter {label}: contract")
     except ValueError as e:
@@ -232,6 +252,7 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
                           sizes=_sizes(getattr(obj, "sizes", "small" if interpreted else "normal"), label),
                           in_place=in_place, beta_max=beta_max, contract=contract,
                           qk_l2norm=bool(getattr(obj, "qk_l2norm", False)), gates=gates,
+                          raw_gate_dtype=raw_gate_dtype, declines=declines,
                           varlen=tuple(getattr(obj, "varlen", ()) or ()))
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from kvbuffer_ref.engine_inputs import NORM_EPS
 
 __all__ = ["GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES", "QK_L2NORM_EPS", "Case", "make_inputs", "cast_inputs",
-           "upcast_inputs", "l2norm_qk", "Sizes", "NORMAL", "SMALL", "GPU", "GPU_HEAD_SHAPES", "reset_positions"]
+           "upcast_inputs", "l2norm_qk", "Sizes", "NORMAL", "SMALL", "GPU", "GPU_HEAD_SHAPES", "reset_positions",
+           "RAW_GATE_DTYPES", "raw_gate_params", "raw_gates_in", "gates_of_raw", "snap_to_raw_gates"]
 
 #: log-gate regimes: exactly 0 (no decay), mild [-0.5, 0], strong [-8, -1], underflowing [-120, -104]
 #: (exp(g) is exactly 0 in float32 and below 1e-45 in float64), a per-element mix of those four, the
@@ -141,6 +142,10 @@ class Case:
     #: the implementation L2-normalises q and k itself (``l2norm_qk``): it receives the rows as drawn (rounded
     #: to the dtype), and the truth and the baseline are computed on their normalisation
     qk_l2norm: bool = False
+    #: the implementation takes raw gates rounded to this dtype ("bfloat16"; ``RAW_GATE_DTYPES``): g and beta
+    #: are those of the rounded raw gates (``raw_gates_in``, ``gates_of_raw``), so the truth computes with
+    #: what the kernel is handed; "" (the default): g and beta as drawn
+    raw_gate_dtype: str = ""
 
     def inputs(self, dtype: torch.dtype = torch.float64, device="cpu") -> dict:
         """q, k, v, g, beta for this case (see ``make_inputs``)."""
@@ -226,7 +231,73 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float64, device="cpu") ->
         rows = torch.arange(B)
         q[rows, t] = q[rows, t] / q[rows, t].norm(dim=-1, keepdim=True).clamp(min=1e-300) * tiny[:, :1, None]
         k[rows, t] = k[rows, t] / k[rows, t].norm(dim=-1, keepdim=True).clamp(min=1e-300) * tiny[:, 1:, None]
+    if case.raw_gate_dtype:
+        g, beta = snap_to_raw_gates(g, beta, case.raw_gate_dtype)
     return cast_inputs(dict(q=q, k=k, v=v, g=g, beta=beta), dtype, device)
+
+
+# ----------------------------------------------------------------------------- raw gates rounded to 16 bits
+#: The dtypes a kernel may take its raw gates ``a``, ``b`` in, rounded (``Case.raw_gate_dtype``).
+RAW_GATE_DTYPES = {"bfloat16": torch.bfloat16}
+#: The softplus threshold of engine kernels' raw gating (softplus(x) = x above it).
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def raw_gate_params(HV: int) -> tuple:
+    """(A_log, dt_bias) [HV] float32 of the rounded raw gates: fixed per HV (drawn from seed HV), half of
+    the heads with a small exp(A_log) (A_log in [-4, -2]: a + dt_bias then often lies past the softplus
+    threshold), the rest with A_log in [-1, 1]; dt_bias in [-1, 1].  Fixed, so that the raw gates an
+    adapter derives from g and beta round to the same values ``snap_to_raw_gates`` rounded."""
+    gen = torch.Generator().manual_seed(1_000_003 + int(HV))
+    u = torch.rand(3, HV, generator=gen, dtype=torch.float64)
+    A_log = torch.where(u[0] < 0.5, -1 + 2 * u[1], -4 + 2 * u[1])
+    dt_bias = -1 + 2 * u[2]
+    return A_log.float(), dt_bias.float()
+
+
+def _softplus_inv(y: torch.Tensor) -> torch.Tensor:
+    """x with softplus(x) = y (y >= 0; 0 -> -inf, inf -> inf), in float64."""
+    y = y.to(torch.float64)
+    big = y > 30
+    safe = torch.where(big | (y <= 0), torch.ones_like(y), y)
+    x = torch.where(big, y, safe + torch.log(-torch.expm1(-safe)))
+    return torch.where(y <= 0, torch.full_like(y, float("-inf")), x)
+
+
+def raw_gates_in(g: torch.Tensor, beta: torch.Tensor, dtype: str) -> tuple:
+    """(A_log, dt_bias [HV] float32, a, b [.., HV] in ``dtype``) with -exp(A_log) softplus(a + dt_bias) = g
+    and sigmoid(b) = beta before ``a``, ``b`` are rounded to ``dtype`` (a name of ``RAW_GATE_DTYPES``);
+    A_log and dt_bias from ``raw_gate_params``.  For g, beta that ``snap_to_raw_gates`` made, the rounding
+    gives back the values it rounded to (float32 g and beta included: their error is far below half a
+    bfloat16 step of a and b)."""
+    if dtype not in RAW_GATE_DTYPES:
+        raise ValueError(f"raw gate dtype: expected one of {sorted(RAW_GATE_DTYPES)}, got {dtype!r}")
+    HV = g.shape[-1]
+    if beta.shape != g.shape:
+        raise ValueError(f"raw gates: g {list(g.shape)} and beta {list(beta.shape)} must have one shape [.., HV] "
+                         f"(scalar gates)")
+    A_log, dt_bias = raw_gate_params(HV)
+    sp = -g.detach().to("cpu", torch.float64) / A_log.double().exp()
+    a = (_softplus_inv(sp) - dt_bias.double()).float()
+    bb = beta.detach().to("cpu", torch.float64)
+    b = torch.where(bb >= 1, torch.full_like(bb, float("inf")), torch.log(bb) - torch.log1p(-bb)).float()
+    rd, dev = RAW_GATE_DTYPES[dtype], g.device
+    return A_log.to(dev), dt_bias.to(dev), a.to(device=dev, dtype=rd), b.to(device=dev, dtype=rd)
+
+
+def gates_of_raw(A_log, dt_bias, a, b) -> tuple:
+    """(g, beta) in float64 of raw gates as given: g = -exp(A_log) softplus(a + dt_bias) (threshold 20),
+    beta = sigmoid(b)."""
+    x = a.double() + dt_bias.double()
+    sp = torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
+    return -A_log.double().exp() * sp, torch.sigmoid(b.double())
+
+
+def snap_to_raw_gates(g: torch.Tensor, beta: torch.Tensor, dtype: str) -> tuple:
+    """(g, beta) [.., HV] float64 moved onto the raw gates rounded to ``dtype``: the gates a kernel
+    computes from ``raw_gates_in(g, beta, dtype)``."""
+    A_log, dt_bias, a, b = raw_gates_in(g, beta, dtype)
+    return gates_of_raw(A_log, dt_bias, a, b)
 
 
 def cast_inputs(x: dict, dtype: torch.dtype, device="cpu", gate_dtype: torch.dtype | None = None) -> dict:

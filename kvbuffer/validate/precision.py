@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import kvbuffer_ref as ref
 from kvbuffer_ref.buffer import KVBuffer
 
-from .cases import l2norm_qk
+from .cases import l2norm_qk, snap_to_raw_gates
 from .contracts import recurrent_bf16_state
 from .tolerances import rel_rms_slices
 
@@ -108,6 +108,8 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
         raise ValueError(f"dtype: expected float16, bfloat16 or float32 inputs, got {dtype}")
     marks = checkpoints(steps)
     x64 = decode_inputs(steps=steps, B=B, H=H, HV=HV, K=K, V=V, seed=seed, gate_min=gate_min)
+    if impl is not None and impl.raw_gate_dtype:  # its raw gates are rounded: g and beta those of the rounded ones
+        x64["g"], x64["beta"] = snap_to_raw_gates(x64["g"], x64["beta"], impl.raw_gate_dtype)
     gate_dtype = torch.float32
     xin = {n: t.to(device=device, dtype=gate_dtype if n in ("g", "beta") else dtype) for n, t in x64.items()}
     xr = {n: t.detach().to("cpu", torch.float64) for n, t in xin.items()}  # the rounded inputs, as the truth sees

@@ -47,6 +47,9 @@ class LaneResult:
     contract: str = "ieee"  # the arithmetic contract the lane was judged by (the adapter declares it)
     also: Optional[dict] = None  # a failing lane run again under the tightest looser contract: its verdict
     ratios: Optional[dict] = None  # a passing lane: {contract: worst error / budget under it}
+    #: {reason: calls} the implementation declined (``Implementation.declines``: shapes its kernel cannot take):
+    #: not run, counted here and named in the table and the summary
+    declined: Optional[dict] = None
 
     def contract_note(self) -> str:
         """Both verdicts when they differ ("FAIL as fp32; PASS as tf32: error consistent with TF32
@@ -128,8 +131,9 @@ class Report:
 
     @property
     def complete(self) -> bool:
-        """False when a selected implementation could not run at all here (NOT RUN rows)."""
-        return not any(r.status == "NOT RUN" for r in self.lanes)
+        """False when a selected implementation could not run at all here (NOT RUN rows) or declined cases
+        of a lane (``LaneResult.declined``)."""
+        return not any(r.status == "NOT RUN" or r.declined for r in self.lanes)
 
     def not_run_reasons(self) -> dict:
         """{implementation: why it was not run} for every NOT RUN implementation."""
@@ -145,6 +149,9 @@ class Report:
                 f"{c['SKIP']} skipped, {c['NOT RUN']} not run in {self.seconds:.1f}s (seed {self.seed})")
         for name, why in self.not_run_reasons().items():
             line += f"\nNOT RUN: {name}: {why}"
+        for r in self.lanes:
+            for why, n in (r.declined or {}).items():
+                line += f"\nDECLINED: {r.operation} / {r.implementation} / {r.dtype}: {n} call(s): {why}"
         return line
 
     def to_json(self) -> dict:
@@ -205,8 +212,9 @@ def table_row(r: LaneResult, widths=None) -> str:
     status = f"{r.status} [{r.klass}]" if r.failed and r.klass else r.status
     row = _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), status,
                     f"{r.seconds:.1f}s", r.checks], widths)
-    note = r.contract_note()
-    return row + (f"   ({note})" if note else "")
+    notes = [r.contract_note()] + [f"{n} call(s) declined: {why}" for why, n in (r.declined or {}).items()]
+    notes = [n for n in notes if n]
+    return row + (f"   ({'; '.join(notes)})" if notes else "")
 
 
 def format_table(report: Report) -> str:

@@ -296,6 +296,8 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     case_kw = {} if impl.supports_channel_gate(op.needs) else {"channel_gate": False}
     case_kw["beta_max"] = impl.beta_max
     case_kw["qk_l2norm"] = impl.qk_l2norm
+    if impl.raw_gate_dtype:  # its lanes are scalar-gated recurrent ones: ``strategies.cases`` takes it
+        case_kw["raw_gate_dtype"] = impl.raw_gate_dtype
     finite = finite or impl.gates == "finite"
     if finite:  # cases.py draws the regimes the strategy is given (``strategies.cases(gates=...)``)
         case_kw["gates"] = FINITE_GATES
@@ -308,13 +310,15 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                    verbosity=Verbosity.quiet)
     lseed = lane_seed(seed, impl.name, op.name, dtype_name(dt))
     state: dict[str, Any] = dict(cases=0, calls=0, checks=0, vacuous=0, worst=None, failure=None, ratios={},
+                                 declined={},
                                  found=None, found_at=0, failed=set(), passed=set())
     channel_ok = case_kw.get("channel_gate") is not False
     anchors = []
     for a in ANCHORS.get(op.key, []):
         if not channel_ok and a["case"].channel_gate:
             a = dict(a, case=replace(a["case"], channel_gate=False))
-        anchors.append(dict(a, layout=False, case=replace(a["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm)))
+        anchors.append(dict(a, layout=False, case=replace(a["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm,
+                                                                raw_gate_dtype=impl.raw_gate_dtype)))
     if profile == "gpu":  # production shapes: every new shape is a compile; the small anchors are the CI's job
         anchors = anchors[:1]
     i_part, n_part = edge_part
@@ -327,7 +331,8 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         anchors.append(dict(a0, case=replace(a0["case"], gate="wide" if finite else "reset", norm="any",
                                              beta="uniform" if impl.beta_max > 1 else a0["case"].beta)))
     edges = edge_params(op.key, sizes, seed=lseed, channel=channel_ok)[i_part::n_part]
-    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm)) for e in edges]
+    edges = [dict(e, case=replace(e["case"], beta_max=impl.beta_max, qk_l2norm=impl.qk_l2norm,
+                                  raw_gate_dtype=impl.raw_gate_dtype)) for e in edges]
     prog = Progress(f"{op.name} / {impl.name} / {dtype_name(dt)}", len(anchors) + len(edges) + n, stream=progress)
 
     def fail(params, what, i, klass=None, error=None, comps=(), worst=None, exc=None, example=None):
@@ -343,9 +348,15 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         single = params.get("edge") or (not sizes.sequences and bool(anchors) and params != anchors[0])
         calls = [("the call", params)] if single else call_sequence(params, anchors)
         kept: list = []  # what the calls returned: a later call must not change an earlier call's results
+        ran = 0  # calls not declined
         for i, (what, p) in enumerate(calls):
+            declined = impl.declines(p["case"]) if impl.declines is not None else ""
+            if declined:  # shapes the kernel cannot take: not run, counted and named in the report
+                state["declined"][declined] = state["declined"].get(declined, 0) + 1
+                continue
             P.LEDGER.clear()
             state["calls"] += 1
+            ran += 1
             earlier = len(kept)
             try:
                 comps = _checked(impl, op, p, dt, device, kept)
@@ -386,7 +397,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                     state["worst"] = c
                 for k, r in (c.ratios or {}).items():
                     state["ratios"][k] = max(state["ratios"].get(k, 0.0), r)
-        state["vacuous"] += informative == 0
+        state["vacuous"] += ran > 0 and informative == 0
         state["passed"].add(repr(params))
         if state["found"] is None:
             prog.tick(state["cases"])
@@ -477,6 +488,10 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
             )
     res.cases = state["cases"]
     res.calls, res.checks, res.vacuous, res.sizes = state["calls"], state["checks"], state["vacuous"], sizes.name
+    res.declined = dict(state["declined"]) or None
+    if res.status == "PASS" and res.declined and not res.calls:
+        res.status = "NOT RUN"
+        res.reason = "every call declined: " + "; ".join(res.declined)
     if res.status == "PASS" and res.checks == 0 and res.cases:
         res.status, res.klass = "FAIL", "vacuous"
         res.failure = dict(error="[vacuous] no example had an informative comparison (every truth was zero or "
@@ -526,6 +541,9 @@ def _rest_without_resets(res: LaneResult, run_rest: Callable[[], LaneResult]) ->
     rest = run_rest()
     res.cases += rest.cases
     res.calls, res.checks, res.vacuous = res.calls + rest.calls, res.checks + rest.checks, res.vacuous + rest.vacuous
+    if rest.declined:
+        res.declined = {w: (res.declined or {}).get(w, 0) + n for w, n in rest.declined.items()} | {
+            w: n for w, n in (res.declined or {}).items() if w not in rest.declined}
     rf = dict(rest.failure or {})
     rf.pop("_comparisons", None)
     f["rest"] = dict(status=rest.status, klass=rest.klass, why=rest.why, worst_rel=rest.worst_rel,

@@ -27,14 +27,15 @@ def head_dims(choices=HEAD_DIMS):
 def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int = 2, max_group: int = 3,
           dims=HEAD_DIMS, channel_gate=None, gate=None, beta=None, zero_key=None, B=None, T=None,
           gates=GATE_REGIMES, betas=BETA_REGIMES, norms=("unit",), v_scales=(1.0,), scales=(None,),
-          beta_max: float = 1.0, qk_l2norm: bool = False, head_shapes=()) -> Case:
+          beta_max: float = 1.0, qk_l2norm: bool = False, head_shapes=(), raw_gate_dtype: str = "") -> Case:
     """A ``Case``; pin any field by passing it (e.g. ``channel_gate=False``, ``T=1``).
 
     gates, betas: the regimes drawn from, in order of preference (hypothesis draws and shrinks
     towards the first ones; ``kvbuffer validate`` puts the informative regimes first).  norms,
     v_scales, scales: the q/k norm regimes, the scales of v and the explicit ``scale`` values (None:
     the default) drawn from; beta_max: the top of the beta domain; qk_l2norm: the implementation
-    normalises q and k itself (``Case.qk_l2norm``); head_shapes: (H, HV, K, V) drawn together from this
+    normalises q and k itself (``Case.qk_l2norm``); raw_gate_dtype: it takes raw gates rounded to that dtype
+    (``Case.raw_gate_dtype``); head_shapes: (H, HV, K, V) drawn together from this
     list instead (``Sizes.head_shapes``: few shapes, so compiled kernels share compiles)."""
     if head_shapes:
         H, HV, K, V = draw(st.sampled_from(head_shapes), label="head shape")
@@ -58,6 +59,7 @@ def cases(draw, *, max_B: int = 3, min_T: int = 1, max_T: int = 12, max_H: int =
         scale=draw(st.sampled_from(scales)),
         beta_max=beta_max,
         qk_l2norm=qk_l2norm,
+        raw_gate_dtype=raw_gate_dtype,
     )
 
 
