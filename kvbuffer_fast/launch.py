@@ -231,6 +231,11 @@ _CHUNK_ROWS: tuple[Row, ...] = (
     Row(dict(stages=2), dtypes=(torch.float32,), capability=((9, 0), None),
         why="fp32 inputs: the state launch's chunk loop (arithmetic chunk addresses) in 2 stages took 150.0 "
             "against 167.6 us at B = 1, T = 1k (whole call 435.0 against 449.8); 3 stages do not fit at BV = 32"),
+    Row(dict(prep_warps=8), dtypes=_SIXTEEN_BIT, capability=((0, 0), None),
+        why="16-bit inputs: the per-chunk launch on 4 warps, compiled (sm_90, Triton 3.6), computed wrong W / U~ at "
+            "K = 16 (direct mode 8.3e-2 / 6.8e-2 off the float64 recurrence in float16 with per-channel / scalar gates "
+            "at T = 129, against 4.8e-4 on 8 warps, which is what the interpreter computes) and corrupted memory "
+            "(an illegal address on the next launch); docs/kernels.md, Known defects"),
     Row(dict(out_BV=128), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
         why="16-bit inputs: the output launch with 128 columns per program took 20.5 / 57.9 / 199 / 412 against "
             "28.2 / 81.0 / 294 / 607 us at B = 1, T = 1k / 4k / 16k / 32k (57.7 against 81.0 at B = 4, T = 1k)"),

@@ -100,7 +100,7 @@ class HFAdapter:
         HV = v.shape[2]
         if scale is not None and scale != K ** -0.5:
             q = q.float() * (scale * math.sqrt(K))
-        if g.dim() == 4 and q.shape[2] != HV:  # KDA's functions take one head count
+        if q.shape[2] != HV:  # the functions take one head count: the layers repeat q and k before the call
             rep = HV // q.shape[2]
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         return q, k

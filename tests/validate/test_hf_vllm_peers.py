@@ -149,3 +149,22 @@ def test_vllm_without_kernels_says_where_to_get_them(monkeypatch, tmp_path):
 
 
 _find = importlib.util.find_spec
+
+
+@pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
+def test_hf_hands_the_functions_one_head_count(channel):
+    """transformers' layers repeat q and k to the value heads before calling these functions, whose code
+    takes one head count (transformers 5.17.0's GDN functions raise on H = 2, HV = 4): so does the adapter."""
+    seen = []
+
+    def fake(query, key, value, g, beta, *a, initial_state=None, output_final_state=False, **kw):
+        seen.append((query.shape[2], key.shape[2], value.shape[2]))
+        B, T, HV, V = value.shape
+        return torch.zeros_like(value), torch.zeros(B, HV, key.shape[-1], V)
+
+    fns = {f"{kind}_{form}": fake for kind in ("gdn", "kda") for form in ("chunk", "recurrent")}
+    a = hfp.HFAdapter("test", fns)
+    q, k, v, g, beta, h0 = _case(H=2, HV=4, channel=channel)
+    a.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0)
+    a.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0)
+    assert seen == [(4, 4, 4)] * 2
