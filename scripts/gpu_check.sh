@@ -126,6 +126,7 @@ validate() {  # one process per group of lanes, side by side (compiling dominate
   run_lanes sglang-packed --impl sglang-packed --peer-path .whl/sglang --dtype float32,bfloat16 & pids+=($!)
   run_lanes sglang-pool --impl sglang-pool --peer-path .whl/sglang --dtype float32,bfloat16 & pids+=($!)
   run_lanes sglang-chunk --impl sglang-chunk --peer-path .whl/sglang --dtype bfloat16,float16 & pids+=($!)
+  run_lanes sglang-inputs --impl sglang-inputs --peer-path .whl/sglang --ops engine_inputs --dtype float32,bfloat16 & pids+=($!)
   if [ -z "${LANES:-}" ] || [[ ",$LANES," == *",precision,"* ]]; then
     python3 -m kvbuffer.cli validate --device cuda --report precision --impl fast --impl fla \
       "${PREC_PEER[@]}" --json "$OUTDIR/precision.json" > "$OUTDIR/precision.md" 2>&1 & pids+=($!)

@@ -70,7 +70,7 @@ import torch
 from ..validate.adapters import AdapterError, ContractViolation, _bits
 from ..validate.cases import RAW_GATE_DTYPES, raw_gates_in
 
-__all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates"]
+__all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates", "token_rows"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,15 @@ class Convention:
         if self.pad_slot >= 0 and self.pad_slot not in self.reserved_slots:
             raise AdapterError(f"convention pad_slot: {self.pad_slot} is a real slot; reserve it (reserved_slots="
                                f"({self.pad_slot},)) or use -1")
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [.., W] as the token rows [L, W] an engine layer hands its preprocessing kernels: the leading
+    dimensions flattened (``reshape``), and a copy with unit stride along W where ``x`` has another one (the
+    layer's tensors always have it: the convolution's output rows, the ``ba`` projection's halves; the kernels
+    address the last dimension with stride 1 and take only the row stride)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
 
 
 def _softplus_inv(y: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ a temporary folder, each answering as SGLang answers on the machine it runs on:
 
     sglang.srt.utils           is_cuda, is_hip, get_device_sm, is_sm90_supported, is_gfx95_supported, ...
     sglang.srt.utils.common    torch_release
+    sglang.srt.environ         envs.SGLANG_USE_AITER (read by triton_gdn_fused_proj.py at import; from the
+                               environment, default False, as SGLang reads it)
     sglang.kernels.jit.utils   is_arch_support_pdl (CUDA capability >= 9: the kernels launch with PDL there)
 
 Under the Triton interpreter (a CPU, ``TRITON_INTERPRET=1``) two more adjustments, neither changing what
@@ -30,6 +32,11 @@ The kernels (SGLang 0.5.23: ``sglang/kernels/ops/attention/{fla,linear}``) and t
                     state pool (its Jet-Nemotron layer)
 ``sglang-chunk``    ``fla.chunk.chunk_gated_delta_rule``: the prefill (``TritonGDNKernel.extend``), float16 and
                     bfloat16 only (it asserts q is not float32), states in a pool by slot, written in place
+``sglang-inputs``   the prefill's preprocessing (``GDNAttnBackend.forward_extend``): ``triton_gdn_fused_proj.
+                    fused_qkv_split_gdn_prefill`` (the split of the convolved q|k|v), ``linear.fused_gdn_gating``
+                    (g, beta) and ``fla.l2norm.l2norm_fwd`` (q and k, called by ``fla.chunk``): the
+                    ``engine_inputs`` lane (``SGLangInputs``); NOT RUN under the Triton interpreter (l2norm_fwd's
+                    block pointers, as the chunk kernel's)
 
 The three pooled kernels are validated in SGLang's convention (``engine.engine_adapter``): raw gating
 (``A_log``, ``dt_bias``, ``a``, ``b`` in float32, softplus threshold 20) where the kernel gates itself,
@@ -60,17 +67,23 @@ from typing import Optional
 
 import torch
 
-from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
-from .engine import engine_adapter
+from kvbuffer_ref.engine_inputs import check_engine_inputs
+
+from ..validate.adapters import OPERATION_ATTRS, AdapterError, describe, interpreter_active, unavailable
+from .engine import engine_adapter, token_rows
 from .replayssm import PEER_ENV
 
 __all__ = ["load_kernels", "locate", "KERNELS", "sglang", "sglang_decode", "sglang_packed", "sglang_pool",
-           "sglang_chunk", "SGLangRecurrent", "SGLangChunk", "decode_step", "packed_step", "pool_step"]
+           "sglang_chunk", "sglang_inputs", "SGLangRecurrent", "SGLangChunk", "SGLangInputs", "decode_step",
+           "packed_step", "pool_step", "FUSED_SPLIT_MAX"]
 
 #: Where the kernels live inside the ``sglang`` package.
 KERNELS = Path("kernels/ops/attention")
 _NEEDED = ("fla/fused_recurrent.py", "linear/fused_sigmoid_gating_recurrent.py")
 _MODULES = {"fused_recurrent": "fla.fused_recurrent", "fused_sigmoid": "linear.fused_sigmoid_gating_recurrent"}
+#: The modules of the GDN backend's prefill preprocessing (``load_kernels(inputs=True)``): the split of the
+#: convolved q|k|v, the gating, fla's L2 norm (called by ``fla.chunk`` on q and k).
+_INPUT_MODULES = {"split": "triton_gdn_fused_proj", "gating": "linear.fused_gdn_gating", "l2norm": "fla.l2norm"}
 
 _SHIM_UTILS = '''"""Shim of sglang.srt.utils (kvbuffer validate): the queries SGLang's GDN kernel files make."""
 import torch
@@ -128,6 +141,31 @@ from packaging import version
 
 torch_release = version.parse(torch.__version__).release
 '''
+_SHIM_ENVIRON = '''"""Shim of sglang.srt.environ (kvbuffer validate): the one switch triton_gdn_fused_proj.py reads at import."""
+import os
+
+
+class _Bool:
+    def __init__(self, name, default):
+        self.name, self.default = name, default
+
+    def get(self):
+        value = os.environ.get(self.name)
+        if value is None:
+            return self.default
+        if value.lower() in ("true", "1", "yes", "y"):
+            return True
+        if value.lower() in ("false", "0", "no", "n"):
+            return False
+        raise ValueError(f'"{value}" is not a valid boolean value')
+
+
+class _Envs:
+    SGLANG_USE_AITER = _Bool("SGLANG_USE_AITER", False)
+
+
+envs = _Envs()
+'''
 _SHIM_JIT = '''"""Shim of sglang.kernels.jit.utils (kvbuffer validate): SGLang's PDL rule (CUDA, capability >= 9)."""
 import torch
 
@@ -157,7 +195,8 @@ _EXTRACTED: dict = {}
 
 
 def _from_wheel(whl: Path) -> tuple:
-    """The wheel's kernel folders extracted to a temporary folder (only fla/ and linear/ .py files)."""
+    """The wheel's kernel folders extracted to a temporary folder (only the .py files of fla/ and linear/, and
+    triton_gdn_fused_proj.py, the split of the GDN backend's prefill)."""
     key = str(whl.resolve())
     if key not in _EXTRACTED:
         root = Path(tempfile.mkdtemp(prefix="kvbuffer-sglang-wheel-"))
@@ -165,7 +204,7 @@ def _from_wheel(whl: Path) -> tuple:
         try:
             with zipfile.ZipFile(whl) as z:
                 for n in z.namelist():
-                    if re.fullmatch(r"sglang/kernels/ops/attention/(fla|linear)/[^/]+\.py", n):
+                    if re.fullmatch(r"sglang/kernels/ops/attention/((fla|linear)/[^/]+|triton_gdn_fused_proj)\.py", n):
                         z.extract(n, root)
                     elif re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", n):
                         m = re.search(r"^Version: (\S+)", z.read(n).decode(errors="replace"), re.M)
@@ -230,10 +269,13 @@ def _shims(kernels: Path) -> Path:
     files = {
         "sglang/__init__.py": '"""Shim of sglang (kvbuffer validate): only its GDN kernel files load."""\n',
         "sglang/srt/__init__.py": "", "sglang/srt/utils/__init__.py": _SHIM_UTILS,
-        "sglang/srt/utils/common.py": _SHIM_COMMON,
+        "sglang/srt/utils/common.py": _SHIM_COMMON, "sglang/srt/environ.py": _SHIM_ENVIRON,
         "sglang/kernels/__init__.py": "", "sglang/kernels/jit/__init__.py": "",
         "sglang/kernels/jit/utils/__init__.py": _SHIM_JIT,
-        "sglang/kernels/ops/__init__.py": "", "sglang/kernels/ops/attention/__init__.py": "",
+        "sglang/kernels/ops/__init__.py": "",
+        # the attention package: its fla/ and linear/ shims here first, then SGLang's own folder (its modules,
+        # triton_gdn_fused_proj.py among them)
+        "sglang/kernels/ops/attention/__init__.py": f"__path__.append({str(kernels)!r})\n",
         # the kernel packages: their files are SGLang's own, read where they are
         "sglang/kernels/ops/attention/fla/__init__.py": f"__path__ = [{str(kernels / 'fla')!r}]\n",
         "sglang/kernels/ops/attention/linear/__init__.py": f"__path__ = [{str(kernels / 'linear')!r}]\n",
@@ -261,9 +303,10 @@ def _interpreter_fixes(modules: dict) -> None:
         utils.custom_device_ctx = lambda index: contextlib.nullcontext()
 
 
-def load_kernels(chunk: bool = False, path=None) -> types.SimpleNamespace:
+def load_kernels(chunk: bool = False, path=None, inputs: bool = False) -> types.SimpleNamespace:
     """SGLang's kernel modules (``locate(path)``), imported with the shims first on sys.path, the process's own
-    ``sglang`` modules (if any) set aside meanwhile and restored after.  ``chunk``: also ``fla.chunk``."""
+    ``sglang`` modules (if any) set aside meanwhile and restored after.  ``chunk``: also ``fla.chunk``;
+    ``inputs``: also the GDN backend's prefill preprocessing (``_INPUT_MODULES``)."""
     kernels, version, source = locate(path)
     shims = _shims(kernels)
     saved = {n: m for n, m in sys.modules.items() if n == "sglang" or n.startswith("sglang.")}
@@ -275,7 +318,7 @@ def load_kernels(chunk: bool = False, path=None) -> types.SimpleNamespace:
         import warnings
         with warnings.catch_warnings():  # fla/utils.py warns when it finds no GPU driver
             warnings.simplefilter("ignore")
-            names = dict(_MODULES, **({"chunk": "fla.chunk"} if chunk else {}))
+            names = dict(_MODULES, **({"chunk": "fla.chunk"} if chunk else {}), **(_INPUT_MODULES if inputs else {}))
             for key, rel in names.items():
                 loaded[key] = importlib.import_module(f"sglang.{KERNELS.as_posix().replace('/', '.')}.{rel}")
         prefix = f"sglang.{KERNELS.as_posix().replace('/', '.')}."
@@ -297,7 +340,10 @@ def load_kernels(chunk: bool = False, path=None) -> types.SimpleNamespace:
         fused_recurrent_gated_delta_rule_update=fr.fused_recurrent_gated_delta_rule_update,
         fused_recurrent_gated_delta_rule_packed_decode=fr.fused_recurrent_gated_delta_rule_packed_decode,
         fused_sigmoid_gating_delta_rule_update=fs.fused_sigmoid_gating_delta_rule_update,
-        chunk_gated_delta_rule=loaded["chunk"].chunk_gated_delta_rule if chunk else None)
+        chunk_gated_delta_rule=loaded["chunk"].chunk_gated_delta_rule if chunk else None,
+        fused_qkv_split_gdn_prefill=loaded["split"].fused_qkv_split_gdn_prefill if inputs else None,
+        fused_gdn_gating=loaded["gating"].fused_gdn_gating if inputs else None,
+        l2norm_fwd=loaded["l2norm"].l2norm_fwd if inputs else None)
 
 
 def _on_gpu() -> bool:
@@ -389,6 +435,66 @@ class SGLangChunk:
                                                  initial_state_indices=idx, use_qk_l2norm_in_kernel=False,
                                                  inplace_update=True, **kw)
         return o, (pool[1:].transpose(-1, -2).contiguous() if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- sglang-inputs: the prefill's preprocessing
+#: ``MAX_FUSED_QKV_SPLIT_DIM`` of SGLang's ``gdn_backend.py``: up to this q|k|v width (2 H K + HV V) the backend
+#: splits with ``fused_qkv_split_gdn_prefill`` (on CUDA, HIP and XPU), past it with ``torch.split``.
+FUSED_SPLIT_MAX = 8192
+
+
+class SGLangInputs:
+    """``engine_inputs`` through the calls SGLang's GDN backend makes between the convolution and the chunk
+    kernel of a prefill (``GDNAttnBackend.forward_extend``, not a target verify; ``TritonGDNKernel.extend``)::
+
+        query, key, value = fused_qkv_split_gdn_prefill(mixed_qkv [L, D], H, H, HV, K, K, V)   # D <= 8192
+        g, beta = fused_gdn_gating(A_log, a [L, HV], b [L, HV], dt_bias)                      # _prefill_gates
+        q, k = l2norm_fwd(query), l2norm_fwd(key)   # in fla.chunk's forward (use_qk_l2norm_in_kernel=True)
+
+    Three Triton kernels: the split (q [1, L, H, K], k, v [1, L, HV, V], fresh, in mixed_qkv's dtype), the
+    gating (g, beta [1, L, HV] in float32; softplus beta 1 and threshold 20, its defaults), the L2 norm (eps
+    1e-6, its default, in float32, the result in q's dtype).  Past ``FUSED_SPLIT_MAX`` the backend splits in
+    plain torch, inline in ``forward_extend`` (``torch.split(mixed_qkv, [H K, H K, HV V], dim=-1)`` then
+    ``.view(1, L, H, K)`` / ``(1, L, HV, V)``), and fla's ``input_guard`` makes the views contiguous before
+    the norm: both done here as those torch operations.  ``qk_l2norm=False``: the norm is not called (the
+    chunk kernel's ``use_qk_l2norm_in_kernel=False``).
+
+    Inputs: mixed_qkv [N, D] or [B, T, D], a, b as the backend's token rows (``engine.token_rows``: the split
+    kernel takes both strides of mixed_qkv; the gating kernel only a row stride); ``A_log`` in float32 (the
+    layer's parameter), ``dt_bias`` in the lane's dtype (the layer's: the model's dtype), both contiguous as
+    the layer's parameters are (the gating kernel reads them with unit stride).  Returns what the
+    kernels return, reshaped to [B, T, ..]: q, k, v in mixed_qkv's dtype (16-bit q and k for 16-bit inputs),
+    g, beta in float32.
+    """
+
+    contract = "ieee"
+    channel_gate = False
+    forms = ("u",)
+
+    def __init__(self, kernels):
+        self._k = kernels
+        self.version = kernels.version
+        self.name = f"sglang {kernels.version} prefill inputs"
+        self.interpreted = interpreter_active()
+        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.not_provided = {a: "the GDN backend's prefill preprocessing only (engine_inputs): --impl sglang, "
+                                "sglang-decode, sglang-packed, sglang-pool, sglang-chunk"
+                             for a in OPERATION_ATTRS if a != "engine_inputs"}
+
+    def engine_inputs(self, mixed_qkv, a, b, *, A_log, dt_bias, num_heads, head_k_dim, qk_l2norm=True):
+        B, T, H, HV, K, V = check_engine_inputs(mixed_qkv, a, b, A_log, dt_bias, num_heads, head_k_dim,
+                                                check_values=False)
+        L, D = B * T, mixed_qkv.shape[-1]
+        if D <= FUSED_SPLIT_MAX:
+            q, k, v = self._k.fused_qkv_split_gdn_prefill(mixed_qkv.reshape(L, D), H, H, HV, K, K, V)
+        else:
+            q, k, v = torch.split(token_rows(mixed_qkv), [H * K, H * K, HV * V], dim=-1)
+            q, k, v = (x.view(1, L, n, d).contiguous() for x, n, d in ((q, H, K), (k, H, K), (v, HV, V)))
+        if qk_l2norm:
+            q, k = self._k.l2norm_fwd(q), self._k.l2norm_fwd(k)
+        g, beta = self._k.fused_gdn_gating(A_log.to(torch.float32).contiguous(), token_rows(a), token_rows(b),
+                                           dt_bias.contiguous())
+        return tuple(t.reshape(B, T, *t.shape[2:]) for t in (q, k, v, g, beta))
 
 
 # ----------------------------------------------------------------------------- the pooled kernels' steps
@@ -498,3 +604,22 @@ def sglang_chunk():
             "(KVBUFFER_PEER_INTERPRET=1 tries the interpreter anyway)"))
     k, missing = _load("sglang-chunk", chunk=True)
     return missing or describe(SGLangChunk(k))
+
+
+def sglang_inputs():
+    """``--impl sglang-inputs``: the GDN backend's prefill preprocessing (split, gating, L2 norm: engine_inputs);
+    NOT RUN under the Triton interpreter."""
+    if interpreter_active() and os.environ.get("KVBUFFER_PEER_INTERPRET", "0") in ("", "0"):
+        try:
+            version = locate()[1]
+        except AdapterError as e:
+            return unavailable("sglang-inputs", str(e))
+        return unavailable(f"sglang {version} prefill inputs", (
+            "SGLang's l2norm_fwd (fla/l2norm.py, D <= 512) does not run under the Triton interpreter (triton 3.9: "
+            "NotImplementedError('Block pointers have been removed in favor of the tensor descriptor API')); run it "
+            "with --device cuda (KVBUFFER_PEER_INTERPRET=1 tries the interpreter anyway)"))
+    try:
+        k = load_kernels(inputs=True)
+    except AdapterError as e:
+        return unavailable("sglang-inputs", str(e))
+    return describe(SGLangInputs(k))

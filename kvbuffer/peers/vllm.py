@@ -31,10 +31,15 @@ vLLM's ``query_start_loc``):
                  GDN layer (``qwen_gdn_linear_attn.py``), in that convention (``engine.engine_adapter``)
 ``vllm-packed``  ``fused_recurrent_gated_delta_rule_packed_decode``: the packed decode the same layer takes
                  (``mixed_qkv`` [N, 2 H K + HV V], ``out`` [N, 1, HV, V])
+``vllm-inputs``  ``fused_post_conv_prep`` (``fused_gdn_prefill_post_conv.py``, 0.34): the one kernel with
+                 which the same layer's prefill (``_forward_core``, ``num_prefills > 0``) turns the convolved
+                 ``mixed_qkv`` [L, 2 H K + HV V] and ``a``, ``b`` [L, HV] into q, k (L2-normalised), v, g and
+                 beta: the ``engine_inputs`` lane (``VLLMInputs``)
 
 Contract: elementwise float32 (``tl.sum`` of products, no ``tl.dot``): "ieee".  Not mapped: vLLM's
 ``chunk_gated_delta_rule`` (its prefill; its import chain reaches vLLM's JIT warm-up machinery,
-``vllm.model_executor.warmup``), the KDA and post-conv kernels.
+``vllm.model_executor.warmup``), the KDA kernels and the speculative decode's post-conv kernel
+(``fused_gdn_decode_post_conv_mtp``).
 """
 
 from __future__ import annotations
@@ -51,16 +56,20 @@ from typing import Optional
 
 import torch
 
-from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
-from .engine import engine_adapter
+from kvbuffer_ref.engine_inputs import check_engine_inputs
+
+from ..validate.adapters import OPERATION_ATTRS, AdapterError, describe, interpreter_active, unavailable
+from .engine import engine_adapter, token_rows
 from .replayssm import PEER_ENV
 
-__all__ = ["locate", "load_kernels", "VLLMRecurrent", "vllm", "vllm_decode", "vllm_packed", "decode_step",
-           "packed_step", "OPS_DIRS"]
+__all__ = ["locate", "load_kernels", "VLLMRecurrent", "VLLMInputs", "vllm", "vllm_decode", "vllm_packed",
+           "vllm_inputs", "decode_step", "packed_step", "OPS_DIRS"]
 
 #: Where vLLM keeps its fla copy, newest layout first.
 OPS_DIRS = (Path("vllm/third_party/flash_linear_attention/ops"), Path("vllm/model_executor/layers/fla/ops"))
 _NEEDED = ("fused_recurrent.py", "fused_sigmoid_gating.py", "op.py", "utils.py")
+#: The module of ``fused_post_conv_prep`` (split, L2 norm and gating of the Qwen GDN layer's prefill).
+_POST_CONV = "fused_gdn_prefill_post_conv"
 
 _SHIM_TRITON = '''"""Shim of vllm.triton_utils (kvbuffer validate): vLLM's re-exports of Triton."""
 import triton
@@ -248,6 +257,8 @@ def load_kernels(path=None) -> types.SimpleNamespace:
             warnings.simplefilter("ignore")
             fr = importlib.import_module(f"{pkg}.fused_recurrent")
             fs = importlib.import_module(f"{pkg}.fused_sigmoid_gating")
+            # the Qwen GDN layer's prefill preprocessing (0.34; earlier releases have no such file)
+            pc = importlib.import_module(f"{pkg}.{_POST_CONV}") if (ops / f"{_POST_CONV}.py").is_file() else None
         if interpreter_active():
             from .sglang import _interpreter_fixes
             _interpreter_fixes({n: m for n, m in sys.modules.items() if n.startswith(pkg + ".")})
@@ -264,7 +275,8 @@ def load_kernels(path=None) -> types.SimpleNamespace:
         fused_recurrent_gated_delta_rule=fr.fused_recurrent_gated_delta_rule,
         fused_recurrent_gated_delta_rule_packed_decode=getattr(fr, "fused_recurrent_gated_delta_rule_packed_decode",
                                                                None),
-        fused_sigmoid_gating_delta_rule_update=fs.fused_sigmoid_gating_delta_rule_update)
+        fused_sigmoid_gating_delta_rule_update=fs.fused_sigmoid_gating_delta_rule_update,
+        fused_post_conv_prep=None if pc is None else pc.fused_post_conv_prep)
 
 
 def _on_gpu() -> bool:
@@ -346,6 +358,52 @@ class VLLMRecurrent:
         return o.reshape(v.shape)
 
 
+# ----------------------------------------------------------------------------- vllm-inputs: the layer's preprocessing
+class VLLMInputs:
+    """``engine_inputs`` through ``fused_post_conv_prep``, called as the Qwen3-Next / Qwen3.5 GDN layer's
+    prefill calls it (``qwen_gdn_linear_attn.py``, ``_forward_core``)::
+
+        q, k, v, g, beta = fused_post_conv_prep(conv_output=mixed_qkv [L, 2 H K + HV V], a=a [L, HV], b=b [L, HV],
+                                                A_log=A_log, dt_bias=dt_bias, num_k_heads=H, head_k_dim=K,
+                                                head_v_dim=V, apply_l2norm=True, output_g_exp=False)
+
+    One Triton kernel does the split of q | k | v, the L2 norm of q and k (eps 1e-6, in float32), the gating
+    g = -exp(A_log) softplus(a + dt_bias) (threshold 20) and beta = sigmoid(b); no piece is plain torch.
+    ``output_g_exp`` is the layer's ``gdn_prefill_backend == "flashinfer"``: False on its Triton backend.
+
+    Inputs: mixed_qkv [N, D] (L = N) or [B, T, D] (L = B T) flattened to the layer's token rows
+    (``token_rows``); ``A_log`` handed over in float32 (the layer's parameter is float32; the lane's rounded
+    values convert exactly), ``dt_bias`` in the lane's dtype (the layer's parameter is in the model's dtype),
+    both contiguous as the layer's parameters are (the kernel reads them with unit stride).
+    Returns what the kernel returns, reshaped to [B, T, ..]: q, k [B, T, H, K] and v [B, T, HV, V] in
+    mixed_qkv's dtype (16-bit q and k for 16-bit inputs: the layer hands them to the chunk kernel so), g and
+    beta [B, T, HV] in float32.  The decode steps (``fused_sigmoid_gating_delta_rule_update``, the packed
+    decode) gate and normalise inside the recurrent kernel: ``vllm-decode``, ``vllm-packed``.
+    """
+
+    contract = "ieee"
+    channel_gate = False
+    forms = ("u",)
+
+    def __init__(self, kernels):
+        self._k = kernels
+        self.version = kernels.version
+        self.name = f"vllm {kernels.version} fused_post_conv_prep"
+        self.interpreted = interpreter_active()
+        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.not_provided = {a: "fused_post_conv_prep is the layer's preprocessing only (engine_inputs): --impl "
+                                "vllm, vllm-decode, vllm-packed" for a in OPERATION_ATTRS if a != "engine_inputs"}
+
+    def engine_inputs(self, mixed_qkv, a, b, *, A_log, dt_bias, num_heads, head_k_dim, qk_l2norm=True):
+        B, T, H, HV, K, V = check_engine_inputs(mixed_qkv, a, b, A_log, dt_bias, num_heads, head_k_dim,
+                                                check_values=False)
+        q, k, v, g, beta = self._k.fused_post_conv_prep(
+            conv_output=token_rows(mixed_qkv), a=token_rows(a), b=token_rows(b), A_log=A_log.to(torch.float32).contiguous(),
+            dt_bias=dt_bias.contiguous(), num_k_heads=H, head_k_dim=K, head_v_dim=V, apply_l2norm=bool(qk_l2norm),
+            output_g_exp=False)
+        return tuple(t.reshape(B, T, *t.shape[1:]) for t in (q, k, v, g, beta))
+
+
 # ----------------------------------------------------------------------------- the engine-convention steps
 def decode_step(kernels):
     """``fused_sigmoid_gating_delta_rule_update`` as vLLM's GDN layer calls it per decode step: q, k, v
@@ -416,3 +474,15 @@ def vllm_decode():
 def vllm_packed():
     """``--impl vllm-packed``: ``fused_recurrent_gated_delta_rule_packed_decode`` (packed mixed_qkv)."""
     return _engine("packed", "packed decode", packed_step)
+
+
+def vllm_inputs():
+    """``--impl vllm-inputs``: ``fused_post_conv_prep``, the GDN layer's prefill preprocessing (engine_inputs)."""
+    k, missing = _load("vllm-inputs")
+    if missing:
+        return missing
+    if k.fused_post_conv_prep is None:
+        return unavailable(f"vllm {k.version} fused_post_conv_prep",
+                           f"{k.ops} has no {_POST_CONV}.py (vLLM 0.34's prefill preprocessing; earlier releases "
+                           f"split, gate and normalise in other places)")
+    return describe(VLLMInputs(k))

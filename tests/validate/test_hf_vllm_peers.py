@@ -133,7 +133,7 @@ def test_vllm_recurrent_maps_onto_the_recurrence(kernels, scale):
 
 
 def test_vllm_engine_adapters_build(kernels):
-    for name in ("vllm", "vllm-decode", "vllm-packed"):
+    for name in ("vllm", "vllm-decode", "vllm-packed", "vllm-inputs"):
         impl = implementations.resolve(name)
         assert not getattr(impl, "unavailable", None), impl.unavailable
         assert "vllm" in impl.name

@@ -210,7 +210,7 @@ def test_the_chunk_lanes_say_why_they_do_not_run_under_the_interpreter(kernels, 
 def test_without_sglang_every_lane_is_not_run_with_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setenv(PEER_ENV, str(tmp_path))
     monkeypatch.setattr(sg.importlib.util, "find_spec", lambda name, *a: None)
-    for name in ("sglang", "sglang-decode", "sglang-packed", "sglang-pool", "sglang-chunk"):
+    for name in ("sglang", "sglang-decode", "sglang-packed", "sglang-pool", "sglang-chunk", "sglang-inputs"):
         impl = implementations.resolve(name)
         assert "SGLang's kernels not found" in impl.unavailable and str(tmp_path) in impl.unavailable
         assert "pip download --no-deps sglang" in impl.unavailable
