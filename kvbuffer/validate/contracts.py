@@ -290,13 +290,19 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
 SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2"), dict(cumsum="scan", exp="ex2"), dict(cumsum="rounded"))
 
 
+def segment_ways(dtype: torch.dtype) -> tuple:
+    """``SEGMENT_WAYS`` for inputs of ``dtype``: in float64 the three ways are one (the ways differ only in
+    float32 sums and exponentials, which float64 inputs never take), so one form stands for them."""
+    return SEGMENT_WAYS[:1] if torch.promote_types(dtype, torch.float32) == torch.float64 else SEGMENT_WAYS
+
+
 def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
     """[(o, S), ...]: ``segmented_form`` the three ways a kernel computes its decays: cumulative gates summed by
     a loop of float32 additions with GPU exponentials (a kernel carrying its sum in a register, ``tl.exp``),
     by a GPU scan with GPU exponentials (``tl.cumsum``), and as correctly rounded sums with correctly rounded
     exponentials; with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
     buffer's accept or partial flush) instead of summed afresh."""
-    ways = list(SEGMENT_WAYS)
+    ways = list(segment_ways(q.dtype))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
     return [segmented_form(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,

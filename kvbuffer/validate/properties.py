@@ -26,7 +26,7 @@ from kvbuffer_ref.engine_inputs import NORM_EPS, SOFTPLUS_THRESHOLD
 from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, l2norm_qk, upcast_inputs
-from .contracts import SEGMENT_WAYS, baseline_recurrent, correct_forms, emulate, segmented_forms
+from .contracts import baseline_recurrent, segment_ways, correct_forms, emulate, segmented_forms
 from .tolerances import Comparison, compare, compute_dtype, current_contract
 
 __all__ = [
@@ -587,7 +587,7 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     # expected verify outputs, path by path; the baseline: the recurrence along the path from the history's
     # state, and the buffer's own form (its entries and the path as one chunk from its stored state)
     exp = torch.zeros(B, D, case.HV, case.V, dtype=torch.float64)
-    bas = [torch.zeros_like(exp) for _ in range(1 + len(SEGMENT_WAYS))]  # the recurrence, the buffer's forms
+    bas = [torch.zeros_like(exp) for _ in range(1 + len(segment_ways(dtype)))]  # the recurrence, the buffer's forms
     for b in range(B):
         first = P - int(lengths[b])
         done = set()
