@@ -226,8 +226,8 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     ``explain``, the verdicts under the other contracts that tell the kernel author what the error is
     consistent with, each a complete run of the lane: a lane that fails its comparisons is run again
     under each looser contract in turn until one passes ("FAIL as fp32; PASS as tf32: error consistent
-    with TF32 products", or "not a precision effect" when none does); a lane that passes under a
-    declared contract other than IEEE is run again as fp32 ("FAIL as fp32; PASS as tf32").  The lane's
+    with TF32 products", or "not explained by a looser arithmetic contract" when none does); a lane that
+    passes under a declared contract other than IEEE is run again as fp32 ("FAIL as fp32; PASS as tf32").  The lane's
     status, and the exit code, stay the declared contract's."""
     from dataclasses import replace as _replace
 
@@ -254,7 +254,8 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
                         + ("" if strict.status == "PASS" else f": error consistent with {CONTRACT_TEXT[declared][1]}"))
         return res
     # an [arguments] failure is a comparison too (an explicit argument's results): a looser contract that
-    # passes it explains it as precision; an ignored argument fails every contract ("not a precision effect")
+    # passes it explains it as precision; an ignored argument fails every contract ("not explained by a looser
+    # arithmetic contract")
     # a failure on reset gates (non-finite, or raised) is the gate domain, not precision: no looser contract
     # explains it, and each such run would repeat the rest of the lane too
     if res.status != "FAIL" or res.klass in ("inputs-changed", "raised", "vacuous", "state-leak") \
@@ -271,7 +272,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
             return res
     if tried:
         res.also = dict(contract=None, text=f"FAIL as {name(declared)}; FAIL as {', '.join(map(name, tried))} too: "
-                                            f"not a precision effect")
+                                            f"not explained by a looser arithmetic contract")
     return res
 
 

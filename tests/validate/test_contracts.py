@@ -112,7 +112,7 @@ def test_a_tf32_error_fails_as_fp32_and_passes_as_tf32():
         with active_contract(k):
             (_, _), kb = P.truth_and_baseline(x)
             assert not compare(wrong, truth, kb[0]).passed, k
-    # TF32 products with q off by 1 %: not a precision effect, fails as tf32 too
+    # TF32 products with q off by 1 %: not explained by TF32, fails as tf32 too
     with active_contract("tf32"):
         off, _ = _emulated("tf32", dict(x, q=x["q"] * 1.01))
         assert not compare(off, truth, tb[0]).passed
@@ -146,7 +146,7 @@ def test_a_looser_arithmetic_or_a_real_bug_is_not_excused_by_the_declared_contra
     assert rc == 1 and "FAIL as tf32; PASS as bf16: error consistent with bfloat16 products" in out, out
     rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:tf32_buggy", "--ops", "recurrent", "--seed", "4",
                          "--max-examples", "3", "--no-shrink")
-    assert rc == 1 and "not a precision effect" in out, out
+    assert rc == 1 and "not explained by a looser arithmetic contract" in out, out
     rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--contract", "fp16")
     assert rc == 2 and "--contract: expected one of" in err
 
