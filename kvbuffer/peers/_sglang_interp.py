@@ -1,6 +1,6 @@
 """Jitted stand-ins for module-level aliases of Triton builtins (``exp = tl.exp`` in SGLang's fla copy),
 which the Triton interpreter does not patch: the same builtin, called from a jitted function.  Used by
-``kvbuffer.peers.sglang`` under TRITON_INTERPRET=1 only."""
+``kvbuffer.peers._sources.interpreter_fixes`` (the SGLang and vLLM adapters) under TRITON_INTERPRET=1 only."""
 
 import triton
 import triton.language as tl

@@ -66,7 +66,7 @@ import torch
 
 from ..validate.adapters import AdapterError, ContractViolation, describe, unavailable
 from .engine import engine_adapter, to_raw_gates
-from .replayssm import PEER_ENV
+from ._sources import PEER_ENV
 
 __all__ = ["VERSION", "PACKAGE", "FlashInfer", "load", "to_pool", "from_pool", "raw_gates", "pack",
            "oracle_inputs", "accept_into_pool", "FUNCTIONS", "locate", "flashinfer", "flashinfer_bf16",

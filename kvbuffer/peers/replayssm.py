@@ -47,8 +47,6 @@ import importlib.util
 import itertools
 import os
 import random
-import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -60,11 +58,11 @@ from kvbuffer_ref.checks import RESET_GATE
 
 from ..validate.adapters import AdapterError, describe, interpreter_active
 from ..validate.cases import Sizes
+from ._sources import PEER_ENV, shims_first, write_shims
 from .engine import to_raw_gates
 
 __all__ = ["replayssm", "ReplaySSMDecode", "PEER_ENV", "load_kernel_module"]
 
-PEER_ENV = "KVBUFFER_PEER_PATH"
 _OPS = Path("vllm/model_executor/layers/fla/ops")
 _CONFIG = Path("vllm/model_executor/layers/mamba/ops/replayssm_config.py")
 _SHIM_CONFIG = '''"""Shim of ReplaySSM's launch configuration (kvbuffer validate): (block_v, num_warps, num_stages, nk)."""
@@ -95,20 +93,17 @@ def _shims(checkout: Path, config: str = "checkout") -> Path:
     """A folder with a minimal ``vllm`` package: triton_utils, platforms (the capability query) and the
     ReplaySSM launch table: the checkout's own ``replayssm_config.py`` (``config="checkout"``: the tuned
     configs ReplaySSM launches with) or a default one (``config="shim"``)."""
-    root = Path(tempfile.mkdtemp(prefix="kvbuffer-replayssm-shims-"))
     pkgs = ["vllm", "vllm/triton_utils", "vllm/platforms", "vllm/model_executor", "vllm/model_executor/layers",
             "vllm/model_executor/layers/mamba", "vllm/model_executor/layers/mamba/ops"]
-    for p in pkgs:
-        (root / p).mkdir(parents=True, exist_ok=True)
-        (root / p / "__init__.py").write_text("")
-    (root / "vllm/triton_utils/__init__.py").write_text(_SHIM_TRITON)
-    (root / "vllm/platforms/__init__.py").write_text(_SHIM_PLATFORMS)
+    files = {f"{p}/__init__.py": "" for p in pkgs}
+    files["vllm/triton_utils/__init__.py"] = _SHIM_TRITON
+    files["vllm/platforms/__init__.py"] = _SHIM_PLATFORMS
     cfg = _SHIM_CONFIG
     real = checkout / _CONFIG
     if config == "checkout" and real.is_file():
         cfg = real.read_text()
-    (root / _CONFIG).write_text(cfg)
-    return root
+    files[_CONFIG.as_posix()] = cfg
+    return write_shims("kvbuffer-replayssm-shims-", files)
 
 
 def load_kernel_module(checkout, filename: str):
@@ -134,23 +129,16 @@ def load_kernel_module(checkout, filename: str):
 
 def _import_with_shims(checkout: Path, path: Path, config: str):
     shims = _shims(checkout, config)
-    saved = {n: m for n, m in sys.modules.items() if n == "vllm" or n.startswith("vllm.")}
-    for n in saved:
-        del sys.modules[n]
-    sys.path.insert(0, str(shims))
-    try:
-        spec = importlib.util.spec_from_file_location(f"_kvbuffer_peer_{path.stem}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        if hasattr(mod, "get_replayssm_config"):  # the launch table resolves (its platform query included)
-            mod.get_replayssm_config("gdn_decode", L=16)
-    except Exception as e:
-        raise AdapterError(f"--peer-path {checkout}: importing {path} failed: {type(e).__name__}: {e}") from None
-    finally:
-        sys.path.remove(str(shims))
-        for n in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-            del sys.modules[n]
-        sys.modules.update(saved)
+    with shims_first(shims, "vllm"):
+        try:
+            spec = importlib.util.spec_from_file_location(f"_kvbuffer_peer_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            if hasattr(mod, "get_replayssm_config"):  # the launch table resolves (its platform query included)
+                mod.get_replayssm_config("gdn_decode", L=16)
+        except Exception as e:
+            raise AdapterError(f"--peer-path {checkout}: importing {path} failed: {type(e).__name__}: {e}") \
+                from None
     return mod
 
 

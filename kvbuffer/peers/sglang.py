@@ -54,14 +54,10 @@ of the tensor descriptor API')``), so on the CPU its lanes are NOT RUN with that
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import re
 import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -70,8 +66,8 @@ import torch
 from kvbuffer_ref.engine_inputs import check_engine_inputs
 
 from ..validate.adapters import OPERATION_ATTRS, AdapterError, describe, interpreter_active, unavailable
+from ._sources import dist_version, dtypes, extract, find, interpreter_fixes, shims_first, version_in, write_shims
 from .engine import engine_adapter, token_rows
-from .replayssm import PEER_ENV
 
 __all__ = ["load_kernels", "locate", "KERNELS", "sglang", "sglang_decode", "sglang_packed", "sglang_pool",
            "sglang_chunk", "sglang_inputs", "SGLangRecurrent", "SGLangChunk", "SGLangInputs", "decode_step",
@@ -179,40 +175,22 @@ def is_arch_support_pdl():
 
 # ----------------------------------------------------------------------------- finding the kernel files
 def _version_of_tree(pkg: Path) -> str:
+    """The version of the sglang package folder ``pkg``: its _version.py or version.py, else the sglang
+    dist-info beside it, else '?'."""
     for f in (pkg / "_version.py", pkg / "version.py"):
         if f.is_file():
-            m = re.search(r"""__version__\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", f.read_text())
-            if m:
-                return m.group(1)
-    for meta in sorted(pkg.parent.glob("sglang-*.dist-info/METADATA")):
-        m = re.search(r"^Version: (\S+)", meta.read_text(), re.M)
-        if m:
-            return m.group(1)
-    return "?"
-
-
-_EXTRACTED: dict = {}
+            v = version_in(f.read_text())
+            if v:
+                return v
+    return dist_version(pkg.parent, "sglang") or "?"
 
 
 def _from_wheel(whl: Path) -> tuple:
     """The wheel's kernel folders extracted to a temporary folder (only the .py files of fla/ and linear/, and
-    triton_gdn_fused_proj.py, the split of the GDN backend's prefill)."""
-    key = str(whl.resolve())
-    if key not in _EXTRACTED:
-        root = Path(tempfile.mkdtemp(prefix="kvbuffer-sglang-wheel-"))
-        version = "?"
-        try:
-            with zipfile.ZipFile(whl) as z:
-                for n in z.namelist():
-                    if re.fullmatch(r"sglang/kernels/ops/attention/((fla|linear)/[^/]+|triton_gdn_fused_proj)\.py", n):
-                        z.extract(n, root)
-                    elif re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", n):
-                        m = re.search(r"^Version: (\S+)", z.read(n).decode(errors="replace"), re.M)
-                        version = m.group(1) if m else version
-        except (OSError, zipfile.BadZipFile) as e:
-            raise AdapterError(f"--peer-path {whl}: not a readable wheel ({e})") from None
-        _EXTRACTED[key] = (root / "sglang" / KERNELS, version)
-    return _EXTRACTED[key]
+    triton_gdn_fused_proj.py, the split of the GDN backend's prefill), with its METADATA (the version)."""
+    root = extract(whl, (r"sglang/kernels/ops/attention/((fla|linear)/[^/]+|triton_gdn_fused_proj)\.py",
+                         r"sglang-[^/]+\.dist-info/METADATA"), "kvbuffer-sglang-wheel-")
+    return root / "sglang" / KERNELS, dist_version(root, "sglang") or "?"
 
 
 def _tree(path: Path) -> Optional[tuple]:
@@ -230,42 +208,34 @@ def _tree(path: Path) -> Optional[tuple]:
     return None
 
 
+def _complete(found: Optional[tuple]) -> Optional[tuple]:
+    """``found`` ((kernel folder, version) or None) where the folder holds every file of ``_NEEDED``, else None."""
+    return found if found and all((found[0] / f).is_file() for f in _NEEDED) else None
+
+
 def locate(path=None) -> tuple:
     """(kernel folder, version, where from) of SGLang's kernels: ``$KVBUFFER_PEER_PATH`` (``--peer-path``)
     when it holds them, else the installed ``sglang`` package.  AdapterError with what was looked at
     when neither has them.  ``path`` (a wheel, a folder holding one, or a tree, as ``--peer-path``): that
     place only, nothing else looked at (the benchmark's ``--sglang-path``)."""
-    if path is not None:
-        found = _tree(Path(path))
-        if found and all((found[0] / f).is_file() for f in _NEEDED):
-            return found[0], found[1], str(path)
-        raise AdapterError(f"SGLang's kernels not found: {path} holds no sglang-*.whl and no sglang kernel files "
-                           f"({', '.join(_NEEDED)} under sglang/{KERNELS}). Get the wheel without SGLang's "
-                           f"dependencies: python3 -m pip download --no-deps sglang -d {path}")
-    looked = []
-    given = os.environ.get(PEER_ENV)
-    if given:
-        found = _tree(Path(given))
-        if found and all((found[0] / f).is_file() for f in _NEEDED):
-            return found[0], found[1], f"--peer-path {given}"
-        looked.append(f"--peer-path {given} holds no sglang kernel files ({', '.join(_NEEDED)} under "
-                      f"sglang/{KERNELS})")
-    spec = importlib.util.find_spec("sglang")  # a top-level package: found, not imported
-    if spec is not None and spec.submodule_search_locations:
-        pkg = Path(list(spec.submodule_search_locations)[0])
-        if all((pkg / KERNELS / f).is_file() for f in _NEEDED):
-            return pkg / KERNELS, _version_of_tree(pkg), f"installed sglang ({pkg})"
-        looked.append(f"the installed sglang ({pkg}) has no {KERNELS}/{_NEEDED[0]} (SGLang 0.5.23's layout)")
-    else:
-        looked.append("no sglang package is installed")
-    raise AdapterError("SGLang's kernels not found: " + "; ".join(looked) + ". Get them without SGLang's "
-                       "dependencies: python3 -m pip download --no-deps sglang -d DIR, then --peer-path DIR "
-                       "(or pip install --no-deps sglang)")
+    return find(path, lambda p: _complete(_tree(p)), "sglang",
+                lambda pkg: ((pkg / KERNELS, _version_of_tree(pkg))
+                             if all((pkg / KERNELS / f).is_file() for f in _NEEDED) else None),
+                not_at=lambda p: (f"SGLang's kernels not found: {p} holds no sglang-*.whl and no sglang kernel "
+                                  f"files ({', '.join(_NEEDED)} under sglang/{KERNELS}). Get the wheel without "
+                                  f"SGLang's dependencies: python3 -m pip download --no-deps sglang -d {p}"),
+                not_in_env=lambda given: (f"--peer-path {given} holds no sglang kernel files ({', '.join(_NEEDED)} "
+                                          f"under sglang/{KERNELS})"),
+                not_in_package=lambda pkg: (f"the installed sglang ({pkg}) has no {KERNELS}/{_NEEDED[0]} (SGLang "
+                                            f"0.5.23's layout)"),
+                not_found=lambda looked: (f"SGLang's kernels not found: {looked}. Get them without SGLang's "
+                                          "dependencies: python3 -m pip download --no-deps sglang -d DIR, then "
+                                          "--peer-path DIR (or pip install --no-deps sglang)"))
 
 
 # ----------------------------------------------------------------------------- loading them
 def _shims(kernels: Path) -> Path:
-    root = Path(tempfile.mkdtemp(prefix="kvbuffer-sglang-shims-"))
+    """A temporary folder with a minimal ``sglang`` package whose kernel packages are SGLang's own folders."""
     files = {
         "sglang/__init__.py": '"""Shim of sglang (kvbuffer validate): only its GDN kernel files load."""\n',
         "sglang/srt/__init__.py": "", "sglang/srt/utils/__init__.py": _SHIM_UTILS,
@@ -280,27 +250,7 @@ def _shims(kernels: Path) -> Path:
         "sglang/kernels/ops/attention/fla/__init__.py": f"__path__ = [{str(kernels / 'fla')!r}]\n",
         "sglang/kernels/ops/attention/linear/__init__.py": f"__path__ = [{str(kernels / 'linear')!r}]\n",
     }
-    for p, text in files.items():
-        (root / p).parent.mkdir(parents=True, exist_ok=True)
-        (root / p).write_text(text)
-    return root
-
-
-def _interpreter_fixes(modules: dict) -> None:
-    """Under the Triton interpreter: builtin aliases -> jitted functions of the same builtin; input_guard's
-    device context -> a null context where torch has no device context for the tensors' device (CPU)."""
-    import triton.language as tl
-
-    from . import _sglang_interp as ji  # here: it imports triton, after the interpreter is chosen
-
-    alias = {id(tl.exp): ji.exp, id(tl.math.exp2): ji.exp2, id(tl.log): ji.log, id(tl.log2): ji.log2}
-    for m in modules.values():
-        for n, val in list(vars(m).items()):
-            if id(val) in alias:
-                setattr(m, n, alias[id(val)])
-    utils = modules.get("fla.utils")
-    if utils is not None and not hasattr(getattr(utils, "device_torch_lib", None), "device"):
-        utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+    return write_shims("kvbuffer-sglang-shims-", files)
 
 
 def load_kernels(chunk: bool = False, path=None, inputs: bool = False) -> types.SimpleNamespace:
@@ -309,30 +259,23 @@ def load_kernels(chunk: bool = False, path=None, inputs: bool = False) -> types.
     ``inputs``: also the GDN backend's prefill preprocessing (``_INPUT_MODULES``)."""
     kernels, version, source = locate(path)
     shims = _shims(kernels)
-    saved = {n: m for n, m in sys.modules.items() if n == "sglang" or n.startswith("sglang.")}
-    for n in saved:
-        del sys.modules[n]
-    sys.path.insert(0, str(shims))
     loaded = {}
-    try:
-        import warnings
-        with warnings.catch_warnings():  # fla/utils.py warns when it finds no GPU driver
-            warnings.simplefilter("ignore")
-            names = dict(_MODULES, **({"chunk": "fla.chunk"} if chunk else {}), **(_INPUT_MODULES if inputs else {}))
-            for key, rel in names.items():
-                loaded[key] = importlib.import_module(f"sglang.{KERNELS.as_posix().replace('/', '.')}.{rel}")
-        prefix = f"sglang.{KERNELS.as_posix().replace('/', '.')}."
-        modules = {n[len(prefix):]: m for n, m in sys.modules.items() if n.startswith(prefix)}
-        if interpreter_active():
-            _interpreter_fixes(modules)
-    except Exception as e:
-        raise AdapterError(f"SGLang's kernels from {source}: importing them failed: {type(e).__name__}: {e}") \
-            from None
-    finally:
-        sys.path.remove(str(shims))
-        for n in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
-            del sys.modules[n]
-        sys.modules.update(saved)
+    with shims_first(shims, "sglang"):
+        try:
+            import warnings
+            with warnings.catch_warnings():  # fla/utils.py warns when it finds no GPU driver
+                warnings.simplefilter("ignore")
+                names = dict(_MODULES, **({"chunk": "fla.chunk"} if chunk else {}),
+                             **(_INPUT_MODULES if inputs else {}))
+                for key, rel in names.items():
+                    loaded[key] = importlib.import_module(f"sglang.{KERNELS.as_posix().replace('/', '.')}.{rel}")
+            prefix = f"sglang.{KERNELS.as_posix().replace('/', '.')}."
+            modules = {n[len(prefix):]: m for n, m in sys.modules.items() if n.startswith(prefix)}
+            if interpreter_active():
+                interpreter_fixes(modules)
+        except Exception as e:
+            raise AdapterError(f"SGLang's kernels from {source}: importing them failed: {type(e).__name__}: {e}") \
+                from None
     fr, fs = loaded["fused_recurrent"], loaded["fused_sigmoid"]
     return types.SimpleNamespace(
         version=version, source=source,
@@ -344,10 +287,6 @@ def load_kernels(chunk: bool = False, path=None, inputs: bool = False) -> types.
         fused_qkv_split_gdn_prefill=loaded["split"].fused_qkv_split_gdn_prefill if inputs else None,
         fused_gdn_gating=loaded["gating"].fused_gdn_gating if inputs else None,
         l2norm_fwd=loaded["l2norm"].l2norm_fwd if inputs else None)
-
-
-def _on_gpu() -> bool:
-    return torch.cuda.is_available() and not interpreter_active()
 
 
 _NOT_BUFFERED = {
@@ -377,7 +316,7 @@ class SGLangRecurrent:
         self.version = kernels.version
         self.name = f"sglang {kernels.version}"
         self.interpreted = interpreter_active()
-        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.dtypes = dtypes(torch.float32, torch.float16)
         self.not_provided = dict(_NOT_BUFFERED, chunk_gated_delta_rule="SGLang's chunk kernel takes 16-bit inputs "
                                  "only and a state pool: --impl sglang-chunk")
 
@@ -415,7 +354,7 @@ class SGLangChunk:
         self._k = kernels
         self.name = f"sglang {kernels.version} chunk"
         self.interpreted = interpreter_active()
-        self.dtypes = (torch.float16,) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.dtypes = dtypes(torch.float16)
         self.not_provided = dict(_NOT_BUFFERED, recurrent_gated_delta_rule="the chunk kernel only: --impl sglang",
                                  recurrent_decode="the chunk kernel only: --impl sglang, sglang-decode, sglang-packed")
 
@@ -476,7 +415,7 @@ class SGLangInputs:
         self.version = kernels.version
         self.name = f"sglang {kernels.version} prefill inputs"
         self.interpreted = interpreter_active()
-        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.dtypes = dtypes(torch.float32, torch.float16)
         self.not_provided = {a: "the GDN backend's prefill preprocessing only (engine_inputs): --impl sglang, "
                                 "sglang-decode, sglang-packed, sglang-pool, sglang-chunk"
                              for a in OPERATION_ATTRS if a != "engine_inputs"}
@@ -570,7 +509,7 @@ def _engine(kind: str, label: str, step_of):
     adapter = engine_adapter(step_of(k), name=f"sglang {k.version} {label}", contract="ieee", **CONVENTIONS[kind])
     adapter.interpreted = interpreter_active()
     # SGLang runs these kernels on bfloat16 q, k, v (the model's dtype); the interpreter mishandles bfloat16
-    adapter.dtypes = tuple(adapter.dtypes) + ((torch.bfloat16,) if _on_gpu() else ())
+    adapter.dtypes = dtypes(*adapter.dtypes)
     if kind == "pool":  # log gates, one per value head: the kernel has no per-channel gate
         adapter.channel_gate = False
     return describe(adapter)

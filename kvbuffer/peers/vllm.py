@@ -44,13 +44,10 @@ Contract: elementwise float32 (``tl.sum`` of products, no ``tl.dot``): "ieee".  
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import importlib
 import re
 import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -59,8 +56,8 @@ import torch
 from kvbuffer_ref.engine_inputs import check_engine_inputs
 
 from ..validate.adapters import OPERATION_ATTRS, AdapterError, describe, interpreter_active, unavailable
+from ._sources import dtypes, extract, find, git_version, interpreter_fixes, shims_first, version_in, write_shims
 from .engine import engine_adapter, token_rows
-from .replayssm import PEER_ENV
 
 __all__ = ["locate", "load_kernels", "VLLMRecurrent", "VLLMInputs", "vllm", "vllm_decode", "vllm_packed",
            "vllm_inputs", "decode_step", "packed_step", "OPS_DIRS"]
@@ -136,38 +133,17 @@ def _version_of(root: Path) -> str:
     f = root / "vllm" / "_version.py"
     if f.is_file():
         text = f.read_text()
-        v = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text)
-        c = re.search(r"""__commit_id__\s*=\s*(?:commit_id\s*=\s*)?['"]g?([0-9a-f]+)['"]""", text)
+        v = version_in(text)
+        c = version_in(text, "__commit_id__", "commit_id", form="[0-9a-f]+", prefix="g?")
         if v:
-            return v.group(1) + (f" (commit {c.group(1)})" if c else "")
-    head = root / ".git" / "HEAD"
-    if head.is_file():
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            p = root / ".git" / ref[5:]
-            ref = p.read_text().strip() if p.is_file() else ref
-        return f"git {ref[:12]}"
-    return "?"
-
-
-_EXTRACTED: dict = {}
+            return v + (f" (commit {c})" if c else "")
+    return git_version(root) or "?"
 
 
 def _from_wheel(whl: Path) -> Path:
     """The wheel's fla kernel folder and _version.py extracted to a temporary folder (a tree root)."""
-    key = str(whl.resolve())
-    if key not in _EXTRACTED:
-        root = Path(tempfile.mkdtemp(prefix="kvbuffer-vllm-wheel-"))
-        pats = [re.escape(d.as_posix()) + r"/[^/]+\.py" for d in OPS_DIRS] + [r"vllm/_version\.py"]
-        try:
-            with zipfile.ZipFile(whl) as z:
-                for n in z.namelist():
-                    if any(re.fullmatch(p, n) for p in pats):
-                        z.extract(n, root)
-        except (OSError, zipfile.BadZipFile) as e:
-            raise AdapterError(f"--peer-path {whl}: not a readable wheel ({e})") from None
-        _EXTRACTED[key] = root
-    return _EXTRACTED[key]
+    pats = [re.escape(d.as_posix()) + r"/[^/]+\.py" for d in OPS_DIRS] + [r"vllm/_version\.py"]
+    return extract(whl, pats, "kvbuffer-vllm-wheel-")
 
 
 def _ops_of(root: Path) -> Optional[Path]:
@@ -198,36 +174,23 @@ def locate(path=None) -> tuple:
     where = [d.as_posix() for d in OPS_DIRS]
     hint = ("Get them without vLLM's dependencies: git clone https://github.com/vllm-project/vllm (then "
             "--peer-path vllm), or python3 -m pip download --no-deps vllm -d DIR (then --peer-path DIR)")
-    if path is not None:
-        found = _tree(Path(path))
-        if found:
-            return found[0], found[1], str(path)
-        raise AdapterError(f"vLLM's kernels not found: {path} holds none of {', '.join(where)} with "
-                           f"{', '.join(_NEEDED)}. {hint}")
-    looked = []
-    given = os.environ.get(PEER_ENV)
-    if given:
-        found = _tree(Path(given))
-        if found:
-            return found[0], found[1], f"--peer-path {given}"
-        looked.append(f"--peer-path {given} holds no vLLM fla kernels ({' or '.join(where)})")
-    spec = importlib.util.find_spec("vllm")  # found, not imported
-    if spec is not None and spec.submodule_search_locations:
-        root = Path(list(spec.submodule_search_locations)[0]).parent
-        ops = _ops_of(root)
-        if ops:
-            return ops, _version_of(root), f"installed vllm ({root / 'vllm'})"
-        looked.append(f"the installed vllm ({root / 'vllm'}) has none of {', '.join(where)}")
-    else:
-        looked.append("no vllm package is installed")
-    raise AdapterError("vLLM's kernels not found: " + "; ".join(looked) + f". {hint}")
+
+    def in_package(pkg: Path) -> Optional[tuple]:
+        ops = _ops_of(pkg.parent)
+        return (ops, _version_of(pkg.parent)) if ops else None
+
+    return find(path, _tree, "vllm", in_package,
+                not_at=lambda p: (f"vLLM's kernels not found: {p} holds none of {', '.join(where)} with "
+                                  f"{', '.join(_NEEDED)}. {hint}"),
+                not_in_env=lambda given: f"--peer-path {given} holds no vLLM fla kernels ({' or '.join(where)})",
+                not_in_package=lambda pkg: f"the installed vllm ({pkg}) has none of {', '.join(where)}",
+                not_found=lambda looked: f"vLLM's kernels not found: {looked}. {hint}")
 
 
 # ----------------------------------------------------------------------------- loading them
 def _shims(ops: Path) -> tuple:
     """A temporary folder with a minimal ``vllm`` package whose fla ops package is vLLM's own folder; and
     the dotted name of that ops package."""
-    root = Path(tempfile.mkdtemp(prefix="kvbuffer-vllm-shims-"))
     rel = next(d for d in OPS_DIRS if ops.as_posix().endswith(d.as_posix()))
     files = {"vllm/__init__.py": '"""Shim of vllm (kvbuffer validate): only its fla kernel files load."""\n',
              "vllm/triton_utils/__init__.py": _SHIM_TRITON, "vllm/platforms/__init__.py": _SHIM_PLATFORMS,
@@ -236,10 +199,7 @@ def _shims(ops: Path) -> tuple:
     for i in range(2, len(parts)):
         files.setdefault("/".join(parts[:i]) + "/__init__.py", "")
     files[rel.as_posix() + "/__init__.py"] = f"__path__ = [{str(ops)!r}]\n"
-    for p, text in files.items():
-        (root / p).parent.mkdir(parents=True, exist_ok=True)
-        (root / p).write_text(text)
-    return root, ".".join(parts)
+    return write_shims("kvbuffer-vllm-shims-", files), ".".join(parts)
 
 
 def load_kernels(path=None) -> types.SimpleNamespace:
@@ -247,29 +207,20 @@ def load_kernels(path=None) -> types.SimpleNamespace:
     process's own ``vllm`` modules (if any) set aside meanwhile and restored after."""
     ops, version, source = locate(path)
     shims, pkg = _shims(ops)
-    saved = {n: m for n, m in sys.modules.items() if n == "vllm" or n.startswith("vllm.")}
-    for n in saved:
-        del sys.modules[n]
-    sys.path.insert(0, str(shims))
-    try:
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fr = importlib.import_module(f"{pkg}.fused_recurrent")
-            fs = importlib.import_module(f"{pkg}.fused_sigmoid_gating")
-            # the Qwen GDN layer's prefill preprocessing (0.34; earlier releases have no such file)
-            pc = importlib.import_module(f"{pkg}.{_POST_CONV}") if (ops / f"{_POST_CONV}.py").is_file() else None
-        if interpreter_active():
-            from .sglang import _interpreter_fixes
-            _interpreter_fixes({n: m for n, m in sys.modules.items() if n.startswith(pkg + ".")})
-    except Exception as e:
-        raise AdapterError(f"vLLM's kernels from {source} ({ops}): importing them failed: {type(e).__name__}: {e}") \
-            from None
-    finally:
-        sys.path.remove(str(shims))
-        for n in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-            del sys.modules[n]
-        sys.modules.update(saved)
+    with shims_first(shims, "vllm"):
+        try:
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fr = importlib.import_module(f"{pkg}.fused_recurrent")
+                fs = importlib.import_module(f"{pkg}.fused_sigmoid_gating")
+                # the Qwen GDN layer's prefill preprocessing (0.34; earlier releases have no such file)
+                pc = importlib.import_module(f"{pkg}.{_POST_CONV}") if (ops / f"{_POST_CONV}.py").is_file() else None
+            if interpreter_active():
+                interpreter_fixes({n: m for n, m in sys.modules.items() if n.startswith(pkg + ".")})
+        except Exception as e:
+            raise AdapterError(f"vLLM's kernels from {source} ({ops}): importing them failed: {type(e).__name__}: "
+                               f"{e}") from None
     return types.SimpleNamespace(
         version=version, source=source, ops=ops,
         fused_recurrent_gated_delta_rule=fr.fused_recurrent_gated_delta_rule,
@@ -277,10 +228,6 @@ def load_kernels(path=None) -> types.SimpleNamespace:
                                                                None),
         fused_sigmoid_gating_delta_rule_update=fs.fused_sigmoid_gating_delta_rule_update,
         fused_post_conv_prep=None if pc is None else pc.fused_post_conv_prep)
-
-
-def _on_gpu() -> bool:
-    return torch.cuda.is_available() and not interpreter_active()
 
 
 _NOT_BUFFERED = {
@@ -311,7 +258,7 @@ class VLLMRecurrent:
         self.version = kernels.version
         self.name = f"vllm {kernels.version}"
         self.interpreted = interpreter_active()
-        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.dtypes = dtypes(torch.float32, torch.float16)
         self.not_provided = dict(_NOT_BUFFERED, chunk_gated_delta_rule="vLLM's chunk_gated_delta_rule is not mapped "
                                  "by this adapter")
         self._gen = torch.Generator().manual_seed(0)
@@ -390,7 +337,7 @@ class VLLMInputs:
         self.version = kernels.version
         self.name = f"vllm {kernels.version} fused_post_conv_prep"
         self.interpreted = interpreter_active()
-        self.dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _on_gpu() else ())
+        self.dtypes = dtypes(torch.float32, torch.float16)
         self.not_provided = {a: "fused_post_conv_prep is the layer's preprocessing only (engine_inputs): --impl "
                                 "vllm, vllm-decode, vllm-packed" for a in OPERATION_ATTRS if a != "engine_inputs"}
 
@@ -462,7 +409,7 @@ def _engine(kind: str, label: str, step_of):
                            f"{k.ops}/fused_recurrent.py has no fused_recurrent_gated_delta_rule_packed_decode")
     adapter = engine_adapter(step_of(k), name=f"vllm {k.version} {label}", contract="ieee", **CONVENTIONS[kind])
     adapter.interpreted = interpreter_active()
-    adapter.dtypes = tuple(adapter.dtypes) + ((torch.bfloat16,) if _on_gpu() else ())
+    adapter.dtypes = dtypes(*adapter.dtypes)
     return describe(adapter)
 
 
