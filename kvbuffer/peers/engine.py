@@ -68,7 +68,7 @@ from typing import Callable, Optional
 import torch
 
 from ..validate.adapters import AdapterError, ContractViolation, _bits
-from ..validate.cases import RAW_GATE_DTYPES, raw_gates_in
+from ..validate.cases import RAW_GATE_DTYPES, softplus_inv, raw_gates_in
 
 __all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates", "token_rows"]
 
@@ -113,18 +113,10 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
 
 
-def _softplus_inv(y: torch.Tensor) -> torch.Tensor:
-    """x with softplus(x) = y (y >= 0; 0 -> -inf, inf -> inf), in float64."""
-    y = y.to(torch.float64)
-    big = y > 30
-    safe = torch.where(big | (y <= 0), torch.ones_like(y), y)
-    x = torch.where(big, y, safe + torch.log(-torch.expm1(-safe)))
-    return torch.where(y <= 0, torch.full_like(y, float("-inf")), x)
-
-
 def to_raw_gates(g: torch.Tensor, beta: torch.Tensor, rng: random.Random):
     """Engine gating inputs for log-gates ``g`` [.., HV] and ``beta`` [.., HV]: A_log, dt_bias [HV] (float32,
-    drawn in [-1, 1] or [-4, -2]), a, b [.., HV] (float32) with -exp(A_log) softplus(a + dt_bias) = g and sigmoid(b) = beta."""
+    drawn in [-1, 1] or [-4, -2]), a, b [.., HV] (float32) with -exp(A_log) softplus(a + dt_bias) = g and
+    sigmoid(b) = beta."""
     if g.dim() != beta.dim():
         raise AdapterError("gating='raw' takes scalar gates only (per-channel gates are not raw-gated here)")
     HV = g.shape[-1]
@@ -134,7 +126,7 @@ def to_raw_gates(g: torch.Tensor, beta: torch.Tensor, rng: random.Random):
                          dtype=torch.float32)
     dt_bias = torch.tensor([rng.uniform(-1, 1) for _ in range(HV)], dtype=torch.float32)
     sp = -g.detach().to(torch.float64).cpu() / A_log.double().exp()
-    a = (_softplus_inv(sp) - dt_bias.double()).float()
+    a = (softplus_inv(sp) - dt_bias.double()).float()
     bb = beta.detach().to(torch.float64).cpu()
     b = torch.where(bb >= 1, torch.full_like(bb, float("inf")), torch.log(bb) - torch.log1p(-bb)).float()
     dev = g.device

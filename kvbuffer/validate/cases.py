@@ -15,7 +15,7 @@ from kvbuffer_ref.engine_inputs import NORM_EPS
 
 __all__ = ["GATE_REGIMES", "BETA_REGIMES", "NORM_REGIMES", "QK_L2NORM_EPS", "Case", "make_inputs", "cast_inputs",
            "upcast_inputs", "l2norm_qk", "Sizes", "NORMAL", "SMALL", "GPU", "GPU_HEAD_SHAPES", "reset_positions",
-           "RAW_GATE_DTYPES", "raw_gate_params", "raw_gates_in", "gates_of_raw", "snap_to_raw_gates"]
+           "RAW_GATE_DTYPES", "raw_gate_params", "softplus_inv", "raw_gates_in", "gates_of_raw", "snap_to_raw_gates"]
 
 #: log-gate regimes: exactly 0 (no decay), mild [-0.5, 0], strong [-8, -1], underflowing [-120, -104]
 #: (exp(g) is exactly 0 in float32 and below 1e-45 in float64), a per-element mix of those four, the
@@ -255,7 +255,7 @@ def raw_gate_params(HV: int) -> tuple:
     return A_log.float(), dt_bias.float()
 
 
-def _softplus_inv(y: torch.Tensor) -> torch.Tensor:
+def softplus_inv(y: torch.Tensor) -> torch.Tensor:
     """x with softplus(x) = y (y >= 0; 0 -> -inf, inf -> inf), in float64."""
     y = y.to(torch.float64)
     big = y > 30
@@ -278,7 +278,7 @@ def raw_gates_in(g: torch.Tensor, beta: torch.Tensor, dtype: str) -> tuple:
                          f"(scalar gates)")
     A_log, dt_bias = raw_gate_params(HV)
     sp = -g.detach().to("cpu", torch.float64) / A_log.double().exp()
-    a = (_softplus_inv(sp) - dt_bias.double()).float()
+    a = (softplus_inv(sp) - dt_bias.double()).float()
     bb = beta.detach().to("cpu", torch.float64)
     b = torch.where(bb >= 1, torch.full_like(bb, float("inf")), torch.log(bb) - torch.log1p(-bb)).float()
     rd, dev = RAW_GATE_DTYPES[dtype], g.device
