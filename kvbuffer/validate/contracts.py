@@ -305,8 +305,14 @@ def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=
     ways = list(segment_ways(q.dtype))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
-    return [segmented_form(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,
-                           contract=contract, **w) for w in ways]
+    out = [None] * len(ways)
+    for exp in dict.fromkeys(w.get("exp") for w in ways):  # the ways that share their exponentials: one batch
+        idx = [i for i, w in enumerate(ways) if w.get("exp") == exp]
+        sums = [(ways[i]["cumsum"], ways[i].get("carried", ())) for i in idx]
+        for i, r in zip(idx, _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                              starts=starts, sums=sums, contract=contract, exp=exp)):
+            out[i] = r
+    return out
 
 
 def _segment_gates(g: torch.Tensor, edges: list, carried: set) -> list:
@@ -333,24 +339,41 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
     are summed, "sequential", "scan" or "rounded" (``_Arithmetic``'s ``cumsum``); exp="ex2":
     exponentials as a GPU kernel takes them (``exp_ex2``).
     bf16-state rounds the state at every boundary.  Batch of any B, the same boundaries for every request."""
+    return _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,
+                            sums=[(cumsum, carried)], contract=contract, exp=exp)[0]
+
+
+def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp) -> list:
+    """[(o, S), ...]: ``segmented_form`` once per (cumsum, carried) of ``sums``, all with exponentials ``exp``,
+    computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way, the
+    chunk arithmetic batched)."""
     contract = check_contract(current_contract() if contract is None else contract)
-    T = q.shape[1]
+    T, n = q.shape[1], len(sums)
     if not T:  # no tokens: the state as it was (zeros without one)
         S = initial_state if initial_state is not None else torch.zeros(
             q.shape[0], v.shape[2], k.shape[-1], v.shape[3], dtype=torch.promote_types(q.dtype, torch.float32),
             device=q.device)
-        return v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3]), S
+        return [(v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3]), S)] * n
     edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T]
+    x = prepare_tokens(q, k, v, g, beta, scale)
+    gates = []  # per way, the cumulative gates of each segment
+    for cumsum, carried in sums:
+        with _Arithmetic(cumsum=cumsum):
+            gates.append(_segment_gates(x.g, edges, {int(c) for c in carried}))
+    rep = (lambda t: t) if n == 1 else (lambda t: torch.cat([t] * n))  # noqa: E731
+    B = x.dims.B
+    S = rep(torch.zeros(B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
+            if initial_state is None else initial_state.to(x.v.dtype))
     outs = []
-    with _Arithmetic(products=_products(contract), cumsum=cumsum, exp=exp):
-        x = prepare_tokens(q, k, v, g, beta, scale)
-        S = (torch.zeros(x.dims.B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
-             if initial_state is None else initial_state.to(x.v.dtype))
-        for (a, b), G in zip(zip(edges, edges[1:]), _segment_gates(x.g, edges, {int(c) for c in carried})):
+    with _Arithmetic(products=_products(contract), exp=exp):
+        for i, (a, b) in enumerate(zip(edges, edges[1:])):
             sl = slice(a, b)
-            o, u = _wy_chunk(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.beta[:, sl], G, S)
-            S = fold_state(S, x.k[:, sl], u, G, G[:, -1])
+            G = torch.cat([gw[i] for gw in gates]) if n > 1 else gates[0][i]
+            k_sl = rep(x.k[:, sl])
+            o, u = _wy_chunk(rep(x.q[:, sl]), k_sl, rep(x.v[:, sl]), rep(x.beta[:, sl]), G, S)
+            S = fold_state(S, k_sl, u, G, G[:, -1])
             if contract == "bf16-state":
                 S = round_bf16(S)
             outs.append(o.to(x.out_dtype))
-    return torch.cat(outs, 1), S
+    o = torch.cat(outs, 1)
+    return [(o[j * B : (j + 1) * B], S[j * B : (j + 1) * B]) for j in range(n)]
