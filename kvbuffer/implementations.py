@@ -91,15 +91,17 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
     missing = {a: f"not implemented in {package}" for a in OPERATION_ATTRS if a not in ops}
     # compiled, the chunk kernels multiply float32 inputs as three TF32 products and 16-bit inputs in 16-bit
     # products (kvbuffer_fast/chunk.py, "Precision"; docs/kernels.md)
-    lane_contracts = {} if interpreter_active() else {
-        (op, dt): "tf32x3" if dt == torch.float32 else "bf16" for op in ("chunk", "chunk_varlen", "direct", "prefill")
-        for dt in (torch.float32, torch.float16, torch.bfloat16)}
-    paths = getattr(importlib.import_module(f"{package}._common"), "sixteen_bit_paths", None) \
-        if importlib.util.find_spec(f"{package}._common") is not None else None
-    if interpreter_active() and paths is not None and paths(torch.empty(0, dtype=torch.float16)):
-        # the interpreter taking the compiled 16-bit paths (float16 only, $KVBUFFER_FAST_16BIT_PATHS=1): judged
-        # as what they keep
-        lane_contracts = {(op, torch.float16): "bf16" for op in ("chunk", "chunk_varlen", "direct", "prefill")}
+    # under the interpreter IEEE everywhere, unless float16 takes the compiled 16-bit paths
+    # ($KVBUFFER_FAST_16BIT_PATHS=1, ``_common.sixteen_bit_paths``): then judged as what they keep
+    chunk_ops = ("chunk", "chunk_varlen", "direct", "prefill")
+    if not interpreter_active():
+        lane_contracts = {(op, dt): "tf32x3" if dt == torch.float32 else "bf16" for op in chunk_ops
+                          for dt in (torch.float32, torch.float16, torch.bfloat16)}
+    else:
+        paths = getattr(importlib.import_module(f"{package}._common"), "sixteen_bit_paths", None) \
+            if importlib.util.find_spec(f"{package}._common") is not None else None
+        on = paths is not None and paths(torch.empty(0, dtype=torch.float16))
+        lane_contracts = {(op, torch.float16): "bf16" for op in chunk_ops} if on else {}
     # bfloat16 only compiled: under the Triton interpreter bfloat16 arithmetic is not what the GPU computes
     dtypes = (torch.float32, torch.float16) + (() if interpreter_active() else (torch.bfloat16,))
     return Implementation(name=package, obj=types.SimpleNamespace(prepare=prepare, **ops),

@@ -67,8 +67,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..validate.adapters import AdapterError, ContractViolation, _bits
+from ..validate.adapters import OPERATION_ATTRS, AdapterError, ContractViolation, _bits, interpreter_active
 from ..validate.cases import RAW_GATE_DTYPES, softplus_inv, raw_gates_in
+from ._sources import dtypes
 
 __all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates", "token_rows"]
 
@@ -112,6 +113,25 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
 
+
+
+class InputsAdapter:
+    """An engine's preprocessing kernels (``kernels``, with their ``version``) behind the ``engine_inputs`` lane
+    alone: float32 and float16 (bfloat16 on a GPU), IEEE float32 arithmetic, scalar gates; every other
+    operation not provided, for the reason ``only`` (which implementations serve them).  A subclass writes
+    ``engine_inputs`` as its engine's layer calls its kernels."""
+
+    contract = "ieee"
+    channel_gate = False
+    forms = ("u",)
+
+    def __init__(self, kernels, name: str, only: str):
+        self._k = kernels
+        self.version = kernels.version
+        self.name = name
+        self.interpreted = interpreter_active()
+        self.dtypes = dtypes(torch.float32, torch.float16)
+        self.not_provided = {a: only for a in OPERATION_ATTRS if a != "engine_inputs"}
 
 def to_raw_gates(g: torch.Tensor, beta: torch.Tensor, rng: random.Random):
     """Engine gating inputs for log-gates ``g`` [.., HV] and ``beta`` [.., HV]: A_log, dt_bias [HV] (float32,

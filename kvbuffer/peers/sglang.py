@@ -65,9 +65,9 @@ import torch
 
 from kvbuffer_ref.engine_inputs import check_engine_inputs
 
-from ..validate.adapters import OPERATION_ATTRS, AdapterError, describe, interpreter_active, unavailable
+from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
 from ._sources import dist_version, dtypes, extract, find, interpreter_fixes, shims_first, version_in, write_shims
-from .engine import engine_adapter, token_rows
+from .engine import InputsAdapter, engine_adapter, token_rows
 
 __all__ = ["load_kernels", "locate", "KERNELS", "sglang", "sglang_decode", "sglang_packed", "sglang_pool",
            "sglang_chunk", "sglang_inputs", "SGLangRecurrent", "SGLangChunk", "SGLangInputs", "decode_step",
@@ -382,7 +382,7 @@ class SGLangChunk:
 FUSED_SPLIT_MAX = 8192
 
 
-class SGLangInputs:
+class SGLangInputs(InputsAdapter):
     """``engine_inputs`` through the calls SGLang's GDN backend makes between the convolution and the chunk
     kernel of a prefill (``GDNAttnBackend.forward_extend``, not a target verify; ``TritonGDNKernel.extend``)::
 
@@ -406,19 +406,10 @@ class SGLangInputs:
     g, beta in float32.
     """
 
-    contract = "ieee"
-    channel_gate = False
-    forms = ("u",)
-
     def __init__(self, kernels):
-        self._k = kernels
-        self.version = kernels.version
-        self.name = f"sglang {kernels.version} prefill inputs"
-        self.interpreted = interpreter_active()
-        self.dtypes = dtypes(torch.float32, torch.float16)
-        self.not_provided = {a: "the GDN backend's prefill preprocessing only (engine_inputs): --impl sglang, "
-                                "sglang-decode, sglang-packed, sglang-pool, sglang-chunk"
-                             for a in OPERATION_ATTRS if a != "engine_inputs"}
+        super().__init__(kernels, f"sglang {kernels.version} prefill inputs",
+                         "the GDN backend's prefill preprocessing only (engine_inputs): --impl sglang, "
+                         "sglang-decode, sglang-packed, sglang-pool, sglang-chunk")
 
     def engine_inputs(self, mixed_qkv, a, b, *, A_log, dt_bias, num_heads, head_k_dim, qk_l2norm=True):
         B, T, H, HV, K, V = check_engine_inputs(mixed_qkv, a, b, A_log, dt_bias, num_heads, head_k_dim,
@@ -530,17 +521,26 @@ def sglang_pool():
     return _engine("pool", "pooled recurrent", pool_step)
 
 
+def _not_interpreted(spec: str, label: str, what: str):
+    """Under the Triton interpreter (unless $KVBUFFER_PEER_INTERPRET=1), ``spec`` as NOT RUN: ``what`` uses block
+    pointers, which the interpreter no longer takes; None elsewhere."""
+    if not interpreter_active() or os.environ.get("KVBUFFER_PEER_INTERPRET", "0") not in ("", "0"):
+        return None
+    try:
+        version = locate()[1]
+    except AdapterError as e:
+        return unavailable(spec, str(e))
+    return unavailable(f"sglang {version} {label}", (
+        f"{what} does not run under the Triton interpreter (triton 3.9: NotImplementedError('Block pointers have "
+        "been removed in favor of the tensor descriptor API')); run it with --device cuda (KVBUFFER_PEER_INTERPRET=1 "
+        "tries the interpreter anyway)"))
+
+
 def sglang_chunk():
     """``--impl sglang-chunk``: SGLang's ``chunk_gated_delta_rule``; NOT RUN under the Triton interpreter."""
-    if interpreter_active() and os.environ.get("KVBUFFER_PEER_INTERPRET", "0") in ("", "0"):
-        try:
-            version = locate()[1]
-        except AdapterError as e:
-            return unavailable("sglang-chunk", str(e))
-        return unavailable(f"sglang {version} chunk", (
-            "SGLang's chunk kernel does not run under the Triton interpreter (triton 3.9: NotImplementedError('Block "
-            "pointers have been removed in favor of the tensor descriptor API')); run it with --device cuda "
-            "(KVBUFFER_PEER_INTERPRET=1 tries the interpreter anyway)"))
+    refused = _not_interpreted("sglang-chunk", "chunk", "SGLang's chunk kernel")
+    if refused is not None:
+        return refused
     k, missing = _load("sglang-chunk", chunk=True)
     return missing or describe(SGLangChunk(k))
 
@@ -548,15 +548,9 @@ def sglang_chunk():
 def sglang_inputs():
     """``--impl sglang-inputs``: the GDN backend's prefill preprocessing (split, gating, L2 norm: engine_inputs);
     NOT RUN under the Triton interpreter."""
-    if interpreter_active() and os.environ.get("KVBUFFER_PEER_INTERPRET", "0") in ("", "0"):
-        try:
-            version = locate()[1]
-        except AdapterError as e:
-            return unavailable("sglang-inputs", str(e))
-        return unavailable(f"sglang {version} prefill inputs", (
-            "SGLang's l2norm_fwd (fla/l2norm.py, D <= 512) does not run under the Triton interpreter (triton 3.9: "
-            "NotImplementedError('Block pointers have been removed in favor of the tensor descriptor API')); run it "
-            "with --device cuda (KVBUFFER_PEER_INTERPRET=1 tries the interpreter anyway)"))
+    refused = _not_interpreted("sglang-inputs", "prefill inputs", "SGLang's l2norm_fwd (fla/l2norm.py, D <= 512)")
+    if refused is not None:
+        return refused
     try:
         k = load_kernels(inputs=True)
     except AdapterError as e:

@@ -55,9 +55,9 @@ import torch
 
 from kvbuffer_ref.engine_inputs import check_engine_inputs
 
-from ..validate.adapters import OPERATION_ATTRS, AdapterError, describe, interpreter_active, unavailable
+from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
 from ._sources import dtypes, extract, find, git_version, interpreter_fixes, shims_first, version_in, write_shims
-from .engine import engine_adapter, token_rows
+from .engine import InputsAdapter, engine_adapter, token_rows
 
 __all__ = ["locate", "load_kernels", "VLLMRecurrent", "VLLMInputs", "vllm", "vllm_decode", "vllm_packed",
            "vllm_inputs", "decode_step", "packed_step", "OPS_DIRS"]
@@ -306,7 +306,7 @@ class VLLMRecurrent:
 
 
 # ----------------------------------------------------------------------------- vllm-inputs: the layer's preprocessing
-class VLLMInputs:
+class VLLMInputs(InputsAdapter):
     """``engine_inputs`` through ``fused_post_conv_prep``, called as the Qwen3-Next / Qwen3.5 GDN layer's
     prefill calls it (``qwen_gdn_linear_attn.py``, ``_forward_core``)::
 
@@ -328,25 +328,17 @@ class VLLMInputs:
     decode) gate and normalise inside the recurrent kernel: ``vllm-decode``, ``vllm-packed``.
     """
 
-    contract = "ieee"
-    channel_gate = False
-    forms = ("u",)
-
     def __init__(self, kernels):
-        self._k = kernels
-        self.version = kernels.version
-        self.name = f"vllm {kernels.version} fused_post_conv_prep"
-        self.interpreted = interpreter_active()
-        self.dtypes = dtypes(torch.float32, torch.float16)
-        self.not_provided = {a: "fused_post_conv_prep is the layer's preprocessing only (engine_inputs): --impl "
-                                "vllm, vllm-decode, vllm-packed" for a in OPERATION_ATTRS if a != "engine_inputs"}
+        super().__init__(kernels, f"vllm {kernels.version} fused_post_conv_prep",
+                         "fused_post_conv_prep is the layer's preprocessing only (engine_inputs): --impl vllm, "
+                         "vllm-decode, vllm-packed")
 
     def engine_inputs(self, mixed_qkv, a, b, *, A_log, dt_bias, num_heads, head_k_dim, qk_l2norm=True):
         B, T, H, HV, K, V = check_engine_inputs(mixed_qkv, a, b, A_log, dt_bias, num_heads, head_k_dim,
                                                 check_values=False)
         q, k, v, g, beta = self._k.fused_post_conv_prep(
-            conv_output=token_rows(mixed_qkv), a=token_rows(a), b=token_rows(b), A_log=A_log.to(torch.float32).contiguous(),
-            dt_bias=dt_bias.contiguous(), num_k_heads=H, head_k_dim=K, head_v_dim=V, apply_l2norm=bool(qk_l2norm),
+            conv_output=token_rows(mixed_qkv), a=token_rows(a), b=token_rows(b),
+            A_log=A_log.to(torch.float32).contiguous(), dt_bias=dt_bias.contiguous(), num_k_heads=H, head_k_dim=K, head_v_dim=V, apply_l2norm=bool(qk_l2norm),
             output_g_exp=False)
         return tuple(t.reshape(B, T, *t.shape[1:]) for t in (q, k, v, g, beta))
 
