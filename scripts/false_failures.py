@@ -162,6 +162,21 @@ def main(argv=None) -> int:
     stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))
     rows, t0 = [], time.perf_counter()
     ran = 0
+
+    def write_json():  # after every seed, so a run stopped from outside keeps the seeds that finished
+        if not args.json:
+            return
+        total = sum(s["lanes"] for s in stats.values())
+        failed = sum(s["failed"] for s in stats.values())
+        Path(args.json).write_text(json.dumps(dict(
+            seeds=ran, first_seed=args.first_seed, examples=args.examples, device=device, profile=args.profile,
+            gpu=torch.cuda.get_device_name() if device == "cuda" else None, torch=torch.__version__,
+            triton=_version("triton"), fla=_version("fla-core"),
+            fla_cache_mode=os.environ.get("FLA_CACHE_MODE"), lanes=total,
+            false_failures=failed, rate=failed / total if total else 0.0, rows=rows,
+            seconds=round(time.perf_counter() - t0, 1),
+            summary=[dict(operation=k[0], implementation=k[1], dtype=k[2], **v) for k, v in sorted(stats.items())],
+        ), indent=1, default=str) + "\n")
     for i in range(args.seeds):
         if args.time_limit is not None and time.perf_counter() - t0 > args.time_limit:
             print(f"time limit: {args.time_limit:g} s passed, {i} of {args.seeds} seeds ran", flush=True)
@@ -201,6 +216,7 @@ def main(argv=None) -> int:
                           f"ratio {ratio:.3g}", flush=True)
         if not args.verbose:
             print(f"seed {seed} ({op}) done, {time.perf_counter() - t0:.0f} s", flush=True)
+        write_json()
     total = sum(s["lanes"] for s in stats.values())
     failed = sum(s["failed"] for s in stats.values())
     print()
@@ -213,15 +229,6 @@ def main(argv=None) -> int:
     print(f"\n{ran} seeds (first {args.first_seed}), {total} lanes, {failed} false failures "
           f"(rate {rate:.4f}); worst ratio {max((s['worst'] for s in stats.values()), default=0.0):.3g}; "
           f"{time.perf_counter() - t0:.0f} s, device {device}, profile {args.profile}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(
-            seeds=ran, first_seed=args.first_seed, examples=args.examples, device=device, profile=args.profile,
-            gpu=torch.cuda.get_device_name() if device == "cuda" else None, torch=torch.__version__,
-            triton=_version("triton"), fla=_version("fla-core"),
-            lanes=total,
-            false_failures=failed, rate=rate, rows=rows,
-            summary=[dict(operation=k[0], implementation=k[1], dtype=k[2], **v) for k, v in sorted(stats.items())],
-        ), indent=1, default=str) + "\n")
     return 1 if failed else 0
 
 
