@@ -48,8 +48,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import kvbuffer_ref as ref  # noqa: E402
 from kvbuffer_ref.entries import fold_count  # noqa: E402
+from kvbuffer import implementations  # noqa: E402
 from kvbuffer.validate import compare  # noqa: E402
-from kvbuffer.validate.contracts import segmented_forms  # noqa: E402
+from kvbuffer.validate.contracts import baseline_recurrent, segmented_forms  # noqa: E402
 from kvbuffer.validate.properties import FORM_CHUNK  # noqa: E402
 
 from .schedule import FIELDS, Tokens, _addressing, _padded, _same, assert_untouched, snapshot  # noqa: E402
@@ -91,19 +92,19 @@ class Truth:
         _, S64, _, Sb = self.run(hist, None, None)
         return S64, Sb
 
-    def run(self, new: dict, S64, Sb):
-        """(o64, S64, o_base, S_base) of the tokens ``new`` [n, ...] from the states ``S64`` / ``Sb``."""
-        def rec(dtype, S):
+    def run(self, new: dict, S64, Sb, contract: str = "ieee"):
+        """(o64, S64, o_base, S_base) of the tokens ``new`` [n, ...] from the states ``S64`` / ``Sb``; the
+        baseline recurrence computed in ``contract``'s arithmetic."""
+        def rec(dtype, S, contract):
             a = {f: t[None].to(dtype) for f, t in new.items()}
-            o, S = ref.recurrent_gated_delta_rule(a.pop("q"), a.pop("k"), a.pop("v"), **a,
-                                                  initial_state=None if S is None else S[None],
-                                                  output_final_state=True)
+            o, S = baseline_recurrent(a.pop("q"), a.pop("k"), a.pop("v"), **a,
+                                      initial_state=None if S is None else S[None], contract=contract)
             return o[0], S[0]
-        o64, S64 = rec(torch.float64, S64)
-        ob, Sb = rec(self.dtype, Sb) if self.dtype != torch.float64 else (None, None)
+        o64, S64 = rec(torch.float64, S64, "ieee")
+        ob, Sb = rec(self.dtype, Sb, contract) if self.dtype != torch.float64 else (None, None)
         return o64, S64, ob, Sb
 
-    def chunkwise(self, x: dict):
+    def chunkwise(self, x: dict, contract: str = "ieee"):
         """The chunkwise baseline forms over the tokens ``x`` [T, ...]: ([o [1, T, ...]], [S [1, ...]]), one
         per chunk (64 and C) and way of summing the cumulative gates, as ``truth_and_baseline`` takes them
         (the recurrence, the other baseline form, is carried incrementally); none for float64."""
@@ -111,16 +112,19 @@ class Truth:
         if self.dtype == torch.float64 or T == 0:
             return [], []
         xs = {f: t[None].to(self.dtype) for f, t in x.items()}
-        forms = [f for c in sorted({FORM_CHUNK, self.C}) for f in segmented_forms(**xs, starts=range(0, T, c))]
+        forms = [f for c in sorted({FORM_CHUNK, self.C})
+                 for f in segmented_forms(**xs, starts=range(0, T, c), contract=contract)]
         return [o for o, _ in forms], [S for _, S in forms]
 
-    def check(self, actual: torch.Tensor, new: dict, what: str, commit: bool):
-        """``actual`` [n, HV, V]: the outputs of the last n of the tokens ``new`` after the history."""
-        o64, S64, ob, Sb = self.run(new, self.S64, self.Sb)
+    def check(self, actual: torch.Tensor, new: dict, what: str, commit: bool, contract: str = "ieee"):
+        """``actual`` [n, HV, V]: the outputs of the last n of the tokens ``new`` after the history, computed by
+        a kernel that keeps ``contract`` (the pool's admit: its chunk kernels' contract); with ``commit``, the
+        baseline state carried on is that contract's too."""
+        o64, S64, ob, Sb = self.run(new, self.S64, self.Sb, contract)
         n = actual.shape[0]
-        oc, _ = self.chunkwise(_cat(self.hist, new))
+        oc, _ = self.chunkwise(_cat(self.hist, new), contract)
         base = None if ob is None else [ob[None, -n:]] + [o[:, -n:] for o in oc]
-        c = compare(actual[None].cpu(), o64[None, -n:], base, name=what, dtype=self.dtype)
+        c = compare(actual[None].cpu(), o64[None, -n:], base, name=what, dtype=self.dtype, contract=contract)
         assert c.passed, str(c)
         if commit:
             self.hist, self.S64, self.Sb = _cat(self.hist, new), S64, Sb
@@ -171,6 +175,10 @@ def _tracked(fn):
 def machine(*, make_pool, kind: str, dtype, device, layers: int, N: int, S: int, C_choices, D: int, H: int,
             HV: int, K: int, V: int, max_batch: int = 6):
     """A RuleBasedStateMachine over pools from ``make_pool(C)`` (one per example; C drawn)."""
+    # the fast pool admits through kvbuffer_fast's chunk kernels: judged in the contract they keep there (three
+    # TF32 products for float32 inputs, compiled), as the validator judges its prefill lane
+    admit_contract = implementations.fast().lane_contracts.get(("prefill", dtype), "ieee") if kind == "fast" \
+        else "ieee"
 
     class PoolMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -247,7 +255,8 @@ def machine(*, make_pool, kind: str, dtype, device, layers: int, N: int, S: int,
                         new = _take(x, group.index(b))
                         r = self.reqs[b]
                         r.truth[layer] = Truth(_take(new, slice(0, 0)), dtype, self.C)
-                        r.truth[layer].check(o[i], new, f"admit T={T} layer {layer} slot {b}", commit=True)
+                        r.truth[layer].check(o[i], new, f"admit T={T} layer {layer} slot {b}", commit=True,
+                                             contract=admit_contract)
                         r.lengths[layer] = T if T <= C else T % C
                         r.has_state[layer] = T > C
                         r.state_id[layer] = self.new_id() if T > C else None
