@@ -365,6 +365,24 @@ def _declines_bf16(case) -> str:
     return ""
 
 
+#: Set to 1 to hand FlashInfer's float32 kernels K or V above 128 anyway (``_declines_fp32``): reproduces its fault.
+LARGE_HEADS_ENV = "KVBUFFER_FLASHINFER_LARGE_HEADS"
+
+
+def _declines_fp32(case) -> str:
+    """Why FlashInfer's float32 kernels are not handed ``case`` ("" where they are): K or V above 128.  FlashInfer
+    0.7.4 documents its float32 decode for K, V >= 128 with V a multiple of 8, but on an H100 (CUDA 13, CuTe-DSL
+    4.8.1) the first case of ``kvbuffer validate --impl flashinfer --profile ci --seed 11`` with K = 256
+    (V = 264, zero-padded to 384) faulted: its compiler reported 10496 bytes of shared memory used against
+    10016 allocated, and the launch ended in an illegal memory access, which loses the process's CUDA context
+    (docs/peers.md, FlashInfer).  ``$KVBUFFER_FLASHINFER_LARGE_HEADS=1`` hands them over anyway."""
+    if (case.K > TILE or case.V > TILE) and os.environ.get(LARGE_HEADS_ENV) != "1":
+        return (f"K = {case.K}, V = {case.V}: FlashInfer 0.7.4's float32 GDN kernels faulted (illegal memory access) "
+                f"at K = 256, V = 384 on an H100, so K or V above 128 is not handed to them "
+                f"(${LARGE_HEADS_ENV}=1 does; docs/peers.md, FlashInfer)")
+    return ""
+
+
 def _engine(kind: str, label: str, step, fi: FlashInfer, contract: str):
     adapter = engine_adapter(step, name=f"flashinfer {fi.version} {label}", contract=contract, **CONVENTIONS[kind])
     adapter.version, adapter.source = fi.version, fi.source
@@ -388,7 +406,9 @@ def flashinfer():
     fi, missing = _load("flashinfer")
     if missing:
         return missing
-    return describe(_engine("decode", "decode_pretranspose (float32 pool)", decode_step(fi), fi, "ieee"))
+    adapter = _engine("decode", "decode_pretranspose (float32 pool)", decode_step(fi), fi, "ieee")
+    adapter.declines = _declines_fp32
+    return describe(adapter)
 
 
 def flashinfer_bf16():

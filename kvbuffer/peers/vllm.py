@@ -342,6 +342,21 @@ class VLLMInputs(InputsAdapter):
             output_g_exp=False)
         return tuple(t.reshape(B, T, *t.shape[1:]) for t in (q, k, v, g, beta))
 
+    @staticmethod
+    def declines(case) -> str:
+        """Compiled, the kernel takes only K and V of one power-of-two block: its ``mask_2d`` is [BLOCK_T, BK] in
+        the q/k branch and [BLOCK_T, BV] in the v branch of one ``if``, which Triton compiles only when the two
+        agree (the interpreter does not check).  Every model vLLM serves with it has K = V."""
+        if interpreter_active() or _pow2(case.K) == _pow2(case.V):
+            return ""
+        return (f"K = {case.K}, V = {case.V}: vLLM's fused_post_conv_prep compiles only when K and V round up to the "
+                f"same power of two (its mask_2d takes [BLOCK_T, {_pow2(case.K)}] and [BLOCK_T, {_pow2(case.V)}] in "
+                f"the two branches of one if; Triton: 'Mismatched type for mask_2d')")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
 
 # ----------------------------------------------------------------------------- the engine-convention steps
 def decode_step(kernels):

@@ -654,9 +654,23 @@ def _run_one(lane: Lane, lanes: list, prepared: set, **kw) -> LaneResult:
     return run_lane(lane, edge_part=_edge_part(lane, lanes), **kw)
 
 
+def _cuda_lost(device: str) -> Optional[str]:
+    """Why the process's CUDA context can run nothing more (a kernel's illegal address or launch failure is
+    sticky: every later CUDA call raises it again), or None when it still works or the run is on the CPU."""
+    if device != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+    except Exception as e:  # torch.AcceleratorError (torch >= 2.9) or RuntimeError: the error the fault left
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def _run_lanes(lanes, report, *, fail_fast, on_result, prepared, **kw):
-    """Every lane in this process, in plan order."""
-    stop = False
+    """Every lane in this process, in plan order.  After a lane whose kernel faulted on the GPU (the context
+    lost), the lanes after it are NOT RUN, with the fault named: they would only raise the same error."""
+    stop = lost = False
     for lane in lanes:
         if lane.status != "RUN":
             r = LaneResult(lane.op.name, lane.impl.name, lane.dtype and dtype_name(lane.dtype), lane.status,
@@ -664,9 +678,15 @@ def _run_lanes(lanes, report, *, fail_fast, on_result, prepared, **kw):
         elif stop:
             r = LaneResult(lane.op.name, lane.impl.name, dtype_name(lane.dtype), "SKIP",
                            reason="--fail-fast: an earlier lane failed")
+        elif lost:
+            r = LaneResult(lane.op.name, lane.impl.name, dtype_name(lane.dtype), "NOT RUN", reason=lost)
         else:
             r = _run_one(lane, lanes, prepared, **kw)
             stop = fail_fast and r.failed
+            why = _cuda_lost(kw.get("device", "")) if r.failed else None
+            if why:
+                lost = (f"the CUDA context was lost to a fault in {r.operation} / {r.implementation} / {r.dtype} "
+                        f"({why}); run this lane in a process of its own (--impl, --ops, --dtype)")
         report.lanes.append(r)
         if on_result:
             on_result(r)

@@ -205,3 +205,17 @@ def test_without_the_engines_the_inputs_lanes_are_not_run_with_how_to_get_them(t
                         lambda name, *a: None if name in ("vllm", "sglang") else find(name, *a))
     assert "vLLM's kernels not found" in implementations.resolve("vllm-inputs").unavailable
     assert "SGLang's kernels not found" in implementations.resolve("sglang-inputs").unavailable
+
+
+def test_vllm_inputs_declines_k_and_v_of_different_blocks_when_compiled(monkeypatch):
+    """Compiled (Triton 3.6), vLLM's fused_post_conv_prep does not compile when K and V round up to different
+    powers of two ('Mismatched type for mask_2d'): such cases are declined by name; the interpreter takes them."""
+    from kvbuffer.peers import vllm
+    from kvbuffer.validate.cases import Case
+
+    case = Case(B=3, T=1, H=2, HV=4, K=8, V=12)
+    assert vllm.VLLMInputs.declines(case) == ""  # the interpreter (this machine) compiles nothing
+    monkeypatch.setattr(vllm, "interpreter_active", lambda: False)
+    why = vllm.VLLMInputs.declines(case)
+    assert "K = 8, V = 12" in why and "[BLOCK_T, 8]" in why and "[BLOCK_T, 16]" in why
+    assert vllm.VLLMInputs.declines(Case(B=3, T=1, H=2, HV=4, K=9, V=16)) == ""

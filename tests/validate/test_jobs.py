@@ -69,3 +69,25 @@ def test_the_lanes_run_in_this_process_when_the_workers_cannot_rebuild_the_adapt
                                 progress=sys.stderr)
     assert [r.status for r in rep.lanes] == ["PASS", "PASS"]
     assert "the worker processes could not start, so the lanes run in this process" in capsys.readouterr().err
+
+
+def test_after_a_fault_that_loses_the_gpu_context_the_later_lanes_are_not_run(capsys, tmp_path, monkeypatch):
+    """A kernel's illegal address is sticky on CUDA: the lanes after it would raise the same error, so they are
+    NOT RUN with the fault named (simulated here: the failing lane leaves a lost context)."""
+    seen = []
+
+    def lost(device):
+        seen.append(device)
+        return "AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+    monkeypatch.setattr(runner, "_cuda_lost", lost)
+    rc, _, out, data = _run(capsys, tmp_path, 1)
+    assert rc == 1 and seen == ["cpu"]  # asked once, after the failing lane only
+    assert [r["status"] for r in data["results"]] == ["PASS", "FAIL", "NOT RUN"]
+    reason = data["results"][2]["reason"]
+    assert "the CUDA context was lost to a fault in direct / wrong_scale / float64" in reason
+    assert "illegal memory access" in reason and "a process of its own" in reason
+
+
+def test_the_context_check_is_the_gpus_only():
+    assert runner._cuda_lost("cpu") is None
