@@ -5,6 +5,8 @@
     python3 scripts/false_failures.py --impl reference,stepwise --seeds 200 --json ff.json
     python3 scripts/false_failures.py --seeds 50 --contracts tf32,bf16,bf16-state   # as if each were declared
     python3 scripts/false_failures.py --profile gpu --device cuda --impl fast,fla --seeds 20   # production shapes
+    FLA_CACHE_MODE=default FLA_CONFIG_DIR=DIR python3 scripts/false_failures.py --device cuda --impl fla \
+        --ops chunk,chunk_varlen --head-shapes "2,4,16,16;1,1,8,24;2,2,40,72"   # fla's chunk lanes (fla_fixed_configs.py)
 
 The implementations are correct by construction, so every FAIL or ERROR is a false verdict of the
 validator (a budget too tight, or a bug of the harness): ``reference`` (kvbuffer_ref's forms in float64
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -129,6 +132,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write every lane's verdict and the summary as JSON")
     ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                     help="start no seed after S seconds; the summary counts the seeds that ran")
+    ap.add_argument("--head-shapes", metavar="H,HV,K,V;...",
+                    help="draw (H, HV, K, V) from this list only (the ci profile's sizes otherwise): a compiled "
+                         "kernel that compiles every new head shape (fla's chunk kernels) then compiles a few "
+                         "times per run, while lengths, batches, gates and the boundary cases vary as drawn")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every lane")
     args = ap.parse_args(argv)
     if args.quick:
@@ -161,6 +168,15 @@ def main(argv=None) -> int:
             impl = copy.copy(_impl(n))
             impl.contract = c
             impls[n if c == "ieee" else f"{n}@{c}"] = impl
+    if args.head_shapes:
+        try:
+            shapes = tuple(tuple(int(x) for x in item.split(",")) for item in args.head_shapes.split(";") if item)
+            assert shapes and all(len(t) == 4 and min(t) > 0 and t[1] % t[0] == 0 for t in shapes)
+        except (ValueError, AssertionError):
+            ap.error(f"--head-shapes: expected H,HV,K,V;... with HV a multiple of H, got {args.head_shapes!r}")
+        for impl in impls.values():
+            impl.sizes = dataclasses.replace(impl.sizes, head_shapes=shapes,
+                                             name=f"{impl.sizes.name}, head shapes {args.head_shapes}")
     ops = [k for k, _ in lanes.select_ops(args.ops)]
     stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))
     rows, t0 = [], time.perf_counter()
