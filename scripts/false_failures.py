@@ -15,7 +15,10 @@ CPU) and ``stepwise`` (kvbuffer_ref's recurrence called one token at a time as a
 in float64 and float32, through the ``recurrent_decode`` lane) and ``emulated`` (kvbuffer_ref's forms
 computed with TF32 or bf16 products, emulated, declaring that contract: only under ``--contracts`` tf32
 and bf16) and ``fla`` (flash-linear-attention where it is installed, its chunk kernels declaring TF32; a peer
-presumed correct, so a FAIL is a false verdict or a finding to reproduce).
+presumed correct, so a FAIL is a false verdict or a finding to reproduce) and ``engine`` (a correct
+float32 decode step in an engine's convention, in PyTorch, ``tests/validate/engine_kernels.py``: raw gates it
+turns into g and beta itself, q and k L2-normalised in the kernel, a state pool with pads; not in the
+default list).
 
 Each seed runs one operation in turn (seed s: operation s mod the number of operations), so a run of N
 seeds covers every operation N / 10 times at the cost of N lanes per implementation, with fresh random
@@ -42,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-IMPLS = ("reference", "fast", "stepwise", "emulated", "fla")
+IMPLS = ("reference", "fast", "stepwise", "emulated", "fla", "engine")
 
 
 def emulated_reference(contract: str):
@@ -83,6 +86,8 @@ def _impl(name: str):
 
     from kvbuffer import implementations
 
+    if name == "engine":  # the tests' correct engine-convention decode step, in PyTorch
+        return implementations.resolve("tests.validate.engine_kernels:correct")
     impl = {"reference": implementations.reference, "fast": implementations.fast, "stepwise": stepwise_reference,
             "fla": implementations.fla}[name]()
     if name == "fla" and not impl.interpreted:
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=200, help="number of seeds (default 200; --quick: 20)")
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--impl", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)} (default all)")
+    ap.add_argument("--impl", default=",".join(IMPLS[:-1]),
+                    help=f"comma list of {', '.join(IMPLS)} (default all but engine)")
     ap.add_argument("--ops", help="comma list of operations (default all, one per seed in turn)")
     ap.add_argument("--examples", type=int, default=None,
                     help="examples per lane (default: the ci profile's, 30 on the interpreter; --quick: 3)")

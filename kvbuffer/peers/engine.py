@@ -24,10 +24,13 @@ The convention (``Convention``; every field has the oracle's meaning as its defa
     gating         "log": g [.., HV] (log decay) and beta [.., HV]; or "raw": ``A_log`` [HV], ``dt_bias`` [HV]
                    (float32), ``a`` [.., HV], ``b`` [.., HV] with g = -exp(A_log) softplus(a + dt_bias) and
                    beta = sigmoid(b) (scalar gates, beta in [0, 1])
-    raw_gate_dtype "bfloat16": ``a`` and ``b`` are handed over rounded to bfloat16 (a kernel whose wrapper
-                   rounds them, FlashInfer's): A_log and dt_bias are ``cases.raw_gate_params`` and a, b
+    raw_gate_dtype the dtype ``a`` and ``b`` are handed over in: "float32" (the default with gating "raw", as
+                   engines' projections give them) or "bfloat16" (a kernel whose wrapper rounds them,
+                   FlashInfer's).  A_log and dt_bias are ``cases.raw_gate_params`` and a, b
                    ``cases.raw_gates_in``, and the adapter declares ``raw_gate_dtype`` so that the
-                   validator's g and beta are those of the rounded gates (``cases.Case.raw_gate_dtype``)
+                   validator's g and beta are those of the rounded raw gates (``cases.Case.raw_gate_dtype``)
+                   and its baselines include the gates a float32 kernel computes from them
+                   (``contracts.kernel_gates``)
     qk_l2norm      the kernel L2-normalises q and k itself (x / sqrt(sum x^2 + 1e-6), in float32 or wider):
                    the validator passes rows of any norm and computes the truth on their normalisation in
                    float64 (``cases.Case.qk_l2norm``)
@@ -97,6 +100,8 @@ class Convention:
                 raise AdapterError(f"convention {name}: expected one of {', '.join(ok)}, got {getattr(self, name)!r}")
         if not isinstance(self.state_dtype, torch.dtype) or not self.state_dtype.is_floating_point:
             raise AdapterError(f"convention state_dtype: expected a floating torch dtype, got {self.state_dtype!r}")
+        if self.gating == "raw" and not self.raw_gate_dtype:  # float32 a and b, as engines' projections hand them
+            object.__setattr__(self, "raw_gate_dtype", "float32")
         if self.raw_gate_dtype and (self.gating != "raw" or self.raw_gate_dtype not in RAW_GATE_DTYPES):
             raise AdapterError(f"convention raw_gate_dtype: one of {sorted(RAW_GATE_DTYPES)} with gating='raw', "
                                f"got {self.raw_gate_dtype!r} with gating={self.gating!r}")
@@ -231,10 +236,8 @@ class _Engine:
         xs = {n: cat(parts) for n, parts in xs.items()}  # [N, T, ..] or [1, total, ..]
         call = {}
         if c.gating == "raw":
-            if c.raw_gate_dtype:  # the fixed A_log, dt_bias the validator's gates were rounded with
-                A_log, dt_bias, a, b = raw_gates_in(xs["g"], xs["beta"], c.raw_gate_dtype)
-            else:
-                A_log, dt_bias, a, b = to_raw_gates(xs["g"], xs["beta"], self._rng)
+            # the fixed A_log, dt_bias the validator's gates were rounded with (``Case.raw_gate_dtype``)
+            A_log, dt_bias, a, b = raw_gates_in(xs["g"], xs["beta"], c.raw_gate_dtype)
             call.update(A_log=A_log, dt_bias=dt_bias, a=a, b=b)
         else:
             call.update(g=xs["g"], beta=xs["beta"])

@@ -52,10 +52,13 @@ every other one as "not provided", with the reason.  Optional attributes describ
                                -inf, -1e30 and -300 of the "reset" regime included) or "finite" (gates such
                                as -exp(A_log) softplus(a + dt_bias), never a reset: the "reset" regime is not
                                drawn; every finite regime, down to -200, still is)
-    raw_gate_dtype str         "bfloat16": the kernel takes raw gates ``a``, ``b`` rounded to bfloat16 (an engine
-                               kernel whose wrapper rounds them): every case's g and beta are those of the
-                               rounded raw gates (``cases.Case.raw_gate_dtype``), the truth computes with
-                               them; the adapter derives its raw gates with ``cases.raw_gates_in``
+    raw_gate_dtype str         "float32" or "bfloat16": the kernel takes raw gates ``a``, ``b`` in that dtype
+                               and computes g and beta itself (an engine kernel; FlashInfer's wrappers round
+                               a, b to bfloat16): every case's g and beta are those of the rounded raw gates
+                               (``cases.Case.raw_gate_dtype``), the truth computes with them, the budget
+                               includes the gates a float32 kernel computes from them
+                               (``contracts.kernel_gates``); the adapter derives its raw gates with
+                               ``cases.raw_gates_in``
     declines       callable    ``declines(case) -> str``: why the kernel cannot take the case's shapes (a
                                16-bit state kernel of K = V = 128 only, say), "" where it can; a declined case
                                is not run, and the lane's report counts the declined cases with the reason
@@ -144,7 +147,7 @@ class Implementation:
     qk_l2norm: bool = False
     #: the gate domain it serves (``GATE_DOMAINS``): "all" (resets -inf, -1e30, -300 drawn) or "finite" (not)
     gates: str = "all"
-    #: "bfloat16": it takes raw gates rounded to that dtype (``Case.raw_gate_dtype``); "": g and beta as drawn
+    #: "float32", "bfloat16": it takes raw gates in that dtype (``Case.raw_gate_dtype``); "": g and beta as drawn
     raw_gate_dtype: str = ""
     #: ``declines(case) -> str``: why it cannot take the case's shapes ("" where it can); None: it takes every case
     declines: Optional[Callable] = None

@@ -142,7 +142,7 @@ class Case:
     #: the implementation L2-normalises q and k itself (``l2norm_qk``): it receives the rows as drawn (rounded
     #: to the dtype), and the truth and the baseline are computed on their normalisation
     qk_l2norm: bool = False
-    #: the implementation takes raw gates rounded to this dtype ("bfloat16"; ``RAW_GATE_DTYPES``): g and beta
+    #: the implementation takes raw gates rounded to this dtype ("float32", "bfloat16"; ``RAW_GATE_DTYPES``): g and beta
     #: are those of the rounded raw gates (``raw_gates_in``, ``gates_of_raw``), so the truth computes with
     #: what the kernel is handed; "" (the default): g and beta as drawn
     raw_gate_dtype: str = ""
@@ -236,9 +236,9 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float64, device="cpu") ->
     return cast_inputs(dict(q=q, k=k, v=v, g=g, beta=beta), dtype, device)
 
 
-# ----------------------------------------------------------------------------- raw gates rounded to 16 bits
+# ----------------------------------------------------------------------------- raw gates, rounded to a dtype
 #: The dtypes a kernel may take its raw gates ``a``, ``b`` in, rounded (``Case.raw_gate_dtype``).
-RAW_GATE_DTYPES = {"bfloat16": torch.bfloat16}
+RAW_GATE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 #: The softplus threshold of engine kernels' raw gating (softplus(x) = x above it).
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -307,12 +307,18 @@ def cast_inputs(x: dict, dtype: torch.dtype, device="cpu", gate_dtype: torch.dty
     return {n: t.to(device=device, dtype=gate_dtype if n in ("g", "beta") else dtype) for n, t in x.items()}
 
 
-def l2norm_qk(x: dict, dtype: torch.dtype) -> dict:
-    """``x`` with q and k L2-normalised per row in ``dtype`` as kernels do it in-kernel,
-    ``x / sqrt(sum x^2 + QK_L2NORM_EPS)`` (a zero row stays zero); v, g and beta as they are."""
+def l2norm_qk(x: dict, dtype: torch.dtype, way: str = "div") -> dict:
+    """``x`` with q and k L2-normalised per row in ``dtype`` as kernels do it in-kernel, one of two ways:
+    "div", ``x / sqrt(sum x^2 + QK_L2NORM_EPS)`` (vLLM's and SGLang's recurrent kernels), or "rsqrt",
+    ``x * rsqrt(sum x^2 + QK_L2NORM_EPS)`` (fla's ``l2norm``); a zero row stays zero.  The two round
+    differently, and a dot product of nearly orthogonal rows magnifies the difference.  v, g and beta as
+    they are."""
     def norm(t):
         t = t.to(dtype)
-        return t / torch.sqrt((t * t).sum(-1, keepdim=True) + QK_L2NORM_EPS)
+        s = (t * t).sum(-1, keepdim=True) + QK_L2NORM_EPS
+        return t / torch.sqrt(s) if way == "div" else t * torch.rsqrt(s)
+    if way not in ("div", "rsqrt"):
+        raise ValueError(f"l2norm_qk way: expected 'div' or 'rsqrt', got {way!r}")
     return dict(x, q=norm(x["q"]), k=norm(x["k"]))
 
 

@@ -38,7 +38,7 @@ from kvbuffer_ref.inputs import prepare_tokens
 
 __all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
            "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms", "exp_ex2",
-           "LOG2E_F32", "under_contract"]
+           "LOG2E_F32", "under_contract", "raw_gating", "current_raw_gating", "kernel_gates"]
 
 #: The contracts an adapter may declare, tightest first (``ieee`` is the default).
 CONTRACTS = ("ieee", "tf32x3", "tf32", "bf16", "bf16-state")
@@ -76,6 +76,52 @@ class active_contract:
     def __exit__(self, *exc):
         _ACTIVE.pop()
         return False
+
+
+_RAW_GATING = [""]
+
+
+def current_raw_gating() -> str:
+    """The raw-gate dtype of the implementation whose lane runs (``raw_gating``; "" when it takes g and beta)."""
+    return _RAW_GATING[-1]
+
+
+class raw_gating:
+    """``with raw_gating("float32"):`` the implementation computes g and beta itself from raw gates ``a``, ``b``
+    handed over in that dtype (an engine kernel's in-kernel gating, ``Case.raw_gate_dtype``): ``correct_forms``
+    then adds the recurrence on the gates a float32 kernel computes from them (``kernel_gates``).  The runner
+    sets it around every lane of such an implementation; "" changes nothing."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype or ""
+
+    def __enter__(self):
+        _RAW_GATING.append(self.dtype)
+        return self
+
+    def __exit__(self, *exc):
+        _RAW_GATING.pop()
+        return False
+
+
+def kernel_gates(g: torch.Tensor, beta: torch.Tensor, dtype: str) -> tuple:
+    """(g, beta) [.., HV] float32 as a correct float32 kernel computes them from the raw gates an engine adapter
+    hands it for ``g``, ``beta`` (``cases.raw_gates_in``: the same function on the same values, so the same
+    ``a``, ``b``): x = a + dt_bias, g = -exp(A_log) log1p(exp(x)) (x past the threshold 20: -exp(A_log) x),
+    beta = 1 / (1 + exp(-b)), every operation rounded to float32 and every exponential as a GPU takes it
+    (``exp_ex2``).  Each of those roundings is a few float32 steps of g, and a decay exp(g) carries g's
+    absolute error, |g| times its relative one: for |g| of 8 the decay of such a kernel is a few times further
+    from the truth than the decay of the gate rounded once, which a budget relative to the latter alone would
+    count against a correct kernel."""
+    from .cases import SOFTPLUS_THRESHOLD, raw_gates_in
+
+    A_log, dt_bias, a, b = raw_gates_in(g, beta, dtype)
+    x = a.float() + dt_bias.float()
+    big = x > SOFTPLUS_THRESHOLD
+    sp = torch.where(big, x, torch.log1p(exp_ex2(torch.where(big, torch.zeros_like(x), x))))
+    gk = -(exp_ex2(A_log.float()) * sp)
+    bk = 1.0 / (1.0 + exp_ex2(-b.float()))
+    return gk.to(g.device), bk.to(beta.device)
 
 
 def check_contract(name, label: str = "contract") -> str:
@@ -270,7 +316,9 @@ def baseline_recurrent(q, k, v, *, g, beta, scale=None, initial_state=None, outp
 def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=(), contract=None):
     """[(o, S), ...]: what correct implementations compute on these inputs in their compute dtype under
     ``contract`` (default: the active one): the plain recurrence with its exponentials correctly rounded and,
-    in float32, a second time with them as a GPU kernel takes them (``exp_ex2``); and for each size in
+    in float32, a second time with them as a GPU kernel takes them (``exp_ex2``), and, when the implementation
+    takes raw gates (``raw_gating``), on the gates a float32 kernel computes from them (``kernel_gates``) and on
+    those moved one float32 step either way; and for each size in
     ``chunks`` the chunkwise forms with chunks of that many tokens (cumulative gates local to each chunk, as
     production kernels keep them; ``segmented_forms``).
     The budget of a comparison is a small multiple of the worst of them (``tolerances``).  Outputs are in
@@ -280,6 +328,13 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
     forms = [baseline_recurrent(**x, scale=scale, initial_state=initial_state, contract=contract)]
     if torch.promote_types(q.dtype, torch.float32) == torch.float32 and contract != "bf16-state":
         forms.append(baseline_recurrent(**x, scale=scale, initial_state=initial_state, contract=contract, exp="ex2"))
+        raw = current_raw_gating()
+        if raw and g.dim() == beta.dim():  # the kernel computes its gates from raw ones: as a float32 kernel does,
+            # and one float32 step of g either way (how it takes exp(A_log) and the softplus moves its g by that)
+            gk, bk = kernel_gates(g, beta, raw)
+            for gs in (gk, torch.nextafter(gk, torch.zeros_like(gk)), torch.nextafter(gk, torch.full_like(gk, -1e38))):
+                forms.append(baseline_recurrent(**dict(x, g=gs, beta=bk), scale=scale, initial_state=initial_state,
+                                                contract=contract, exp="ex2"))
     for chunk in chunks:
         forms += segmented_forms(**x, scale=scale, initial_state=initial_state, starts=range(0, q.shape[1], int(chunk)),
                                  contract=contract)

@@ -242,11 +242,14 @@ def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = No
         return truth, None  # the float64 recurrence is the truth itself: only the floor counts
     xc = {n: t.detach() for n, t in x_dtype.items()}
     compute = torch.promote_types(xc["q"].dtype, torch.float32)
-    if qk_l2norm:
-        xc = l2norm_qk(xc, compute)
     sc = None if initial_state is None else initial_state.detach().to(compute)
+    raw = xc
+    if qk_l2norm:
+        xc = l2norm_qk(raw, compute)
     forms = correct_forms(**xc, initial_state=sc, scale=scale,
                           chunks=() if chunk is None else sorted({FORM_CHUNK, int(chunk)}))
+    if qk_l2norm and compute == torch.float32:  # the other way kernels normalise, with the plain recurrence
+        forms.append(baseline_recurrent(**l2norm_qk(raw, compute, way="rsqrt"), initial_state=sc, scale=scale))
     out = x_dtype["v"].dtype
     return truth, (worst_rows(truth[0], [o.to(out) for o, _ in forms], 3),
                    worst_rows(truth[1], [S for _, S in forms], 2))

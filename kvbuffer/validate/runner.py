@@ -31,6 +31,7 @@ from .lanes import _with_layout as with_layout
 from .profiles import PROFILES, register_profiles
 from .contracts import CONTRACTS, CONTRACT_TEXT
 from .report import LaneResult, Report, severity
+from .contracts import raw_gating
 from .tolerances import active_contract
 
 __all__ = ["lane_seed", "run_lane", "run_validation", "NothingToRun", "CLASSES", "call_sequence", "attribute",
@@ -444,7 +445,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     t0 = time.perf_counter()
     res = LaneResult(op.name, impl.name, dtype_name(dt), "PASS", seed=lseed)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), raw_gating(impl.raw_gate_dtype):
             # numpy overflow notes from the Triton interpreter (exp of a large difference, then masked)
             warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton(\.|$)")
             test()

@@ -151,3 +151,26 @@ def test_the_convention_refuses_bad_fields_by_name():
     with pytest.raises(adapters.AdapterError, match="pad_slot: 0 is a real slot"):
         Convention(pool=True, pad_slot=0)
     assert engine_adapter(lambda **kw: None, state_dtype=torch.bfloat16).contract == "bf16-state"
+
+
+def test_a_correct_engine_kernel_is_judged_with_the_gates_it_computes():
+    """An engine kernel computes g = -exp(A_log) softplus(a + dt_bias) and beta in float32 from the raw gates it
+    is handed: every rounding there is a float32 step of g, which a decay exp(g) carries |g| times.  The budget
+    includes those gates (``contracts.kernel_gates``): the correct float32 kernel passes a band-gate case whose
+    state it misses against the once-rounded gates alone."""
+    from kvbuffer.validate import properties as P
+    from kvbuffer.validate.adapters import stepwise_recurrent
+    from kvbuffer.validate.cases import Case
+    from kvbuffer.validate.contracts import raw_gating
+
+    from . import engine_kernels as ek
+    case = Case(B=2, T=5, H=2, HV=4, K=5, V=12, gate="band", beta="mixed", seed=303, norm="unit", v_scale=20.0,
+                scale=1.6, qk_l2norm=True, raw_gate_dtype="float32")
+    assert ek.correct.raw_gate_dtype == "float32"  # the default of raw gating
+
+    def check(raw):
+        with raw_gating(raw):
+            return P.check_recurrent(stepwise_recurrent(ek.correct.recurrent_decode), case, torch.float32,
+                                     initial=False)
+    assert all(c.passed for c in check("float32")), [str(c) for c in check("float32")]
+    assert not all(c.passed for c in check(""))  # judged against the rounded gates alone

@@ -302,7 +302,7 @@ def test_the_declarations_are_checked_by_name():
     with pytest.raises(AdapterError, match=r"raw_gate_dtype.*gating='log'"):
         Convention(gating="log", raw_gate_dtype="bfloat16")
     step = types.SimpleNamespace(recurrent_decode=lambda *a, **k: None, raw_gate_dtype="float16")
-    with pytest.raises(AdapterError, match=r"raw_gate_dtype must be one of \['bfloat16'\]"):
+    with pytest.raises(AdapterError, match=r"raw_gate_dtype must be one of \['bfloat16', 'float32'\]"):
         describe(step)
     with pytest.raises(AdapterError, match=r"declines must be a callable"):
         describe(types.SimpleNamespace(recurrent_decode=lambda *a, **k: None, declines="K > 128"))
