@@ -86,22 +86,17 @@ def current_raw_gating() -> str:
     return _RAW_GATING[-1]
 
 
-class raw_gating:
+@contextlib.contextmanager
+def raw_gating(dtype: str):
     """``with raw_gating("float32"):`` the implementation computes g and beta itself from raw gates ``a``, ``b``
     handed over in that dtype (an engine kernel's in-kernel gating, ``Case.raw_gate_dtype``): ``correct_forms``
     then adds the recurrence on the gates a float32 kernel computes from them (``kernel_gates``).  The runner
     sets it around every lane of such an implementation; "" changes nothing."""
-
-    def __init__(self, dtype: str):
-        self.dtype = dtype or ""
-
-    def __enter__(self):
-        _RAW_GATING.append(self.dtype)
-        return self
-
-    def __exit__(self, *exc):
+    _RAW_GATING.append(dtype or "")
+    try:
+        yield
+    finally:
         _RAW_GATING.pop()
-        return False
 
 
 def kernel_gates(g: torch.Tensor, beta: torch.Tensor, dtype: str) -> tuple:
