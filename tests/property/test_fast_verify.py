@@ -229,17 +229,20 @@ def test_verify_accept_match_reference(name):
 
 
 # ------------------------------------------------------------------ verify(fold=...): the buffer folded in phase 2
-FOLD_CONFIGS = ["scalar-early-KB16-BV16", "scalar-late-KB32-BV16", "channel-table", "channel-late-KB32-BV16"]
+# each launch row once, with fold=True or with per-request flags (a request left unfolded keeps its entries, and
+# accept folds request 0's unfolded ones past C)
+FOLD_CONFIGS = [("scalar-early-KB16-BV16", True), ("scalar-late-KB32-BV16", [False, True, True]),
+                ("channel-table", [True, True, False]), ("channel-late-KB32-BV16", True)]
 
 
-@pytest.mark.parametrize("name", FOLD_CONFIGS)
-@pytest.mark.parametrize("fold", [True, [True, False, True]], ids=["all", "per-request"])
+@pytest.mark.parametrize("name,fold", FOLD_CONFIGS, ids=[f"{n}-{'all' if f is True else 'flags'}"
+                                                         for n, f in FOLD_CONFIGS])
 def test_fold_verify_accept_match_reference(name, fold):
     """verify(fold=...) then accept, against kvbuffer_ref's (flush of the folding requests, then verify): the
     buffers of 3 / 0 / 2 of C = 4 entries as in test_verify_accept_match_reference (request 0 in direct mode:
     its fold makes it own a state), the state folded block by block in phase 2 (16- and 32-row blocks, two
-    V-tiles), the buffer emptied, the drafts' G rebased; accept then appends on the empty buffer (request 0's
-    chain of ten folds past C again)."""
+    V-tiles), the buffer emptied, the drafts' G relative to it; accept then appends on the emptied buffers
+    (request 0's chain of ten folds past C again)."""
     channel, config = CONFIGS[name]
     case = Case(B=3, T=3 + 10, H=1, HV=2, K=24, V=24, channel_gate=channel, gate="mixed", beta="mixed", seed=11)
     _check_against_reference(case, torch.float32, history=3, lengths=[3, 0, 2], capacity=4,
