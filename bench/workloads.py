@@ -30,6 +30,7 @@ accept    ``flush``                        a fold on demand: every entry of full
 round     ``round``                        a speculative round: verify of every layer, then accept
 round     ``per_draft_state_round``        the baseline's round
 round     ``round_cycle``                  a cycle of C // m + 1 rounds from empty buffers, one accept folding
+round     ``round_cycle_fold``             ``round_cycle`` with that round's verify folding (fold=True) instead
 round     ``pool_round_cycle``             ``round_cycle`` through the serving pool (every layer's accept in
                                            one call, the last folding)
 round     ``tree_round``                   verify of a 16-node draft tree, then accept of one node's path
