@@ -53,21 +53,6 @@ def test_gpu_runner_smoke_with_a_second_package_root(tmp_path):
     assert "SMOKE RUN" in md and "## Decode" in md and "## After / before" in md
 
 
-def test_round_cycle_fold_smoke(tmp_path):
-    """``round_cycle_fold`` (the folding round's verify with fold=True, so no accept folds) runs under --smoke:
-    the first round's outputs, the folding round's outputs and the state after the cycle within budget, one
-    cycle of 3 rounds on 2 layers per replay."""
-    out = tmp_path / "out"
-    _run(["-m", "bench.gpu", "--smoke", "--out", str(out), "--peer-path", "/nonexistent", "--ops", "round_cycle_fold"])
-    tree = json.loads((out / "gpu.json").read_text())["trees"]["after"]
-    assert not tree["failures"] and not tree["skips"], (tree["failures"], tree["skips"])
-    (row,) = tree["rows"]
-    assert row["op"] == "round_cycle_fold" and row["ops_per_replay"] == 2 * 3 and row["within_budget"], row
-    names = [c["name"] for c in row["checks"]]
-    assert len(names) == 3 and any("the folding verify" in n for n in names), names
-    assert all(c["passed"] for c in row["checks"]), row["checks"]
-
-
 def test_pytest_benchmark_suites_and_report(tmp_path):
     pytest.importorskip("pytest_benchmark", reason="pytest-benchmark not installed")
     js = tmp_path / "cpu.json"

@@ -261,11 +261,12 @@ def test_fold_without_state_storage(channel):
 
 
 @st.composite
-def _fold_setup(draw, *, chain: bool):
+def _fold_setup(draw):
     """Buffers empty, partial and full (C past one 16-row tile too), ragged chains or trees, scalar or
     per-channel gates, fold=True or per-request flags, one accepted node per request."""
     C = draw(st.sampled_from([4, 8, 17, 1]), label="capacity")
     B = draw(st.integers(1, 4), label="B")
+    chain = draw(st.booleans(), label="chain")
     parents, counts = draw(kst.draft_batch(B, max_drafts=6, chain=chain), label="drafts")
     hist = draw(st.one_of(st.just(C), st.integers(0, 12)), label="history")
     d = draw(fast_drawn(B=B, T=hist + len(parents[0]), steps=lambda d: 2, budget=16, layouts=("contiguous",),
@@ -278,18 +279,10 @@ def _fold_setup(draw, *, chain: bool):
 
 @FEW
 @counted()
-@given(s=_fold_setup(chain=True))
-def test_chain_fold_verify_accept_match_reference(s):
-    """Chains: fast verify(fold=...) (o, the Drafts, the folded buffer) and accept after it == kvbuffer_ref's."""
-    informative(s["case"].inputs(), tokens=slice(s["history"], s["case"].T))
-    _check_against_reference(s.pop("case"), torch.float32, **s)
-
-
-@FEW
-@counted()
-@given(s=_fold_setup(chain=False))
-def test_tree_fold_verify_accept_match_reference(s):
-    """Trees: the same."""
+@given(s=_fold_setup())
+def test_fold_verify_accept_drawn_match_reference(s):
+    """Chains and trees: fast verify(fold=...) (o, the Drafts, the folded buffer) and accept after it ==
+    kvbuffer_ref's."""
     informative(s["case"].inputs(), tokens=slice(s["history"], s["case"].T))
     _check_against_reference(s.pop("case"), torch.float32, **s)
 
