@@ -30,6 +30,7 @@ accept    ``flush``                        a fold on demand: every entry of full
 round     ``round``                        a speculative round: verify of every layer, then accept
 round     ``per_draft_state_round``        the baseline's round
 round     ``round_cycle``                  a cycle of C // m + 1 rounds from empty buffers, one accept folding
+round     ``round_cycle_fold``             ``round_cycle`` with that round's verify folding (fold=True) instead
 round     ``pool_round_cycle``             ``round_cycle`` through the serving pool (every layer's accept in
                                            one call, the last folding)
 round     ``tree_round``                   verify of a 16-node draft tree, then accept of one node's path
@@ -814,8 +815,21 @@ class _Builder:
         return {n: torch.cat([t[:, r * d:r * d + m] for r in range(R)], dim=1) for n, t in x.items()}
 
     def round_cycle(self) -> Case:
+        return self._round_cycle("round_cycle", fold=False)
+
+    def round_cycle_fold(self) -> Case:
+        """``round_cycle`` with the buffer folded by the verify of the round whose accept would fold
+        (``verify(fold=True)``, the buffer's entries folded in verify's state stream), so no accept folds."""
+        if "fold" not in inspect.signature(self.api.fast.verify).parameters:
+            raise Skip("this package root's verify has no fold")
+        return self._round_cycle("round_cycle_fold", fold=True)
+
+    def _round_cycle(self, name: str, *, fold: bool) -> Case:
+        """A cycle of R rounds from empty buffers (``_cycle``); the one round whose accept passes C folds the
+        buffer: in that accept, or (``fold``) in that round's verify."""
         verify, accept, d, m = self.api.fast.verify, self.api.fast.accept, self.p.drafts, self.p.accepted
         R, starts = self._cycle()
+        folding = [r for r in range(R) if starts[r] + m > self.p.C]  # the round whose accept would fold
         hist = self.wl.history(buffered=0)
         bufs = self._buffers(hist)
         lengths, bufs = _shared_lengths(bufs)
@@ -830,8 +844,9 @@ class _Builder:
             outs = []
             for r in range(R):
                 drafts = []
+                fk = dict(fold=True) if fold and r in folding else {}
                 for layer, buf in enumerate(bufs):
-                    o, dr = verify(**rounds[layer][r], buffer=buf, **kw)
+                    o, dr = verify(**rounds[layer][r], buffer=buf, **kw, **fk)[:2]
                     drafts.append(dr)
                     if layer == 0:
                         outs.append(o)
@@ -839,15 +854,23 @@ class _Builder:
                     accept(buf, dr, counts=counts, **akw)
             return outs
         outs = cycle()
-        checks = [self.wl.compare(f"round_cycle[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
-                  self.wl.compare(f"round_cycle[R={R}, m={m}].state_after_cycle",
+        checks = [self.wl.compare(f"{name}[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
+                  self.wl.compare(f"{name}[R={R}, m={m}].state_after_cycle",
                                   self.api.fast.materialize_state(bufs[0]),
                                   self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
+        if fold:
+            r = folding[-1]
+            before = self._accepted_tokens(xs[0], r)  # the tokens rounds 0..r-1 committed, then round r's
+            t = self.wl.truth({n: torch.cat([before[n], rounds[0][r][n]], dim=1) for n in before}, hist)
+            t = dataclasses.replace(t, o=t.o[:, r * m:], base_o=None if t.base_o is None else t.base_o[:, r * m:])
+            checks.append(self.wl.compare(f"{name}[R={R}] round {r}.o (the folding verify)", outs[r], t))
         nbytes = sum(io.buffered_verify(self.s, self.B, n, d) + io.buffered_accept(self.s, self.B, m) for n in starts)
-        nbytes += 2 * io.state_bytes(self.s, self.B)  # the one fold: the state read and written
-        c = self.case("round_cycle", "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
-        c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), the last accept "
-                  "folding; each replay first empties every layer's buffer (one fill); µs per round and layer")
+        # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
+        nbytes += (1 if fold else 2) * io.state_bytes(self.s, self.B)
+        c = self.case(name, "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
+        where = f"round {folding[-1]}'s verify folding (fold=True)" if fold else "the last accept folding"
+        c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), {where}; each "
+                  "replay first empties every layer's buffer (one fill); µs per round and layer")
         return c
 
     def per_draft_state_round(self) -> Case:

@@ -35,8 +35,20 @@ Two launches:
 
 With PDL (CUDA, sm_90+) phase 2 is a programmatic dependent launch of phase 1: for scalar gates its
 state loop, which reads nothing phase 1 writes, runs before it waits for phase 1's results.  Nothing
-is written to the buffer.  The launch (tile sizes, warps, the early loads, PDL) is a
-``kvbuffer_fast.launch.VerifyConfig``; docs/speculative.md gives the measurements behind the table.
+is written to the buffer, except with ``fold``.
+
+``verify(fold=...)`` (a constexpr FOLD in both phases; fold=False compiles the kernels without it) also
+folds the folding requests' n buffered entries into their states: phase 2 folds each [KB, BV] state block
+it loads, S1 = exp(G_n) S0 + sum_m exp(G_n - G_m) k_m u_m^T (``_fold.fold_block``, the buffer's k, u, G
+rows), and stores it over S0; the request's last phase-2 program (an atomic ticket, after every program
+of the request has read n and has_state, and after the wait for phase 1, which reads n and the buffer's G
+too) sets its length to 0 and has_state (``_fold.fold_empty``).  Phase 1 stores such a request's Drafts.G
+as the path sums from 0 (what a verify after a flush stores; its decays between drafts are theirs) and
+works in S0's frame (the tail's G added once) for the decays against the buffer and exp(G) S0.  Before
+that wait phase 2 writes only the state, which phase 1 does not read.
+
+The launch (tile sizes, warps, the early loads, PDL) is a ``kvbuffer_fast.launch.VerifyConfig``;
+docs/speculative.md gives the measurements behind the table.
 
 A serving pool (``kvbuffer_fast.pool.KVPool.verify``) runs the same two launches through ``verify_pool``
 on a ``PoolLayer``: each call row reads its slot's buffer row and state slot and writes its drafts into
@@ -53,11 +65,14 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.checks import check_num_drafts, check_parents, check_scale, check_tokens, require_int_tensor
+from kvbuffer_ref.checks import (check_fold, check_num_drafts, check_parents, check_scale, check_tokens,
+                                 require_int_tensor)
 
 from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block,
                       check_growth, checked_buffer, checked_tokens, device_guard, flag_view, index_input, new_output,
-                      pdl_launch, values_checked)
+                      pdl_launch, ticket_counters, values_checked)
+from ._fold import fold_block, fold_empty
+from .flush import flush
 from .launch import VerifyConfig, check_config, config_for, key_of
 
 __all__ = ["verify", "MAX_DRAFTS", "PoolLayer", "verify_pool"]
@@ -107,6 +122,17 @@ def _buffer_row(bslot_ptr, i_b, POOL: tl.constexpr):
     else:
         c_b = i_b
     return c_b
+
+
+@triton.jit
+def _folds(fold_ptr, i_b, FOLD: tl.constexpr):
+    """Whether call row i_b folds its buffer (``verify(fold=...)``): FOLD 1, every row; FOLD 2, the row's
+    flag ``fold[i_b]``.  Only called with FOLD != 0."""
+    if FOLD == 2:
+        f = tl.load(fold_ptr + i_b) != 0
+    else:
+        f = i_b >= 0
+    return f
 
 
 @triton.jit
@@ -176,18 +202,27 @@ def _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K: tl.constexpr, KC: tl.
 
 @triton.jit
 def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexpr, R: tl.constexpr,
-                   BC: tl.constexpr, SCORES: tl.constexpr):
+                   BC: tl.constexpr, SCORES: tl.constexpr, fr, FOLD: tl.constexpr):
     """Per-channel gates, one column chunk: G of every row (base + the gates along its path) and this
     chunk's share of the decayed scores vs the buffer [R, BC] and vs the tree [R, R], row by row, the decays
-    differences of those G and the buffer's (``_scalar_decays`` says why)."""
+    differences of those G and the buffer's (``_scalar_decays`` says why).  Returns (G in S0's frame, G as
+    Drafts.G stores it, SB, SS); FOLD with ``fr`` (the request folds): ``_scalar_decays``'s two frames."""
     base = tl.sum(tl.where((o_m == n - 1)[:, None], gc, 0.0), 0)  # the buffer tail's G (0 if empty)
-    Gr = tl.zeros(kq.shape, dtype=tl.float32) + base[None, :]
+    if FOLD:
+        start = tl.where(fr, 0.0, base)
+    else:
+        start = base
+    Gr = tl.zeros(kq.shape, dtype=tl.float32) + start[None, :]
     o_c = tl.arange(0, R)
     for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
         a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
         g_j = tl.sum(tl.where((o_r == j)[:, None], g, 0.0), 0)
         Gr += tl.where(a_j[:, None], g_j[None, :], 0.0)
     Gr = tl.where(m_t[:, None], Gr, 0.0)
+    if FOLD:  # S0's frame: the tail's G added once to the path sums from 0
+        Gb = tl.where(m_t[:, None], Gr + (base - start)[None, :], 0.0)
+    else:
+        Gb = Gr
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
     n_rows = t * 0
@@ -198,16 +233,20 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
         sel = o_r == r
         x_r = tl.sum(tl.where(sel[:, None], kq, 0.0), 0)
         G_r = tl.sum(tl.where(sel[:, None], Gr, 0.0), 0)
-        dec = tl.exp(tl.where(m_n[:, None], G_r[None, :] - gc, float("-inf")))
+        if FOLD:
+            Gb_r = tl.sum(tl.where(sel[:, None], Gb, 0.0), 0)
+        else:
+            Gb_r = G_r
+        dec = tl.exp(tl.where(m_n[:, None], Gb_r[None, :] - gc, float("-inf")))
         SB = tl.where(sel[:, None], tl.sum(kc * dec * x_r[None, :], 1)[None, :], SB)
         a_r = tl.sum(tl.where(sel[:, None] & anc, 1, 0), 0) > 0  # [R] ancestors-or-self (as key rows)
         decd = tl.exp(tl.where(a_r[:, None], G_r[None, :] - Gr, float("-inf")))
         SS = tl.where(sel[:, None], tl.sum(kq * decd * x_r[None, :], 1)[None, :], SS)
-    return Gr, SB, SS
+    return Gb, Gr, SB, SS
 
 
 @triton.jit
-def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t):
+def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t, fr, FOLD: tl.constexpr):
     """Scalar gates: G of each row's draft (the buffer tail's G plus the gates along its path) and the
     scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by their decays exp(G_i - G_j).
 
@@ -215,19 +254,33 @@ def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t):
     flush fold the drafts' u with exactly those G, so u must be solved with them.  At |G| of a few hundred a
     float32 G carries ~1e-5 of rounding; a fold undoes what the solve saw, and only that (decays taken from
     the drafts' path sums alone, more accurate by themselves, left the state after accept + flush 4-5x the
-    error of the oracle's float32 forms: tests/property/test_fast_verify.py, the buffer's frame)."""
+    error of the oracle's float32 forms: tests/property/test_fast_verify.py, the buffer's frame).
+
+    Returns (G in S0's frame, G as Drafts.G stores it, SB, SS).  FOLD with ``fr`` (the request's buffer is
+    folded by this verify): Drafts.G are the path sums from 0, as a verify after a flush stores them and as
+    accept will fold them, and the decays between drafts are their differences; S0's frame (the decays
+    against the buffer and exp(G) S0) adds the tail's G to them once.  Otherwise both are the sums from the
+    tail's G."""
     base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
+    if FOLD:
+        start = tl.where(fr, 0.0, base)
+    else:
+        start = base
     gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)  # [R] over columns
-    Gr = tl.zeros_like(gd) + base
+    Gr = tl.zeros_like(gd) + start
     o_c = tl.arange(0, gd.shape[0])
     for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
         a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
         Gr += tl.where(a_j, tl.sum(tl.where(o_c == j, gd, 0.0), 0), 0.0)
     Gr = tl.where(m_t, Gr, 0.0)  # [R] G of each row's draft
     Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] the same, over columns
-    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gr[:, None] - gc[None, :], float("-inf")))
+    if FOLD:  # S0's frame: the tail's G added once to the path sums from 0
+        Gb = tl.where(m_t, Gr + (base - start), 0.0)
+    else:
+        Gb = Gr
+    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gb[:, None] - gc[None, :], float("-inf")))
     SS = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
-    return Gr, SB, SS
+    return Gb, Gr, SB, SS
 
 
 @triton.jit
@@ -269,6 +322,7 @@ def _verify_prep_group_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
     BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr,
+    fold_ptr, FOLD: tl.constexpr,
 ):
     """Phase 1 for scalar gates, one program per (request, q/k head).  The scores of the drafts' keys /
     queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value heads that
@@ -283,7 +337,10 @@ def _verify_prep_group_kernel(
     query rows; otherwise fp32 dots of the rows k_i, s q_i in PREC.
     POOL: call row i_b works on buffer row ``bslot[i_b]`` of a serving pool (-1: a pad, nothing done) and
     writes its drafts to that row's draft room (DR drafts per row), with the room's parents, draft count
-    and pending flag; else buffer row i_b and drafts of D rows per request (DR = D)."""
+    and pending flag; else buffer row i_b and drafts of D rows per request (DR = D).
+    FOLD (``verify(fold=...)``, not in a pool; ``_folds``): a folding row's Drafts.G are stored relative to
+    the empty buffer its phase 2 leaves: the path sums from 0, as a verify after a flush stores them
+    (``_scalar_decays``)."""
     _pdl_prologue(PDL)
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
@@ -292,7 +349,7 @@ def _verify_prep_group_kernel(
     if c_b >= 0:
         _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr,
                                    len_ptr, p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_b, i_h, c_b,
-                                   C, H, HV, K, BD, BC, KC, PREC, BG, MMA16, POOL, BDR)
+                                   C, H, HV, K, BD, BC, KC, PREC, BG, MMA16, POOL, BDR, fold_ptr, FOLD)
 
 
 @triton.jit
@@ -300,7 +357,8 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
                                len_ptr, p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_b, i_h, c_b,
                                C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                                BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
-                               BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr):
+                               BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr,
+                               fold_ptr, FOLD: tl.constexpr):
     """The body of ``_verify_prep_group_kernel``: call row i_b, q/k head i_h, buffer row c_b (the drafts'
     k and G go to the rows ``_draft_dest`` picks; a pool's room metadata from the program of q/k head 0)."""
     R: tl.constexpr = 2 * BD
@@ -316,6 +374,10 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
             _room_meta(par_ptr, nd_ptr, rpar_ptr, rnd_ptr, pend_ptr, i_b, c_b, D, DR, BDR)
     m_cin = (o_c < BD) & (o_c < D)
     m_ct = (o_c < BD) & (o_c < t)
+    if FOLD:
+        fr = _folds(fold_ptr, i_b, FOLD)
+    else:
+        fr = False
     par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
     par = tl.where(m_ct, par_in.to(tl.int32), -1)
     anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
@@ -367,8 +429,8 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
         gc = tl.sum(tl.where(sel, gc2, 0.0), 0)
         b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
-        Gr, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t)
-        tl.store(dg_dst + p_rt, Gr.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
+        Gr, Gd, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t, fr, FOLD)
+        tl.store(dg_dst + p_rt, Gd.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
         L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
         _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
 
@@ -380,13 +442,13 @@ def _verify_prep_kernel(
     scale, D, bslot_ptr, rpar_ptr, rnd_ptr, pend_ptr, DR,
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    POOL: tl.constexpr, BDR: tl.constexpr,
+    POOL: tl.constexpr, BDR: tl.constexpr, fold_ptr, FOLD: tl.constexpr,
 ):
     """Phase 1 for per-channel (KDA) gates, one program per (request, value head): the decays depend on
     the key column, so they go inside the scores (``_chunk_channel``, row by row).  Writes L and L W
     ([R, R + BC]), P = L diag(sgn) Y ([R, K]; Y = the rows k_i, s q_i scaled by exp(G_i) per column),
     Drafts.G and (one program per q/k head) Drafts.k.  The key dimension is walked in chunks of KC
-    columns, twice (the scores, then P and G), so that few registers are live.  POOL: as
+    columns, twice (the scores, then P and G), so that few registers are live.  POOL and FOLD: as
     ``_verify_prep_group_kernel``'s (the room metadata from the program of value head 0)."""
     _pdl_prologue(PDL)
     i_bhv = tl.program_id(0).to(tl.int64)
@@ -395,7 +457,7 @@ def _verify_prep_kernel(
     if c_b >= 0:
         _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr, len_ptr,
                              p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_bhv, c_b,
-                             C, H, HV, K, BD, BC, KC, PREC, POOL, BDR)
+                             C, H, HV, K, BD, BC, KC, PREC, POOL, BDR, fold_ptr, FOLD)
 
 
 @triton.jit
@@ -403,7 +465,7 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
                          p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_bhv, c_b,
                          C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
-                         POOL: tl.constexpr, BDR: tl.constexpr):
+                         POOL: tl.constexpr, BDR: tl.constexpr, fold_ptr, FOLD: tl.constexpr):
     """The body of ``_verify_prep_kernel``: program i_bhv = (call row, value head) on buffer row c_b."""
     R: tl.constexpr = 2 * BD  # rows: draft keys 0..BD-1, draft queries BD..2BD-1
     GROUP: tl.constexpr = HV // H
@@ -435,6 +497,10 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
     b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)  # b = [beta; 1]
     par = tl.where(m_ct, par_in.to(tl.int32), -1)
     anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
+    if FOLD:
+        fr = _folds(fold_ptr, i_b, FOLD)
+    else:
+        fr = False
     # pass 1 over the key dimension: scores vs the buffer [R, BC] and vs the drafts [R, R]; Drafts.k
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
@@ -445,7 +511,8 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
         tl.store(dk_dst + p_dk[:, None] + o_k[None, :],
                  tl.where(m_t[:, None], k_in, 0.0).to(dk_ptr.dtype.element_ty),
                  mask=(m_own & ~is_q)[:, None] & (o_k < K)[None, :])
-        Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, True)
+        Gb_c, Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, True,
+                                                fr, FOLD)
         SB += SB_c
         SS += SS_c
     Gr = b_row  # unused (per-channel G is formed chunk by chunk in pass 2)
@@ -456,10 +523,11 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
         k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, True)
         o_k = k0 + tl.arange(0, KC)
         kc, gcc = _chunk_entries(ck_ptr, cg_ptr, p_ck, p_cg, m_n, k0, K, KC, True)
-        Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, False)
+        Gb_c, Gr_c, SB_c, SS_c = _chunk_channel(kq, g, kc, gcc, anc, o_r, o_m, m_t, m_n, n, t, BD, R, BC, False,
+                                                fr, FOLD)
         tl.store(dg_dst + p_drt[:, None] * K + o_k[None, :], Gr_c.to(dg_ptr.dtype.element_ty),
                  mask=(m_in & ~is_q)[:, None] & (o_k < K)[None, :])
-        Y = kq * tl.exp(Gr_c)
+        Y = kq * tl.exp(Gb_c)
         P = tl.dot(L, tl.where(is_q[:, None], Y, -Y), input_precision=PREC)
         tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * K + o_k[None, :], P, mask=(o_k < K)[None, :])
 
@@ -492,6 +560,7 @@ def _verify_stream_kernel(
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr,
+    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr,
 ):
     """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
     the state streamed in [KB, BV] blocks through a pipelined loop of NS stages (direct-mode requests
@@ -501,11 +570,17 @@ def _verify_stream_kernel(
     ZP (per-channel gates) the loop multiplies phase 1's P by the state blocks, after the wait.
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
     it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
-    products in precision XP); otherwise in PREC."""
+    products in precision XP); otherwise in PREC.
+    FOLD (``verify(fold=...)``; ``_folds`` picks the rows): a folding request's n buffered entries (k, u, G
+    of buffer row i_b) are folded into each state block as it is loaded, S1 = exp(G_n) S0 + sum_m
+    exp(G_n - G_m) k_m u_m^T (``_fold.fold_block``), and S1 is stored over S0; the request's last
+    program (an atomic ticket in ``ticket_ptr``, after every program has read the length and phase 1
+    has finished) empties its buffer and marks it as owning a state (``_fold.fold_empty``)."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v,
                            i_bhv, i_b, i_hv, i_h, i_bhv, True, i_b, D, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC,
-                           ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False)
+                           ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False, ck_ptr, cg_ptr, fold_ptr, ticket_ptr,
+                           FOLD)
 
 
 @triton.jit
@@ -527,7 +602,7 @@ def _verify_stream_slots_kernel(
         _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
                                i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0, c_b, DR,
                                C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT,
-                               XP, True)
+                               XP, True, cu_ptr, cu_ptr, cu_ptr, cu_ptr, 0)
 
 
 @triton.jit
@@ -538,11 +613,13 @@ def _verify_stream_program(
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, SLOTS: tl.constexpr,
+    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr,
 ):
     """The body of the phase-2 kernels: program (i_v, i_bhv) of request i_b, its state read at row s_bhv
     (per value head; i_bhv outside a pool; SLOTS: the request owns a state, and it is read, only where
     ``s_ok``; its buffer's has_state is not read), its buffer entries at buffer row c_b and its drafts'
-    u written to the rows ``_draft_dest`` picks (room rows i_b * D + draft outside a pool)."""
+    u written to the rows ``_draft_dest`` picks (room rows i_b * D + draft outside a pool).  FOLD (not with
+    SLOTS): ``_verify_stream_kernel``'s; the buffer's u rows are then loaded before the state loop."""
     R: tl.constexpr = 2 * BD
     _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
@@ -560,7 +637,20 @@ def _verify_stream_program(
     p_u = cu_ptr + ((c_b * C + o_m[:, None]) * HV + i_hv) * V + o_v[None, :]
     if EARLY:
         v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
+    if EARLY or FOLD:
         uc = tl.load(p_u, mask=(o_m < n)[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
+    if FOLD:  # the fold's entries: keys [KB, BC] per state block; G_n and the weights exp(G_n - G_m)
+        fb = _folds(fold_ptr, i_b, FOLD) & (n > 0)
+        k_fold = tl.where(fb, K, 0)  # the state rows written: all where the request folds (a mask by bound)
+        m_f = o_m < n
+        p_fk = ck_ptr + ((c_b * C + o_m[None, :]) * H + i_h) * K + o_kb[:, None]
+        if ZP:  # scalar gates
+            gf = tl.load(cg_ptr + (c_b * C + o_m) * HV + i_hv, mask=m_f, other=0.0).to(tl.float32)
+            g_end = tl.sum(tl.where(o_m == n - 1, gf, 0.0), 0)
+            wf = tl.where(m_f, tl.exp(g_end - gf), 0.0)
+        else:  # per-channel: G_n over each block's rows, and the pointers of the entries' G
+            p_ge = cg_ptr + ((c_b * C + n - 1) * HV + i_hv) * K + o_kb
+            p_fg = cg_ptr + ((c_b * C + o_m[None, :]) * HV + i_hv) * K + o_kb[:, None]
     if ZP:
         if STORAGE:
             p_x = ((i_b * D + dr) * H + i_h)[:, None] * K + o_kb[None, :]
@@ -578,6 +668,12 @@ def _verify_stream_program(
                     X = _split_dot(xb, sb, X, XP)
                 else:
                     X = tl.dot(xb, sb, X, input_precision=PREC)
+                if FOLD:
+                    kf = tl.load(p_fk + k0, mask=m_kb[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+                    s1 = fold_block(tl.where(owns, sb, 0.0), g_end, m_kb, kf, uc, wf, m_f, kf, uc, wf, m_f,
+                                    False, False, True)
+                    tl.store(p_s + k0 * V, s1.to(state_ptr.dtype.element_ty),
+                             mask=((k0 + o_kb) < k_fold)[:, None] & m_v[None, :])
         if PDL:
             _gdc_wait()  # phase 1's L, L W, L' from here on
     if not EARLY:
@@ -587,7 +683,7 @@ def _verify_stream_program(
     L = tl.load(p_l + o_c[None, :])
     LW = tl.load(p_l + R + o_m[None, :])
     m_n = o_m < n
-    if not EARLY:
+    if not (EARLY or FOLD):
         uc = tl.load(p_u, mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
     out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
     out += tl.dot(LW, uc, input_precision=PREC)
@@ -605,6 +701,13 @@ def _verify_stream_program(
                 sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                 pb = tl.load(p_p + k0, mask=m_kb[None, :], other=0.0)
                 X = tl.dot(pb, sb, X, input_precision=PREC)
+                if FOLD:
+                    kf = tl.load(p_fk + k0, mask=m_kb[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+                    ge = tl.load(p_ge + k0, mask=(k0 + o_kb) < k_fold, other=0.0).to(tl.float32)
+                    s1 = fold_block(tl.where(owns, sb, 0.0), ge, m_kb, kf, uc, p_fg + k0, m_f, kf, uc, p_fg + k0,
+                                    m_f, True, False, True)
+                    tl.store(p_s + k0 * V, s1.to(state_ptr.dtype.element_ty),
+                             mask=((k0 + o_kb) < k_fold)[:, None] & m_v[None, :])
         out += tl.where(owns, X, 0.0)
     out = tl.where(m_t[:, None], out, 0.0)
     m_out = m_in[:, None] & m_v[None, :]
@@ -612,6 +715,9 @@ def _verify_stream_program(
     du_dst, r0 = _draft_dest(du_ptr, cu_ptr, c_b, n, C, DR, SLOTS)
     p_du = ((r0 + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
     tl.store(du_dst + p_du, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
+    if FOLD:
+        if fb:  # every program of the request has read n and has_state, and (after its wait) phase 1 is done
+            fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, tl.num_programs(0) * HV)
 
 
 def verify(
@@ -626,7 +732,8 @@ def verify(
     num_drafts: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     config: Optional[VerifyConfig] = None,
-) -> tuple[torch.Tensor, Drafts]:
+    fold=False,
+):
     """Outputs of D draft tokens per request from the stale state plus the buffer; nothing is committed.
 
     q, k: [B, D, H, K]; v: [B, D, HV, V]; g: [B, D, HV]*; beta: [B, D, HV].  parents: [B, D] int
@@ -635,11 +742,24 @@ def verify(
     Returns o [B, D, HV, V] (v's dtype) and ``Drafts`` in the u-cache form: u [B, D, HV, V] and
     G [B, D, HV]* (relative to the buffer's last flush) in the buffer's cache dtype, a copy of the keys,
     and parents / num_drafts (the defaults are tensors of the call's own: the caller may edit them).
-    Same results as ``kvbuffer_ref.verify``; the buffer is not modified and no per-draft state is formed.
+    Same results as ``kvbuffer_ref.verify``; no per-draft state is formed, and without ``fold`` the buffer
+    is not modified.
     ``config``: the launch (a ``kvbuffer_fast.launch.VerifyConfig``; default: the launch table's row
     for these shapes).  The checks that read device values are skipped while a CUDA graph is captured.
+
+    ``fold``: False (default), True, or a bool tensor [B] (the requests that fold).  A folding request's
+    buffered entries are also folded into its state, IN PLACE, inside phase 2's state loop (the state
+    blocks it loads anyway are written back folded): S1 = exp(G_n) S0 + sum_m exp(G_n - G_m) k_m u_m^T
+    over its n entries; its buffer length becomes 0, it owns a state from then on (if n > 0), and its
+    Drafts.G are relative to the emptied buffer (the path sums of the drafts' gates from 0).  Returns
+    ``(o, drafts, buffer)``: the buffer is the given one, or, if it had no state storage, a new KVBuffer
+    with a zero-initialised state sharing every other tensor (as ``flush``).  o and Drafts.u are the same
+    math as fold=False's, from S0 and the buffer.  Same results as ``kvbuffer_ref.verify(..., fold=fold)``,
+    i.e. ``flush`` of the folding requests then verify: ``accept`` afterwards sees what it would see after
+    a separate flush.  The buffer's entry rows keep their contents (past the new lengths: never read).
+    Not for a serving pool (``verify_pool``).
     """
-    return _verify(q, k, v, g, beta, buffer, parents, num_drafts, scale, config)
+    return _verify(q, k, v, g, beta, buffer, parents, num_drafts, scale, config, fold)
 
 
 def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, config) -> torch.Tensor:
@@ -679,10 +799,16 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
     return o
 
 
-def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, config):
+def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, config, fold=False):
     """``verify``'s body."""
     d = check_tokens(q, k, v, g, beta)
     checked = checked_buffer(buffer, "verify", d, q.device)
+    if fold is not False:
+        fold = check_fold(fold, d.B, q.device)
+        if buffer.state is None:  # the fold needs storage: a zeroed state, as flush allocates it
+            state = torch.zeros(d.B, d.HV, d.K, d.V, dtype=torch.promote_types(buffer.u.dtype, torch.float32),
+                                device=q.device)
+            buffer = buffer.replace(state=state)
     parents, num_drafts = _default_drafts(parents, num_drafts, d.B, d.T, q)
     if checked:
         parents = check_parents(parents, d.B, d.T, q.device)
@@ -700,9 +826,11 @@ def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, conf
     dk = new_output(tuple(k.shape), k.dtype, q.device)
     drafts = Drafts(parents=parents, num_drafts=num_drafts, k=dk, u=du, G=dG)
     if d.B == 0 or d.T == 0:
-        return o, drafts
-    _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg)
-    return o, drafts
+        if fold is not False and d.B > 0:  # no drafts: the fold alone
+            flush(buffer, count=None if fold is True else torch.where(fold, buffer.lengths, 0))
+        return (o, drafts) if fold is False else (o, drafts, buffer)
+    _launch(q, k, v, g, beta, buffer, parents, num_drafts, s, o, drafts, d, cfg, fold=fold)
+    return (o, drafts) if fold is False else (o, drafts, buffer)
 
 
 def _check_draft_kinds(parents, num_drafts, B: int, D: int, device) -> None:
@@ -744,11 +872,12 @@ def prep_warps(cfg: VerifyConfig, BD: int) -> tuple[int, int]:
 
 
 def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o, drafts: Drafts, d,
-            cfg: VerifyConfig, pool: Optional[PoolLayer] = None) -> None:
+            cfg: VerifyConfig, pool: Optional[PoolLayer] = None, fold=False) -> None:
     """Phase 1 then phase 2 (module docstring).  Phase 1's products: FMA ("ieee"); phase 2's fp32
     products: tf32x3 on CUDA, FMA in the interpreter; phase 2's X S0 splits only the state for 16-bit q
     and k (exact in TF32).  ``pool``: the kernels address a pool's layer (``PoolLayer``; ``buffer`` and
-    ``drafts`` are then its rows and its draft room)."""
+    ``drafts`` are then its rows and its draft room).  ``fold`` (not with ``pool``): False, True or a
+    checked [B] bool tensor; the buffer has state storage."""
     storage = buffer.state is not None or pool is not None
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
@@ -772,7 +901,10 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
             else (pool.slots, drafts.parents, drafts.num_drafts, flag_view(pool.pending)))
     args = (as_input(q), as_input(k), as_input(g), as_input(beta), parents, num_drafts, drafts.G, drafts.k,
             buffer.k, buffer.G, buffer.lengths, pk, lw, s, d.T, *room, DR)
-    prep.update(POOL=pool is not None, BDR=block(DR, 2))
+    FOLD = 0 if fold is False else (1 if fold is True else 2)
+    fold_ptr = flag_view(fold) if FOLD == 2 else num_drafts  # a dummy pointer unless per-request flags
+    ticket = ticket_counters(d.B, q.device) if FOLD else num_drafts
+    prep.update(POOL=pool is not None, BDR=block(DR, 2), fold_ptr=fold_ptr, FOLD=FOLD)
     with device_guard(q):
         if zp:
             mma16 = q.dtype == k.dtype == buffer.k.dtype and q.dtype in _SIXTEEN_BIT
@@ -786,6 +918,8 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
         else:
             stream, state, own = _verify_stream_slots_kernel, pool.state, buffer.lengths  # own: unread
             slots = dict(sslot_ptr=pool.state_slot, bslot_ptr=pool.slots, DR=DR)
+        if pool is None:
+            slots = dict(ck_ptr=buffer.k, cg_ptr=buffer.G, fold_ptr=fold_ptr, ticket_ptr=ticket, FOLD=FOLD)
         stream[(triton.cdiv(d.V, BV), d.B * d.HV)](
             as_input(v), num_drafts, o, drafts.u, buffer.u, buffer.lengths, own,
             state if storage else buffer.lengths,  # a dummy pointer when there is no state storage

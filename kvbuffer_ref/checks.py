@@ -28,6 +28,7 @@ __all__ = [
     "check_chunk_size",
     "check_parents",
     "check_num_drafts",
+    "check_fold",
     "check_counts",
     "check_nodes",
     "check_capacity",
@@ -327,6 +328,19 @@ def check_flush_count(count, lengths: torch.Tensor, check_values: bool = True) -
 
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def check_fold(fold, B: int, device: torch.device):
+    """``verify``'s ``fold``: a bool (False: nothing folded; True: every request) or a bool tensor [B] on
+    ``device`` (the requests that fold).  Returned as False, True or the tensor (contiguous)."""
+    if isinstance(fold, bool):
+        return fold
+    if not isinstance(fold, torch.Tensor):
+        raise TypeError(f"fold: expected a bool or a bool tensor [B] = [{B}], got {type(fold).__name__}")
+    if fold.dtype != torch.bool or tuple(fold.shape) != (B,):
+        raise ValueError(f"fold: expected a bool or a bool tensor [B] = [{B}], got {fold.dtype} {shape_str(fold)}")
+    require_device("fold", fold, device)
+    return fold.contiguous()
 
 
 def check_count_arg(name: str, x, B: int, device: torch.device, expected: str) -> torch.Tensor:

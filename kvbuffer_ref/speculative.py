@@ -13,8 +13,9 @@ import torch
 
 from .buffer import Drafts, KVBuffer
 from .core import ancestors, cumulative_gates, innovations, outputs
-from .checks import (check_buffer, check_count_arg, check_counts, check_gate_values, check_nodes, check_num_drafts,
-                     check_parents, require_float, require_rank, require_tensor)
+from .checks import (check_buffer, check_count_arg, check_counts, check_fold, check_gate_values, check_nodes,
+                     check_num_drafts, check_parents, require_float, require_rank, require_tensor)
+from .decode import flush
 from .entries import Entries, append, entries_of, memory_of, stale_state, tail_gate
 from .inputs import prepare_tokens
 
@@ -32,7 +33,8 @@ def verify(
     parents: Optional[torch.Tensor] = None,
     num_drafts: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
-) -> tuple[torch.Tensor, Drafts]:
+    fold=False,
+):
     """Outputs for D draft tokens per request, all at once; nothing is committed.
 
     q, k: [B, D, H, K]; v: [B, D, HV, V]; g: [B, D, HV]*; beta: [B, D, HV].
@@ -40,7 +42,22 @@ def verify(
     default the chain -1, 0, ..., D-2.  num_drafts: [B] int, drafts per request (default D);
     rows past it are padding, their outputs are 0.
     Returns o: [B, D, HV, V] and the ``Drafts`` that ``accept`` takes.
+
+    ``fold``: False (default), True, or a bool tensor [B] (the requests that fold).  A folding request's
+    buffered entries (committed history, not drafts) are folded into its state as well, whatever
+    ``accept`` decides later: the call is ``flush`` of those requests' whole buffers followed by this
+    verify on the flushed buffer, and returns ``(o, drafts, buffer)`` with the new buffer (lengths 0
+    where folded; state storage allocated if the buffer had none).  o equals fold=False's (the same
+    math), and Drafts.G is relative to the new buffer's (empty) tail.  The given buffer is not modified.
     """
+    if fold is not False:
+        check_buffer(buffer)
+        fold = check_fold(fold, buffer.batch, buffer.k.device)
+        count = None if fold is True else torch.where(fold, buffer.lengths, 0)
+        buffer = flush(buffer, count=count)
+        o, drafts = verify(q, k, v, g=g, beta=beta, buffer=buffer, parents=parents, num_drafts=num_drafts,
+                           scale=scale)
+        return o, drafts, buffer
     x = prepare_tokens(q, k, v, g, beta, scale, check_values=False)
     d = x.dims
     check_buffer(buffer, d, q.device)

@@ -102,9 +102,9 @@ def buffer_to(buffer: KVBuffer, *, dtype: torch.dtype, device="cpu", key_dtype: 
         if x is None:
             return None
         if not x.dtype.is_floating_point:  # lengths, has_state
-            return x.to(device)
+            return x.to(device, copy=True)
         dt = {"k": key_dtype, "state": state_dtype}.get(name, dtype)
-        return x.to(device=device, dtype=dt).contiguous()
+        return x.to(device=device, dtype=dt, copy=True).contiguous()
 
     return KVBuffer(**{f: cv(f, x) for f, x in buffer.tensors().items()})
 

@@ -1,7 +1,7 @@
-"""The peers in the benchmark: the serving pool's ops and SGLang's packed decode (where its wheel is in the
-checkout's .whl/sglang/) run end to end under --smoke (CPU, Triton interpreter), ReplaySSM's ops skip there
-with the reason, and their cases (ring layout, cursors, the state the kernels would reconstruct) match the
-oracle when driven through the PyTorch model of ReplaySSM's kernels."""
+"""The peers in the benchmark: the serving pool's ops (and ``round_cycle_fold``, sharing the run) and SGLang's
+packed decode (where its wheel is in the checkout's .whl/sglang/) run end to end under --smoke (CPU, Triton
+interpreter), ReplaySSM's ops skip there with the reason, and their cases (ring layout, cursors, the state the
+kernels would reconstruct) match the oracle when driven through the PyTorch model of ReplaySSM's kernels."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
         env.pop(name)
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out), "--peer-path", "/nonexistent",
-                        "--ops", POOL_OPS + ",sglang_decode,replayssm_decode,replayssm_round"], cwd=ROOT, env=env,
+                        "--ops", POOL_OPS + ",round_cycle_fold,sglang_decode,replayssm_decode,replayssm_round"], cwd=ROOT,
+                       env=env,
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((out / "gpu.json").read_text())
@@ -41,13 +42,16 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     assert not tree["failures"], tree["failures"]
     rows = {row["op"]: row for row in tree["rows"]}
     wheel = _sglang_wheel()
-    assert set(rows) == set(POOL_OPS.split(",")) | ({"sglang_decode"} if wheel else set())
+    assert set(rows) == set(POOL_OPS.split(",")) | {"round_cycle_fold"} | ({"sglang_decode"} if wheel else set())
     for row in rows.values():
         assert row["checks"] and all(c["passed"] for c in row["checks"]) and row["within_budget"], row
     assert rows["pool_decode"]["ops_per_replay"] == 2 * 4  # layers x a cycle of C steps
     assert rows["pool_decode_engine"]["ops_per_replay"] == 2 * 4 and rows["pool_decode_engine"]["vs_pool_decode"] > 0
     assert rows["pool_round"]["vs_round"] > 0 and rows["pool_round_per_layer"]["vs_pool_round"] > 0
     assert rows["pool_round_cycle"]["ops_per_replay"] == 2 * 3 and rows["pool_round_cycle"]["vs_pool_round"] > 0
+    # round_cycle_fold (kvbuffer_fast's cycle with the folding round's verify(fold=True)), run here to share the
+    # runner's start: its first and folding rounds' outputs and the state after the cycle
+    assert rows["round_cycle_fold"]["ops_per_replay"] == 2 * 3 and len(rows["round_cycle_fold"]["checks"]) == 3
     skipped = {s["op"]: s["reason"] for s in tree["skips"]}
     assert set(skipped) == {"replayssm_decode", "replayssm_round"} | (set() if wheel else {"sglang_decode"})
     assert all("Triton interpreter" in skipped[op] for op in ("replayssm_decode", "replayssm_round"))

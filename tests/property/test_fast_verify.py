@@ -121,26 +121,63 @@ def _buffers(case: Case, dtype, *, history: int, lengths, capacity: int, key_dty
     return x, x64, buf64, buf
 
 
+def _folded(fast_out, ref64_out, ref32_out, res: list, capacity: int):
+    """verify(fold=...)'s buffers (fast, float64 oracle, float32 baseline), checked against each other: the
+    lengths and has_state exactly, the state each request owns by the error table."""
+    buf, buf64, buf32 = fast_out[2], ref64_out[2], ref32_out[2]
+    assert torch.equal(buf.lengths.cpu(), buf64.lengths), "verify(fold): lengths"
+    assert torch.equal(buf.has_state.cpu(), buf64.has_state), "verify(fold): has_state"
+    if bool(buf64.has_state.any()):
+        res.append(compare(P.owned_state(buf).cpu(), P.owned_state(buf64), P.owned_state(buf32),
+                           name="verify(fold).state", head_axis=1))
+    return buf, buf64, buf32
+
+
 def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, parents, num_drafts, nodes,
-                             config=None, key_dtype=None):
-    """fast.verify then fast.accept against kvbuffer_ref's in float64 (kvbuffer_ref in float32 the baseline)."""
+                             config=None, key_dtype=None, fold=False, with_state=True):
+    """fast.verify then fast.accept against kvbuffer_ref's in float64 (kvbuffer_ref in float32 the baseline).
+    ``fold``: verify's (False, True or a list of B bools); with a fold, the verified buffer is checked too,
+    the drafts' padding rows are NaN, and accept runs on the folded buffers.  ``with_state=False``: the
+    buffer has no state storage (every request in direct mode)."""
     x, x64, buf64, buf = _buffers(case, dtype, history=history, lengths=lengths, capacity=capacity,
                                   key_dtype=key_dtype)
+    if not with_state:
+        assert not bool(buf64.has_state.any()), "with_state=False needs every history buffered"
+        buf64, buf = buf64.replace(state=None), buf.replace(state=None)
     drafts_in = {n: t[:, history:] for n, t in x.items()}
     par = torch.tensor(parents, device=DEVICE)
     nd = torch.tensor(num_drafts, device=DEVICE)
-    o, drafts = fast.verify(**drafts_in, buffer=buf, parents=par, num_drafts=nd, config=config)
-    o64, d64 = ref.verify(**{n: t[:, history:] for n, t in x64.items()}, buffer=buf64, parents=par.cpu(),
-                          num_drafts=nd.cpu())
+    kw = {}
+    if fold is not False:
+        drafts_in = P.poison_padding(drafts_in, num_drafts)
+        kw = dict(fold=fold if isinstance(fold, bool) else torch.tensor(fold, device=DEVICE))
+    kw_cpu = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    out = fast.verify(**drafts_in, buffer=buf, parents=par, num_drafts=nd, config=config, **kw)
+    o, drafts = out[:2]
+    out64 = ref.verify(**{n: t[:, history:] for n, t in x64.items()}, buffer=buf64, parents=par.cpu(),
+                       num_drafts=nd.cpu(), **kw_cpu)
+    o64, d64 = out64[:2]
     # the baseline: kvbuffer_ref's same calls on a float32 copy of the buffer (the own form)
     buf32 = P.buffer_to(buf64, dtype=torch.float32)
-    o32, d32 = ref.verify(**{n: t.cpu().float() for n, t in drafts_in.items()}, buffer=buf32, parents=par.cpu(),
-                          num_drafts=nd.cpu())
+    out32 = ref.verify(**{n: t.cpu().float() for n, t in drafts_in.items()}, buffer=buf32, parents=par.cpu(),
+                       num_drafts=nd.cpu(), **kw_cpu)
+    o32, d32 = out32[:2]
+    base_o, base_u, accepted = [o32.to(o.dtype)], [d32.u], [d32]
+    if fold is not False:
+        # o and the drafts' u are computed from S0 and the buffer, as verify without a fold does: the float32
+        # reference on the unfolded buffer is a correct form of them too (each slice takes the worst form)
+        o32n, d32n = ref.verify(**{n: t.cpu().float() for n, t in drafts_in.items()}, buffer=buf32,
+                                parents=par.cpu(), num_drafts=nd.cpu())
+        base_o.append(o32n.to(o.dtype))
+        base_u.append(d32n.u)
+        accepted.append(dataclasses.replace(d32, u=d32n.u))
     valid = (torch.arange(par.shape[1])[None, :] < nd.cpu()[:, None])[:, :, None, None]
     vg = valid if case.channel_gate else valid[..., 0]
-    res = [compare(o.cpu(), o64, o32.to(o.dtype), name="verify.o", valid=valid),
-           compare(drafts.u.cpu(), d64.u, d32.u, name="verify.drafts.u", valid=valid),
+    res = [compare(o.cpu(), o64, base_o, name="verify.o", valid=valid),
+           compare(drafts.u.cpu(), d64.u, base_u, name="verify.drafts.u", valid=valid),
            compare(drafts.G.cpu(), d64.G, d32.G, name="verify.drafts.G", valid=vg)]
+    if fold is not False:
+        buf, buf64, buf32 = _folded(out, out64, out32, res, capacity)
     assert torch.isfinite(o).all() and not o[~valid.expand_as(o).to(o.device)].any(), "padding rows must be 0"
     vk = valid.expand(drafts.k.shape).to(DEVICE)
     assert torch.equal(drafts.k[vk], drafts_in["k"][vk]), "Drafts.k must be the drafts' keys"
@@ -151,15 +188,15 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
                                                     programs=3 * buf.batch if config.early else 1)
     out = Poisoned.accept(buf, drafts, nodes=node_t, config=acfg)
     ref64 = ref.accept(buf64, d64, nodes=node_t.cpu())
-    ref32 = ref.accept(buf32, d32, nodes=node_t.cpu())
+    ref32 = [ref.accept(buf32, d, nodes=node_t.cpu()) for d in accepted]
     assert torch.equal(out.lengths.cpu(), ref64.lengths) and torch.equal(out.has_state.cpu(), ref64.has_state)
     kept = torch.arange(capacity)[None, :] < ref64.lengths[:, None]  # the entries in use after accept
     assert torch.equal(out.k.cpu()[kept].float(), ref64.k[kept].to(out.k.dtype).float()), "accept: keys"
-    res += [compare(out.u.cpu(), ref64.u, ref32.u, name="accept.u", valid=kept[:, :, None, None]),
-            compare(out.G.cpu(), ref64.G, ref32.G, name="accept.G", valid=kept[:, :, None] if out.G.dim() == 3
-                    else kept[:, :, None, None])]
+    res += [compare(out.u.cpu(), ref64.u, [r.u for r in ref32], name="accept.u", valid=kept[:, :, None, None]),
+            compare(out.G.cpu(), ref64.G, [r.G for r in ref32], name="accept.G",
+                    valid=kept[:, :, None] if out.G.dim() == 3 else kept[:, :, None, None])]
     if out.state is not None and bool(ref64.has_state.any()):
-        res.append(compare(P.owned_state(out).cpu(), P.owned_state(ref64), P.owned_state(ref32),
+        res.append(compare(P.owned_state(out).cpu(), P.owned_state(ref64), [P.owned_state(r) for r in ref32],
                            name="accept.state", head_axis=1))
     _assert_all(res)
 
@@ -189,6 +226,65 @@ def test_verify_accept_match_reference(name):
     _check_against_reference(case, torch.float32, history=3, lengths=[3, 0, 2], capacity=4,
                              parents=[list(range(-1, 9)), TREE, TREE], num_drafts=[10, 7, 10], nodes=[9, 5, 9],
                              config=config)
+
+
+# ------------------------------------------------------------------ verify(fold=...): the buffer folded in phase 2
+# scalar and per-channel gates, 16- and 32-row state blocks, the early loads on and off, with fold=True or with
+# per-request flags (a request left unfolded keeps its entries, and accept folds request 0's past C); the drawn
+# property below covers the launch table's rows
+FOLD_CONFIGS = [("scalar-early-KB16-BV16", [False, True, True]), ("channel-late-KB32-BV16", True)]
+
+
+@pytest.mark.parametrize("name,fold", FOLD_CONFIGS, ids=[f"{n}-{'all' if f is True else 'flags'}"
+                                                         for n, f in FOLD_CONFIGS])
+def test_fold_verify_accept_match_reference(name, fold):
+    """verify(fold=...) then accept, against kvbuffer_ref's (flush of the folding requests, then verify): the
+    buffers of 3 / 0 / 2 of C = 4 entries as in test_verify_accept_match_reference (request 0 in direct mode:
+    its fold makes it own a state), the state folded block by block in phase 2 (16- and 32-row blocks, two
+    V-tiles), the buffer emptied, the drafts' G relative to it; accept then appends on the emptied buffers
+    (request 0's chain of ten folds past C again)."""
+    channel, config = CONFIGS[name]
+    case = Case(B=3, T=3 + 10, H=1, HV=2, K=24, V=24, channel_gate=channel, gate="mixed", beta="mixed", seed=11)
+    _check_against_reference(case, torch.float32, history=3, lengths=[3, 0, 2], capacity=4,
+                             parents=[list(range(-1, 9)), TREE, TREE], num_drafts=[10, 7, 10], nodes=[9, 5, 9],
+                             config=config, fold=fold)
+
+
+@pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
+def test_fold_without_state_storage(channel):
+    """A buffer with no state storage (both requests' whole history buffered, C of C): verify(fold=True)
+    allocates a zeroed state as flush does and returns a new buffer holding it; both requests own a state."""
+    case = Case(B=2, T=4 + 3, H=1, HV=2, K=8, V=8, channel_gate=channel, gate="mild", beta="mixed", seed=5)
+    _check_against_reference(case, torch.float32, history=4, lengths=[4, 4], capacity=4,
+                             parents=[[-1, 0, 1], [-1, 0, 0]], num_drafts=[3, 2], nodes=[2, 1], fold=True,
+                             with_state=False)
+
+
+@st.composite
+def _fold_setup(draw):
+    """Buffers empty, partial and full (C past one 16-row tile too), ragged chains or trees, scalar or
+    per-channel gates, fold=True or per-request flags, one accepted node per request."""
+    C = draw(st.sampled_from([4, 8, 17, 1]), label="capacity")
+    B = draw(st.integers(1, 4), label="B")
+    chain = draw(st.booleans(), label="chain")
+    parents, counts = draw(kst.draft_batch(B, max_drafts=6, chain=chain), label="drafts")
+    hist = draw(st.one_of(st.just(C), st.integers(0, 12)), label="history")
+    d = draw(fast_drawn(B=B, T=hist + len(parents[0]), steps=lambda d: 2, budget=12, layouts=("contiguous",),
+                        scale=False), label="drawn")
+    lengths = draw(st.lists(st.integers(0, min(hist, C)), min_size=B, max_size=B), label="lengths")
+    fold = draw(st.one_of(st.just(True), st.lists(st.booleans(), min_size=B, max_size=B)), label="fold")
+    return dict(case=d, capacity=C, history=hist, lengths=lengths, parents=parents, num_drafts=counts,
+                nodes=draw(kst.acceptances(counts), label="nodes"), fold=fold)
+
+
+@FEW
+@counted()
+@given(s=_fold_setup())
+def test_fold_verify_accept_drawn_match_reference(s):
+    """Chains and trees: fast verify(fold=...) (o, the Drafts, the folded buffer) and accept after it ==
+    kvbuffer_ref's."""
+    informative(s["case"].inputs(), tokens=slice(s["history"], s["case"].T))
+    _check_against_reference(s.pop("case"), torch.float32, **s)
 
 
 @pytest.mark.parametrize("dtype,key_dtype", [

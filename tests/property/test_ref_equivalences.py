@@ -15,6 +15,7 @@ import kvbuffer_ref as ref
 from kvbuffer.validate import Case
 from kvbuffer.validate import properties as P
 from kvbuffer.validate import strategies as kst
+from kvbuffer.validate.tolerances import compare
 
 from .fast_adapter import assert_all as _assert_all
 from .strategies_local import BETAS_WITH_STATE, Calling, Drawn, buffered, counted, drawn, informative, is_informative
@@ -98,6 +99,57 @@ def test_chain_verify_then_accept(dtype, form, data):
     _assert_all(P.check_verify_accept(Calling(ref, d), d, dtype, capacity=C, history=hist, lengths=lengths,
                                       parents=parents, num_drafts=counts, nodes=[m - 1 for m in accepted],
                                       after=after, form=form, use_counts=True))
+
+
+def _equal_fields(a, b, what: str) -> None:
+    """Every field of two KVBuffers or two Drafts is the same tensor value (or both None)."""
+    for name, x in a.tensors().items():
+        y = getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"{what}.{name} differs"
+
+
+@pytest.mark.parametrize("form", ["u", "raw"])
+@counted()
+@given(data=st.data())
+def test_verify_fold_is_flush_then_verify(form, data):
+    """verify(fold=...) (True or per-request flags) then accept is, exactly in float64, flush of the folding
+    requests' whole buffers, verify and accept: o, the Drafts, the buffer after verify and after accept.  Its
+    o is verify(fold=False)'s and the state after accept (materialised) is that of verify(fold=False) +
+    accept, within the float64 floor.  Chains and trees, ragged draft counts, empty / partial / full buffers,
+    buffers without state storage."""
+    C = data.draw(st.integers(1, 6), label="capacity")
+    B = data.draw(st.integers(1, 3), label="B")
+    parents, counts = data.draw(kst.draft_batch(B, max_drafts=6, chain=data.draw(st.booleans(), label="chain")),
+                                label="drafts")
+    hist = data.draw(st.one_of(st.just(C), st.integers(0, 8)), label="history")
+    d = data.draw(drawn(B=B, T=hist + len(parents[0])), label="drawn")
+    informative(d.inputs())
+    lengths = data.draw(st.lists(st.one_of(st.just(min(hist, C)), st.integers(0, min(hist, C))), min_size=B,
+                                 max_size=B), label="lengths")
+    flags = data.draw(st.one_of(st.just(True), st.lists(st.booleans(), min_size=B, max_size=B)), label="fold")
+    nodes = torch.tensor(data.draw(kst.acceptances(counts), label="nodes"))
+    x = d.inputs()
+    buf = P.ragged_buffer({n: t[:, :hist] for n, t in x.items()}, lengths, C, form=form)
+    if not bool(buf.has_state.any()) and data.draw(st.booleans(), label="no state storage"):
+        buf = buf.replace(state=None)
+    toks = {n: t[:, hist:] for n, t in x.items()}
+    drafts_kw = dict(parents=torch.tensor(parents), num_drafts=torch.tensor(counts))
+    fold = flags if flags is True else torch.tensor(flags)
+    o, drafts, folded = ref.verify(**toks, buffer=buf, fold=fold, **drafts_kw)
+    flushed = ref.flush(buf, count=None if fold is True else torch.where(fold, buf.lengths, 0))
+    o_f, drafts_f = ref.verify(**toks, buffer=flushed, **drafts_kw)
+    assert torch.equal(o, o_f), "verify(fold).o"
+    _equal_fields(drafts, drafts_f, "verify(fold).drafts")
+    _equal_fields(folded, flushed, "verify(fold).buffer")
+    _equal_fields(ref.accept(folded, drafts, nodes=nodes), ref.accept(flushed, drafts_f, nodes=nodes), "accept")
+    # against no fold: the same outputs, and the same state once accepted
+    o0, drafts0 = ref.verify(**toks, buffer=buf, **drafts_kw)
+    valid = (torch.arange(len(parents[0]))[None, :] < torch.tensor(counts)[:, None])[:, :, None, None]
+    after = ref.materialize_state(ref.accept(folded, drafts, nodes=nodes))
+    stored = buf if buf.state is not None else ref.flush(buf, count=0)  # the storage accept may fold into
+    after0 = ref.materialize_state(ref.accept(stored, drafts0, nodes=nodes))
+    _assert_all([compare(o, o0, name="verify(fold).o", valid=valid),
+                 compare(after, after0, name="verify(fold) + accept: state", head_axis=1)])
 
 
 @pytest.mark.parametrize("dtype,form", FORMS, ids=lambda p: str(p))
