@@ -308,12 +308,13 @@ def baseline_recurrent(q, k, v, *, g, beta, scale=None, initial_state=None, outp
                                               output_final_state=output_final_state)
 
 
-def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=(), contract=None):
+def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=(), contract=None, qk_ways=()):
     """[(o, S), ...]: what correct implementations compute on these inputs in their compute dtype under
     ``contract`` (default: the active one): the plain recurrence with its exponentials correctly rounded and,
     in float32, a second time with them as a GPU kernel takes them (``exp_ex2``), and, when the implementation
     takes raw gates (``raw_gating``), on the gates a float32 kernel computes from them (``kernel_gates``) and on
-    those moved one float32 step either way; and for each size in
+    those moved one float32 step either way, and on each (q, k) of ``qk_ways`` (the rows normalised another
+    way); and for each size in
     ``chunks`` the chunkwise forms with chunks of that many tokens (cumulative gates local to each chunk, as
     production kernels keep them; ``segmented_forms``).
     The budget of a comparison is a small multiple of the worst of them (``tolerances``).  Outputs are in
@@ -322,18 +323,33 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
     x = dict(q=q, k=k, v=v, g=g, beta=beta)
     forms = [baseline_recurrent(**x, scale=scale, initial_state=initial_state, contract=contract)]
     if torch.promote_types(q.dtype, torch.float32) == torch.float32 and contract != "bf16-state":
-        forms.append(baseline_recurrent(**x, scale=scale, initial_state=initial_state, contract=contract, exp="ex2"))
+        gates = [(g, beta)]
         raw = current_raw_gating()
         if raw and g.dim() == beta.dim():  # the kernel computes its gates from raw ones: as a float32 kernel does,
             # and one float32 step of g either way (how it takes exp(A_log) and the softplus moves its g by that)
             gk, bk = kernel_gates(g, beta, raw)
-            for gs in (gk, torch.nextafter(gk, torch.zeros_like(gk)), torch.nextafter(gk, torch.full_like(gk, -1e38))):
-                forms.append(baseline_recurrent(**dict(x, g=gs, beta=bk), scale=scale, initial_state=initial_state,
-                                                contract=contract, exp="ex2"))
+            gates += [(gs, bk) for gs in (gk, torch.nextafter(gk, torch.zeros_like(gk)),
+                                          torch.nextafter(gk, torch.full_like(gk, -1e38)))]
+        runs = [dict(g=gg, beta=bb) for gg, bb in gates] + [dict(q=qq, k=kk) for qq, kk in qk_ways]
+        forms += _recurrences_ex2(x, runs, scale=scale, initial_state=initial_state, contract=contract)
     for chunk in chunks:
         forms += segmented_forms(**x, scale=scale, initial_state=initial_state, starts=range(0, q.shape[1], int(chunk)),
                                  contract=contract)
     return forms
+
+
+def _recurrences_ex2(x: dict, runs: list, *, scale, initial_state, contract) -> list:
+    """[(o, S), ...]: the recurrence with GPU exponentials on ``x`` with each of ``runs`` (a dict of inputs
+    that replace x's: other gates, other normalised q and k) applied, run as one batch (the requests of every
+    run side by side): one pass of the recurrence's loop over the tokens."""
+    n, B = len(runs), x["q"].shape[0]
+    if n == 1:
+        return [baseline_recurrent(**dict(x, **runs[0]), scale=scale, initial_state=initial_state,
+                                   contract=contract, exp="ex2")]
+    xs = {f: torch.cat([r.get(f, x[f]) for r in runs]) for f in x}
+    s0 = None if initial_state is None else torch.cat([initial_state] * n)
+    o, S = baseline_recurrent(**xs, scale=scale, initial_state=s0, contract=contract, exp="ex2")
+    return [(o[i * B:(i + 1) * B], S[i * B:(i + 1) * B]) for i in range(n)]
 
 
 #: How a kernel sums its cumulative gates and takes its exponentials: ``segmented_forms`` computes each.

@@ -243,13 +243,14 @@ def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = No
     xc = {n: t.detach() for n, t in x_dtype.items()}
     compute = torch.promote_types(xc["q"].dtype, torch.float32)
     sc = None if initial_state is None else initial_state.detach().to(compute)
-    raw = xc
+    ways = ()
     if qk_l2norm:
-        xc = l2norm_qk(raw, compute)
-    forms = correct_forms(**xc, initial_state=sc, scale=scale,
+        if compute == torch.float32:  # the other way kernels normalise
+            r = l2norm_qk(xc, compute, way="rsqrt")
+            ways = ((r["q"], r["k"]),)
+        xc = l2norm_qk(xc, compute)
+    forms = correct_forms(**xc, initial_state=sc, scale=scale, qk_ways=ways,
                           chunks=() if chunk is None else sorted({FORM_CHUNK, int(chunk)}))
-    if qk_l2norm and compute == torch.float32:  # the other way kernels normalise, with the plain recurrence
-        forms.append(baseline_recurrent(**l2norm_qk(raw, compute, way="rsqrt"), initial_state=sc, scale=scale))
     out = x_dtype["v"].dtype
     return truth, (worst_rows(truth[0], [o.to(out) for o, _ in forms], 3),
                    worst_rows(truth[1], [S for _, S in forms], 2))
