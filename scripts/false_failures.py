@@ -177,8 +177,9 @@ def main(argv=None) -> int:
     if args.head_shapes:
         try:
             shapes = tuple(tuple(int(x) for x in item.split(",")) for item in args.head_shapes.split(";") if item)
-            assert shapes and all(len(t) == 4 and min(t) > 0 and t[1] % t[0] == 0 for t in shapes)
-        except (ValueError, AssertionError):
+        except ValueError:
+            shapes = ()
+        if not shapes or not all(len(t) == 4 and min(t) > 0 and t[1] % t[0] == 0 for t in shapes):
             ap.error(f"--head-shapes: expected H,HV,K,V;... with HV a multiple of H, got {args.head_shapes!r}")
         for impl in impls.values():
             impl.sizes = dataclasses.replace(impl.sizes, head_shapes=shapes,

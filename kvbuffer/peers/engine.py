@@ -74,7 +74,7 @@ from ..validate.adapters import OPERATION_ATTRS, AdapterError, ContractViolation
 from ..validate.cases import RAW_GATE_DTYPES, softplus_inv, raw_gates_in
 from ._sources import dtypes
 
-__all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates", "token_rows"]
+__all__ = ["Convention", "engine_adapter", "to_raw_gates", "from_raw_gates", "token_rows", "next_pow2"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,12 @@ class Convention:
         if self.pad_slot >= 0 and self.pad_slot not in self.reserved_slots:
             raise AdapterError(f"convention pad_slot: {self.pad_slot} is a real slot; reserve it (reserved_slots="
                                f"({self.pad_slot},)) or use -1")
+
+
+def next_pow2(n: int) -> int:
+    """The next power of two >= n (``triton.next_power_of_2``, without importing triton): the block sizes
+    peers' launchers derive from K, V and lengths."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def token_rows(x: torch.Tensor) -> torch.Tensor:

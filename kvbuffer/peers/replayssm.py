@@ -59,7 +59,7 @@ from kvbuffer_ref.checks import RESET_GATE
 from ..validate.adapters import AdapterError, describe, interpreter_active
 from ..validate.cases import Sizes
 from ._sources import PEER_ENV, shims_first, write_shims
-from .engine import to_raw_gates
+from .engine import next_pow2, to_raw_gates
 
 __all__ = ["replayssm", "ReplaySSMDecode", "PEER_ENV", "load_kernel_module"]
 
@@ -140,11 +140,6 @@ def _import_with_shims(checkout: Path, path: Path, config: str):
             raise AdapterError(f"--peer-path {checkout}: importing {path} failed: {type(e).__name__}: {e}") \
                 from None
     return mod
-
-
-def _pow2(n: int) -> int:
-    """The next power of two >= n (triton.next_power_of_2, without importing triton)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _finite_gates(g: torch.Tensor) -> torch.Tensor:
@@ -306,8 +301,8 @@ class ReplaySSM:
         dev = buffer.k.device
         assert T >= 1, f"ReplaySSM adapter: a window of {T} tokens"
         L = C + T
-        buf = _pow2(L)
-        BC = max(16, _pow2(max(1, L - T)))  # the kernel's history block: it silently ignores entries past it
+        buf = next_pow2(L)
+        BC = max(16, next_pow2(max(1, L - T)))  # the kernel's history block: it silently ignores entries past it
         n = [int(x) for x in buffer.lengths.tolist()]
         assert all(0 <= x <= C for x in n), f"ReplaySSM adapter: lengths {n} outside 0..{C}"
         assert max(n, default=0) <= BC and C + T <= buf, \
@@ -526,8 +521,8 @@ def _em_spec(mixed_qkv, a, b, A_log, dt_bias, checkpoint_state, d_cache, k_cache
     H = (mixed_qkv.shape[1] - HV * V) // (2 * K)
     buf = d_cache.shape[2]
     assert buf & (buf - 1) == 0, "circular cache requires power-of-two buffer"
-    BS = max(4, _pow2(max_spec_len))
-    BC = max(16, _pow2(max(1, max_cache_len - max_spec_len)))
+    BS = max(4, next_pow2(max_spec_len))
+    BC = max(16, next_pow2(max(1, max_cache_len - max_spec_len)))
     scale = K ** -0.5 if scale is None else scale
     for n in range(query_start_loc.shape[0] - 1):
         bos, eos = int(query_start_loc[n]), int(query_start_loc[n + 1])
@@ -574,7 +569,7 @@ def _em_commit(write_pos, cache_base, is_flush, num_accepted, state_batch_indice
     source: per row with block s > null, accepted a: after a flush round the history restarts at the
     window (cache_base += write_pos when a > 0; write_pos = a), else write_pos += a; then
     is_flush = write_pos + 2 max_spec_len > max_cache_len."""
-    buf = _pow2(max_cache_len) if cache_buf_len is None else cache_buf_len
+    buf = next_pow2(max_cache_len) if cache_buf_len is None else cache_buf_len
     for r in range(state_batch_indices.shape[0]):
         s = int(state_batch_indices[r])
         if s <= null_block_id:

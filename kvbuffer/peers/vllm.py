@@ -57,7 +57,7 @@ from kvbuffer_ref.engine_inputs import check_engine_inputs
 
 from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
 from ._sources import dtypes, extract, find, git_version, interpreter_fixes, shims_first, version_in, write_shims
-from .engine import InputsAdapter, engine_adapter, token_rows
+from .engine import InputsAdapter, engine_adapter, next_pow2, token_rows
 
 __all__ = ["locate", "load_kernels", "VLLMRecurrent", "VLLMInputs", "vllm", "vllm_decode", "vllm_packed",
            "vllm_inputs", "decode_step", "packed_step", "OPS_DIRS"]
@@ -347,15 +347,11 @@ class VLLMInputs(InputsAdapter):
         """Compiled, the kernel takes only K and V of one power-of-two block: its ``mask_2d`` is [BLOCK_T, BK] in
         the q/k branch and [BLOCK_T, BV] in the v branch of one ``if``, which Triton compiles only when the two
         agree (the interpreter does not check).  Every model vLLM serves with it has K = V."""
-        if interpreter_active() or _pow2(case.K) == _pow2(case.V):
+        if interpreter_active() or next_pow2(case.K) == next_pow2(case.V):
             return ""
         return (f"K = {case.K}, V = {case.V}: vLLM's fused_post_conv_prep compiles only when K and V round up to the "
-                f"same power of two (its mask_2d takes [BLOCK_T, {_pow2(case.K)}] and [BLOCK_T, {_pow2(case.V)}] in "
+                f"same power of two (its mask_2d takes [BLOCK_T, {next_pow2(case.K)}] and [BLOCK_T, {next_pow2(case.V)}] in "
                 f"the two branches of one if; Triton: 'Mismatched type for mask_2d')")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------- the engine-convention steps
