@@ -46,7 +46,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
-import random
 import types
 from pathlib import Path
 
@@ -59,7 +58,8 @@ from kvbuffer_ref.checks import RESET_GATE
 from ..validate.adapters import AdapterError, describe, interpreter_active
 from ..validate.cases import Sizes
 from ._sources import PEER_ENV, shims_first, write_shims
-from .engine import next_pow2, to_raw_gates
+from .engine import next_pow2
+from ..validate.cases import raw_gates_in
 
 __all__ = ["replayssm", "ReplaySSMDecode", "PEER_ENV", "load_kernel_module"]
 
@@ -150,11 +150,6 @@ def _finite_gates(g: torch.Tensor) -> torch.Tensor:
     return g.float().clamp(min=-float(RESET_GATE[torch.float32]))
 
 
-def _gate_rng(*tensors):
-    return random.Random(int(sum(float(t.detach().double().nan_to_num(0.0, 0.0, 0.0).clamp(-1e6, 1e6).sum())
-                                  for t in tensors) * 1e6) % 2**31)
-
-
 class _Ring:
     """ReplaySSM's speculative-decode storage for one batch, as its kernels address it: the checkpoint
     pool [slots, HV, V, K] (float32, slot 0 the null block), the circular ring caches d [slots, HV, buf, V],
@@ -180,6 +175,9 @@ class ReplaySSM:
 
     contract = "tf32"
     channel_gate = False  # raw gating: scalar gates
+    #: its kernels take float32 raw gates and compute g, beta themselves: the cases' g, beta are those of the
+    #: raw gates ``cases.raw_gates_in`` derives, and the budget includes the gates a float32 kernel computes
+    raw_gate_dtype = "float32"
     forms = ("u",)
     ring = 4  # the decode kernel's ring in the recurrent lane (every case wraps around it)
 
@@ -255,10 +253,9 @@ class ReplaySSM:
         g_cache = torch.zeros(slots, HV, L, device=dev)
         idx = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
         pos = torch.zeros(B, dtype=torch.int32, device=dev)
-        rng = _gate_rng(q)
         outs = []
         for t in range(T):
-            A_log, dt_bias, a, b = to_raw_gates(_finite_gates(g[:, t]), beta[:, t].float(), rng)
+            A_log, dt_bias, a, b = raw_gates_in(_finite_gates(g[:, t]), beta[:, t].float(), self.raw_gate_dtype)
             mixed = torch.cat([q[:, t].reshape(B, H * K), k[:, t].reshape(B, H * K), v[:, t].reshape(B, HV * V)],
                               -1).float().contiguous()
             out = torch.empty(B, HV, V, device=dev)
@@ -385,7 +382,7 @@ class ReplaySSM:
         total = len(rows)
         mixed = torch.cat([qq.reshape(total, H * K), kk.reshape(total, H * K), vv.reshape(total, HV * V)],
                           -1).contiguous()
-        A_log, dt_bias, a, b_ = to_raw_gates(_finite_gates(pick(g)), pick(beta).float(), _gate_rng(q, k, g))
+        A_log, dt_bias, a, b_ = raw_gates_in(_finite_gates(pick(g)), pick(beta).float(), self.raw_gate_dtype)
         out = torch.full((total, HV, V), float("nan"), device=dev)
         sc = K0 ** -0.5 if scale is None else float(scale)
         if total:
