@@ -77,6 +77,14 @@ class FlaAdapter:
 
     varlen = ("recurrent_gated_delta_rule", "chunk_gated_delta_rule")  # fla's cu_seqlens (int64 offsets)
 
+    @staticmethod
+    def declines(case, op: str = "") -> str:
+        """fla's chunk_kda takes K <= 256 only (it asserts so); its recurrent KDA kernel and the gated-delta-rule
+        kernels take any K."""
+        if op in ("chunk", "chunk_varlen") and case.channel_gate and case.K > 256:
+            return f"K = {case.K}: fla's chunk_kda takes key heads of K <= 256 only (per-channel gates)"
+        return ""
+
     def recurrent_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    cu_seqlens=None):
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))

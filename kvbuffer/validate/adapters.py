@@ -59,7 +59,8 @@ every other one as "not provided", with the reason.  Optional attributes describ
                                includes the gates a float32 kernel computes from them
                                (``contracts.kernel_gates``); the adapter derives its raw gates with
                                ``cases.raw_gates_in``
-    declines       callable    ``declines(case) -> str``: why the kernel cannot take the case's shapes (a
+    declines       callable    ``declines(case) -> str`` or ``declines(case, op) -> str`` (``op`` the lane's
+                               operation, "chunk" say): why the kernel cannot take the case's shapes (a
                                16-bit state kernel of K = V = 128 only, say), "" where it can; a declined case
                                is not run, and the lane's report counts the declined cases with the reason
                                (``LaneResult.declined``)
@@ -82,6 +83,7 @@ packages and the peers) are listed there.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import types
 import warnings
@@ -149,7 +151,8 @@ class Implementation:
     gates: str = "all"
     #: "float32", "bfloat16": it takes raw gates in that dtype (``Case.raw_gate_dtype``); "": g and beta as drawn
     raw_gate_dtype: str = ""
-    #: ``declines(case) -> str``: why it cannot take the case's shapes ("" where it can); None: it takes every case
+    #: ``declines(case, op) -> str``: why it cannot take the case's shapes in lane operation ``op`` ("" where it
+    #: can); None: it takes every case
     declines: Optional[Callable] = None
     #: what ``kvbuffer.implementations.resolve`` made it from ("fast", "module:attr")
     spec: Optional[str] = None
@@ -244,6 +247,8 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
     if declines is not None and not callable(declines):
         raise AdapterError(f"adapter {label}: declines must be a callable declines(case) -> str, got "
                            f"{type(declines).__name__}")
+    if declines is not None:
+        declines = _declines_by_op(declines)
     try:
         contract = check_contract(getattr(obj, "contract", "ieee"), f"adapter {label}: contract")
     except ValueError as e:
@@ -480,3 +485,13 @@ def returned_changed(returned: list, since: int = 0) -> Optional[str]:
         if not torch.equal(_bits(t), bits):
             return lab
     return None
+
+
+def _declines_by_op(declines: Callable) -> Callable:
+    """An adapter's ``declines`` as ``declines(case, op)``: as it is when it takes an ``op`` argument, else
+    called with the case alone (the same answer in every lane)."""
+    try:
+        takes_op = "op" in inspect.signature(declines).parameters
+    except (TypeError, ValueError):
+        takes_op = False
+    return declines if takes_op else (lambda case, op="": declines(case))

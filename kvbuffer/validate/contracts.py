@@ -11,8 +11,10 @@ The contracts, and their emulation (``emulate``):
     ieee        every product and sum in the compute dtype (float32), the default
     tf32x3      every product as three TF32 products (a_hi b_hi + a_hi b_lo + a_lo b_hi, each operand split
                 into a TF32 head and a TF32 tail: Triton's ``input_precision="tf32x3"``), float32 accumulation
-    tf32        the operands of every matrix / vector product rounded to TF32 (10-bit mantissa,
-                round to nearest even), accumulated in float32
+    tf32        the operands of every matrix / vector product cut to TF32 (10-bit mantissa) as an NVIDIA tensor
+                core takes a float32 operand: the 13 low mantissa bits dropped (truncated toward zero;
+                Triton's ``tl.dot`` hands float32 operands to the MMA as they are), accumulated in float32.
+                A kernel that rounds to nearest first (cuBLAS's ``cvt.rna``) makes about half that error
     bf16        the operands of every product rounded to bfloat16 (8-bit mantissa), float32 accumulation
     bf16-state  IEEE float32 products, the recurrent state rounded to bfloat16 after every token
 
@@ -36,7 +38,7 @@ from kvbuffer_ref.chunk import _wy_chunk
 from kvbuffer_ref.core import fold_state
 from kvbuffer_ref.inputs import prepare_tokens
 
-__all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
+__all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "trunc_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
            "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms", "exp_ex2",
            "LOG2E_F32", "under_contract", "raw_gating", "current_raw_gating", "kernel_gates"]
 
@@ -142,6 +144,19 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), out, x)
 
 
+def trunc_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cut to TF32 as an NVIDIA tensor core takes a float32 operand of a TF32 MMA: its 13 low mantissa
+    bits dropped (toward zero), kept in its dtype (float64 through float32).  The error is one-signed, up to a
+    TF32 step (2^-10 relative, 2^-11 on average): every product shrinks, so a sum of products of one sign keeps
+    a bias of about 2^-10 of itself where rounding to nearest (``round_tf32``) averages out."""
+    if x.dtype == torch.float64:
+        return trunc_tf32(x.float()).double()
+    if x.dtype != torch.float32:
+        return x
+    out = (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isfinite(x), out, x)
+
+
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to bfloat16 (round to nearest even), kept in its dtype."""
     if not x.is_floating_point() or x.dtype == torch.bfloat16:
@@ -149,7 +164,8 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
-_ROUND = {"tf32": round_tf32, "bf16": round_bf16}
+#: The operand rounding of each product contract (tf32x3 splits its operands as Triton does: ``_split_product``).
+_ROUND = {"tf32": trunc_tf32, "bf16": round_bf16}
 
 
 #: log2(e) as a float32 kernel holds it.
@@ -199,10 +215,11 @@ def _scan_cumsum(x: torch.Tensor, dim: int, lanes: int = 32) -> torch.Tensor:
 
 
 def _split_product(func, eq, a, b, **kwargs):
-    """A two-operand einsum as three TF32 products: each operand split into a TF32 head and the TF32 rounding
-    of its tail, the tail x tail product dropped (Triton's ``input_precision="tf32x3"``)."""
+    """A two-operand einsum as three TF32 products: each operand split into a TF32 head rounded to nearest and
+    its tail, the tail x tail product dropped (Triton's ``input_precision="tf32x3"``: ``cvt.rna`` makes the
+    head; the tail goes to the tensor core as a float32 value, which cuts it to TF32: ``trunc_tf32``)."""
     ah, bh = round_tf32(a), round_tf32(b)
-    al, bl = round_tf32(a - ah), round_tf32(b - bh)
+    al, bl = trunc_tf32(a - ah), trunc_tf32(b - bh)
     return func(eq, ah, bh, **kwargs) + (func(eq, ah, bl, **kwargs) + func(eq, al, bh, **kwargs))
 
 

@@ -352,7 +352,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         kept: list = []  # what the calls returned: a later call must not change an earlier call's results
         ran = 0  # calls not declined
         for i, (what, p) in enumerate(calls):
-            declined = impl.declines(p["case"]) if impl.declines is not None else ""
+            declined = impl.declines(p["case"], op=op.key) if impl.declines is not None else ""
             if declined:  # shapes the kernel cannot take: not run, counted and named in the report
                 state["declined"][declined] = state["declined"].get(declined, 0) + 1
                 continue

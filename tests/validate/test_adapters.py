@@ -79,3 +79,37 @@ def test_fast_adapter_calls_the_public_api_and_turns_on_nan_outputs(monkeypatch)
     assert impl.has("recurrent_decode")  # the in-place step of kvbuffer_fast.baselines, validated stepwise
     impl.prepare()
     assert os.environ[adapters.POISON_ENV] == "1"
+
+
+def test_declines_may_name_the_lane_operation_and_the_runner_passes_it():
+    """``declines(case, op)``: a kernel that cannot take a shape in one operation only (fla's chunk_kda, K <= 256)
+    declines it there and still runs it in the others; ``declines(case)`` answers the same in every lane."""
+    seen = []
+
+    class Recurrent:
+        name = "declines-by-op"
+
+        def recurrent_gated_delta_rule(self, q, k, v, **kw):
+            return ref.recurrent_gated_delta_rule(q, k, v, **kw)
+
+        def declines(self, case, op=""):
+            seen.append(op)
+            return "K above 16 (a test's limit)" if op == "recurrent" and case.K > 16 else ""
+
+    from kvbuffer.validate.runner import run_validation
+    rep = run_validation([adapters.describe(Recurrent())], ops=[("recurrent", None)], dtypes=[torch.float32], seed=3,
+                         max_examples=3, progress=None, explain=False)
+    (lane,) = rep.lanes
+    assert set(seen) == {"recurrent"} and lane.status == "PASS" and lane.declined, (seen, lane.declined)
+    one = adapters.describe(types.SimpleNamespace(name="x", recurrent_gated_delta_rule=ref.recurrent_gated_delta_rule,
+                                                  declines=lambda case: "never"))
+    assert one.declines(Case(B=1, T=1, H=1, HV=1, K=4, V=4), op="chunk") == "never"
+
+
+def test_fla_declines_chunk_kda_above_k_256_only_in_the_chunk_lanes():
+    pytest.importorskip("fla")
+    from kvbuffer.peers.fla import FlaAdapter
+    big = Case(B=1, T=3, H=1, HV=2, K=264, V=8, channel_gate=True)
+    assert "K <= 256" in FlaAdapter.declines(big, op="chunk") and FlaAdapter.declines(big, op="chunk_varlen")
+    assert FlaAdapter.declines(big, op="recurrent") == ""  # its recurrent KDA kernel takes any K
+    assert FlaAdapter.declines(Case(B=1, T=3, H=1, HV=2, K=264, V=8), op="chunk") == ""  # gated delta rule
