@@ -33,6 +33,7 @@ round     ``round_cycle``                  a cycle of C // m + 1 rounds from emp
 round     ``round_cycle_fold``             ``round_cycle`` with that round's verify folding (fold=True) instead
 round     ``pool_round_cycle``             ``round_cycle`` through the serving pool (every layer's accept in
                                            one call, the last folding)
+round     ``pool_round_cycle_fold``        ``pool_round_cycle`` with that round's verify folding (fold=True)
 round     ``tree_round``                   verify of a 16-node draft tree, then accept of one node's path
 round     ``per_draft_state_tree_round``   the baseline's tree round (a parent's state read back per branch)
 decode,   ``pool_*``                       the same through the serving pool (``kvbuffer_fast.pool``)
@@ -1029,8 +1030,22 @@ class _Builder:
         """``round_cycle`` through the serving pool, as an engine runs it: R = C // m + 1 rounds from empty
         buffers (prompts admitted into the states), each verify on every layer by int32 slots then one
         accept of every layer (layer=None), the last round's accept folding."""
+        return self._pool_round_cycle("pool_round_cycle", fold=False)
+
+    def pool_round_cycle_fold(self) -> Case:
+        """``pool_round_cycle`` with the buffers folded by the verify of the round whose accept would fold
+        (``pool.verify(fold=True)`` on every layer: the entries folded in verify's state stream, into the
+        requests' state slots), so no accept folds: ``round_cycle_fold`` through the pool."""
+        if "fold" not in inspect.signature(self.api.pool_class().verify).parameters:
+            raise Skip("this package root's pool verify has no fold")
+        return self._pool_round_cycle("pool_round_cycle_fold", fold=True)
+
+    def _pool_round_cycle(self, name: str, *, fold: bool) -> Case:
+        """A cycle of R rounds from empty buffers through the pool (``_cycle``); the one round whose accept
+        passes C folds the buffers: in that accept, or (``fold``) in that round's verify."""
         d, m, B, dev = self.p.drafts, self.p.accepted, self.B, self.wl.device
         R, starts = self._cycle()
+        folding = [r for r in range(R) if starts[r] + m > self.p.C]  # the round whose accept would fold
         pool, slots, hist = self._pool(buffered=0)
         xs = self._tokens(R * d, seed=11)
         rounds = [[self._round_tokens(x, r, d) for r in range(R)] for x in xs]
@@ -1045,25 +1060,34 @@ class _Builder:
             lengths.index_fill_(1, s64, 0)  # every layer's buffers empty
             outs = []
             for r in range(R):
+                fk = dict(fold=True) if fold and r in folding else {}
                 for layer in range(self.L):
                     x = rounds[layer][r]
                     o = pool.verify(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], layer=layer, slots=slots,
-                                    parents=parents, num_drafts=num_drafts, **vkw)
+                                    parents=parents, num_drafts=num_drafts, **vkw, **fk)
                     if layer == 0:
                         outs.append(o)
                 pool.accept(slots=slots, counts=counts, **akw)
             return outs
         outs = cycle()
-        checks = [self.wl.compare(f"pool_round_cycle[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
-                  self.wl.compare(f"pool_round_cycle[R={R}, m={m}].state_after_cycle",
+        checks = [self.wl.compare(f"{name}[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
+                  self.wl.compare(f"{name}[R={R}, m={m}].state_after_cycle",
                                   pool.state_of(layer=0, slots=slots),
                                   self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
+        if fold:
+            r = folding[-1]
+            before = self._accepted_tokens(xs[0], r)  # the tokens rounds 0..r-1 committed, then round r's
+            t = self.wl.truth({n: torch.cat([before[n], rounds[0][r][n]], dim=1) for n in before}, hist)
+            t = dataclasses.replace(t, o=t.o[:, r * m:], base_o=None if t.base_o is None else t.base_o[:, r * m:])
+            checks.append(self.wl.compare(f"{name}[R={R}] round {r}.o (the folding verify)", outs[r], t))
         nbytes = sum(io.buffered_verify(self.s, B, n, d) + io.buffered_accept(self.s, B, m) for n in starts)
-        nbytes += 2 * io.state_bytes(self.s, B)  # the one fold: the state read and written
-        c = self.case("pool_round_cycle", "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
-        c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), the last accept "
-                  "folding; each replay first empties every layer's buffers (one fill); accept of every layer in "
-                  "one call; µs per round and layer")
+        # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
+        nbytes += (1 if fold else 2) * io.state_bytes(self.s, B)
+        c = self.case(name, "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
+        where = f"round {folding[-1]}'s verify folding (fold=True)" if fold else "the last accept folding"
+        c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), {where}; each "
+                  "replay first empties every layer's buffers (one fill); accept of every layer in one call; µs per "
+                  "round and layer")
         return c
 
     def pool_verify(self) -> Case:

@@ -106,13 +106,17 @@ def fold_tile(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, n_fold, o_k, o_v, m_k, 
 
 
 @triton.jit
-def fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, programs):
-    """After a full request's fold: its last program (an atomic ticket after a barrier, once all
-    ``programs`` of the request have read its length) empties the buffer, marks the request as owning
-    a state and resets the counter (``_common.ticket_counters``: zero between launches)."""
+def fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, row, programs):
+    """After a full request's fold: its last program (an atomic ticket ``i_b`` after a barrier, once all
+    ``programs`` of the request have read its length) empties buffer row ``row`` (i_b outside a pool),
+    marks the request as owning a state and resets the counter (``_common.ticket_counters``: zero between
+    launches).  Returns whether this program was the last (every other one has passed its ticket, so
+    whatever they read before it may be overwritten)."""
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + i_b, 1)
-    if ticket == programs - 1:  # the request's last program: every one has read its length
-        tl.store(len_ptr + i_b, tl.zeros([], dtype=len_ptr.dtype.element_ty))  # emptied
-        tl.store(own_ptr + i_b, 1)  # (a direct request now owns its folded state)
+    last = ticket == programs - 1
+    if last:  # the request's last program: every one has read its length
+        tl.store(len_ptr + row, tl.zeros([], dtype=len_ptr.dtype.element_ty))  # emptied
+        tl.store(own_ptr + row, 1)  # (a direct request now owns its folded state)
         tl.store(ticket_ptr + i_b, 0)
+    return last

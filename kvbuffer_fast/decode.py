@@ -329,7 +329,7 @@ def _fold_tile_kernel(
         s = fold_tile(s, ck_ptr, cu_ptr, cg_ptr, i_b, i_h, i_hv, tl.minimum(n, C), o_k, o_v, m_k, m_v,
                       C, H, HV, K, V, FB, CHANNEL)
         tl.store(p_s, s.to(state_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
-        fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, HV * NV)
+        fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, i_b, HV * NV)
 
 
 @triton.jit

@@ -14,7 +14,9 @@ per call (no torch kernels between them in a capture):
 * decode: the state-slot bookkeeping (``_claims_kernel``, ``_commit_kernel``), then
   ``kvbuffer_fast.decode.decode_pool``: decode's fold, decode and bookkeeping launches on the pool;
 * verify: verify's two phases on the pool (``kvbuffer_fast.verify.verify_pool``): the rows' buffer
-  entries and state slots read, and their drafts written to the slots' draft rooms, by slot index;
+  entries and state slots read, and their drafts written to the slots' draft rooms, by slot index; with
+  ``fold``, the state-slot bookkeeping first (the flagged rows that hold entries), whose slots phase 2
+  folds into;
 * accept: the state-slot bookkeeping (which rows' accepted paths overflow, the lengths), then
   ``kvbuffer_fast.accept.accept_pool``: accept's fold and copy launches;
 * flush: the state-slot bookkeeping, then ``kvbuffer_fast.flush.flush_pool``: flush's fold launch (keys
@@ -44,7 +46,7 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_int_tensor,
                                  require_tensor)
-from kvbuffer_ref.pool import admit_state, check_slots, on_device, per_row, set_layout, varlen_admit
+from kvbuffer_ref.pool import admit_state, check_slots, on_device, per_row, pool_fold, set_layout, varlen_admit
 
 from ._common import (CACHE_DTYPES, STATE_DTYPES, PoolLayer, _pdl_prologue, as_input, block, checked_tokens,
                       device_guard, flag_view, index_input, new_output, pdl_launch, values_checked)
@@ -200,13 +202,14 @@ class KVPool:
                              f"{layer}; accept them (accept(counts=0) rejects all) before {op}")
 
     def _claims(self, lay: slice, s: torch.Tensor, checked: bool, *, folds: Optional[torch.Tensor] = None,
-                accepted: Optional[tuple] = None
+                accepted: Optional[tuple] = None, verify_fold=None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """The state-slot bookkeeping of a call on the rows ``s`` in the layers of ``lay``, two launches:
         ``_claims_kernel`` decides, ``_commit_kernel`` copies and moves the references (before the folds,
         which read the returned slots, not ``state_slot``).  The rows that fold: ``folds`` ([layers, B]
         bool), else those of ``accepted`` = (name, counts or nodes: an int or [B]) whose accepted path
-        overflows the buffer, else decode's (a full buffer).  Per layer, a folding row without a state
+        overflows the buffer, else those of ``verify_fold`` (verify's ``fold``: True or a checked [B] bool
+        tensor) that hold entries, else decode's (a full buffer).  Per layer, a folding row without a state
         slot, or sharing one, gets the lowest free slot in its rank among such rows for its fold's result
         (copy-on-write), except that of a slot all of whose sharers fold in this call the first row keeps
         it: exactly the slots the sequential rule (the reference pool's) leaves with the last of them.  A
@@ -227,14 +230,17 @@ class KVPool:
         if B == 0:
             return plan[0], plan[1], plan[2], node, plan[4]
         count = torch.empty(NL, 2, dtype=torch.int64, device=dev)
-        rule = 0 if folds is not None else 1 if accepted is None else 2
+        rule = 0 if folds is not None else 2 if accepted is not None else 3 if verify_fold is not None else 1
         name, arg = accepted if accepted is not None else (None, 0)
-        per_row = isinstance(arg, torch.Tensor)
+        per_arg = isinstance(arg, torch.Tensor)
+        per_row = per_arg or isinstance(verify_fold, torch.Tensor)
+        flags = folds.contiguous() if folds is not None else verify_fold if isinstance(verify_fold, torch.Tensor) \
+            else None  # the fold flags the rule reads: [layers, B] (rule 0) or [B] (rule 3)
         with device_guard(s):
             _claims_kernel[(NL,)](  # s stands in for the pointers this rule does not read
                 s, t["state_slot"][l0], t["refs"][l0], t["lengths"][l0],
-                flag_view(folds.contiguous()) if folds is not None else s, t["parents"][l0], arg if per_row else s,
-                0 if per_row else arg, s if node is None else node, plan, count, self._claims_scratch[l0], B, NL, N,
+                flag_view(flags) if flags is not None else s, t["parents"][l0], arg if per_arg else s,
+                0 if per_arg else arg, s if node is None else node, plan, count, self._claims_scratch[l0], B, NL, N,
                 S, D,
                 C=self.capacity, RULE=rule, PER_ROW=per_row, COUNTS=name == "counts", BB=block(B, 2),
                 BD=block(D, 2), BS=min(block(S, 2), 4096), num_warps=4, **pdl_launch(s, True))
@@ -359,13 +365,20 @@ class KVPool:
         return o
 
     def verify(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, parents=None, num_drafts=None,
-               scale=None, config=None) -> torch.Tensor:
+               scale=None, config=None, fold=False) -> torch.Tensor:
         """As ``kvbuffer_ref.pool.KVPool.verify`` (pad rows: unspecified outputs); the drafts go to the
         slots' draft room, pending.  The two launches of ``kvbuffer_fast.verify`` addressing the pool
         (``kvbuffer_fast.verify.verify_pool``): the buffer rows, state slots and draft rooms read and
-        written in place by slot index, nothing gathered or copied."""
+        written in place by slot index, nothing gathered or copied.
+
+        ``fold`` (False, True or a bool tensor [B]): as the reference's; the state-slot bookkeeping's two
+        launches (``_claims``: a folding row without a state slot, or sharing one, gets a fresh one, the
+        shared state copied: copy-on-write) run first, then the two phases, whose phase 2 folds the rows'
+        buffered entries into those slots as it streams the states (``kvbuffer_fast.verify``)."""
         layer = self._layer(layer)
-        s, _ = self._rows("slots", slots)
+        s, checked = self._rows("slots", slots)
+        if fold is not False:
+            fold = pool_fold(fold, s, self.device)
         if num_drafts is not None:
             require_int_tensor("num_drafts", num_drafts, tuple(s.shape), "[B]", self.device)
         d, g = self._check_tokens(q, k, v, g, beta, s, num_drafts=num_drafts)
@@ -374,7 +387,12 @@ class KVPool:
                              f"{self.max_drafts}")
         if parents is not None:
             require_int_tensor("parents", parents, (d.B, d.T), "[B, D]", self.device)
-        return verify_pool(q, k, v, g, beta, self._pool_layer(layer, s), parents, num_drafts, scale, config)
+
+        def claim() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            _, read, write, _, n = self._claims(slice(layer, layer + 1), s, checked, verify_fold=fold)
+            return read[0], write[0], n[0]
+        return verify_pool(q, k, v, g, beta, self._pool_layer(layer, s), parents, num_drafts, scale, config,
+                           fold=fold, claim=claim)
 
     def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
                config=None) -> None:
@@ -503,7 +521,8 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
     and S state slots per layer, each tensor with its sink row) for the B call rows ``slot`` (-1: a pad),
     in registers.  Which rows fold (RULE): 0, ``fold[layer, i]`` (uint8); 1, decode's (a full buffer);
     2, accept's (the accepted path overflows the buffer: the node ``arg[i]``, or the int ``arg`` for
-    every row without PER_ROW, minus 1 with COUNTS; the rows' nodes (pads: -1) go to ``node``).
+    every row without PER_ROW, minus 1 with COUNTS; the rows' nodes (pads: -1) go to ``node``); 3,
+    verify's fold (the rows flagged by ``fold[i]``, every row without PER_ROW, that hold entries).
     Writes ``plan`` [5, layers, B] (current slot, read slot, write slot, need, the row's length) and ``count`` [layers, 2]
     (rows that need a fresh slot, free slots).  The sharers of a slot that fold are counted in the
     int32 ``scratch`` ([layers, 2 S + N], zero between calls: reset here), and so is the first of them
@@ -527,6 +546,10 @@ def _claims_kernel(slot_ptr, sslot_ptr, refs_ptr, len_ptr, fold_ptr, par_ptr, ar
         folds = valid & (tl.load(fold_ptr + i_l * B + o_b, mask=m_b, other=0) != 0)
     elif RULE == 1:
         folds = valid & (n >= C)
+    elif RULE == 3:
+        folds = valid & (n > 0)
+        if PER_ROW:
+            folds = folds & (tl.load(fold_ptr + o_b, mask=m_b, other=0) != 0)
     else:
         if PER_ROW:
             x = tl.load(arg_ptr + o_b, mask=valid, other=0).to(tl.int32)

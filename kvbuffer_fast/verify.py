@@ -53,6 +53,10 @@ docs/speculative.md gives the measurements behind the table.
 A serving pool (``kvbuffer_fast.pool.KVPool.verify``) runs the same two launches through ``verify_pool``
 on a ``PoolLayer``: each call row reads its slot's buffer row and state slot and writes its drafts into
 the slot's draft room by index (``_verify_stream_slots_kernel``; the phase-1 kernels with ``POOL``).
+With ``fold`` the pool's bookkeeping gives each row the state slot it reads and the one its fold writes
+(copy-on-write), and a folding row's drafts go to its emptied buffer's rows from 0 where they fit:
+phase 1 leaves their keys and G in the draft room (phase 2 still reads the buffer's for the fold) and
+the request's last phase-2 program moves them (``_drafts_to_buffer``).
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _p
                       check_growth, checked_buffer, checked_tokens, device_guard, flag_view, index_input, new_output,
                       pdl_launch, ticket_counters, values_checked)
 from ._fold import fold_block, fold_empty
-from .flush import flush
-from .launch import VerifyConfig, check_config, config_for, key_of
+from .flush import flush, flush_pool
+from .launch import Key, VerifyConfig, check_config, config_for, key_of
 
 __all__ = ["verify", "MAX_DRAFTS", "PoolLayer", "verify_pool"]
 
@@ -136,18 +140,59 @@ def _folds(fold_ptr, i_b, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _draft_dest(room_ptr, buf_ptr, c_b, n, C: tl.constexpr, DR, POOL: tl.constexpr):
+def _fold_row(fold_ptr, i_b, n, FOLD: tl.constexpr):
+    """Phase 1's fold flags of call row i_b with n buffered entries: (fr, whether the row folds, which sets
+    the frame of its Drafts.G; moved, whether it has entries to fold: a pool row then leaves its drafts' keys
+    and G in the room, ``_draft_dest``).  Without FOLD both are false."""
+    if FOLD:
+        fr = _folds(fold_ptr, i_b, FOLD)
+    else:
+        fr = n < 0
+    return fr, fr & (n > 0)
+
+
+@triton.jit
+def _draft_dest(room_ptr, buf_ptr, c_b, n, C: tl.constexpr, DR, POOL: tl.constexpr, to_room, FOLD: tl.constexpr):
     """Where the drafts of buffer row c_b (n entries) are written: (tensor, first row).  In a pool, the
     buffer's own rows n..n+DR-1 when all DR fit in its C rows (``n + DR <= C``, the room's drafts in
-    place, so that accepting a chain moves nothing); otherwise, and outside a pool, the draft room's rows
-    c_b * DR.. .  ``room_ptr`` and ``buf_ptr`` are the same kind of rows (keys, u or G)."""
+    place, so that accepting a chain moves nothing) unless ``to_room`` (read with FOLD only); otherwise,
+    and outside a pool, the draft room's rows c_b * DR.. .  ``room_ptr`` and ``buf_ptr`` are the same kind
+    of rows (keys, u or G).  ``to_room``: phase 1 of a pool row that folds (``verify(fold=...)``), whose
+    buffer rows phase 2 still reads for the fold: its keys and G wait in the room (``_drafts_to_buffer``
+    moves them)."""
     dst = room_ptr
     r0 = c_b * DR
     if POOL:
-        if _drafts_in_buffer(n, DR, C):
+        inb = _drafts_in_buffer(n, DR, C)
+        if FOLD:
+            inb = inb & ~to_room
+        if inb:
             dst = buf_ptr
             r0 = c_b * C + n
     return dst, r0
+
+
+@triton.jit
+def _copy_flat(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """Copy the n contiguous elements at ``src_ptr`` to ``dst_ptr`` (converted to its dtype), BLOCK at a time."""
+    o = tl.arange(0, BLOCK)
+    for i0 in range(0, n, BLOCK):
+        m = i0 + o < n
+        tl.store(dst_ptr + i0 + o, tl.load(src_ptr + i0 + o, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _drafts_to_buffer(dk_ptr, dg_ptr, ck_ptr, cg_ptr, c_b, D, DR, C: tl.constexpr, H: tl.constexpr,
+                      HV: tl.constexpr, K: tl.constexpr, GK: tl.constexpr, BLOCK: tl.constexpr):
+    """A pool row that folded in verify, by its last phase-2 program (every other one has read the buffer's
+    keys and G for the fold): where its DR drafts fit the emptied buffer (``_drafts_in_buffer(0, ...)``), the
+    keys and G phase 1 left in the room rows c_b * DR.. (D of them: the call's drafts) go to the buffer's
+    rows from 0, where accept looks for them (its rule, with the length 0 it finds); otherwise they stay
+    in the room, accept's other source.  The rows are contiguous: two flat copies (GK: the G columns per
+    value head, K for per-channel gates)."""
+    if _drafts_in_buffer(0, DR, C):
+        _copy_flat(dk_ptr + c_b * DR * (H * K), ck_ptr + c_b * C * (H * K), D * (H * K), BLOCK)
+        _copy_flat(dg_ptr + c_b * DR * (HV * GK), cg_ptr + c_b * C * (HV * GK), D * (HV * GK), BLOCK)
 
 
 @triton.jit
@@ -338,9 +383,10 @@ def _verify_prep_group_kernel(
     POOL: call row i_b works on buffer row ``bslot[i_b]`` of a serving pool (-1: a pad, nothing done) and
     writes its drafts to that row's draft room (DR drafts per row), with the room's parents, draft count
     and pending flag; else buffer row i_b and drafts of D rows per request (DR = D).
-    FOLD (``verify(fold=...)``, not in a pool; ``_folds``): a folding row's Drafts.G are stored relative to
-    the empty buffer its phase 2 leaves: the path sums from 0, as a verify after a flush stores them
-    (``_scalar_decays``)."""
+    FOLD (``verify(fold=...)``; ``_folds``): a folding row's Drafts.G are stored relative to the empty
+    buffer its phase 2 leaves: the path sums from 0, as a verify after a flush stores them
+    (``_scalar_decays``); in a pool, a row that folds entries writes its drafts' k and G to its draft room
+    (``_fold_row``, ``_draft_dest``)."""
     _pdl_prologue(PDL)
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
@@ -364,20 +410,17 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
     R: tl.constexpr = 2 * BD
     GROUP: tl.constexpr = HV // H
     n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD)
+    fr, moved = _fold_row(fold_ptr, i_b, n, FOLD)
     o_c = tl.arange(0, R)
     p_kq = ((i_b * D + dr) * H + i_h) * K
-    dk_dst, r0 = _draft_dest(dk_ptr, ck_ptr, c_b, n, C, DR, POOL)
-    dg_dst, _ = _draft_dest(dg_ptr, cg_ptr, c_b, n, C, DR, POOL)
+    dk_dst, r0 = _draft_dest(dk_ptr, ck_ptr, c_b, n, C, DR, POOL, moved, FOLD)
+    dg_dst, _ = _draft_dest(dg_ptr, cg_ptr, c_b, n, C, DR, POOL, moved, FOLD)
     p_dk = ((r0 + dr) * H + i_h) * K
     if POOL:
         if i_h == 0:
             _room_meta(par_ptr, nd_ptr, rpar_ptr, rnd_ptr, pend_ptr, i_b, c_b, D, DR, BDR)
     m_cin = (o_c < BD) & (o_c < D)
     m_ct = (o_c < BD) & (o_c < t)
-    if FOLD:
-        fr = _folds(fold_ptr, i_b, FOLD)
-    else:
-        fr = False
     par_in = tl.load(par_ptr + i_b * D + o_c, mask=m_cin, other=-1)
     par = tl.where(m_ct, par_in.to(tl.int32), -1)
     anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
@@ -473,6 +516,7 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
     i_hv = i_bhv % HV
     i_h = i_hv // GROUP
     n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD)
+    fr, moved = _fold_row(fold_ptr, i_b, n, FOLD)
     if POOL:
         if i_hv == 0:
             _room_meta(par_ptr, nd_ptr, rpar_ptr, rnd_ptr, pend_ptr, i_b, c_b, D, DR, BDR)
@@ -480,8 +524,8 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
     m_own = dr < tl.where(i_hv % GROUP == 0, D, 0)  # one program per (request, q/k head) keeps the keys
     p_kq = ((i_b * D + dr) * H + i_h) * K
     p_rt = (i_b * D + dr) * HV + i_hv  # [R] offsets of per-(draft, value head) rows
-    dk_dst, r0 = _draft_dest(dk_ptr, ck_ptr, c_b, n, C, DR, POOL)
-    dg_dst, _ = _draft_dest(dg_ptr, cg_ptr, c_b, n, C, DR, POOL)
+    dk_dst, r0 = _draft_dest(dk_ptr, ck_ptr, c_b, n, C, DR, POOL, moved, FOLD)
+    dg_dst, _ = _draft_dest(dg_ptr, cg_ptr, c_b, n, C, DR, POOL, moved, FOLD)
     p_drt = (r0 + dr) * HV + i_hv  # ... of the drafts' G rows
     p_dk = ((r0 + dr) * H + i_h) * K
     beta_in = tl.load(beta_ptr + p_rt, mask=m_in, other=0.0)
@@ -497,10 +541,6 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
     b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)  # b = [beta; 1]
     par = tl.where(m_ct, par_in.to(tl.int32), -1)
     anc, proper, is_self = _ancestors(par, dr, m_t, o_r, o_c, t)
-    if FOLD:
-        fr = _folds(fold_ptr, i_b, FOLD)
-    else:
-        fr = False
     # pass 1 over the key dimension: scores vs the buffer [R, BC] and vs the drafts [R, R]; Drafts.k
     SB = tl.zeros([R, BC], dtype=tl.float32)
     SS = tl.zeros([R, R], dtype=tl.float32)
@@ -554,6 +594,18 @@ def _split_dot(x, s, acc, XP: tl.constexpr):
 
 
 @triton.jit
+def _fold_keys(k0, o_kb, m_kb, k_fold, SLOTS: tl.constexpr):
+    """The key rows k0 + o_kb of a state block that phase 2's fold reads the entries' keys (and per-channel
+    G) on: the block's rows ``m_kb``, or in a pool (SLOTS) those below ``k_fold`` (K where the row folds),
+    since there ``m_kb`` masks out a row without a state slot to read, whose fold still needs its keys."""
+    if SLOTS:
+        m = (k0 + o_kb) < k_fold
+    else:
+        m = m_kb
+    return m
+
+
+@triton.jit
 def _verify_stream_kernel(
     v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
     C: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -580,7 +632,7 @@ def _verify_stream_kernel(
     _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v,
                            i_bhv, i_b, i_hv, i_h, i_bhv, True, i_b, D, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC,
                            ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False, ck_ptr, cg_ptr, fold_ptr, ticket_ptr,
-                           FOLD)
+                           FOLD, du_ptr, du_ptr)
 
 
 @triton.jit
@@ -590,19 +642,32 @@ def _verify_stream_slots_kernel(
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, sslot_ptr,
-    bslot_ptr, DR,
+    bslot_ptr, DR, ck_ptr, cg_ptr, fold_ptr, ticket_ptr, dk_ptr, dg_ptr, sread_ptr, swrite_ptr, FOLD: tl.constexpr,
 ):
     """``_verify_stream_kernel`` on a serving pool: call row i_b reads buffer row c_b = ``bslot[i_b]``
     (-1: a pad, nothing done) and state slot ``sslot[c_b]`` of ``state_ptr`` (-1: none, nothing read), and
-    writes its drafts' u to row c_b's draft room (DR drafts per row); int64 offsets."""
+    writes its drafts' u to row c_b's draft room (DR drafts per row); int64 offsets.
+    FOLD (``KVPool.verify(fold=...)``): the state slots are the pool's bookkeeping's (``KVPool._claims``,
+    run before the launch): call row i_b's S0 is slot ``sread[i_b]`` (-1: none, S0 = 0), and a folding row
+    (``_folds`` with entries) folds into slot ``swrite[i_b]``, which is its read slot when it has one (a
+    shared one was copied there first: copy-on-write); a row that does not fold reads its own slot
+    (``sread``), and its ``swrite`` (the sink) is never used.  A folding row's drafts then take the rows of
+    its emptied buffer: their u from row 0 where all DR fit (else the room), their keys and G moved there
+    by its last program (``_drafts_to_buffer``; phase 1 left them in the room, the fold reading the
+    buffer's); that program also empties the buffer and sets ``has_state`` (``own_ptr``)."""
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     c_b = tl.load(bslot_ptr + i_b).to(tl.int64)
     if c_b >= 0:
-        s_b = tl.load(sslot_ptr + c_b).to(tl.int64)
+        if FOLD:
+            s_r = tl.load(sread_ptr + i_b).to(tl.int64)
+            s_b = tl.where(s_r >= 0, s_r, tl.load(swrite_ptr + i_b).to(tl.int64))
+        else:
+            s_r = tl.load(sslot_ptr + c_b).to(tl.int64)
+            s_b = s_r
         _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
-                               i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0, c_b, DR,
+                               i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_r >= 0, c_b, DR,
                                C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT,
-                               XP, True, cu_ptr, cu_ptr, cu_ptr, cu_ptr, 0)
+                               XP, True, ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD, dk_ptr, dg_ptr)
 
 
 @triton.jit
@@ -613,13 +678,15 @@ def _verify_stream_program(
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, SLOTS: tl.constexpr,
-    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr,
+    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr, dk_ptr, dg_ptr,
 ):
     """The body of the phase-2 kernels: program (i_v, i_bhv) of request i_b, its state read at row s_bhv
     (per value head; i_bhv outside a pool; SLOTS: the request owns a state, and it is read, only where
     ``s_ok``; its buffer's has_state is not read), its buffer entries at buffer row c_b and its drafts'
-    u written to the rows ``_draft_dest`` picks (room rows i_b * D + draft outside a pool).  FOLD (not with
-    SLOTS): ``_verify_stream_kernel``'s; the buffer's u rows are then loaded before the state loop."""
+    u written to the rows ``_draft_dest`` picks (room rows i_b * D + draft outside a pool).  FOLD:
+    ``_verify_stream_kernel``'s (the folded state stored at row s_bhv; the buffer's u rows loaded before the
+    state loop), and with SLOTS ``_verify_stream_slots_kernel``'s (the drafts' keys and G of a pool row,
+    rooms ``dk_ptr`` / ``dg_ptr``, moved to the emptied buffer by the last program)."""
     R: tl.constexpr = 2 * BD
     _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
@@ -669,8 +736,9 @@ def _verify_stream_program(
                 else:
                     X = tl.dot(xb, sb, X, input_precision=PREC)
                 if FOLD:
-                    kf = tl.load(p_fk + k0, mask=m_kb[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-                    s1 = fold_block(tl.where(owns, sb, 0.0), g_end, m_kb, kf, uc, wf, m_f, kf, uc, wf, m_f,
+                    m_kf = _fold_keys(k0, o_kb, m_kb, k_fold, SLOTS)
+                    kf = tl.load(p_fk + k0, mask=m_kf[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+                    s1 = fold_block(tl.where(owns, sb, 0.0), g_end, m_kf, kf, uc, wf, m_f, kf, uc, wf, m_f,
                                     False, False, True)
                     tl.store(p_s + k0 * V, s1.to(state_ptr.dtype.element_ty),
                              mask=((k0 + o_kb) < k_fold)[:, None] & m_v[None, :])
@@ -702,9 +770,10 @@ def _verify_stream_program(
                 pb = tl.load(p_p + k0, mask=m_kb[None, :], other=0.0)
                 X = tl.dot(pb, sb, X, input_precision=PREC)
                 if FOLD:
-                    kf = tl.load(p_fk + k0, mask=m_kb[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+                    m_kf = _fold_keys(k0, o_kb, m_kb, k_fold, SLOTS)
+                    kf = tl.load(p_fk + k0, mask=m_kf[:, None] & m_f[None, :], other=0.0).to(tl.float32)
                     ge = tl.load(p_ge + k0, mask=(k0 + o_kb) < k_fold, other=0.0).to(tl.float32)
-                    s1 = fold_block(tl.where(owns, sb, 0.0), ge, m_kb, kf, uc, p_fg + k0, m_f, kf, uc, p_fg + k0,
+                    s1 = fold_block(tl.where(owns, sb, 0.0), ge, m_kf, kf, uc, p_fg + k0, m_f, kf, uc, p_fg + k0,
                                     m_f, True, False, True)
                     tl.store(p_s + k0 * V, s1.to(state_ptr.dtype.element_ty),
                              mask=((k0 + o_kb) < k_fold)[:, None] & m_v[None, :])
@@ -712,12 +781,19 @@ def _verify_stream_program(
     out = tl.where(m_t[:, None], out, 0.0)
     m_out = m_in[:, None] & m_v[None, :]
     tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
-    du_dst, r0 = _draft_dest(du_ptr, cu_ptr, c_b, n, C, DR, SLOTS)
+    n_dst = n
+    if FOLD:  # a folding pool row's drafts follow its emptied buffer (the u rows it reads were loaded above)
+        n_dst = tl.where(fb, 0, n)
+    du_dst, r0 = _draft_dest(du_ptr, cu_ptr, c_b, n_dst, C, DR, SLOTS, n < 0, False)
     p_du = ((r0 + dr) * HV + i_hv)[:, None] * V + o_v[None, :]
     tl.store(du_dst + p_du, out.to(du_ptr.dtype.element_ty), mask=m_out & ~is_q[:, None])
     if FOLD:
         if fb:  # every program of the request has read n and has_state, and (after its wait) phase 1 is done
-            fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, tl.num_programs(0) * HV)
+            last = fold_empty(len_ptr, own_ptr, ticket_ptr, i_b, c_b, tl.num_programs(0) * HV)
+            if SLOTS:
+                if last:  # ... and every program has read the buffer's keys and G for the fold
+                    _drafts_to_buffer(dk_ptr, dg_ptr, ck_ptr, cg_ptr, c_b, D, DR, C, H, HV, K, 1 if ZP else K,
+                                      1024)
 
 
 def verify(
@@ -757,15 +833,24 @@ def verify(
     math as fold=False's, from S0 and the buffer.  Same results as ``kvbuffer_ref.verify(..., fold=fold)``,
     i.e. ``flush`` of the folding requests then verify: ``accept`` afterwards sees what it would see after
     a separate flush.  The buffer's entry rows keep their contents (past the new lengths: never read).
-    Not for a serving pool (``verify_pool``).
+    A serving pool's verify takes ``fold`` too (``kvbuffer_fast.pool.KVPool.verify``, ``verify_pool``).
     """
     return _verify(q, k, v, g, beta, buffer, parents, num_drafts, scale, config, fold)
 
 
-def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, config) -> torch.Tensor:
+def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, config, fold=False,
+                claim=None) -> torch.Tensor:
     """``verify`` on a pool's layer (``PoolLayer``), the drafts written to the addressed rows' draft rooms;
     returns o [B, D, HV, V] (pad rows: unspecified).  The caller checked the tokens and the slots;
-    parents / num_drafts are checked here over the valid rows (while no CUDA graph is captured)."""
+    parents / num_drafts are checked here over the valid rows (while no CUDA graph is captured).
+
+    ``fold``: False, True or a checked bool tensor [B] (``verify(fold=...)``): the valid rows it flags that
+    hold entries fold them into their states in phase 2, as ``verify``'s fold does, into the state slots
+    ``claim`` gives them: the pool's state-slot bookkeeping for those rows (``KVPool._claims``), called once
+    every check has passed and returning the call rows' (read, write) state slots and their lengths as
+    the call began ([B] int64 each).  Such a row's drafts go where a verify after a flush puts them (the
+    rows of its emptied buffer where they fit, else its draft room).  With no drafts (D = 0) the fold
+    alone: ``flush_pool``."""
     d = check_tokens(q, k, v, g, beta)
     parents, num_drafts = _default_drafts(parents, num_drafts, d.B, d.T, q)
     if values_checked(q):
@@ -786,6 +871,7 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
     if d.B == 0:
         return o
+    states = None if fold is False else claim()  # (read, write, lengths)
     if d.T == 0:  # no drafts: the rooms are empty and pending (pads go to the sink row, then cleared)
         sink = pool.pending.shape[0] - 1
         rows = torch.where(pool.slots >= 0, pool.slots.to(torch.int64), sink)
@@ -793,9 +879,14 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
         pool.room.num_drafts[rows] = 0
         pool.pending[rows] = True
         pool.pending[sink] = False
+        if states is not None:  # the fold alone: the rows that hold entries (pads: none), those flagged
+            read, write, lengths = states
+            count = lengths if fold is True else torch.where(fold, lengths, 0)
+            flush_pool(pool, count=count, lengths=lengths, read=read, write=write,
+                       config=check_config("flush", config_for("flush", Key())))
         return o
     _launch(q, k, v, g, beta, pool.buffer, index_input(parents), index_input(num_drafts), s, o, pool.room, d, cfg,
-            pool)
+            pool, fold=fold, states=None if states is None else states[:2])
     return o
 
 
@@ -872,12 +963,13 @@ def prep_warps(cfg: VerifyConfig, BD: int) -> tuple[int, int]:
 
 
 def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o, drafts: Drafts, d,
-            cfg: VerifyConfig, pool: Optional[PoolLayer] = None, fold=False) -> None:
+            cfg: VerifyConfig, pool: Optional[PoolLayer] = None, fold=False, states=None) -> None:
     """Phase 1 then phase 2 (module docstring).  Phase 1's products: FMA ("ieee"); phase 2's fp32
     products: tf32x3 on CUDA, FMA in the interpreter; phase 2's X S0 splits only the state for 16-bit q
     and k (exact in TF32).  ``pool``: the kernels address a pool's layer (``PoolLayer``; ``buffer`` and
-    ``drafts`` are then its rows and its draft room).  ``fold`` (not with ``pool``): False, True or a
-    checked [B] bool tensor; the buffer has state storage."""
+    ``drafts`` are then its rows and its draft room).  ``fold``: False, True or a checked [B] bool tensor;
+    the buffer has state storage, and in a pool ``states`` = (read, write), the [B] int64 state slots the
+    pool's bookkeeping gave the call rows (``_verify_stream_slots_kernel``)."""
     storage = buffer.state is not None or pool is not None
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
@@ -912,14 +1004,15 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
                                                     **prep)
         else:
             _verify_prep_kernel[(d.B * d.HV,)](*args, **prep)
+        folding = dict(ck_ptr=buffer.k, cg_ptr=buffer.G, fold_ptr=fold_ptr, ticket_ptr=ticket, FOLD=FOLD)
         if pool is None:
-            stream, state, slots = _verify_stream_kernel, buffer.state, {}
+            stream, state, slots = _verify_stream_kernel, buffer.state, folding
             own = flag_view(buffer.has_state)
-        else:
-            stream, state, own = _verify_stream_slots_kernel, pool.state, buffer.lengths  # own: unread
-            slots = dict(sslot_ptr=pool.state_slot, bslot_ptr=pool.slots, DR=DR)
-        if pool is None:
-            slots = dict(ck_ptr=buffer.k, cg_ptr=buffer.G, fold_ptr=fold_ptr, ticket_ptr=ticket, FOLD=FOLD)
+        else:  # has_state is written by a fold only (its rows' S0 come from their state slots)
+            stream, state, own = _verify_stream_slots_kernel, pool.state, flag_view(buffer.has_state)
+            read, write = states if FOLD else (num_drafts, num_drafts)  # dummy pointers without a fold
+            slots = dict(sslot_ptr=pool.state_slot, bslot_ptr=pool.slots, DR=DR, dk_ptr=drafts.k, dg_ptr=drafts.G,
+                         sread_ptr=read, swrite_ptr=write, **folding)
         stream[(triton.cdiv(d.V, BV), d.B * d.HV)](
             as_input(v), num_drafts, o, drafts.u, buffer.u, buffer.lengths, own,
             state if storage else buffer.lengths,  # a dummy pointer when there is no state storage

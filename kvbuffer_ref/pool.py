@@ -44,14 +44,16 @@ from typing import Optional
 import torch
 
 from .buffer import Drafts, KVBuffer
-from .checks import check_capacity, check_count_arg, check_state, check_tokens, require_tensor, same_device
+from .checks import (check_capacity, check_count_arg, check_fold, check_state, check_tokens, require_tensor,
+                     same_device)
 from .decode import buffered_decode, flush, materialize_state
 from .entries import fold_count
 from .prefill import prefill
 from .recurrent import check_cu_seqlens
 from .speculative import accept, path_to, verify
 
-__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device", "varlen_admit", "admit_state"]
+__all__ = ["KVPool", "head_layout", "check_slots", "set_layout", "per_row", "on_device", "varlen_admit", "admit_state",
+           "pool_fold"]
 
 
 def set_layout(pool, *, layers: int, num_state_slots: int, num_buffer_slots: int, capacity: int, max_drafts: int,
@@ -101,6 +103,14 @@ def per_row(name: str, x, slots: torch.Tensor, *, int64: bool = True) -> torch.T
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name}: expected an int or an integer tensor [B], got {type(x).__name__}")
     return check_count_arg(name, x, slots.shape[0], slots.device, "the int64 range")
+
+
+def pool_fold(fold, slots: torch.Tensor, device):
+    """``verify``'s ``fold`` on a pool: False, True, or a bool tensor [B] (one per entry of ``slots``) on the
+    pool's ``device``; returned as ``kvbuffer_ref.checks.check_fold`` returns it."""
+    if isinstance(fold, torch.Tensor):
+        on_device("fold", fold, device)
+    return check_fold(fold, slots.shape[0], device)
 
 
 def _accepted_lengths(drafts: Drafts, counts, nodes, rows: torch.Tensor) -> list:
@@ -459,12 +469,20 @@ class KVPool:
         return o
 
     def verify(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, parents=None, num_drafts=None,
-               scale=None) -> torch.Tensor:
+               scale=None, fold=False) -> torch.Tensor:
         """Outputs for D' <= max_drafts drafts per entry of ``slots`` (as ``kvbuffer_ref.verify``: q, k
         [B, D', H, K], ..., parents [B, D'], num_drafts [B]); nothing is committed, the drafts are kept in
-        the slots' draft room (pending) for ``accept``.  Returns o [B, D', HV, V] (pad rows: zeros)."""
+        the slots' draft room (pending) for ``accept``.  Returns o [B, D', HV, V] (pad rows: zeros).
+
+        ``fold``: False (default), True, or a bool tensor [B] (one per entry of slots; pads ignored): the
+        requests that also fold their whole buffers into their states, as ``kvbuffer_ref.verify(fold=...)``
+        does: the call is ``flush`` of those requests followed by this verify (o is the same; the drafts
+        are relative to the emptied buffers), and a request that folds entries gets a state slot of its
+        own for the result (copy-on-write, as ``flush``)."""
         layer, s, rows = self._addressed(slots, layer)
         B = s.shape[0]
+        if fold is not False:
+            fold = pool_fold(fold, s, self.device)
         self._check_tokens(q, k, v, g, beta, B)
         Dn = q.shape[1]
         if Dn > self.max_drafts:
@@ -475,8 +493,14 @@ class KVPool:
                 self._tokens(name, x, B)
         sv = s[rows]
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        o_rows, drafts = verify(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], buffer=self._gather(layer, sv),
-                                parents=pick(parents), num_drafts=pick(num_drafts), scale=scale)
+        buf = self._gather(layer, sv)
+        out = verify(q[rows], k[rows], v[rows], g=g[rows], beta=beta[rows], buffer=buf, parents=pick(parents),
+                     num_drafts=pick(num_drafts), scale=scale, fold=fold if isinstance(fold, bool) else fold[rows])
+        o_rows, drafts = out[:2]
+        if fold is not False:  # the flushed buffers go back as flush writes them
+            folds = out[2].lengths < buf.lengths
+            self._check_free_states(layer, sv, folds)
+            self._scatter(layer, sv, out[2], folds)
         self.dk[layer, sv, :Dn] = drafts.k.detach().to(self.dk.dtype)
         self.du[layer, sv, :Dn] = drafts.u.detach().to(self.du.dtype)
         self.dG[layer, sv, :Dn] = drafts.G.detach().to(self.dG.dtype)

@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("triton", reason="triton not installed: the benchmarks time the Triton kernels")
 
 ROOT = Path(__file__).resolve().parents[2]
-POOL_OPS = "buffered_decode,pool_decode,pool_decode_engine,round,pool_round,pool_round_per_layer,pool_round_cycle"
+POOL_OPS = ("buffered_decode,pool_decode,pool_decode_engine,round,pool_round,pool_round_per_layer,pool_round_cycle,"
+            "pool_round_cycle_fold")
 
 
 def _sglang_wheel() -> bool:
@@ -49,6 +50,10 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     assert rows["pool_decode_engine"]["ops_per_replay"] == 2 * 4 and rows["pool_decode_engine"]["vs_pool_decode"] > 0
     assert rows["pool_round"]["vs_round"] > 0 and rows["pool_round_per_layer"]["vs_pool_round"] > 0
     assert rows["pool_round_cycle"]["ops_per_replay"] == 2 * 3 and rows["pool_round_cycle"]["vs_pool_round"] > 0
+    # pool_round_cycle with the folding round's pool.verify(fold=True): its first and folding rounds' outputs and the
+    # state after the cycle
+    fold = rows["pool_round_cycle_fold"]
+    assert fold["ops_per_replay"] == 2 * 3 and len(fold["checks"]) == 3 and fold["vs_pool_round_cycle"] > 0
     # round_cycle_fold (kvbuffer_fast's cycle with the folding round's verify(fold=True)), run here to share the
     # runner's start: its first and folding rounds' outputs and the state after the cycle
     assert rows["round_cycle_fold"]["ops_per_replay"] == 2 * 3 and len(rows["round_cycle_fold"]["checks"]) == 3

@@ -8,9 +8,9 @@ that read device values switched off, as ``values_checked`` does while capturing
 * ``host``: ops that read a device value on the host or copy a host value in (a capture forbids them).
 
 The aten ops a Triton launch makes under the interpreter (its copies to and from the host) are not
-counted.  ``python -m tests.pool.launches`` prints the counts of a pool decode, verify and accept at
-small shapes (the counts do not depend on the shapes), after one uncounted round on a twin pool (the
-first call on a device allocates the reusable scratches).
+counted. ``python -m tests.pool.launches`` prints the counts of a pool decode, verify (without and with
+``fold``) and accept at small shapes (the counts do not depend on the shapes), after one uncounted round on a
+twin pool (the first call on a device allocates the reusable scratches).
 """
 
 from __future__ import annotations
@@ -80,12 +80,13 @@ def count_launches(fn) -> dict:
 
 
 def pool_calls(device="cpu", B: int = 4):
-    """A small pool with B live requests (a state each, one of them shared with a fork) and the three
-    calls to count: {"decode": fn, "verify": fn, "accept": fn} (layer 0, layer 0, every layer), run in
-    that order (verify's drafts are what accept takes; layer 1's are verified here), on a fork, the
-    requests and a pad (int32 slots, parents, draft counts and accepted counts); decode and accept fold every
-    request, decode's fork and its source out of one
-    shared slot (copy-on-write)."""
+    """A small pool with B live requests (a state each, one of them shared with a fork) and the four
+    calls to count: {"decode": fn, "verify": fn, "verify_fold": fn, "accept": fn} (layer 0, layer 0, layer
+    0, every layer), run in that order (the second verify replaces the first's drafts, and they are what
+    accept takes; layer 1's are verified here), on a fork, the requests and a pad (int32 slots, parents,
+    draft counts and accepted counts; verify's fold flags a bool tensor, as an engine computes them on the
+    device); decode and accept fold every request, decode's fork and its source out of one shared slot
+    (copy-on-write), and verify_fold every request but one."""
     from kvbuffer_fast.pool import KVPool
 
     from .schedule import Tokens
@@ -107,8 +108,10 @@ def pool_calls(device="cpu", B: int = 4):
     nd = torch.full((B + 2,), D, dtype=torch.int32, device=device)
     p.verify(**y, layer=1, slots=rows, parents=par, num_drafts=nd)                # accept takes every layer
     counts = torch.full((B + 2,), D, dtype=torch.int32, device=device)
+    fold = torch.arange(B + 2, device=device) != 1
     return {"decode": lambda: p.decode(**x, layer=0, slots=rows),
             "verify": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd),
+            "verify_fold": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd, fold=fold),
             "accept": lambda: p.accept(slots=rows, counts=counts)}
 
 

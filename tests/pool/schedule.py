@@ -328,9 +328,9 @@ def run_schedule(make_pool, data, *, layers: int, N: int, C: int, D: int, H: int
 
 def sharers_fold_in_one_call(pool, op: str, *, dtype: torch.dtype, device) -> Checker:
     """Request a (a state, no entries) and its fork b share a's state slot; a third request c holds a state
-    of its own.  All three fold in ONE call of ``op`` (decode, accept or flush), addressed as rows
-    [b, pad, a, c]: one of a and b keeps the shared slot and folds it in place while the other folds the
-    same state into a fresh slot.  Every output and the three final states are checked against the
+    of its own.  All three fold in ONE call of ``op`` (decode, accept, flush or verify with fold=True),
+    addressed as rows [b, pad, a, c]: one of a and b keeps the shared slot and folds it in place while the
+    other folds the same state into a fresh slot.  Every output and the three final states are checked against the
     recurrence over each request's own tokens.  ``pool``: capacity 1, max_drafts >= 2, layer 0 used."""
     assert pool.capacity == 1 and pool.max_drafts >= 2
     tok = Tokens(7, pool.num_heads, pool.num_value_heads, pool.head_k_dim, pool.head_v_dim, dtype, "cpu")
@@ -368,8 +368,20 @@ def sharers_fold_in_one_call(pool, op: str, *, dtype: torch.dtype, device) -> Ch
     elif op == "flush":
         decode([a, b, c])
         pool.flush(layer=0, slots=slots)
+    elif op == "verify":               # verify(fold=True): all three fold their one entry, then accept
+        decode([a, b, c])
+        d = _padded(tok.draw(3, 2), rows)
+        o = pool.verify(**dev(d), layer=0, slots=slots, fold=True)
+        counts = [2, 0, 1, 0]
+        for i, s in enumerate(rows):
+            if s >= 0:
+                chk.check(o[i], hist[s], _rows(d, i), f"{op}: verify row {i} (slot {s})")
+        pool.accept(layer=0, slots=slots, counts=torch.tensor(counts, device=device))
+        for i, s in enumerate(rows):
+            if s >= 0:
+                hist[s] = _cat(hist[s], _rows(d, (i, slice(0, counts[i]))))
     else:
-        raise ValueError(f"op: expected decode, accept or flush, got {op!r}")
+        raise ValueError(f"op: expected decode, accept, flush or verify, got {op!r}")
     ids = [a, b, c]
     assert len({int(pool.tensors()["state_slot"][0, s]) for s in ids}) == 3, "each request folded into its own slot"
     S = pool.state_of(layer=0, slots=torch.tensor(ids, device=device))

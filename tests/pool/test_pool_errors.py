@@ -336,6 +336,29 @@ def test_verify_out_of_range_ref(fault):
     _rejects(p, lambda: p.verify(**_dev(tok.draw(2, 2)), layer=0, slots=_t(*LIVE), **kw), arg, f"ref verify {fault}")
 
 
+FOLD_FAULTS = {  # verify(fold=...) on 2 rows: (fold, the error's type)
+    "fold of 3 rows": (_t(True, False, True), ValueError),
+    "fold of rank 2": (_t([True, False]), ValueError),
+    "int64 fold": (_t(1, 0), ValueError),
+    "fold on another device": (_t(True, False).to(OTHER), ValueError),
+    "fold a list": ([True, False], TypeError),
+    "fold an int": (1, TypeError),
+}
+
+
+@pytest.mark.parametrize("fault", list(FOLD_FAULTS))
+@pytest.mark.parametrize("kind", ["ref", "fast"])
+def test_verify_fold_rules(kind, fault):
+    """verify's fold: False, True or a bool tensor [B] on the pool's device; the error names fold, its
+    shape and what was expected."""
+    p, tok = _busy(kind)
+    fold, error = FOLD_FAULTS[fault]
+    before = snapshot(p)
+    with pytest.raises(error, match=r"^fold: expected (a bool or a bool tensor \[B\] = \[2\]|a tensor on the pool)"):
+        p.verify(**_dev(tok.draw(2, 2)), layer=0, slots=_t(*LIVE), fold=fold)
+    assert_identical(p, before, f"{kind} verify with {fault}")
+
+
 @pytest.mark.parametrize("kind", ["ref", "fast"])
 def test_verify_past_the_draft_room(kind):
     p, tok = _busy(kind)
@@ -398,7 +421,7 @@ def test_full_buffer_pool(kind):
     _rejects(p, lambda: p.acquire(1), "n", f"{kind} acquire from a full pool")
 
 
-@pytest.mark.parametrize("op", ["admit", "decode", "accept", "flush"])
+@pytest.mark.parametrize("op", ["admit", "decode", "accept", "flush", "verify fold"])
 @pytest.mark.parametrize("kind", ["ref", "fast"])
 def test_no_free_state_slot(kind, op):
     """Four state slots, all held (slots 0..3 folded in layer 0): a fold of request 4 in that layer is
@@ -417,6 +440,8 @@ def test_no_free_state_slot(kind, op):
         elif op == "accept":
             p.verify(**_dev(tok.draw(3, 1)), layer=0, slots=s)
             call = lambda: p.accept(layer=0, slots=s, counts=1)  # noqa: E731  3 + 1 > C
+        elif op == "verify fold":  # the last request's 3 entries would fold
+            call = lambda: p.verify(**_dev(tok.draw(3, 1)), layer=0, slots=s, fold=_t(False, True, True))  # noqa: E731
         else:
             call = lambda: p.flush(layer=0, slots=s, count=_t(0, 0, 1))  # noqa: E731
     _rejects(p, call, "slots", f"{kind} {op} with no free state slot")

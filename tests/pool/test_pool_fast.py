@@ -13,9 +13,10 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from kvbuffer.validate import compare  # noqa: E402
 from kvbuffer_fast.pool import KVPool  # noqa: E402
 
-from .schedule import assert_untouched, run_schedule, sharers_fold_in_one_call, snapshot  # noqa: E402
+from .schedule import _same, assert_untouched, run_schedule, sharers_fold_in_one_call, snapshot  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FEW = settings(max_examples=4, deadline=None) if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else \
@@ -66,7 +67,7 @@ def test_fast_folds_take_their_own_slots():
         chk.check_state(S[i].cpu(), hist[q], f"state of request {q}")
 
 
-@pytest.mark.parametrize("op", ["decode", "accept", "flush"])
+@pytest.mark.parametrize("op", ["decode", "accept", "flush", "verify"])
 def test_fast_sharers_fold_in_one_call(op):
     """A request and its fork fold their shared state slot in one call: the sharer that keeps the slot
     folds it in place in the same launch as the other's fold into a fresh slot, so that fold must read a
@@ -170,12 +171,12 @@ def test_fast_accept_of_every_layer_is_each_layer_alone(how):
 
 
 def test_fast_calls_are_few_launches():
-    """A pool decode, verify and accept (folds and copy-on-write included), as captured in a CUDA graph:
-    only Triton launches, no torch kernels and no host reads (tests/pool/launches.py counts them):
-    decode's three plus the state-slot bookkeeping's two, verify's two (the pool addressed in place),
-    accept's two plus the bookkeeping's two."""
+    """A pool decode, verify, verify(fold=...) and accept (folds and copy-on-write included), as captured in
+    a CUDA graph: only Triton launches, no torch kernels and no host reads (tests/pool/launches.py counts
+    them): decode's three plus the state-slot bookkeeping's two, verify's two (the pool addressed in
+    place), plus the bookkeeping's two with a fold, accept's two plus the bookkeeping's two."""
     from .launches import steady_counts
-    most = {"decode": 5, "verify": 2, "accept": 4}
+    most = {"decode": 5, "verify": 2, "verify_fold": 4, "accept": 4}
     for op, c in steady_counts(DEVICE).items():
         assert not c["torch"] and not c["host"], f"{op}: torch kernels {dict(c['torch'])}, host {dict(c['host'])}"
         assert sum(c["triton"].values()) <= most[op], f"{op}: {dict(c['triton'])}"
@@ -207,15 +208,19 @@ def test_fast_verify_ignores_a_pads_parents_and_counts():
         chk.check(o[1, j:j + 1].cpu(), hist, _rows(d, (1, path)), f"verify draft {j}")
 
 
-def test_fast_verify_of_no_drafts_leaves_empty_rooms_pending():
+@pytest.mark.parametrize("fold", [False, "flags"])
+def test_fast_verify_of_no_drafts_leaves_empty_rooms_pending(fold):
     """verify with D = 0 (a pad among the rows) leaves each valid slot's room empty and pending, as the
-    reference pool does, so that accept(counts=0) follows and then decode."""
+    reference pool does, so that accept(counts=0) follows and then decode.  With fold flags (the first row
+    and the pad's), the fold alone: the first request's two entries go to a state slot of its own, the
+    second keeps them; the states after the decode are the recurrence's."""
     from kvbuffer_ref.pool import KVPool as RefPool
 
-    from .schedule import Tokens
+    from .schedule import Checker, Tokens, _cat, _rows
     tok = Tokens(3, 1, 2, 4, 4, torch.float32, "cpu")
     x, d, step = tok.draw(2, 2), tok.draw(3, 0), tok.draw(3, 1)
     dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
+    kw = {} if fold is False else dict(fold=torch.tensor([True, True, False]))
     seen = []
     for pool, to in ((_pool(**SHAPES), dev), (RefPool(layers=1, num_state_slots=4, num_buffer_slots=4, capacity=3,
                                                         max_drafts=3, num_heads=1, num_value_heads=2, head_k_dim=4,
@@ -224,12 +229,18 @@ def test_fast_verify_of_no_drafts_leaves_empty_rooms_pending():
         pool.admit(**to(x), layer=0, slots=s.to(DEVICE) if to is dev else s)
         rows = torch.tensor([int(s[0]), -1, int(s[1])])
         rows = rows.to(DEVICE) if to is dev else rows
-        assert pool.verify(**to(d), layer=0, slots=rows).shape == (3, 0, 2, 4)
+        assert pool.verify(**to(d), layer=0, slots=rows, **to(kw)).shape == (3, 0, 2, 4)
         t = pool.tensors()
-        seen.append([t[n][0].cpu().tolist() for n in ("pending", "num_drafts", "parents")])
+        seen.append([t[n][0].cpu().tolist() for n in ("pending", "num_drafts", "parents", "lengths", "has_state",
+                                                       "state_slot")])
         pool.accept(layer=0, slots=rows, counts=0)
         pool.decode(**to(step), layer=0, slots=rows)
+        if to is dev:  # the fast pool's states: the recurrence over each request's tokens
+            S, chk = pool.state_of(layer=0, slots=s.to(DEVICE)), Checker(torch.float32, 3)
+            for i, r in enumerate((0, 2)):
+                chk.check_state(S[i].cpu(), _cat(_rows(x, i), _rows(step, r)), f"state of request {i}")
     assert seen[0] == seen[1] and seen[0][0][:2] == [True, True]
+    assert seen[0][3][:2] == ([2, 2] if fold is False else [0, 2])
 
 
 def test_fast_verify_checks_the_gates_growth_across_calls():
@@ -320,3 +331,110 @@ def test_fast_drafts_in_place_accept_moves_only_what_changes(per_request):
     S = p.state_of(layer=0, slots=s.to(DEVICE))
     for r in range(4):
         chk.check_state(S[r].cpu(), hist[r], f"state of request {r}")
+
+
+# ------------------------------------------------------------------ verify(fold=...) on the pool
+# (channel gates, C, max_drafts): D <= C, a folding row's drafts take its emptied buffer's rows (their keys and G
+# moved there by its last phase-2 program); D > C, the draft room.  Scalar gates with the drafts in the buffer
+# rows: the state machine (C = 3, D = 3) and the graph harness (C = 4, D = 3)
+FOLD_CASES = {"scalar-room": (False, 2, 3), "channel-in-buffer": (True, 4, 3)}
+
+
+def _fold_scenario(pool, draw, C: int):
+    """Requests in ``pool`` (one layer) for verify(fold=...): returns (rows, fold flags, the slot of a sibling
+    outside the call whose state slot a folding row shares).  Rows [f, pad, r, b, e, c, h]: f a fork of the
+    sibling a (its state slot, one entry), folding (copy-on-write); r direct mode, C - 1 entries, folding
+    (a first state slot); b a state and an entry, not folding; e a state and no entries, flagged (nothing
+    to fold); c a state and entries and h its fork (all of them), both folding (one keeps the slot)."""
+    a, r, b, e, c = pool.acquire(5).tolist()
+    for slot, T, tail in ((a, C + 2, 1), (r, C - 1, C - 1), (b, C + 1, 1), (e, C + 1, 0), (c, C + 2, min(2, C))):
+        pool.admit(**draw(1, T), layer=0, slots=torch.tensor([slot], device=pool.device), tail=tail)
+    f, h = pool.acquire(2).tolist()
+    pool.fork(src=torch.tensor([a, c], device=pool.device), dst=torch.tensor([f, h], device=pool.device),
+              keep=torch.tensor([1, min(2, C)], device=pool.device))
+    rows = torch.tensor([f, -1, r, b, e, c, h], device=pool.device)
+    fold = torch.tensor([True, True, True, False, True, True, True], device=pool.device)
+    return rows, fold, a
+
+
+@pytest.mark.parametrize("name", list(FOLD_CASES))
+def test_fast_verify_fold_matches_reference_pool(name):
+    """verify(fold=flags) then accept (nodes) on the fast pool against the reference pool in float64 (the float32
+    reference pool the baseline): the outputs, and after each call every row's lengths, has_state and drafts
+    pending exactly, the requests holding and sharing state slots as the reference's, their states, and the
+    buffers after accept (keys exactly, u and G) by the error table. Chains and trees, ragged draft counts (a
+    folding row verifies none), NaN pad and padding draft rows, a row without entries (nothing to fold), forks
+    folding out of shared state slots; the fork's source, outside the call, keeps its state slot and contents bit
+    for bit, and nothing outside the call's slots changes."""
+    from kvbuffer_ref.pool import KVPool as RefPool
+
+    from .schedule import Tokens
+    channel, C, D = FOLD_CASES[name]
+    shapes = dict(layers=1, num_state_slots=8, num_buffer_slots=8, capacity=C, max_drafts=D, num_heads=1,
+                  num_value_heads=2, head_k_dim=8, head_v_dim=8, channel_gate=channel)
+    pools = {"fast": (KVPool(**shapes, device=DEVICE), torch.float32, DEVICE),
+             "ref64": (RefPool(**shapes, dtype=torch.float64), torch.float64, "cpu"),
+             "ref32": (RefPool(**shapes, dtype=torch.float32), torch.float32, "cpu")}
+    par = torch.tensor([[-1, 0, 1], [9, 9, 9], [-1, 0, 0], [-1, -1, 1], [-1, 0, 1], [-1, 0, 1], [-1, 0, 0]])
+    nd = torch.tensor([3, 9, 2, 3, 3, 0, 3])
+    nodes = torch.tensor([2, 9, 1, 2, -1, -1, 2])
+    spread = torch.linspace(0.25, 1.75, 8, dtype=torch.float64)  # per-channel gates: g spread over the channels
+    out, after = {}, {}
+    for kind, (p, dtype, device) in pools.items():
+        tok = Tokens(5, 1, 2, 8, 8, torch.float64, "cpu")
+
+        def draw(B, T, dtype=dtype, device=device):
+            x = tok.draw(B, T)
+            if channel:
+                x["g"] = x["g"][..., None] * spread
+            return {n: t.to(device, dtype) for n, t in x.items()}
+        rows, fold, a = _fold_scenario(p, draw, C)
+        if kind == "fast":  # memory no call may read is NaN: free state slots, entries past the lengths, draft rooms
+            t = p.tensors()
+            t["state"][0, t["refs"][0] == 0] = float("nan")
+            past = torch.arange(C, device=DEVICE)[None, :] >= t["lengths"][0][:, None]
+            for n in ("k", "u", "G"):
+                t[n][0][past] = float("nan")
+            for n in ("dk", "du", "dG"):
+                t[n].fill_(float("nan"))
+        x = draw(7, 3)
+        for n in x:  # the pad's rows and every row's drafts past its count: never read
+            x[n][1] = float("nan")
+            for i in range(7):
+                x[n][i, int(nd[i]):] = float("nan")
+        before = snapshot(p)
+        o = p.verify(**x, layer=0, slots=rows, parents=par.to(device), num_drafts=nd.to(device), fold=fold)
+        out[kind] = (o.cpu(), {n: t.cpu().clone() for n, t in p.tensors().items()})
+        if kind == "fast":
+            assert_untouched(p, before, [int(v) for v in rows if v >= 0], "verify(fold)")
+            t = p.tensors()
+            for n in ("k", "u", "G", "lengths", "has_state", "state_slot"):
+                assert _same(t[n][0, a], before[n][0, a]), f"the sibling outside the call: its {n} changed"
+            slot = int(t["state_slot"][0, a])
+            assert _same(t["state"][0, slot], before["state"][0, slot]), "the sibling's state changed"
+        p.accept(layer=0, slots=rows, nodes=nodes.to(device))
+        after[kind] = {n: t.cpu().clone() for n, t in p.tensors().items()}
+    valid = torch.arange(3)[None, :] < torch.where(torch.arange(7) == 1, 0, nd)[:, None]
+    res = [compare(out["fast"][0], out["ref64"][0], out["ref32"][0], name="verify(fold).o",
+                   valid=valid[:, :, None, None])]
+    for stage, got in (("verify(fold)", {k: v[1] for k, v in out.items()}), ("accept", after)):
+        f, r64, r32 = got["fast"], got["ref64"], got["ref32"]
+        for n in ("lengths", "has_state", "pending", "num_drafts"):
+            assert torch.equal(f[n], r64[n]), f"{stage}: {n} {f[n].tolist()}, the reference's {r64[n].tolist()}"
+        # the state slots: which requests hold one, and which share one, as the reference's (of two sharers that
+        # both fold, the fast pool's first row keeps the slot, the reference's last: the slot numbers may differ)
+        slots = {k: g["state_slot"][0] for k, g in got.items()}
+        same = {k: (v[:, None] == v[None, :]) & (v[:, None] >= 0) for k, v in slots.items()}
+        assert torch.equal(same["fast"], same["ref64"]) and torch.equal(slots["fast"] >= 0, slots["ref64"] >= 0), \
+            f"{stage}: state slots {slots['fast'].tolist()}, the reference's {slots['ref64'].tolist()}"
+        assert sorted(f["refs"][0].tolist()) == sorted(r64["refs"][0].tolist()), f"{stage}: refs"
+        held = slots["ref64"] >= 0
+        res.append(compare(f["state"][0][slots["fast"][held]], r64["state"][0][slots["ref64"][held]],
+                           r32["state"][0][slots["ref32"][held]], name=f"{stage}: states", head_axis=1))
+    kept = (torch.arange(C)[None, :] < after["ref64"]["lengths"][0][:, None])[None]
+    f, r64, r32 = after["fast"], after["ref64"], after["ref32"]
+    assert torch.equal(f["k"][kept], r64["k"][kept].float()), "accept: keys"
+    res += [compare(f["u"][kept], r64["u"][kept], r32["u"][kept], name="accept: u", head_axis=1),
+            compare(f["G"][kept], r64["G"][kept], r32["G"][kept], name="accept: G", head_axis=1)]
+    for c in res:
+        assert c.passed, str(c)

@@ -1,7 +1,7 @@
-"""kvbuffer_fast.pool.KVPool on a CUDA GPU (skipped without one): every operation captured in a CUDA graph
-once and replayed with new contents and new slot indices, equal bit for bit to the same operations run
-eagerly on a twin pool; a pool of more than 2^31 state elements per layer (over 8 GiB), its requests'
-states in slots past 2^31 elements, against the float64 recurrence; forks folding their shared slots
+"""kvbuffer_fast.pool.KVPool on a CUDA GPU (skipped without one): every operation (verify also with fold flags)
+captured in a CUDA graph once and replayed with new contents and new slot indices, equal bit for bit to the
+same operations run eagerly on a twin pool; a pool of more than 2^31 state elements per layer (over 8 GiB),
+its requests' states in slots past 2^31 elements, against the float64 recurrence; forks folding their shared slots
 at a serving batch (256 rows, fresh slots past the first 4096), bit for bit against private copies.
 
     python3 -m pytest tests/pool/test_pool_gpu.py -q
@@ -160,6 +160,32 @@ def graph_schedule(capture, device, replays: int = 3, seed: int = 0) -> int:
             static[key]()
             B.accept(layer=layer, slots=sl.to(device), nodes=nodes.to(device))
             _assert_same_pools(A, B, f"accept replay {r} layer {layer}")
+            # verify (chain) folding the flagged rows' buffers, then the captured accept with new values
+            sl, x = slots_for(torch.int64), tokens(D)
+            nd = torch.randint(0, D + 1, (Bw,), generator=gen)
+            flags = torch.rand(Bw, generator=gen) < 0.75
+            sts = {n: put(f"vf.{n}", t) for n, t in x.items()}
+            ss, sn, sfl = put("vf.slots", sl), put("vf.nd", nd), put("vf.fold", flags)
+            sp = put("vf.par", torch.arange(-1, D - 1).expand(Bw, D).contiguous())
+            key = ("verify fold", layer)
+            if key not in static:
+                static[key] = capture(
+                    lambda layer=layer: A.verify(**{n: sts[n] for n in x}, layer=layer, slots=ss, parents=sp,
+                                                 num_drafts=sn, fold=sfl),
+                    lambda layer=layer: scratch.verify(**{n: sts[n] for n in x}, layer=layer, slots=ss, parents=sp,
+                                                       num_drafts=sn, fold=sfl))
+            o = static[key]()
+            ob = B.verify(**x, layer=layer, slots=sl.to(device), parents=sp, num_drafts=nd.to(device),
+                          fold=flags.to(device))
+            valid = (sl >= 0)[:, None] & (torch.arange(D)[None, :] < nd[:, None])
+            _same(o[valid.to(device)], ob[valid.to(device)], f"verify(fold) {r}")
+            _assert_same_pools(A, B, f"verify(fold) replay {r} layer {layer}")
+            nodes = torch.stack([torch.randint(-1, int(n), (1,), generator=gen)[0] if n > 0 else torch.tensor(-1)
+                                 for n in nd])
+            put("acc.slots", sl), put("acc.nodes", nodes)
+            static[("accept", layer)]()
+            B.accept(layer=layer, slots=sl.to(device), nodes=nodes.to(device))
+            _assert_same_pools(A, B, f"accept after verify(fold) replay {r} layer {layer}")
             # flush a per-request prefix
             sl = slots_for(dtype)
             lengths = A.tensors()["lengths"][layer].cpu()

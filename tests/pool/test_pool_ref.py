@@ -52,11 +52,77 @@ def test_head_layout():
         head_layout(2, 4, (0.0, 2))
 
 
-@pytest.mark.parametrize("op", ["decode", "accept", "flush"])
+@pytest.mark.parametrize("op", ["decode", "accept", "flush", "verify"])
 def test_sharers_fold_in_one_call(op):
     """A request and its fork fold their shared state slot in one call: each ends in a slot of its own,
     both exact."""
     sharers_fold_in_one_call(_pool(**dict(SHAPES, layers=1, C=1)), op, dtype=torch.float64, device="cpu")
+
+
+def _same_pools(a: KVPool, b: KVPool, what: str) -> None:
+    for name, x in a.tensors().items():
+        y = b.tensors()[name]
+        same = bool(((x == y) | (x.isnan() & y.isnan())).all()) if x.dtype.is_floating_point else torch.equal(x, y)
+        assert same, f"{what}: the pools' {name} differ"
+
+
+@settings(deadline=None, max_examples=10)
+@given(data=st.data(), C=st.sampled_from([1, 3, 4]), channel=st.booleans())
+def test_verify_fold_is_flush_then_verify(data, C, channel):
+    """verify(fold=...) (True or per-row flags, pads' flags junk) is flush of the folding rows then verify,
+    bit for bit: every tensor of the pool after it, and after the same accept.  Requests in direct mode and
+    with states, with entries or none, forks sharing a state slot with a request outside the call or inside
+    it; chains and trees, ragged draft counts, pad rows."""
+    from .schedule import Tokens, _padded
+    L = 2
+    pools = [KVPool(layers=L, num_state_slots=10, num_buffer_slots=8, capacity=C, max_drafts=3, num_heads=1,
+                    num_value_heads=2, head_k_dim=4, head_v_dim=4, channel_gate=channel) for _ in range(2)]
+    seed = data.draw(st.integers(0, 2 ** 16), label="seed")
+    T = [data.draw(st.integers(1, 2 * C + 1), label="prompt") for _ in range(4)]
+    keep = [data.draw(st.integers(0, min(T[i], C) if T[i] <= C else T[i] % C), label="keep") for i in range(2)]
+    chosen = data.draw(st.lists(st.sampled_from(range(6)), min_size=1, unique=True), label="rows")
+    pads = data.draw(st.integers(0, 2), label="pads")
+    entries = list(chosen)
+    for _ in range(pads):
+        entries.insert(data.draw(st.integers(0, len(entries)), label="pad row"), -1)
+    B, Dn = len(entries), data.draw(st.integers(1, 3), label="drafts")
+    tree = data.draw(st.booleans(), label="tree")
+    parents = torch.tensor([[data.draw(st.integers(-1, i - 1), label="parent") if tree else i - 1 for i in range(Dn)]
+                            for _ in range(B)])
+    num_drafts = torch.tensor([data.draw(st.integers(0, Dn), label="num_drafts") for _ in range(B)])
+    flags = data.draw(st.one_of(st.just(True), st.lists(st.booleans(), min_size=B, max_size=B)), label="fold")
+    fold = flags if flags is True else torch.tensor(flags)
+    nodes = torch.tensor([data.draw(st.integers(-1, int(n) - 1), label="node") for n in num_drafts])
+    spread = torch.linspace(0.5, 1.5, 4, dtype=torch.float64)
+    outs = []
+    for p in pools:
+        tok = Tokens(seed, 1, 2, 4, 4, torch.float64, "cpu")
+
+        def draw(n, t):
+            x = tok.draw(n, t)
+            return dict(x, g=x["g"][..., None] * spread) if channel else x
+        s = p.acquire(4)
+        for layer in range(L):
+            for i in range(4):
+                p.admit(**draw(1, T[i]), layer=layer, slots=s[i:i + 1])
+        p.fork(src=s[:2], dst=p.acquire(2), keep=torch.tensor(keep))  # slots 4, 5 share 0's and 1's states
+        rows = torch.tensor(entries)
+        xs = [_padded(draw(len(chosen), Dn), entries) for _ in range(L)]
+        if p is pools[0]:
+            outs.append([p.verify(**xs[layer], layer=layer, slots=rows, parents=parents, num_drafts=num_drafts,
+                                  fold=fold) for layer in range(L)])
+        else:
+            folding = torch.where((rows >= 0) & (torch.ones(B, dtype=torch.bool) if flags is True else fold), rows, -1)
+            outs.append([])
+            for layer in range(L):
+                p.flush(layer=layer, slots=folding)
+                outs[-1].append(p.verify(**xs[layer], layer=layer, slots=rows, parents=parents,
+                                         num_drafts=num_drafts))
+    assert all(torch.equal(a, b) for a, b in zip(*outs)), "verify(fold) vs flush + verify: the outputs differ"
+    _same_pools(*pools, "verify(fold) vs flush + verify")
+    for p in pools:
+        p.accept(slots=torch.tensor(entries), nodes=nodes)
+    _same_pools(*pools, "then accept")
 
 
 def _token(B, T=1, H=1, HV=2, K=4, V=4, seed=0):

@@ -4,7 +4,8 @@ fork / release over up to 32 requests is exact, isolated and leaves nothing behi
 Rules (each runs on every layer, distinct tokens per layer; slot index tensors int32 or int64, shuffled,
 with -1 pad rows whose token rows are NaN and whose per-row arguments are junk the pool must ignore):
 admit (ragged prompts, shorter and longer than C, one call per prompt length), decode, verify (chains
-and trees, per-row draft counts), accept (counts or nodes, tensors or one int), flush (full, partial per
+and trees, per-row draft counts; without a fold, or folding every row's buffer or the rows a bool tensor
+flags, pads' flags junk), accept (counts or nodes, tensors or one int), flush (full, partial per
 row, one int), fork (keep 0..lengths: a prefix at token granularity), release, and a state check.
 
 Invariants:
@@ -303,6 +304,9 @@ def machine(*, make_pool, kind: str, dtype, device, layers: int, N: int, S: int,
                                 for i in range(Dn)])
                     nd.append(data.draw(st.integers(0, Dn), label="num_drafts"))
             parents, num_drafts = torch.tensor(par), torch.tensor(nd)
+            how = data.draw(st.sampled_from(["no fold", "fold", "fold flags"]), label="verify fold")
+            flags = [data.draw(st.booleans(), label="folds") for _ in entries] if how == "fold flags" else None
+            fold = {} if how == "no fold" else dict(fold=True if flags is None else self.dev(torch.tensor(flags)))
             before = snapshot(self.pool)
             drafts = {b: [None] * layers for b in chosen}
             for layer in range(layers):
@@ -312,7 +316,7 @@ def machine(*, make_pool, kind: str, dtype, device, layers: int, N: int, S: int,
                         for f in FIELDS:
                             x[f][i] = float("nan")
                 o = self.pool.verify(**{f: self.dev(t) for f, t in x.items()}, layer=layer, slots=sl,
-                                     parents=self.dev(parents), num_drafts=self.dev(num_drafts))
+                                     parents=self.dev(parents), num_drafts=self.dev(num_drafts), **fold)
                 self.check_pads(o, entries, "verify")
                 for i, b in enumerate(entries):
                     if b < 0:
@@ -327,6 +331,9 @@ def machine(*, make_pool, kind: str, dtype, device, layers: int, N: int, S: int,
                             truth.check(o[i, node:node + 1], {f: x[f][i, path] for f in FIELDS},
                                         f"verify tree layer {layer} slot {b} node {node}", commit=False)
                     drafts[b][layer] = (_take(x, i), parents[i], nd[i], tree)
+                    r = self.reqs[b]
+                    if fold and (flags is None or flags[i]) and r.lengths[layer]:  # its buffer folds first
+                        r.lengths[layer], r.has_state[layer], r.state_id[layer] = 0, True, self.new_id()
             for b in chosen:
                 self.reqs[b].pending = drafts[b]
             assert_untouched(self.pool, before, chosen, "verify")
