@@ -815,6 +815,23 @@ class _Builder:
         d, m = self.p.drafts, self.p.accepted
         return {n: torch.cat([t[:, r * d:r * d + m] for r in range(R)], dim=1) for n, t in x.items()}
 
+    def _cycle_checks(self, name: str, outs: list, state, hist, rounds: list, xs: list, m: int,
+                      folded: Optional[int]) -> list:
+        """A round cycle's checks on layer 0: round 0's outputs, the state after the R rounds (``state``, as the
+        op reads it back) and, when round ``folded``'s verify folded, that round's outputs against the tokens
+        rounds 0..folded-1 committed followed by its own."""
+        R = len(outs)
+        checks = [self.wl.compare(f"{name}[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
+                  self.wl.compare(f"{name}[R={R}, m={m}].state_after_cycle", state,
+                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
+        if folded is not None:
+            r = folded
+            before = self._accepted_tokens(xs[0], r)  # the tokens rounds 0..r-1 committed, then round r's
+            t = self.wl.truth({n: torch.cat([before[n], rounds[0][r][n]], dim=1) for n in before}, hist)
+            t = dataclasses.replace(t, o=t.o[:, r * m:], base_o=None if t.base_o is None else t.base_o[:, r * m:])
+            checks.append(self.wl.compare(f"{name}[R={R}] round {r}.o (the folding verify)", outs[r], t))
+        return checks
+
     def round_cycle(self) -> Case:
         return self._round_cycle("round_cycle", fold=False)
 
@@ -855,16 +872,8 @@ class _Builder:
                     accept(buf, dr, counts=counts, **akw)
             return outs
         outs = cycle()
-        checks = [self.wl.compare(f"{name}[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
-                  self.wl.compare(f"{name}[R={R}, m={m}].state_after_cycle",
-                                  self.api.fast.materialize_state(bufs[0]),
-                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
-        if fold:
-            r = folding[-1]
-            before = self._accepted_tokens(xs[0], r)  # the tokens rounds 0..r-1 committed, then round r's
-            t = self.wl.truth({n: torch.cat([before[n], rounds[0][r][n]], dim=1) for n in before}, hist)
-            t = dataclasses.replace(t, o=t.o[:, r * m:], base_o=None if t.base_o is None else t.base_o[:, r * m:])
-            checks.append(self.wl.compare(f"{name}[R={R}] round {r}.o (the folding verify)", outs[r], t))
+        checks = self._cycle_checks(name, outs, self.api.fast.materialize_state(bufs[0]), hist, rounds, xs, m,
+                                    folding[-1] if fold else None)
         nbytes = sum(io.buffered_verify(self.s, self.B, n, d) + io.buffered_accept(self.s, self.B, m) for n in starts)
         # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
         nbytes += (1 if fold else 2) * io.state_bytes(self.s, self.B)
@@ -1070,16 +1079,8 @@ class _Builder:
                 pool.accept(slots=slots, counts=counts, **akw)
             return outs
         outs = cycle()
-        checks = [self.wl.compare(f"{name}[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
-                  self.wl.compare(f"{name}[R={R}, m={m}].state_after_cycle",
-                                  pool.state_of(layer=0, slots=slots),
-                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
-        if fold:
-            r = folding[-1]
-            before = self._accepted_tokens(xs[0], r)  # the tokens rounds 0..r-1 committed, then round r's
-            t = self.wl.truth({n: torch.cat([before[n], rounds[0][r][n]], dim=1) for n in before}, hist)
-            t = dataclasses.replace(t, o=t.o[:, r * m:], base_o=None if t.base_o is None else t.base_o[:, r * m:])
-            checks.append(self.wl.compare(f"{name}[R={R}] round {r}.o (the folding verify)", outs[r], t))
+        checks = self._cycle_checks(name, outs, pool.state_of(layer=0, slots=slots), hist, rounds, xs, m,
+                                    folding[-1] if fold else None)
         nbytes = sum(io.buffered_verify(self.s, B, n, d) + io.buffered_accept(self.s, B, m) for n in starts)
         # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
         nbytes += (1 if fold else 2) * io.state_bytes(self.s, B)
