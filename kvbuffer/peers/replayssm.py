@@ -56,10 +56,9 @@ from kvbuffer_ref.buffer import KVBuffer
 from kvbuffer_ref.checks import RESET_GATE
 
 from ..validate.adapters import AdapterError, describe, interpreter_active
-from ..validate.cases import Sizes
+from ..validate.cases import Sizes, raw_gates_in
 from ._sources import PEER_ENV, shims_first, write_shims
 from .engine import next_pow2
-from ..validate.cases import raw_gates_in
 
 __all__ = ["replayssm", "ReplaySSMDecode", "PEER_ENV", "load_kernel_module"]
 

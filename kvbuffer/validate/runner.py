@@ -29,9 +29,8 @@ from .cases import GPU
 from .lanes import ANCHORS, GATES, INTERPRETED_EXAMPLES, Lane, ValidationError, dtype_name, edge_params, op_params, plan
 from .lanes import _with_layout as with_layout
 from .profiles import PROFILES, register_profiles
-from .contracts import CONTRACTS, CONTRACT_TEXT
+from .contracts import CONTRACTS, CONTRACT_TEXT, raw_gating
 from .report import LaneResult, Report, severity
-from .contracts import raw_gating
 from .tolerances import active_contract
 
 __all__ = ["lane_seed", "run_lane", "run_validation", "NothingToRun", "CLASSES", "call_sequence", "attribute",
