@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default=",".join(IMPLS[:-1]),
                     help=f"comma list of {', '.join(IMPLS)} (default all but engine)")
     ap.add_argument("--ops", help="comma list of operations (default all, one per seed in turn)")
+    ap.add_argument("--dtype", help="comma list of input dtypes (default: every dtype each implementation declares)")
     ap.add_argument("--examples", type=int, default=None,
                     help="examples per lane (default: the ci profile's, 30 on the interpreter; --quick: 3)")
     ap.add_argument("--quick", action="store_true", help="20 seeds, 3 examples per lane")
@@ -185,6 +186,7 @@ def main(argv=None) -> int:
             impl.sizes = dataclasses.replace(impl.sizes, head_shapes=shapes,
                                              name=f"{impl.sizes.name}, head shapes {args.head_shapes}")
     ops = [k for k, _ in lanes.select_ops(args.ops)]
+    dtypes = lanes.parse_dtypes(args.dtype)
     stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))
     rows, t0 = [], time.perf_counter()
     ran = 0
@@ -212,7 +214,7 @@ def main(argv=None) -> int:
         op = ops[seed % len(ops)]
         for name, impl in impls.items():
             try:
-                rep = runner.run_validation([impl], ops=[(op, None)], seed=seed, device=device, profile=args.profile,
+                rep = runner.run_validation([impl], ops=[(op, None)], dtypes=dtypes, seed=seed, device=device, profile=args.profile,
                                             max_examples=args.examples, shrink=False, explain=False)
             except runner.NothingToRun:
                 continue
