@@ -132,7 +132,7 @@ def fast() -> Implementation:
 _SGLANG = {"sglang": sglang.sglang, "sglang-decode": sglang.sglang_decode, "sglang-packed": sglang.sglang_packed,
            "sglang-pool": sglang.sglang_pool, "sglang-chunk": sglang.sglang_chunk, "sglang-inputs": sglang.sglang_inputs}
 _VLLM = {"vllm": vllm.vllm, "vllm-decode": vllm.vllm_decode, "vllm-packed": vllm.vllm_packed,
-         "vllm-inputs": vllm.vllm_inputs}
+         "vllm-chunk": vllm.vllm_chunk, "vllm-inputs": vllm.vllm_inputs}
 _FLASHINFER = {"flashinfer": flashinfer.flashinfer, "flashinfer-bf16": flashinfer.flashinfer_bf16,
                "flashinfer-mtp": flashinfer.flashinfer_mtp}
 _BUILTIN = {"reference": reference, "ref": reference, "kvbuffer_ref": reference,

@@ -14,6 +14,20 @@ the shim package's ``__path__``):
                                  get_device_capability, is_device_capability(_family): the queries the
                                  files make at import and launch, answered from torch.cuda as vLLM does
     vllm.utils.platform_utils    cuda_get_device_properties, num_compute_units (imported by utils.py)
+    vllm.utils.gpu_sync_debug    gpu_sync_allowed (index.py, around its host read of the sequence lengths): a
+                                 context that changes nothing, vLLM's answer with its GPU-sync check off
+                                 (VLLM_GPU_SYNC_CHECK unset, its default)
+    vllm.utils.torch_utils       async_tensor_h2d (index.py: the chunk indices to the device): a plain copy
+                                 (vLLM stages them in pinned memory, without a host wait: the same values)
+    vllm.model_executor.warmup   jit_warmup.WarmupChoices, jit_warmup_triton_helper.DispatchSpec,
+                                 TritonWarmupTensor, triton_kernel_dispatcher_with_warmup: the names
+                                 l2norm.py (imported by chunk.py) needs to load.  They serve only
+                                 l2norm_fwd, the in-kernel q/k L2 norm, which the adapters never request
+                                 (use_qk_l2norm_in_kernel=False): its launcher raises NotImplementedError
+                                 rather than launch without vLLM's dispatcher; no warm-up runs
+
+Not served: ``vllm.platforms.rocm`` (``on_gfx1x``), which ``chunk_scaled_dot_kkt.py`` imports on ROCm only;
+there ``--impl vllm-chunk`` is NOT RUN with the import error.
 
 Under the Triton interpreter fla's module-level aliases of Triton builtins (``exp = tl.exp`` in
 ``op.py``, which the interpreter does not patch) become jitted calls of the same builtin, as for SGLang.
@@ -31,14 +45,19 @@ vLLM's ``query_start_loc``):
                  GDN layer (``qwen_gdn_linear_attn.py``), in that convention (``engine.engine_adapter``)
 ``vllm-packed``  ``fused_recurrent_gated_delta_rule_packed_decode``: the packed decode the same layer takes
                  (``mixed_qkv`` [N, 2 H K + HV V], ``out`` [N, 1, HV, V])
+``vllm-chunk``   ``chunk_gated_delta_rule`` (``chunk.py``, the prefill of the same layers): ``chunk`` and
+                 ``chunk_varlen``, called as fla's chunk is (``VLLMChunk``); float16 and bfloat16 only (it
+                 asserts q is not float32); K <= 256 (``chunk_delta_h.py`` asserts it: larger K is declined)
 ``vllm-inputs``  ``fused_post_conv_prep`` (``fused_gdn_prefill_post_conv.py``, 0.34): the one kernel with
                  which the same layer's prefill (``_forward_core``, ``num_prefills > 0``) turns the convolved
                  ``mixed_qkv`` [L, 2 H K + HV V] and ``a``, ``b`` [L, HV] into q, k (L2-normalised), v, g and
                  beta: the ``engine_inputs`` lane (``VLLMInputs``)
 
-Contract: elementwise float32 (``tl.sum`` of products, no ``tl.dot``): "ieee".  Not mapped: vLLM's
-``chunk_gated_delta_rule`` (its prefill; its import chain reaches vLLM's JIT warm-up machinery,
-``vllm.model_executor.warmup``), the KDA kernels and the speculative decode's post-conv kernel
+Contracts: the recurrent kernels are elementwise float32 (``tl.sum`` of products, no ``tl.dot``): "ieee".
+The chunk kernel multiplies 16-bit operands in ``tl.dot`` (q, k, v and its WY factors in the inputs' dtype,
+its per-chunk states cast to it) with float32 accumulation: "bf16", as SGLang's copy of the same kernel.  The
+chunk kernels do not run under the Triton interpreter (``CHUNK_NOT_INTERPRETED``): on the CPU its lanes
+are NOT RUN with that reason.  Not mapped: the KDA kernels and the speculative decode's post-conv kernel
 (``fused_gdn_decode_post_conv_mtp``).
 """
 
@@ -60,7 +79,7 @@ from ._sources import dtypes, extract, find, git_version, interpreter_fixes, shi
 from .engine import InputsAdapter, engine_adapter, next_pow2, token_rows
 
 __all__ = ["locate", "load_kernels", "VLLMRecurrent", "VLLMInputs", "vllm", "vllm_decode", "vllm_packed",
-           "vllm_inputs", "decode_step", "packed_step", "OPS_DIRS"]
+           "vllm_inputs", "vllm_chunk", "VLLMChunk", "decode_step", "packed_step", "OPS_DIRS", "CHUNK_NOT_INTERPRETED"]
 
 #: Where vLLM keeps its fla copy, newest layout first.
 OPS_DIRS = (Path("vllm/third_party/flash_linear_attention/ops"), Path("vllm/model_executor/layers/fla/ops"))
@@ -124,6 +143,55 @@ def cuda_get_device_properties(device, names, init_cuda=False):
 
 def num_compute_units(device_id=0):
     return torch.cuda.get_device_properties(device_id).multi_processor_count
+'''
+_SHIM_GPU_SYNC = '''"""Shim of vllm.utils.gpu_sync_debug (kvbuffer validate): vLLM's answer with its GPU-sync check off
+(VLLM_GPU_SYNC_CHECK unset, its default), a context that changes nothing."""
+import contextlib
+
+
+def gpu_sync_allowed(*args, **kwargs):
+    return contextlib.nullcontext()
+'''
+_SHIM_TORCH_UTILS = '''"""Shim of vllm.utils.torch_utils (kvbuffer validate): async_tensor_h2d, the host-to-device
+copy of index.py's chunk indices (vLLM stages it in pinned memory and copies without a host wait: the same
+values)."""
+import torch
+
+
+def async_tensor_h2d(data, device, dtype=None):
+    return torch.as_tensor(data, dtype=dtype).to(device=device, dtype=dtype)
+'''
+_SHIM_WARMUP = '''"""Shim of vllm.model_executor.warmup.jit_warmup (kvbuffer validate): WarmupChoices, the choice
+set l2norm.py names in its warm-up inputs; vLLM's warm-up never runs here, so nothing reads it."""
+
+
+class WarmupChoices:
+    def __init__(self, *choices):
+        self.choices = choices
+'''
+_SHIM_WARMUP_TRITON = '''"""Shim of vllm.model_executor.warmup.jit_warmup_triton_helper (kvbuffer validate): the
+names l2norm.py imports.  Its only use of them is l2norm_fwd_block, the launch of the in-kernel q/k L2 norm
+(use_qk_l2norm_in_kernel=True), which kvbuffer's adapters never request: the decorated launcher raises
+rather than launch without vLLM's dispatcher."""
+from typing import Any
+
+DispatchSpec = Any
+
+
+class TritonWarmupTensor:
+    def __init__(self, dtype, aligned=True, shape=(1,), strides=None, init=0):
+        self.dtype, self.aligned, self.shape, self.strides, self.init = dtype, aligned, shape, strides, init
+
+
+def triton_kernel_dispatcher_with_warmup(*, warmup_inputs, kernel=None):
+    def decorate(dispatch):
+        def launch(*args, **kwargs):
+            raise NotImplementedError(
+                f"{dispatch.__qualname__}: vLLM's Triton dispatcher is not loaded by kvbuffer validate (only its fla "
+                "kernel files are); the adapters call the kernels with use_qk_l2norm_in_kernel=False")
+        launch.__name__ = launch.__qualname__ = dispatch.__qualname__
+        return launch
+    return decorate
 '''
 
 
@@ -194,7 +262,11 @@ def _shims(ops: Path) -> tuple:
     rel = next(d for d in OPS_DIRS if ops.as_posix().endswith(d.as_posix()))
     files = {"vllm/__init__.py": '"""Shim of vllm (kvbuffer validate): only its fla kernel files load."""\n',
              "vllm/triton_utils/__init__.py": _SHIM_TRITON, "vllm/platforms/__init__.py": _SHIM_PLATFORMS,
-             "vllm/utils/__init__.py": "", "vllm/utils/platform_utils.py": _SHIM_PLATFORM_UTILS}
+             "vllm/utils/__init__.py": "", "vllm/utils/platform_utils.py": _SHIM_PLATFORM_UTILS,
+             "vllm/utils/gpu_sync_debug.py": _SHIM_GPU_SYNC, "vllm/utils/torch_utils.py": _SHIM_TORCH_UTILS,
+             "vllm/model_executor/__init__.py": "", "vllm/model_executor/warmup/__init__.py": "",
+             "vllm/model_executor/warmup/jit_warmup.py": _SHIM_WARMUP,
+             "vllm/model_executor/warmup/jit_warmup_triton_helper.py": _SHIM_WARMUP_TRITON}
     parts = rel.parts
     for i in range(2, len(parts)):
         files.setdefault("/".join(parts[:i]) + "/__init__.py", "")
@@ -202,9 +274,10 @@ def _shims(ops: Path) -> tuple:
     return write_shims("kvbuffer-vllm-shims-", files), ".".join(parts)
 
 
-def load_kernels(path=None) -> types.SimpleNamespace:
+def load_kernels(path=None, chunk: bool = False) -> types.SimpleNamespace:
     """vLLM's fla kernel modules (``locate(path)``), imported with the shims first on sys.path, the
-    process's own ``vllm`` modules (if any) set aside meanwhile and restored after."""
+    process's own ``vllm`` modules (if any) set aside meanwhile and restored after.  ``chunk``: also
+    ``chunk.py`` (``chunk_gated_delta_rule``, None where the folder has no chunk.py)."""
     ops, version, source = locate(path)
     shims, pkg = _shims(ops)
     with shims_first(shims, "vllm"):
@@ -216,6 +289,7 @@ def load_kernels(path=None) -> types.SimpleNamespace:
                 fs = importlib.import_module(f"{pkg}.fused_sigmoid_gating")
                 # the Qwen GDN layer's prefill preprocessing (0.34; earlier releases have no such file)
                 pc = importlib.import_module(f"{pkg}.{_POST_CONV}") if (ops / f"{_POST_CONV}.py").is_file() else None
+                ch = importlib.import_module(f"{pkg}.chunk") if chunk and (ops / "chunk.py").is_file() else None
             if interpreter_active():
                 interpreter_fixes({n: m for n, m in sys.modules.items() if n.startswith(pkg + ".")})
         except Exception as e:
@@ -227,7 +301,8 @@ def load_kernels(path=None) -> types.SimpleNamespace:
         fused_recurrent_gated_delta_rule_packed_decode=getattr(fr, "fused_recurrent_gated_delta_rule_packed_decode",
                                                                None),
         fused_sigmoid_gating_delta_rule_update=fs.fused_sigmoid_gating_delta_rule_update,
-        fused_post_conv_prep=None if pc is None else pc.fused_post_conv_prep)
+        fused_post_conv_prep=None if pc is None else pc.fused_post_conv_prep,
+        chunk_gated_delta_rule=None if ch is None else ch.chunk_gated_delta_rule)
 
 
 _NOT_BUFFERED = {
@@ -259,8 +334,8 @@ class VLLMRecurrent:
         self.name = f"vllm {kernels.version}"
         self.interpreted = interpreter_active()
         self.dtypes = dtypes(torch.float32, torch.float16)
-        self.not_provided = dict(_NOT_BUFFERED, chunk_gated_delta_rule="vLLM's chunk_gated_delta_rule is not mapped "
-                                 "by this adapter")
+        self.not_provided = dict(_NOT_BUFFERED, chunk_gated_delta_rule="vLLM's chunk kernel takes 16-bit inputs "
+                                 "only: --impl vllm-chunk")
         self._gen = torch.Generator().manual_seed(0)
 
     def _slots(self, n: int, device) -> torch.Tensor:
@@ -303,6 +378,58 @@ class VLLMRecurrent:
             inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx, use_qk_l2norm_in_kernel=False)
         state.copy_(pool[idx.long()].transpose(-1, -2))
         return o.reshape(v.shape)
+
+
+# ----------------------------------------------------------------------------- vllm-chunk: the prefill
+class VLLMChunk:
+    """``chunk_gated_delta_rule`` of vLLM's fla copy (``chunk.py``: the prefill of its GDN layers) in the oracle's
+    signature, called as fla's chunk is called (``FlaAdapter``)::
+
+        o, S = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=S0 [N, HV, V, K],
+                                      output_final_state=..., cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=False)
+
+    q, k, v float16 / bfloat16 (the kernel asserts q is not float32); g and beta in float32, as the Qwen GDN
+    layer hands them over (``fused_post_conv_prep`` returns them so; from 16-bit inputs the conversion is exact);
+    the initial state float32 [N, HV, V, K] (vLLM's layout: the oracle's [K, V] transposed here, exact) or none,
+    the final state read back the same way; ``cu_seqlens`` int32 (the layer's ``query_start_loc``); q/k
+    normalisation in the kernel off (the caller normalises); grouped value heads native (its ``Hg``); its own
+    chunk size 64 (``FLA_CHUNK_SIZE``: the requested size is a property of our reference form); scalar gates
+    only.  ``chunk_indices``, ``chunk_offsets`` and ``core_attn_out`` are left to the kernel, which derives
+    the first two from ``cu_seqlens`` and allocates the output."""
+
+    contract = "bf16"
+    channel_gate = False
+    forms = ("u",)
+    varlen = ("chunk_gated_delta_rule",)
+
+    def __init__(self, kernels):
+        self._k = kernels
+        self.version = kernels.version
+        self.name = f"vllm {kernels.version} chunk"
+        self.interpreted = interpreter_active()
+        self.dtypes = dtypes(torch.float16)
+        self.not_provided = dict(_NOT_BUFFERED, recurrent_gated_delta_rule="the chunk kernel only: --impl vllm",
+                                 recurrent_decode="the chunk kernel only: --impl vllm, vllm-decode, vllm-packed")
+
+    @staticmethod
+    def declines(case, op: str = "") -> str:
+        """The kernel takes key heads of K <= 256 only (``chunk_delta_h.py`` asserts so: the state is kept in at
+        most four blocks of 64 keys)."""
+        if case.K > 256:
+            return (f"K = {case.K}: vLLM's chunk_gated_delta_rule takes key heads of K <= 256 only "
+                    f"(chunk_delta_h.py asserts K <= 256)")
+        return ""
+
+    def chunk_gated_delta_rule(self, q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               chunk_size=64, cu_seqlens=None):
+        h0 = None if initial_state is None else initial_state.to(torch.float32).transpose(-1, -2).contiguous()
+        # a fresh tensor per call: index.py caches the chunk indices by the identity of cu_seqlens (tensor_cache)
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(torch.int32, copy=True).contiguous()}
+        o, S = self._k.chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
+                                              beta.float().contiguous(), scale=scale, initial_state=h0,
+                                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+                                              **kw)
+        return o, (None if S is None else S.transpose(-1, -2))
 
 
 # ----------------------------------------------------------------------------- vllm-inputs: the layer's preprocessing
@@ -390,9 +517,9 @@ CONVENTIONS = {
 
 
 # ----------------------------------------------------------------------------- the factories (--impl names)
-def _load(name: str):
+def _load(name: str, chunk: bool = False):
     try:
-        return load_kernels(), None
+        return load_kernels(chunk=chunk), None
     except AdapterError as e:
         return None, unavailable(name, str(e))
 
@@ -436,3 +563,23 @@ def vllm_inputs():
                            f"{k.ops} has no {_POST_CONV}.py (vLLM 0.34's prefill preprocessing; earlier releases "
                            f"split, gate and normalise in other places)")
     return describe(VLLMInputs(k))
+
+
+#: Why the chunk kernels do not run under the Triton interpreter (triton 3.9).
+CHUNK_NOT_INTERPRETED = (
+    "vLLM's chunk kernels do not run under the Triton interpreter (triton 3.9: their autotuners time each "
+    "configuration on a GPU driver, and chunk_delta_h.py calls .to() on a range() loop index, a Python int "
+    "there); run them with --device cuda")
+
+
+def vllm_chunk():
+    """``--impl vllm-chunk``: vLLM's ``chunk_gated_delta_rule`` (chunk, chunk_varlen); NOT RUN under the Triton
+    interpreter (``CHUNK_NOT_INTERPRETED``)."""
+    k, missing = _load("vllm-chunk", chunk=True)
+    if missing:
+        return missing
+    if k.chunk_gated_delta_rule is None:
+        return unavailable(f"vllm {k.version} chunk", f"{k.ops} has no chunk.py")
+    if interpreter_active():
+        return unavailable(f"vllm {k.version} chunk", CHUNK_NOT_INTERPRETED)
+    return describe(VLLMChunk(k))

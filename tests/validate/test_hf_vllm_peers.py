@@ -8,7 +8,10 @@ transformers comes from the ``hf`` extra; vLLM's kernels from ``$KVBUFFER_PEER_P
 else an installed vllm.  The tests that need them skip without them."""
 
 import importlib.util
+import inspect
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -119,7 +122,7 @@ def test_vllm_recurrent_maps_onto_the_recurrence(kernels, scale):
     _check(a.recurrent_gated_delta_rule, case, scale)
     # varlen: [3, 0, 2] tokens flattened, int32 offsets; the empty sequence keeps its initial state
     q, k, v, g, beta, _ = _case(B=1, T=5, seed=1)
-    h0 = torch.randn(3, 2, 5, 7, dtype=torch.float64)
+    h0 = torch.randn(3, 2, 5, 7, dtype=torch.float64).float().double()  # values a float32 holds
     cu = torch.tensor([0, 3, 3, 5])
     o, S = a.recurrent_gated_delta_rule(*(t.float().to(DEVICE) for t in (q, k, v)), g=g.float().to(DEVICE),
                                         beta=beta.float().to(DEVICE), scale=scale, initial_state=h0.float().to(DEVICE),
@@ -137,6 +140,153 @@ def test_vllm_engine_adapters_build(kernels):
         impl = implementations.resolve(name)
         assert not getattr(impl, "unavailable", None), impl.unavailable
         assert "vllm" in impl.name
+    # the chunk kernel loads everywhere; it runs compiled only (CHUNK_NOT_INTERPRETED under the interpreter)
+    impl = implementations.resolve("vllm-chunk")
+    if vl.interpreter_active():
+        assert impl.unavailable == vl.CHUNK_NOT_INTERPRETED and "chunk" in impl.name
+    else:
+        assert not impl.unavailable and impl.contract == "bf16" and torch.float32 not in impl.dtypes
+        assert impl.varlen == ("chunk_gated_delta_rule",) and impl.channel_gate is False
+
+
+# ----------------------------------------------------------------------------- vllm-chunk
+@pytest.fixture
+def chunk_kernels(kernels):
+    """vLLM's kernels with chunk.py and everything it imports (chunk_delta_h, chunk_o, chunk_scaled_dot_kkt, cumsum,
+    solve_tril, wy_fast, l2norm, index, op, utils), through the shims."""
+    return vl.load_kernels(chunk=True)
+
+
+def test_vllm_chunk_imports_through_the_shims_alone(chunk_kernels):
+    """Every vLLM import of the chunk chain is served by a shim (the load fails otherwise, naming the module), no
+    ``vllm`` module is left behind, and the one shim that stands in for vLLM machinery, the l2norm launcher
+    (``vllm.model_executor.warmup``), refuses to launch rather than compute without vLLM's dispatcher."""
+    fn = inspect.unwrap(chunk_kernels.chunk_gated_delta_rule)  # under torch.compiler.disable
+    assert fn.__module__.endswith("flash_linear_attention.ops.chunk") or fn.__module__.endswith("fla.ops.chunk")
+    assert not any(n == "vllm" or n.startswith("vllm.") for n in sys.modules)
+    l2norm_fwd = fn.__globals__["l2norm_fwd"]
+    with pytest.raises(NotImplementedError, match="use_qk_l2norm_in_kernel=False"):
+        l2norm_fwd(torch.ones(2, 4, dtype=torch.float16))
+
+
+def _as_chunk_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     chunk_indices=None, chunk_offsets=None, use_qk_l2norm_in_kernel=False, core_attn_out=None):
+    """What vLLM's ``chunk_gated_delta_rule`` returns, from the float64 recurrence: its documented convention
+    (``chunk.py``), states [N, HV, V, K] (``chunk_delta_h.py`` reads h0 and writes ht [V, K] per head), the final
+    state float32, o in q's dtype, one sequence per batch row or per ``cu_seqlens`` segment (B = 1)."""
+    assert q.dtype == k.dtype == v.dtype and q.dtype != torch.float32 and beta.dim() == 3
+    assert not use_qk_l2norm_in_kernel and chunk_indices is None and chunk_offsets is None and core_attn_out is None
+    B, T = q.shape[:2]
+    bounds = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
+        [(0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64)
+    S = torch.zeros(len(bounds), HV, V, K, dtype=torch.float64)
+    d = lambda t: t.detach().double().cpu()  # noqa: E731
+    for n, (b, s, e) in enumerate(bounds):
+        h0 = None if initial_state is None else d(initial_state[n:n + 1]).transpose(-1, -2)
+        o_n, S_n = ref.recurrent_gated_delta_rule(*(d(t[b:b + 1, s:e]) for t in (q, k, v)), g=d(g[b:b + 1, s:e]),
+                                                  beta=d(beta[b:b + 1, s:e]), scale=scale, initial_state=h0,
+                                                  output_final_state=True)
+        o[b:b + 1, s:e], S[n] = o_n, S_n[0].transpose(-1, -2)
+    return o.to(q.dtype).to(q.device), (S.float().to(q.device) if output_final_state else None)
+
+
+def _with_stand_in(kernels, calls):
+    """``kernels`` with ``_as_chunk_kernel`` as ``chunk_gated_delta_rule``, every call bound to the real kernel's
+    signature first and its arguments recorded in ``calls``."""
+    sig = inspect.signature(kernels.chunk_gated_delta_rule)
+
+    def bound(*a, **kw):
+        b = sig.bind(*a, **kw)
+        calls.append(dict(b.arguments))
+        return _as_chunk_kernel(*b.args, **b.kwargs)
+    return types.SimpleNamespace(**dict(vars(kernels), chunk_gated_delta_rule=bound))
+
+
+@pytest.mark.parametrize("scale", [None, 0.6])
+def test_vllm_chunk_call_binds_to_the_real_signature_and_maps_onto_the_recurrence(chunk_kernels, scale):
+    """The adapter's call, bound to the real kernel's signature, run through the kernel's documented convention
+    (``_as_chunk_kernel``): float16 q, k, v, float32 g and beta, the state transposed to [N, HV, V, K] float32
+    and back, int32 ``cu_seqlens``, the in-kernel L2 norm off; it maps onto the recurrence (grouped value heads,
+    K != V, a ragged batch with an empty sequence).  The kernel itself runs only compiled (the next test)."""
+    calls = []
+    a = vl.VLLMChunk(_with_stand_in(chunk_kernels, calls))
+    half = lambda t: t.to(torch.float16).to(DEVICE)  # noqa: E731
+    q, k, v, g, beta, h0 = (t.to(torch.float16).double() for t in _case(B=2, T=5))  # values a float16 holds
+    o, S = a.chunk_gated_delta_rule(half(q), half(k), half(v), g=half(g), beta=half(beta), scale=scale,
+                                    initial_state=h0.float().to(DEVICE), output_final_state=True, chunk_size=16)
+    (args,) = calls
+    assert args["q"].dtype == torch.float16 and args["g"].dtype == args["beta"].dtype == torch.float32
+    assert args["initial_state"].shape == (2, 2, 7, 5) and args["initial_state"].dtype == torch.float32
+    assert args["initial_state"].is_contiguous() and args["use_qk_l2norm_in_kernel"] is False
+    assert args["output_final_state"] is True and args.get("scale") == scale and "cu_seqlens" not in args
+    o_r, S_r = ref.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0,
+                                              output_final_state=True)
+    assert o.dtype == torch.float16 and S.shape == h0.shape and S.dtype == torch.float32
+    # the stand-in is the float64 recurrence rounded once, on the same values: the mapping is exact
+    assert torch.equal(o.cpu(), o_r.to(torch.float16)) and torch.equal(S.cpu(), S_r.float())
+    # varlen: [3, 0, 2] tokens, int64 offsets handed over as int32; no final state asked for
+    q, k, v, g, beta, _ = (t.to(torch.float16).double() for t in _case(B=1, T=5, seed=1))
+    h0 = torch.randn(3, 2, 5, 7, dtype=torch.float64).float().double()  # values a float32 holds
+    cu = torch.tensor([0, 3, 3, 5])
+    o, S = a.chunk_gated_delta_rule(half(q), half(k), half(v), g=half(g), beta=half(beta), scale=scale,
+                                    initial_state=h0.float().to(DEVICE), output_final_state=True,
+                                    cu_seqlens=cu.to(DEVICE))
+    assert calls[-1]["cu_seqlens"].dtype == torch.int32 and calls[-1]["cu_seqlens"].tolist() == cu.tolist()
+    for n, (s, e) in enumerate([(0, 3), (3, 3), (3, 5)]):
+        o_r, S_r = ref.recurrent_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                                                  scale=scale, initial_state=h0[n:n + 1], output_final_state=True)
+        assert torch.equal(S[n:n + 1].cpu(), S_r.float())
+        if e > s:
+            assert torch.equal(o[:, s:e].cpu(), o_r.to(torch.float16))
+    _, S = a.chunk_gated_delta_rule(half(q), half(k), half(v), g=half(g), beta=half(beta), cu_seqlens=cu.to(DEVICE))
+    assert S is None and calls[-1]["initial_state"] is None and calls[-1]["output_final_state"] is False
+
+
+def test_the_runner_drives_vllm_chunk_through_both_lanes(chunk_kernels):
+    """``kvbuffer validate``'s runner through the adapter (the stand-in behind it): strided input views, poisoned
+    allocations, ragged batches with empty sequences; both lanes run and pass."""
+    from kvbuffer.validate.adapters import describe
+    from kvbuffer.validate.runner import run_validation
+
+    calls = []
+    impl = describe(vl.VLLMChunk(_with_stand_in(chunk_kernels, calls)))
+    rep = run_validation([impl], ops=[("chunk", None), ("chunk_varlen", None)], dtypes=[torch.float16], seed=3,
+                         max_examples=2, progress=None, explain=False, device=DEVICE)
+    assert sorted((r.operation, r.status) for r in rep.lanes) == [("chunk", "PASS"), ("chunk_varlen", "PASS")], \
+        [(r.operation, r.status, r.failure) for r in rep.lanes]
+    assert calls and all(c["use_qk_l2norm_in_kernel"] is False for c in calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or vl.interpreter_active(),
+                    reason="vLLM's chunk kernels run compiled on CUDA only (vllm.CHUNK_NOT_INTERPRETED)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_vllm_chunk_kernel_maps_onto_the_recurrence(chunk_kernels, dtype):
+    """The real kernel, compiled: two chunks and a bit (T = 70) with an initial state, and a ragged batch with
+    an empty sequence, judged by the error policy under the contract the adapter declares."""
+    from kvbuffer.validate import Case
+    from kvbuffer.validate import properties as P
+    from kvbuffer.validate.contracts import active_contract
+
+    impl = describe(vl.VLLMChunk(chunk_kernels))
+    case = Case(B=3, T=70, H=2, HV=4, K=64, V=32, gate="mixed", beta="mixed", seed=5)
+    with active_contract(impl.contract_for("chunk", dtype)):
+        res = P.check_chunk(impl.obj, case, dtype, chunk_size=64, device="cuda")
+        res += P.check_varlen(impl.obj, case, dtype, lengths=[65, 0, 70], chunk_size=64, device="cuda")
+    assert res and all(c.passed for c in res), "\n".join(map(str, res))
+
+
+def test_vllm_chunk_declines_key_heads_past_256():
+    from kvbuffer.validate import Case
+    assert vl.VLLMChunk.declines(Case(B=1, T=3, H=1, HV=1, K=256, V=8), "chunk") == ""
+    assert "K <= 256" in vl.VLLMChunk.declines(Case(B=1, T=3, H=1, HV=1, K=264, V=8), "chunk_varlen")
+
+
+def test_vllm_chunk_says_why_it_does_not_run_under_the_interpreter(kernels, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    impl = implementations.resolve("vllm-chunk")
+    assert "Triton interpreter" in impl.unavailable and "--device cuda" in impl.unavailable
 
 
 def test_vllm_without_kernels_says_where_to_get_them(monkeypatch, tmp_path):
@@ -144,8 +294,8 @@ def test_vllm_without_kernels_says_where_to_get_them(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else _find(name, *a))
     with pytest.raises(AdapterError, match=r"vLLM's kernels not found.*pip download --no-deps vllm"):
         vl.locate()
-    impl = implementations.resolve("vllm")
-    assert "vLLM's kernels not found" in impl.unavailable
+    for name in ("vllm", "vllm-chunk"):
+        assert "vLLM's kernels not found" in implementations.resolve(name).unavailable
 
 
 _find = importlib.util.find_spec
