@@ -172,8 +172,10 @@ def graph_schedule(capture, device, replays: int = 3, seed: int = 0) -> int:
                 static[key] = capture(
                     lambda layer=layer: A.verify(**{n: sts[n] for n in x}, layer=layer, slots=ss, parents=sp,
                                                  num_drafts=sn, fold=sfl),
-                    lambda layer=layer: scratch.verify(**{n: sts[n] for n in x}, layer=layer, slots=ss, parents=sp,
-                                                       num_drafts=sn, fold=sfl))
+                    # the warm-up rejects the drafts it verified, so the scratch pool's next warm-ups are valid
+                    lambda layer=layer: (scratch.verify(**{n: sts[n] for n in x}, layer=layer, slots=ss, parents=sp,
+                                                        num_drafts=sn, fold=sfl),
+                                         scratch.accept(layer=layer, slots=ss, nodes=torch.full_like(ss, -1))))
             o = static[key]()
             ob = B.verify(**x, layer=layer, slots=sl.to(device), parents=sp, num_drafts=nd.to(device),
                           fold=flags.to(device))
