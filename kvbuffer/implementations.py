@@ -95,13 +95,13 @@ def fast_from(package: str = "kvbuffer_fast") -> Implementation:
     # ($KVBUFFER_FAST_16BIT_PATHS=1, ``_common.sixteen_bit_paths``): then judged as what they keep
     chunk_ops = ("chunk", "chunk_varlen", "direct", "prefill")
     if not interpreter_active():
-        lane_contracts = {(op, dt): "tf32x3" if dt == torch.float32 else "bf16" for op in chunk_ops
-                          for dt in (torch.float32, torch.float16, torch.bfloat16)}
+        lane_contracts = {(op, dt): {torch.float32: "tf32x3", torch.float16: "fp16"}.get(dt, "bf16")
+                          for op in chunk_ops for dt in (torch.float32, torch.float16, torch.bfloat16)}
     else:
         paths = getattr(importlib.import_module(f"{package}._common"), "sixteen_bit_paths", None) \
             if importlib.util.find_spec(f"{package}._common") is not None else None
         on = paths is not None and paths(torch.empty(0, dtype=torch.float16))
-        lane_contracts = {(op, torch.float16): "bf16" for op in chunk_ops} if on else {}
+        lane_contracts = {(op, torch.float16): "fp16" for op in chunk_ops} if on else {}
     # bfloat16 only compiled: under the Triton interpreter bfloat16 arithmetic is not what the GPU computes
     dtypes = (torch.float32, torch.float16) + (() if interpreter_active() else (torch.bfloat16,))
     return Implementation(name=package, obj=types.SimpleNamespace(prepare=prepare, **ops),

@@ -50,16 +50,21 @@ IMPLS = ("reference", "fast", "stepwise", "emulated", "fla", "engine")
 
 def emulated_reference(contract: str):
     """kvbuffer_ref's forms (float32, both buffer forms) computed under the emulated product contract
-    ``contract`` ("tf32" or "bf16": every einsum's operands rounded) and declaring it: an implementation
-    that keeps that contract exactly, so every failure under it is a false one."""
+    ``contract`` ("tf32", "fp16" or "bf16": every einsum's operands rounded) and declaring it: an implementation
+    that keeps that contract exactly, so every failure under it is a false one.  Inputs in float32, and in
+    float16 under "fp16" (its products' dtype)."""
     import torch
 
     import kvbuffer_ref as ref
     from kvbuffer.validate.adapters import OPERATION_ATTRS, describe
     from kvbuffer.validate.contracts import under_contract
 
-    ops = {a: under_contract(getattr(ref, a), contract) for a in OPERATION_ATTRS if callable(getattr(ref, a, None))}
-    return describe(types.SimpleNamespace(name=f"kvbuffer_ref {contract}-emulated", dtypes=(torch.float32,),
+    # the contracts are of the gated delta rule's products: the engines' preprocessing (q/k norms, gates) is
+    # judged on its own float32 arithmetic, so the emulated reference leaves it out
+    ops = {a: under_contract(getattr(ref, a), contract) for a in OPERATION_ATTRS
+           if callable(getattr(ref, a, None)) and a != "engine_inputs"}
+    dtypes = (torch.float32, torch.float16) if contract == "fp16" else (torch.float32,)
+    return describe(types.SimpleNamespace(name=f"kvbuffer_ref {contract}-emulated", dtypes=dtypes,
                                           forms=("u", "raw"), contract=contract, **ops))
 
 
@@ -93,7 +98,7 @@ def _impl(name: str):
     if name == "fla" and not impl.interpreted:
         # compiled, fla's chunk kernels multiply float32 operands in TF32 (tl.dot's default) and 16-bit ones in
         # 16-bit products: judged as declaring what they keep
-        impl.lane_contracts = {(op, dt): "tf32" if dt == torch.float32 else "bf16"
+        impl.lane_contracts = {(op, dt): {torch.float32: "tf32", torch.float16: "fp16"}.get(dt, "bf16")
                                for op in ("chunk", "chunk_varlen") for dt in (torch.float32, torch.float16, torch.bfloat16)}
         # and they zero a reset token's own update (docs/peers.md, the fla finding): judged on the gates fla's
         # callers give them, finite (-exp(A_log) softplus(...)), so that a failure here is a false one
@@ -169,7 +174,7 @@ def main(argv=None) -> int:
     for n in names:
         for c in contracts:
             if n == "emulated":
-                if c in ("tf32", "bf16"):
+                if c in ("tf32", "fp16", "bf16"):
                     impls[f"{n}@{c}"] = emulated_reference(c)
                 continue
             impl = copy.copy(_impl(n))

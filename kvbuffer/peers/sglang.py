@@ -47,7 +47,8 @@ sequences without an initial state the adapter zeroes the request's slot first, 
 request's slot before its forward (``mamba_clear_indices``): these kernels have no has-initial-state flag.
 
 Contracts: the recurrent kernels are elementwise float32 (``tl.sum`` of products, no ``tl.dot``):
-"ieee".  The chunk kernel multiplies 16-bit operands in ``tl.dot``: "bf16".  The chunk kernel does not run
+"ieee".  The chunk kernel multiplies operands in the inputs' 16-bit dtype in ``tl.dot``: "fp16" for float16 inputs,
+"bf16" for bfloat16.  The chunk kernel does not run
 under the Triton interpreter (triton 3.9: ``NotImplementedError('Block pointers have been removed in favor
 of the tensor descriptor API')``), so on the CPU its lanes are NOT RUN with that reason.
 """
@@ -345,7 +346,7 @@ class SGLangChunk:
     the kernel off, its own chunk size 64, int64 ``cu_seqlens``.  Without an initial state the slots
     start at zero, as SGLang clears a fresh request's slot."""
 
-    contract = "bf16"
+    contract = {"float16": "fp16", "bfloat16": "bf16"}  # tl.dot of operands in the input dtype
     channel_gate = False
     forms = ("u",)
     varlen = ("chunk_gated_delta_rule",)

@@ -55,7 +55,8 @@ vLLM's ``query_start_loc``):
 
 Contracts: the recurrent kernels are elementwise float32 (``tl.sum`` of products, no ``tl.dot``): "ieee".
 The chunk kernel multiplies 16-bit operands in ``tl.dot`` (q, k, v and its WY factors in the inputs' dtype,
-its per-chunk states cast to it) with float32 accumulation: "bf16", as SGLang's copy of the same kernel.  The
+its per-chunk states cast to it) with float32 accumulation: "fp16" for float16 inputs, "bf16" for bfloat16,
+as SGLang's copy of the same kernel.  The
 chunk kernels do not run under the Triton interpreter (``CHUNK_NOT_INTERPRETED``): on the CPU its lanes
 are NOT RUN with that reason.  Not mapped: the KDA kernels and the speculative decode's post-conv kernel
 (``fused_gdn_decode_post_conv_mtp``).
@@ -397,7 +398,7 @@ class VLLMChunk:
     only.  ``chunk_indices``, ``chunk_offsets`` and ``core_attn_out`` are left to the kernel, which derives
     the first two from ``cu_seqlens`` and allocates the output."""
 
-    contract = "bf16"
+    contract = {"float16": "fp16", "bfloat16": "bf16"}  # tl.dot of operands in the input dtype
     channel_gate = False
     forms = ("u",)
     varlen = ("chunk_gated_delta_rule",)

@@ -37,10 +37,13 @@ every other one as "not provided", with the reason.  Optional attributes describ
     in_place       dict        {attribute: argument names it updates IN PLACE by contract}; every other
                                tensor argument (and field of a buffer or drafts argument) must be left
                                bit for bit as it was (default: ``{"recurrent_decode": ("state",)}``)
-    contract       str         the arithmetic it keeps (kvbuffer.validate.contracts): "ieee" (IEEE float32,
-                               the default), "tf32" (TF32 products), "bf16" (bfloat16 products, float32
-                               accumulation), "bf16-state" (a bfloat16 recurrent state); the baselines of
-                               its budgets are computed in that arithmetic, and the verdict follows it
+    contract       str | dict  the arithmetic it keeps (kvbuffer.validate.contracts): "ieee" (IEEE float32,
+                               the default), "tf32x3" (three TF32 products), "tf32" (TF32 products), "fp16"
+                               (float16 products, float32 accumulation), "bf16" (bfloat16 products, float32
+                               accumulation), "bf16-state" (a bfloat16 recurrent state); or one per input
+                               dtype ({"float16": "fp16", "bfloat16": "bf16"}; a dtype not named: "ieee");
+                               the baselines of its budgets are computed in that arithmetic, and the
+                               verdict follows it
     convention     dict        an engine kernel's calling convention (kvbuffer.peers.engine): the
                                validator converts to it; see ``engine.engine_adapter``
     varlen         tuple       the attributes that take ``cu_seqlens`` (variable-length batches, B = 1):
@@ -162,9 +165,13 @@ class Implementation:
 
     def contract_for(self, op: str, dtype) -> str:
         """The contract the lane (op, dtype) declares: its ``lane_contracts`` entry by the lane's name
-        ("prefill[u]"), else by its operation ("prefill": every form of it), else ``contract``."""
+        ("prefill[u]"), else by its operation ("prefill": every form of it), else by its dtype alone
+        (``("*", dtype)``: an adapter's ``contract`` given per dtype), else ``contract``."""
         base = op.split("[", 1)[0]
-        return self.lane_contracts.get((op, dtype), self.lane_contracts.get((base, dtype), self.contract))
+        for key in ((op, dtype), (base, dtype), ("*", dtype)):
+            if key in self.lane_contracts:
+                return self.lane_contracts[key]
+        return self.contract
 
     def has(self, attr: str) -> bool:
         return callable(getattr(self.obj, attr, None))
@@ -249,8 +256,14 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
                            f"{type(declines).__name__}")
     if declines is not None:
         declines = _declines_by_op(declines)
+    declared = getattr(obj, "contract", "ieee")
+    by_dtype = {}
     try:
-        contract = check_contract(getattr(obj, "contract", "ieee"), f"adapter {label}: contract")
+        if isinstance(declared, dict):  # by input dtype: {"float16": "fp16", "bfloat16": "bf16"}
+            by_dtype = {("*", _dtype(d)): check_contract(c, f"adapter {label}: contract[{d!r}]")
+                        for d, c in declared.items()}
+            declared = by_dtype.get(("*", torch.float32), "ieee")
+        contract = check_contract(declared, f"adapter {label}: contract")
     except ValueError as e:
         raise AdapterError(str(e)) from None
     return Implementation(name=label, obj=obj, dtypes=dtypes, forms=forms, channel_gate=cg,
@@ -258,7 +271,7 @@ def describe(obj, name: Optional[str] = None) -> Implementation:
                           not_provided=dict(getattr(obj, "not_provided", {}) or {}),
                           is_truth=bool(getattr(obj, "is_truth", False)),
                           sizes=_sizes(getattr(obj, "sizes", "small" if interpreted else "normal"), label),
-                          in_place=in_place, beta_max=beta_max, contract=contract,
+                          in_place=in_place, beta_max=beta_max, contract=contract, lane_contracts=by_dtype,
                           qk_l2norm=bool(getattr(obj, "qk_l2norm", False)), gates=gates,
                           raw_gate_dtype=raw_gate_dtype, declines=declines,
                           varlen=tuple(getattr(obj, "varlen", ()) or ()))

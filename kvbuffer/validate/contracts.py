@@ -15,6 +15,9 @@ The contracts, and their emulation (``emulate``):
                 core takes a float32 operand: the 13 low mantissa bits dropped (truncated toward zero;
                 Triton's ``tl.dot`` hands float32 operands to the MMA as they are), accumulated in float32.
                 A kernel that rounds to nearest first (cuBLAS's ``cvt.rna``) makes about half that error
+    fp16        the operands of every product rounded to float16 (10-bit mantissa, and float16's range: a
+                magnitude below its smallest subnormal, 6e-8, becomes 0, as in a kernel that multiplies
+                float16 operands), float32 accumulation
     bf16        the operands of every product rounded to bfloat16 (8-bit mantissa), float32 accumulation
     bf16-state  IEEE float32 products, the recurrent state rounded to bfloat16 after every token
 
@@ -39,16 +42,17 @@ from kvbuffer_ref.core import fold_state
 from kvbuffer_ref.inputs import prepare_tokens
 
 __all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "trunc_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
-           "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms", "exp_ex2",
+           "round_fp16", "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms", "exp_ex2",
            "LOG2E_F32", "under_contract", "raw_gating", "current_raw_gating", "kernel_gates"]
 
 #: The contracts an adapter may declare, tightest first (``ieee`` is the default).
-CONTRACTS = ("ieee", "tf32x3", "tf32", "bf16", "bf16-state")
+CONTRACTS = ("ieee", "tf32x3", "tf32", "fp16", "bf16", "bf16-state")
 #: How the report names a contract ("FAIL as fp32; PASS as tf32: error consistent with TF32 products").
 CONTRACT_TEXT = {
     "ieee": ("fp32", "IEEE float32 arithmetic"),
     "tf32x3": ("tf32x3", "three-TF32 products"),
     "tf32": ("tf32", "TF32 products"),
+    "fp16": ("fp16", "float16 products with float32 accumulation"),
     "bf16": ("bf16", "bfloat16 products with float32 accumulation"),
     "bf16-state": ("bf16-state", "a bfloat16 recurrent state"),
 }
@@ -157,6 +161,14 @@ def trunc_tf32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), out, x)
 
 
+def round_fp16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to float16 (round to nearest even, float16's subnormals, 0 below them, inf past 65504),
+    kept in its dtype."""
+    if not x.is_floating_point() or x.dtype == torch.float16:
+        return x
+    return x.to(torch.float16).to(x.dtype)
+
+
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to bfloat16 (round to nearest even), kept in its dtype."""
     if not x.is_floating_point() or x.dtype == torch.bfloat16:
@@ -165,7 +177,7 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 #: The operand rounding of each product contract (tf32x3 splits its operands as Triton does: ``_split_product``).
-_ROUND = {"tf32": trunc_tf32, "bf16": round_bf16}
+_ROUND = {"tf32": trunc_tf32, "fp16": round_fp16, "bf16": round_bf16}
 
 
 #: log2(e) as a float32 kernel holds it.

@@ -12,7 +12,7 @@ from kvbuffer.validate.cases import Case
 from kvbuffer.validate import properties as P
 from kvbuffer.validate.contracts import _Arithmetic, LOG2E_F32, exp_ex2
 from kvbuffer.validate.contracts import (CONTRACTS, baseline_recurrent, check_contract, correct_forms, emulate,
-                                             round_bf16, round_tf32, trunc_tf32)
+                                             round_bf16, round_fp16, round_tf32, trunc_tf32)
 from kvbuffer.validate.tolerances import active_contract, compare
 
 from .conftest import ADAPTERS
@@ -44,6 +44,44 @@ def _emulated(contract: str, x: dict):
         return ref.recurrent_gated_delta_rule(**x, output_final_state=True)
 
 
+def test_float16_rounding_keeps_float16s_range():
+    """fp16: ten mantissa bits to nearest even, float16's subnormals, 0 below half the smallest one, inf past
+    65504: the operand of a float16 product that a chunk kernel scales by a decay of exp(-20) is lost."""
+    x = torch.tensor([1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 2.0 ** -24, 2.0 ** -26, 7e4, -1e-9], dtype=torch.float64)
+    assert round_fp16(x).tolist() == [1.0, 1.0 + 2 ** -9, 2.0 ** -24, 0.0, float("inf"), -0.0]
+    assert round_fp16(torch.tensor([3], dtype=torch.int32)).dtype == torch.int32
+
+
+def test_a_decayed_float16_operand_underflows_as_in_a_float16_chunk_kernel():
+    """A head whose last tokens write nothing (beta = 0) under strong gates ends with a state decayed far below
+    float16's range relative to its inputs: a chunkwise form whose fold multiplies float16 operands loses it
+    (error 1), as fla's float16 chunk kernel does on the H100; bfloat16 (float32's range) and the recurrence
+    (the decay applied to the float32 state) keep it."""
+    torch.manual_seed(0)
+    B, T, H, HV, K, V = 1, 12, 1, 1, 8, 8
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1)
+    x = dict(q=k.clone(), k=k, v=torch.randn(B, T, HV, V, dtype=torch.float64) * 0.05,
+             g=torch.full((B, T, HV), -6.0, dtype=torch.float64),
+             beta=torch.cat([torch.ones(B, T - 4, HV), torch.zeros(B, 4, HV)], 1).double())
+    x = {n: t.to(torch.float16 if n in "qkv" else torch.float32) for n, t in x.items()}
+    _, S64 = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, output_final_state=True)
+    rel = lambda S: float((S.double() - S64).norm() / S64.norm())  # noqa: E731
+    forms16 = correct_forms(**x, chunks=(T,), contract="fp16")
+    assert rel(forms16[0][1]) < 1e-3 and max(rel(S) for _, S in forms16[1:]) == 1.0
+    assert max(rel(S) for _, S in correct_forms(**x, chunks=(T,), contract="bf16")) < 1e-2
+
+
+def test_a_baseline_that_overflowed_counts_as_one_that_lost_the_slice():
+    """A correct form in float16 products can overflow (inf): its slice's baseline error is then 1, as for a
+    form that returned 0, not an infinite budget that would pass any answer."""
+    truth = torch.ones(1, 1, 2, 4, dtype=torch.float64)
+    base = truth.clone().float()
+    base[..., 0] = float("inf")
+    c = compare(truth.float() * 6, truth, base, dtype=torch.float32)  # error 5 on both slices
+    assert not c.passed and c.baseline_rel == 1.0 and 4 < c.budget < 4.01
+    assert compare(truth.float() * 0, truth, base, dtype=torch.float32).passed  # the answer such a form gives
+
+
 def test_the_emulation_changes_the_products_and_nothing_else():
     x = Case(B=1, T=6, H=1, HV=1, K=16, V=16, seed=3).inputs(torch.float32)
     o, _ = ref.recurrent_gated_delta_rule(**x)
@@ -63,7 +101,7 @@ def test_the_emulation_changes_the_products_and_nothing_else():
 
 
 def test_unknown_contract_names_are_refused():
-    assert CONTRACTS[0] == "ieee" and set(CONTRACTS) == {"ieee", "tf32x3", "tf32", "bf16", "bf16-state"}
+    assert CONTRACTS[0] == "ieee" and set(CONTRACTS) == {"ieee", "tf32x3", "tf32", "fp16", "bf16", "bf16-state"}
     assert check_contract("fp32") == "ieee" and check_contract(None) == "ieee"
     with pytest.raises(ValueError, match="contract: expected one of ieee, tf32"):
         check_contract("tf16")
@@ -160,7 +198,7 @@ def test_a_looser_arithmetic_or_a_real_bug_is_not_excused_by_the_declared_contra
     rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:tf32_buggy", "--ops", "recurrent", "--seed", "4",
                          "--max-examples", "3", "--no-shrink")
     assert rc == 1 and "not explained by a looser arithmetic contract" in out, out
-    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--contract", "fp16")
+    rc, out, err = _main(capsys, "--impl", f"{ADAPTERS}:good", "--contract", "fp8")
     assert rc == 2 and "--contract: expected one of" in err
 
 
@@ -189,8 +227,8 @@ def test_fast_declares_16_bit_products_for_every_chunk_lane(monkeypatch):
     monkeypatch.setattr(implementations, "interpreter_active", lambda: False)
     impl = implementations.fast()
     for op in ("chunk", "chunk_varlen", "direct", "prefill[u]"):
-        for dt in (torch.float16, torch.bfloat16):
-            assert impl.contract_for(op, dt) == "bf16", (op, dt)
+        assert impl.contract_for(op, torch.float16) == "fp16", op
+        assert impl.contract_for(op, torch.bfloat16) == "bf16", op
         assert impl.contract_for(op, torch.float32) == "tf32x3", op
     for op in ("recurrent", "recurrent_varlen", "decode[u]", "verify_chain[u]"):
         assert impl.contract_for(op, torch.bfloat16) == "ieee", op
@@ -243,7 +281,7 @@ def test_the_interpreter_judges_fast_as_its_16_bit_paths_when_it_takes_them(monk
     monkeypatch.setenv("KVBUFFER_FAST_16BIT_PATHS", "1")
     impl = implementations.fast()
     for op in ("chunk", "chunk_varlen", "direct", "prefill[u]"):
-        assert impl.contract_for(op, torch.float16) == "bf16", op
+        assert impl.contract_for(op, torch.float16) == "fp16", op
         assert impl.contract_for(op, torch.float32) == "ieee", op
     assert impl.contract_for("recurrent", torch.float16) == "ieee"
     monkeypatch.setenv("KVBUFFER_FAST_16BIT_PATHS", "0")

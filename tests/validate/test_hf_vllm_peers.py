@@ -145,7 +145,8 @@ def test_vllm_engine_adapters_build(kernels):
     if vl.interpreter_active():
         assert impl.unavailable == vl.CHUNK_NOT_INTERPRETED and "chunk" in impl.name
     else:
-        assert not impl.unavailable and impl.contract == "bf16" and torch.float32 not in impl.dtypes
+        assert not impl.unavailable and impl.contract_for("chunk", torch.float16) == "fp16" \
+            and impl.contract_for("chunk_varlen", torch.bfloat16) == "bf16" and torch.float32 not in impl.dtypes
         assert impl.varlen == ("chunk_gated_delta_rule",) and impl.channel_gate is False
 
 
