@@ -184,15 +184,20 @@ _ROUND = {"tf32": trunc_tf32, "fp16": round_fp16, "bf16": round_bf16}
 LOG2E_F32 = float(torch.tensor(1.4426950408889634, dtype=torch.float32))
 
 
-def exp_ex2(x: torch.Tensor) -> torch.Tensor:
+def exp_ex2(x: torch.Tensor, ftz: bool = False) -> torch.Tensor:
     """``exp(x)`` of a float32 ``x`` as a GPU kernel computes it: ``2 ** fl32(x * log2 e)`` (Triton's ``tl.exp``
     and CUDA's ``__expf`` lower to ``ex2.approx.f32`` of that product).  The product's rounding leaves a
     relative error of about ``|x| * 2^-24 * ln 2`` in the result, 3e-6 at x = -50; the power itself is taken
-    correctly rounded here (``ex2.approx`` is within 2 ulp of that).  Other dtypes: ``torch.exp``."""
+    correctly rounded here (``ex2.approx`` is within 2 ulp of that).  ftz: a result below float32's smallest
+    normal number is 0, as Triton's ``tl.exp2`` returns it (``ex2.approx.ftz.f32``; measured on an H100 with
+    Triton 3.6: ``tl.exp2`` of -87.6 / ln 2 and below gives 0 where ``tl.exp`` keeps the subnormal; kernels
+    that take their decays as ``exp2`` of log2-scaled gates, fla's chunk kernels among them, lose a decay
+    below about exp(-87.3)).  Other dtypes: ``torch.exp``."""
     if x.dtype != torch.float32:
         return torch.exp(x)
     y = x * torch.tensor(LOG2E_F32, dtype=torch.float32, device=x.device)
-    return torch.exp2(y.double()).float()
+    r = torch.exp2(y.double()).float()
+    return torch.where(r.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(r), r) if ftz else r
 
 
 def _sequential_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -247,7 +252,8 @@ class _Arithmetic(TorchFunctionMode):
     Kernels sum their cumulative gates each of these ways; a decay ``exp(G_i - G_j)`` of large ``|G|`` (after
     a reset gate of -200, say) keeps only the low bits the way leaves, which differ: on one head a scan
     leaves 15x the error of a loop, on the next a loop leaves the more.
-    exp: None (correctly rounded) or "ex2" (every float32 exponential as a GPU kernel takes it, ``exp_ex2``).
+    exp: None (correctly rounded), "ex2" (every float32 exponential as a GPU kernel takes it, ``exp_ex2``) or
+    "ex2-ftz" (the same, a result below float32's normal range 0, as ``tl.exp2`` returns it).
     One mode for all three: each torch call inside it pays one Python dispatch, not one per concern."""
 
     def __init__(self, products=None, cumsum=None, exp=None):
@@ -273,8 +279,8 @@ class _Arithmetic(TorchFunctionMode):
                     return _scan_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
                 return _sequential_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
         elif func in (torch.exp, torch.Tensor.exp):
-            if self.exp == "ex2" and args and isinstance(args[0], torch.Tensor) and not kwargs:
-                return exp_ex2(args[0])
+            if self.exp in ("ex2", "ex2-ftz") and args and isinstance(args[0], torch.Tensor) and not kwargs:
+                return exp_ex2(args[0], ftz=self.exp == "ex2-ftz")
         return func(*args, **kwargs)
 
 
@@ -382,7 +388,10 @@ def _recurrences_ex2(x: dict, runs: list, *, scale, initial_state, contract) -> 
 
 
 #: How a kernel sums its cumulative gates and takes its exponentials: ``segmented_forms`` computes each.
-SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2"), dict(cumsum="scan", exp="ex2"), dict(cumsum="rounded"))
+#: The scan way is fla's chunk kernels' (``chunk_local_cumsum``, ``exp2`` of log2-scaled gates, the decays on
+#: the innovations u before the state pass's product).
+SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2"), dict(cumsum="scan", exp="ex2-ftz", decay_on="u"),
+                dict(cumsum="rounded"))
 
 
 def segment_ways(dtype: torch.dtype) -> tuple:
@@ -394,18 +403,20 @@ def segment_ways(dtype: torch.dtype) -> tuple:
 def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
     """[(o, S), ...]: ``segmented_form`` the three ways a kernel computes its decays: cumulative gates summed by
     a loop of float32 additions with GPU exponentials (a kernel carrying its sum in a register, ``tl.exp``),
-    by a GPU scan with GPU exponentials (``tl.cumsum``), and as correctly rounded sums with correctly rounded
+    by a GPU scan with GPU exponentials that flush below float32's normal range (``tl.cumsum``, ``tl.exp2``), and as correctly rounded sums with correctly rounded
     exponentials; with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
     buffer's accept or partial flush) instead of summed afresh."""
     ways = list(segment_ways(q.dtype))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
     out = [None] * len(ways)
-    for exp in dict.fromkeys(w.get("exp") for w in ways):  # the ways that share their exponentials: one batch
-        idx = [i for i, w in enumerate(ways) if w.get("exp") == exp]
+    arith = lambda w: (w.get("exp"), w.get("decay_on", "k"))  # noqa: E731
+    for exp, decay_on in dict.fromkeys(map(arith, ways)):  # the ways that share their arithmetic: one batch
+        idx = [i for i, w in enumerate(ways) if arith(w) == (exp, decay_on)]
         sums = [(ways[i]["cumsum"], ways[i].get("carried", ())) for i in idx]
         for i, r in zip(idx, _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                              starts=starts, sums=sums, contract=contract, exp=exp)):
+                                              starts=starts, sums=sums, contract=contract, exp=exp,
+                                              decay_on=decay_on)):
             out[i] = r
     return out
 
@@ -438,7 +449,7 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
                             sums=[(cumsum, carried)], contract=contract, exp=exp)[0]
 
 
-def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp) -> list:
+def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp, decay_on="k") -> list:
     """[(o, S), ...]: ``segmented_form`` once per (cumsum, carried) of ``sums``, all with exponentials ``exp``,
     computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way, the
     chunk arithmetic batched)."""
@@ -466,7 +477,7 @@ def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, co
             G = torch.cat([gw[i] for gw in gates]) if n > 1 else gates[0][i]
             k_sl = rep(x.k[:, sl])
             o, u = _wy_chunk(rep(x.q[:, sl]), k_sl, rep(x.v[:, sl]), rep(x.beta[:, sl]), G, S)
-            S = fold_state(S, k_sl, u, G, G[:, -1])
+            S = fold_state(S, k_sl, u, G, G[:, -1], decay_on=decay_on)
             if contract == "bf16-state":
                 S = round_bf16(S)
             outs.append(o.to(x.out_dtype))

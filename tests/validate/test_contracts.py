@@ -10,7 +10,7 @@ from kvbuffer import cli as kcli
 from kvbuffer import implementations
 from kvbuffer.validate.cases import Case
 from kvbuffer.validate import properties as P
-from kvbuffer.validate.contracts import _Arithmetic, LOG2E_F32, exp_ex2
+from kvbuffer.validate.contracts import _Arithmetic, LOG2E_F32, SEGMENT_WAYS, exp_ex2
 from kvbuffer.validate.contracts import (CONTRACTS, baseline_recurrent, check_contract, correct_forms, emulate,
                                              round_bf16, round_fp16, round_tf32, trunc_tf32)
 from kvbuffer.validate.tolerances import active_contract, compare
@@ -69,6 +69,46 @@ def test_a_decayed_float16_operand_underflows_as_in_a_float16_chunk_kernel():
     forms16 = correct_forms(**x, chunks=(T,), contract="fp16")
     assert rel(forms16[0][1]) < 1e-3 and max(rel(S) for _, S in forms16[1:]) == 1.0
     assert max(rel(S) for _, S in correct_forms(**x, chunks=(T,), contract="bf16")) < 1e-2
+
+
+def test_tl_exp2_flushes_a_result_below_float32s_normal_range():
+    """exp2 of log2-scaled gates as Triton's tl.exp2 returns it (ex2.approx.ftz.f32, measured on an H100): 0
+    below float32's smallest normal number, where tl.exp (exp_ex2 without ftz) keeps the subnormal."""
+    x = torch.tensor([-80.0, -87.0, -88.0, -100.0])
+    kept, flushed = exp_ex2(x), exp_ex2(x, ftz=True)
+    assert torch.equal(kept[:2], flushed[:2]) and bool((kept[2:] > 0).all()) and flushed[2:].tolist() == [0.0, 0.0]
+
+
+def test_the_decay_scales_either_factor_of_the_fold_to_the_same_sum():
+    from kvbuffer_ref.core import fold_state
+
+    torch.manual_seed(1)
+    S, k, u = torch.randn(2, 3, 4, 5, dtype=torch.float64), torch.randn(2, 6, 3, 4, dtype=torch.float64), \
+        torch.randn(2, 6, 3, 5, dtype=torch.float64)
+    G = -torch.rand(2, 6, 3, dtype=torch.float64).cumsum(1)
+    a, b = fold_state(S, k, u, G, G[:, -1]), fold_state(S, k, u, G, G[:, -1], decay_on="u")
+    assert torch.allclose(a, b, rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match="decay_on: expected 'k' or 'u', got 'v'"):
+        fold_state(S, k, u, G, G[:, -1], decay_on="v")
+
+
+def test_the_scan_way_is_fla_s_arithmetic_and_loses_what_fla_loses():
+    """The chunkwise form summing its gates by a scan takes exp2 with flushing and scales u by the decays (fla's
+    chunk kernels): a head whose last tokens write nothing and whose decays pass exp(-87.3) ends at 0 in that
+    form, and is kept by the others; in float16 products u scaled by a decay of exp(-20) is lost too."""
+    B, T, H, HV, K, V = 1, 8, 1, 1, 4, 4
+    torch.manual_seed(2)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1)
+    x = dict(q=k.clone(), k=k, v=torch.randn(B, T, HV, V, dtype=torch.float64),
+             g=torch.full((B, T, HV), -18.0, dtype=torch.float64),  # the last write decays by exp(-90)
+             beta=torch.cat([torch.ones(B, 3, HV), torch.zeros(B, T - 3, HV)], 1).double())
+    x32 = {n: t.float() for n, t in x.items()}
+    _, S64 = ref.recurrent_gated_delta_rule(**x, output_final_state=True)
+    forms = correct_forms(**x32, chunks=(T,), contract="ieee")
+    rel = [float((S.double() - S64).norm() / S64.norm()) for _, S in forms]
+    scan = [i for i, w in enumerate(SEGMENT_WAYS) if w["cumsum"] == "scan"][0] + 2  # after the two recurrences
+    assert 1e-45 < S64.abs().max() < 1e-38  # a float32 subnormal
+    assert rel[scan] == 1.0 and max(r for i, r in enumerate(rel) if i != scan) < 1e-3, rel
 
 
 def test_a_baseline_that_overflowed_counts_as_one_that_lost_the_slice():
@@ -227,8 +267,8 @@ def test_fast_declares_16_bit_products_for_every_chunk_lane(monkeypatch):
     monkeypatch.setattr(implementations, "interpreter_active", lambda: False)
     impl = implementations.fast()
     for op in ("chunk", "chunk_varlen", "direct", "prefill[u]"):
-        assert impl.contract_for(op, torch.float16) == "fp16", op
-        assert impl.contract_for(op, torch.bfloat16) == "bf16", op
+        for dt in (torch.float16, torch.bfloat16):  # float16: products of float16 and TF32 operands, mixed
+            assert impl.contract_for(op, dt) == "bf16", (op, dt)
         assert impl.contract_for(op, torch.float32) == "tf32x3", op
     for op in ("recurrent", "recurrent_varlen", "decode[u]", "verify_chain[u]"):
         assert impl.contract_for(op, torch.bfloat16) == "ieee", op

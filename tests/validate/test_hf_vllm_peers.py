@@ -268,6 +268,7 @@ def test_vllm_chunk_kernel_maps_onto_the_recurrence(chunk_kernels, dtype):
     an empty sequence, judged by the error policy under the contract the adapter declares."""
     from kvbuffer.validate import Case
     from kvbuffer.validate import properties as P
+    from kvbuffer.validate.adapters import describe
     from kvbuffer.validate.contracts import active_contract
 
     impl = describe(vl.VLLMChunk(chunk_kernels))
