@@ -388,9 +388,9 @@ def _recurrences_ex2(x: dict, runs: list, *, scale, initial_state, contract) -> 
 
 
 #: How a kernel sums its cumulative gates and takes its exponentials: ``segmented_forms`` computes each.
-#: The scan way is fla's chunk kernels' (``chunk_local_cumsum``, ``exp2`` of log2-scaled gates, the decays on
-#: the innovations u before the state pass's product).
-SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2"), dict(cumsum="scan", exp="ex2-ftz", decay_on="u"),
+#: The scan way is fla's chunk kernels' arithmetic (``chunk_local_cumsum``, ``exp2`` of log2-scaled gates, the
+#: decays on the innovations u before the state pass's product).
+SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2-ftz"), dict(cumsum="scan", exp="ex2-ftz", decay_on="u"),
                 dict(cumsum="rounded"))
 
 
@@ -402,21 +402,21 @@ def segment_ways(dtype: torch.dtype) -> tuple:
 
 def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
     """[(o, S), ...]: ``segmented_form`` the three ways a kernel computes its decays: cumulative gates summed by
-    a loop of float32 additions with GPU exponentials (a kernel carrying its sum in a register, ``tl.exp``),
-    by a GPU scan with GPU exponentials that flush below float32's normal range (``tl.cumsum``, ``tl.exp2``), and as correctly rounded sums with correctly rounded
+    a loop of float32 additions (a kernel carrying its sum in a register) and by a GPU scan (``tl.cumsum``), both
+    with GPU exponentials that flush below float32's normal range (``tl.exp2``; a kernel taking ``tl.exp`` keeps
+    those subnormal decays, as the correctly rounded way does), the scan way with the decays scaling u rather
+    than k in the fold (fla's chunk kernels), and as correctly rounded sums with correctly rounded
     exponentials; with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
     buffer's accept or partial flush) instead of summed afresh."""
     ways = list(segment_ways(q.dtype))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
     out = [None] * len(ways)
-    arith = lambda w: (w.get("exp"), w.get("decay_on", "k"))  # noqa: E731
-    for exp, decay_on in dict.fromkeys(map(arith, ways)):  # the ways that share their arithmetic: one batch
-        idx = [i for i, w in enumerate(ways) if arith(w) == (exp, decay_on)]
-        sums = [(ways[i]["cumsum"], ways[i].get("carried", ())) for i in idx]
+    for exp in dict.fromkeys(w.get("exp") for w in ways):  # the ways that share their exponentials: one batch
+        idx = [i for i, w in enumerate(ways) if w.get("exp") == exp]
+        sums = [(ways[i]["cumsum"], ways[i].get("carried", ()), ways[i].get("decay_on", "k")) for i in idx]
         for i, r in zip(idx, _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                              starts=starts, sums=sums, contract=contract, exp=exp,
-                                              decay_on=decay_on)):
+                                              starts=starts, sums=sums, contract=contract, exp=exp)):
             out[i] = r
     return out
 
@@ -446,13 +446,13 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
     exponentials as a GPU kernel takes them (``exp_ex2``).
     bf16-state rounds the state at every boundary.  Batch of any B, the same boundaries for every request."""
     return _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state, starts=starts,
-                            sums=[(cumsum, carried)], contract=contract, exp=exp)[0]
+                            sums=[(cumsum, carried, "k")], contract=contract, exp=exp)[0]
 
 
-def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp, decay_on="k") -> list:
-    """[(o, S), ...]: ``segmented_form`` once per (cumsum, carried) of ``sums``, all with exponentials ``exp``,
-    computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way, the
-    chunk arithmetic batched)."""
+def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp) -> list:
+    """[(o, S), ...]: ``segmented_form`` once per (cumsum, carried, decay_on) of ``sums``, all with exponentials
+    ``exp``, computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way and
+    its fold's decays on its own factor, the chunk arithmetic batched)."""
     contract = check_contract(current_contract() if contract is None else contract)
     T, n = q.shape[1], len(sums)
     if not T:  # no tokens: the state as it was (zeros without one)
@@ -463,7 +463,7 @@ def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, co
     edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T]
     x = prepare_tokens(q, k, v, g, beta, scale)
     gates = []  # per way, the cumulative gates of each segment
-    for cumsum, carried in sums:
+    for cumsum, carried, _ in sums:
         with _Arithmetic(cumsum=cumsum):
             gates.append(_segment_gates(x.g, edges, {int(c) for c in carried}))
     rep = (lambda t: t) if n == 1 else (lambda t: torch.cat([t] * n))  # noqa: E731
@@ -477,7 +477,9 @@ def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, co
             G = torch.cat([gw[i] for gw in gates]) if n > 1 else gates[0][i]
             k_sl = rep(x.k[:, sl])
             o, u = _wy_chunk(rep(x.q[:, sl]), k_sl, rep(x.v[:, sl]), rep(x.beta[:, sl]), G, S)
-            S = fold_state(S, k_sl, u, G, G[:, -1], decay_on=decay_on)
+            S = torch.cat([fold_state(*(t[j * B:(j + 1) * B] for t in (S, k_sl, u, G)), G[j * B:(j + 1) * B, -1],
+                                      decay_on=w[2]) for j, w in enumerate(sums)]) if n > 1 else \
+                fold_state(S, k_sl, u, G, G[:, -1], decay_on=sums[0][2])
             if contract == "bf16-state":
                 S = round_bf16(S)
             outs.append(o.to(x.out_dtype))

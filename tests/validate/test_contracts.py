@@ -92,10 +92,10 @@ def test_the_decay_scales_either_factor_of_the_fold_to_the_same_sum():
         fold_state(S, k, u, G, G[:, -1], decay_on="v")
 
 
-def test_the_scan_way_is_fla_s_arithmetic_and_loses_what_fla_loses():
-    """The chunkwise form summing its gates by a scan takes exp2 with flushing and scales u by the decays (fla's
-    chunk kernels): a head whose last tokens write nothing and whose decays pass exp(-87.3) ends at 0 in that
-    form, and is kept by the others; in float16 products u scaled by a decay of exp(-20) is lost too."""
+def test_the_gpu_ways_flush_a_subnormal_decay_as_tl_exp2_does():
+    """The chunkwise forms whose exponentials are a GPU's take exp2 with the flush (fla's chunk kernels do): a
+    head whose last tokens write nothing and whose decays pass exp(-87.3) ends at 0 in those forms, and is
+    kept by the recurrences and the correctly rounded way."""
     B, T, H, HV, K, V = 1, 8, 1, 1, 4, 4
     torch.manual_seed(2)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1)
@@ -106,9 +106,9 @@ def test_the_scan_way_is_fla_s_arithmetic_and_loses_what_fla_loses():
     _, S64 = ref.recurrent_gated_delta_rule(**x, output_final_state=True)
     forms = correct_forms(**x32, chunks=(T,), contract="ieee")
     rel = [float((S.double() - S64).norm() / S64.norm()) for _, S in forms]
-    scan = [i for i, w in enumerate(SEGMENT_WAYS) if w["cumsum"] == "scan"][0] + 2  # after the two recurrences
-    assert 1e-45 < S64.abs().max() < 1e-38  # a float32 subnormal
-    assert rel[scan] == 1.0 and max(r for i, r in enumerate(rel) if i != scan) < 1e-3, rel
+    gpu = [i + 2 for i, w in enumerate(SEGMENT_WAYS) if w.get("exp") == "ex2-ftz"]  # after the two recurrences
+    assert 1e-45 < S64.abs().max() < 1e-38 and len(gpu) == 2  # a float32 subnormal
+    assert all(rel[i] == 1.0 for i in gpu) and max(r for i, r in enumerate(rel) if i not in gpu) < 1e-3, rel
 
 
 def test_a_baseline_that_overflowed_counts_as_one_that_lost_the_slice():
