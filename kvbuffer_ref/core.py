@@ -106,25 +106,20 @@ def read_state(S: torch.Tensor, x: torch.Tensor, G: torch.Tensor) -> torch.Tenso
 
 
 def fold_state(
-    S: Optional[torch.Tensor], k: torch.Tensor, u: torch.Tensor, G: torch.Tensor, G_end: torch.Tensor,
-    decay_on: str = "k",
+    S: Optional[torch.Tensor], k: torch.Tensor, u: torch.Tensor, G: torch.Tensor, G_end: torch.Tensor
 ) -> torch.Tensor:
     """Fold entries into a state: ``diag(exp(G_end)) S + sum_j (exp(G_end - G_j) * k_j) u_j^T``.
 
     S: [..., HV, K, V] or None (= 0), k: [..., n, HV, K], u: [..., n, HV, V], G: [..., n, HV]*,
     G_end: [..., HV]* the cumulative gate of the last folded entry.  Returns [..., HV, K, V].
-    decay_on: the factor the scalar decays scale before the product, "k" or "u" (the same sum; a product
-    whose operands are rounded to a narrow dtype loses a different part of it; per-channel decays scale k).
     """
-    if decay_on not in ("k", "u"):
-        raise ValueError(f"decay_on: expected 'k' or 'u', got {decay_on!r}")
     if G.dim() == k.dim():  # per-channel gates
         decay = (G_end.unsqueeze(-3) - G).exp()
         new = torch.einsum("...nhk,...nhv->...hkv", k * decay, u)
         old = 0 if S is None else S * G_end.exp().unsqueeze(-1)
     else:
-        decay = (G_end.unsqueeze(-2) - G).exp().unsqueeze(-1)
-        new = torch.einsum("...nhk,...nhv->...hkv", *((k * decay, u) if decay_on == "k" else (k, u * decay)))
+        decay = (G_end.unsqueeze(-2) - G).exp()
+        new = torch.einsum("...nhk,...nhv->...hkv", k * decay.unsqueeze(-1), u)
         old = 0 if S is None else S * G_end.exp()[..., None, None]
     return old + new
 

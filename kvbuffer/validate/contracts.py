@@ -161,19 +161,22 @@ def trunc_tf32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), out, x)
 
 
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` (round to nearest even, with its range), kept in its own dtype."""
+    if not x.is_floating_point() or x.dtype == dtype:
+        return x
+    return x.to(dtype).to(x.dtype)
+
+
 def round_fp16(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to float16 (round to nearest even, float16's subnormals, 0 below them, inf past 65504),
     kept in its dtype."""
-    if not x.is_floating_point() or x.dtype == torch.float16:
-        return x
-    return x.to(torch.float16).to(x.dtype)
+    return _round_to(x, torch.float16)
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to bfloat16 (round to nearest even), kept in its dtype."""
-    if not x.is_floating_point() or x.dtype == torch.bfloat16:
-        return x
-    return x.to(torch.bfloat16).to(x.dtype)
+    return _round_to(x, torch.bfloat16)
 
 
 #: The operand rounding of each product contract (tf32x3 splits its operands as Triton does: ``_split_product``).
@@ -449,6 +452,24 @@ def segmented_form(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(
                             sums=[(cumsum, carried, "k")], contract=contract, exp=exp)[0]
 
 
+def _fold(S, k, u, G, decay_on: str) -> torch.Tensor:
+    """``fold_state`` of one chunk (G its cumulative gates) with the scalar decays scaling k ("k") or u ("u": the
+    transposed fold, the same sum with the decays on the other operand of the product); per-channel decays
+    scale k."""
+    if decay_on not in ("k", "u"):
+        raise ValueError(f"decay_on: expected 'k' or 'u', got {decay_on!r}")
+    if decay_on == "u" and G.dim() < k.dim():
+        return fold_state(S.transpose(-1, -2), u, k, G, G[:, -1]).transpose(-1, -2)
+    return fold_state(S, k, u, G, G[:, -1])
+
+
+def _fold_ways(S, k, u, G, decay_on: list, B: int) -> torch.Tensor:
+    """The fold of a batch of len(decay_on) x B requests, the j-th B rows with the decays on ``decay_on[j]``."""
+    if len(set(decay_on)) == 1:
+        return _fold(S, k, u, G, decay_on[0])
+    return torch.cat([_fold(*(t[j * B:(j + 1) * B] for t in (S, k, u, G)), d) for j, d in enumerate(decay_on)])
+
+
 def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp) -> list:
     """[(o, S), ...]: ``segmented_form`` once per (cumsum, carried, decay_on) of ``sums``, all with exponentials
     ``exp``, computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way and
@@ -477,9 +498,7 @@ def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, co
             G = torch.cat([gw[i] for gw in gates]) if n > 1 else gates[0][i]
             k_sl = rep(x.k[:, sl])
             o, u = _wy_chunk(rep(x.q[:, sl]), k_sl, rep(x.v[:, sl]), rep(x.beta[:, sl]), G, S)
-            S = torch.cat([fold_state(*(t[j * B:(j + 1) * B] for t in (S, k_sl, u, G)), G[j * B:(j + 1) * B, -1],
-                                      decay_on=w[2]) for j, w in enumerate(sums)]) if n > 1 else \
-                fold_state(S, k_sl, u, G, G[:, -1], decay_on=sums[0][2])
+            S = _fold_ways(S, k_sl, u, G, [w[2] for w in sums], B)
             if contract == "bf16-state":
                 S = round_bf16(S)
             outs.append(o.to(x.out_dtype))
