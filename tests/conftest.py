@@ -14,7 +14,9 @@ Before drawing, each test replays the failing examples kept in the committed dat
 (read-only; KVBUFFER_SAVE_EXAMPLES=1 records new failures there).
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 import random
 from pathlib import Path
@@ -44,7 +46,10 @@ os.environ.setdefault("KVBUFFER_POISON", "1")
 # the cores); tests/validate/test_jobs.py runs it with --jobs
 os.environ.setdefault("KVBUFFER_JOBS", "1")
 # `kvbuffer validate` keeps its last report in the cache dir: tests write to a temporary one, not ~/.cache
-os.environ.setdefault("KVBUFFER_CACHE_DIR", tempfile.mkdtemp(prefix="kvbuffer-tests-"))
+if "KVBUFFER_CACHE_DIR" not in os.environ:
+    os.environ["KVBUFFER_CACHE_DIR"] = _cache = tempfile.mkdtemp(prefix="kvbuffer-tests-")
+    _pid = os.getpid()
+    atexit.register(lambda: os.getpid() == _pid and shutil.rmtree(_cache, ignore_errors=True))
 
 import pytest  # noqa: E402
 

@@ -3,7 +3,7 @@ and ReplaySSM adapters share (each keeps what is its own: where its files live, 
 messages and the contents of its shims).
 
 * ``extract``: chosen members of a wheel unpacked once into a temporary folder (cached per wheel and
-  members);
+  members; the temporary folders are removed when the process exits);
 * ``find``: the search order ``--peer-path`` given to the call, else ``$KVBUFFER_PEER_PATH``, else the
   installed package (found, not imported);
 * ``version_in``, ``dist_version``, ``git_version``: version strings read from a tree;
@@ -15,10 +15,12 @@ messages and the contents of its shims).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import os
 import re
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -40,6 +42,19 @@ PEER_ENV = "KVBUFFER_PEER_PATH"
 _EXTRACTED: dict = {}
 
 
+def _temporary_folder(prefix: str) -> Path:
+    """A new temporary folder named ``prefix...``, removed when the process that made it exits."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    pid = os.getpid()
+
+    def remove():
+        if os.getpid() == pid:
+            shutil.rmtree(root, ignore_errors=True)
+
+    atexit.register(remove)
+    return root
+
+
 def extract(whl: Path, patterns: Iterable[str], prefix: str) -> Path:
     """The members of wheel ``whl`` whose names fully match one of the regular expressions ``patterns``,
     extracted into a temporary folder named ``prefix...``; returns that folder (the root of the wheel's
@@ -48,7 +63,7 @@ def extract(whl: Path, patterns: Iterable[str], prefix: str) -> Path:
     patterns = tuple(patterns)
     key = (str(whl.resolve()), patterns)
     if key not in _EXTRACTED:
-        root = Path(tempfile.mkdtemp(prefix=prefix))
+        root = _temporary_folder(prefix)
         try:
             with zipfile.ZipFile(whl) as z:
                 for n in z.namelist():
@@ -131,8 +146,8 @@ def git_version(root: Path) -> Optional[str]:
 # ----------------------------------------------------------------------------- loading them
 def write_shims(prefix: str, files: dict) -> Path:
     """A new temporary folder named ``prefix...`` holding ``files`` ({relative path: text}, folders made as
-    needed); returns it."""
-    root = Path(tempfile.mkdtemp(prefix=prefix))
+    needed), removed when the process exits; returns it."""
+    root = _temporary_folder(prefix)
     for p, text in files.items():
         (root / p).parent.mkdir(parents=True, exist_ok=True)
         (root / p).write_text(text)

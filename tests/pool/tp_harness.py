@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import tempfile
 import traceback
 
@@ -149,6 +150,7 @@ class Workers:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
