@@ -17,7 +17,7 @@ import kvbuffer_ref
 
 from .lanes import dtype_name
 
-__all__ = ["LaneResult", "Report", "severity", "table_header", "table_row", "format_table", "replay_command",
+__all__ = ["LaneResult", "Report", "severity", "over_correct", "table_header", "table_row", "format_table", "replay_command",
            "format_failure", "write_json"]
 
 
@@ -34,6 +34,10 @@ class LaneResult:
     worst_rel: Optional[float] = None
     budget: Optional[float] = None
     worst_comparison: Optional[str] = None
+    #: at the deciding comparison: its error / budget (the gain check's included; above 1 fails) and a correct
+    #: kernel's error on the same slice in the declared arithmetic (``Comparison.baseline_rel``)
+    margin: Optional[float] = None
+    baseline: Optional[float] = None
     seconds: float = 0.0
     reason: str = ""
     seed: Optional[int] = None
@@ -166,8 +170,10 @@ class Report:
         ))
 
 
-_COLS = ("operation", "implementation", "dtype", "cases", "worst rel-RMS", "budget", "result", "time", "checks")
-_WIDTHS = (18, 16, 9, 6, 14, 10, 22, 7, 7)
+_COLS = ("operation", "implementation", "dtype", "cases", "worst rel-RMS", "budget", "err/budget", "err/correct",
+         "result", "time", "checks")
+_WIDTHS = (18, 16, 9, 6, 14, 10, 10, 11, 22, 7, 7)
+_RESULT = _COLS.index("result")
 #: The widest the operation and implementation columns grow (``column_widths``); longer names are cut in
 #: the middle with "…" in the table (failures and the JSON keep them whole).
 MAX_NAME_WIDTH = 40
@@ -193,7 +199,7 @@ def _fit(text: str, width: int) -> str:
 
 def _fmt_row(cells, widths=None) -> str:
     widths = widths or _WIDTHS
-    return "  ".join((_fit(c, w) if i < 2 else str(c)).ljust(w) if i < 3 or i == 6 else str(c).rjust(w)
+    return "  ".join((_fit(c, w) if i < 2 else str(c)).ljust(w) if i < 3 or i == _RESULT else str(c).rjust(w)
                      for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
 
@@ -206,15 +212,38 @@ def table_header(widths=None) -> str:
 def table_row(r: LaneResult, widths=None) -> str:
     """One lane's row; a failed lane shows its class and the checks it made before it failed."""
     if r.status in ("NOT PROVIDED", "SKIP", "NOT RUN"):
-        return _fmt_row([r.operation, r.implementation, r.dtype or "-", "-", "-", "-", r.status, "-"], widths) + \
+        return _fmt_row([r.operation, r.implementation, r.dtype or "-", "-", "-", "-", "-", "-", r.status, "-"],
+                        widths) + \
             f"   ({r.reason})"
     f = (lambda x: "-" if x is None else (f"{x:.2e}" if x == x and x != float("inf") else str(x)))
     status = f"{r.status} [{r.klass}]" if r.failed and r.klass else r.status
-    row = _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), status,
-                    f"{r.seconds:.1f}s", r.checks], widths)
+    row = _fmt_row([r.operation, r.implementation, r.dtype, r.cases, f(r.worst_rel), f(r.budget), _margin(r),
+                    _over_correct(r), status, f"{r.seconds:.1f}s", r.checks], widths)
     notes = [r.contract_note()] + [f"{n} call(s) declined: {why}" for why, n in (r.declined or {}).items()]
     notes = [n for n in notes if n]
     return row + (f"   ({'; '.join(notes)})" if notes else "")
+
+
+def _margin(r: LaneResult) -> str:
+    """The lane's worst error / budget, as the table prints it ("-" when nothing was compared)."""
+    if r.margin is None:
+        return "-"
+    return "inf" if r.margin == float("inf") else f"{r.margin:.2f}"
+
+
+def over_correct(r: LaneResult) -> Optional[float]:
+    """The deciding comparison's error over a correct kernel's error on the same slice in the declared
+    arithmetic (None when nothing was compared; inf when that kernel was exact and this one was not)."""
+    if r.worst_rel is None or r.baseline is None:
+        return None
+    if r.baseline > 0:
+        return r.worst_rel / r.baseline
+    return 0.0 if r.worst_rel == 0 else float("inf")
+
+
+def _over_correct(r: LaneResult) -> str:
+    x = over_correct(r)
+    return "-" if x is None else "inf" if x == float("inf") else f"{x:.3g}x"
 
 
 def format_table(report: Report) -> str:

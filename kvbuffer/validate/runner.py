@@ -30,7 +30,7 @@ from .lanes import ANCHORS, GATES, INTERPRETED_EXAMPLES, Lane, ValidationError, 
 from .lanes import _with_layout as with_layout
 from .profiles import PROFILES, register_profiles
 from .contracts import CONTRACTS, CONTRACT_TEXT, raw_gating
-from .report import LaneResult, Report, severity
+from .report import LaneResult, Report, _ratio, severity
 from .tolerances import active_contract
 
 __all__ = ["lane_seed", "run_lane", "run_validation", "NothingToRun", "CLASSES", "call_sequence", "attribute",
@@ -473,6 +473,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
             worst = f.get("worst")
             if worst is not None:
                 res.worst_rel, res.budget = worst.worst_rel, worst.budget
+                res.margin, res.baseline = _ratio(worst), worst.baseline_rel
                 res.worst_comparison = _lane_named(worst.name, op)
             res.failure = dict(
                 case=f["params"].get("case"),
@@ -502,6 +503,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
     if res.status == "PASS" and state["worst"] is not None:
         w = state["worst"]
         res.worst_rel, res.budget, res.worst_comparison = w.worst_rel, w.budget, _lane_named(w.name, op)
+        res.margin, res.baseline = _ratio(w), w.baseline_rel
     res.ratios = dict(state["ratios"]) if res.status == "PASS" else None
     if res.status == "FAIL" and not finite and not replay and _on_resets(res):
         _rest_without_resets(res, lambda: _run_lane(

@@ -149,9 +149,12 @@ def test_validate_keeps_its_last_report_and_report_renders_it(capsys, tmp_path, 
     md = capsys.readouterr().out
     assert rc == 0
     assert md.splitlines()[1] == "# kvbuffer validate: FAILED"
-    assert "| operation | implementation | dtype | cases | worst rel-RMS | budget | error / budget | result | time |" in md
+    assert ("| operation | implementation | dtype | cases | worst rel-RMS | budget | error / budget | "
+            "error / a correct kernel's | result | time |") in md
     row = next(l for l in md.splitlines() if l.startswith("| direct | wrong_scale | float64 |"))
-    assert "| FAIL [wrong-result] |" in row and float(row.split("|")[7]) > 1.0  # error / budget past 1, the class
+    # error / budget past 1, its error many times a correct kernel's, the class
+    assert "| FAIL [wrong-result] |" in row and float(row.split("|")[7]) > 1.0
+    assert float(row.split("|")[8].strip().rstrip("x")) > 4.0
     assert "## Failures" in md and "Smallest failing case: `Case(" in md and "FAIL direct.o [float64]" in md
     assert "NOT PROVIDED: the adapter has no" in md or "| chunk | wrong_scale | float64 |" in md
 

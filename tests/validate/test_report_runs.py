@@ -238,3 +238,32 @@ def test_the_benchmark_plot_has_ratio_panels_with_our_series_marked(tmp_path):
     assert "buffered_decode" in ours and "fla_fused_recurrent" not in ours and "replayssm_decode" not in ours
     assert br.plot_latency(data, tmp_path / "latency.png")
     assert (tmp_path / "latency.png").stat().st_size > 10000
+
+
+def test_every_lane_reports_its_margin_and_its_error_over_a_correct_kernels():
+    """A passing lane of the recurrence in float32 reports its worst error / budget (below 1) and, at that
+    slice, its error over the correct forms' (about 1: the recurrence is one of them); a kernel whose q is
+    scaled by 1.01 reports both past them."""
+    import types
+
+    import torch
+
+    import kvbuffer_ref as ref
+    from kvbuffer.validate import adapters
+    from kvbuffer.validate.report import over_correct, table_row
+    from kvbuffer.validate.runner import run_validation
+
+    def scaled(q, k, v, **kw):
+        return ref.recurrent_gated_delta_rule(1.01 * q, k, v, **kw)
+
+    lanes = {}
+    for name, fn in (("right", ref.recurrent_gated_delta_rule), ("scaled", scaled)):
+        impl = adapters.describe(types.SimpleNamespace(name=name, recurrent_gated_delta_rule=fn))
+        (lanes[name],) = run_validation([impl], ops=[("recurrent", None)], dtypes=[torch.float32], seed=5,
+                                        max_examples=4, progress=None, explain=False, shrink=False).lanes
+    right, wrong = lanes["right"], lanes["scaled"]
+    assert right.status == "PASS" and wrong.status == "FAIL", (right, wrong)
+    assert 0 < right.margin < 1 and 0.5 < over_correct(right) < 2, (right.margin, right.baseline)
+    assert wrong.margin > 1 and over_correct(wrong) > 100, (wrong.margin, wrong.baseline)
+    row = table_row(right).split()
+    assert f"{right.margin:.2f}" in row and f"{over_correct(right):.3g}x" in row
