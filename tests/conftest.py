@@ -2,7 +2,8 @@
 examples every run, NaN-poisoned library outputs (KVBUFFER_POISON=1: every output kvbuffer_fast allocates
 starts as NaN, so an element a kernel forgets to write fails), `kvbuffer validate` without worker processes
 (KVBUFFER_JOBS=1), each pytest-xdist worker's share of the cores as torch's thread count and, on a machine
-without CUDA, the Triton interpreter (set before anything imports triton).
+without CUDA, the Triton interpreter (set before anything imports triton), its launches run as
+tests/interpreter_launches.py says.
 
 Seeds: the run's seed is $KVBUFFER_SEED, else a random one (exported to $KVBUFFER_SEED before the
 pytest-xdist workers start, so they share it); it is printed in the pytest header.  Every hypothesis
@@ -41,6 +42,10 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # numpy or a plugin may have loaded torch first
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from .interpreter_launches import install as _install_interpreter_launches
+
+    _install_interpreter_launches()  # each launch on a fresh frame stack; see tests/interpreter_launches.py
 os.environ.setdefault("KVBUFFER_POISON", "1")
 # `kvbuffer validate` runs one lane at a time in the test's own process (pytest -n already spreads the tests over
 # the cores); tests/validate/test_jobs.py runs it with --jobs

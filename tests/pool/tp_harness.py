@@ -61,6 +61,9 @@ def _worker(rank: int, world_size: int, init: str, inbox, outbox) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the fast pool's launches, as in the driver's process
+        from ..interpreter_launches import install
+        install()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     groups = _groups(world_size, rank)
     pools, shards = {}, {}

@@ -1,0 +1,97 @@
+"""Two costs of the Triton interpreter (TRITON_INTERPRET=1) that carry no check, removed in the tests' processes
+(``install()``: tests/conftest.py, and the spawned gloo ranks of tests/pool/tp_harness.py):
+
+* CPython keeps its frames in 16 KiB chunks that it maps when the stack grows past a chunk's end and unmaps
+  when it shrinks back.  An interpreted kernel goes a few dozen frames deep for every element operation; where
+  the caller's depth puts a chunk's end inside that range, every operation maps and unmaps a chunk (hundreds
+  of thousands of mmap / munmap pairs in one test, up to half its time).  Each launch runs on a thread of its
+  own, whose frames start at the base of a fresh chunk, while the caller waits; the caller's grad mode,
+  inference mode and context variables (numpy's error state) go with it, and an exception it raises is raised
+  in the caller.
+* triton's device-function call (``InterpretedFunction.__call__``) patches triton.language for the interpreter
+  on every call of a @triton.jit function from inside a kernel (tl.sum and tl.zeros among them), though the
+  launch has patched it already.  Inside a launch that has patched the called function's language modules, the
+  call runs on that patch; any other call takes triton's own path.
+
+Only triton's interpreter is wrapped, and only if its code has the form this expects (else it is left as it
+is); the kernels, their arguments and their results are the same.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import threading
+
+
+def install() -> bool:
+    """Wrap the interpreter's launch and device-function call as the module says; True if they are wrapped
+    (now or before), False where triton is missing or its interpreter is not the expected form."""
+    try:
+        import torch
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return False
+    grid_call, device_call = interp.GridExecutor.__call__, interp.InterpretedFunction.__call__
+    if getattr(grid_call, "_tests_wrapped", False):
+        return True
+    try:
+        src = inspect.getsource(device_call)
+    except (OSError, TypeError):
+        return False
+    if "_patch_lang(self.fn)" not in src or "restore" in src or not hasattr(interp, "_patch_lang"):
+        return False
+
+    lang_modules = (interp.tl, interp.tl.core)
+    patched = threading.local()  # .stack: per running launch, the ids of the language modules it has patched
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if any(v is m for m in lang_modules)}
+
+    def stack() -> list:
+        if not hasattr(patched, "stack"):
+            patched.stack = []
+        return patched.stack
+
+    def launch(self, *args, **kwargs):
+        stack().append(langs(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            stack().pop()
+
+    def on_a_fresh_stack(self, *args, **kwargs):
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        context = contextvars.copy_context()
+        box = {}
+
+        def run():
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    box["result"] = context.run(launch, self, *args, **kwargs)
+            except BaseException as e:  # raised in the caller
+                box["error"] = e
+
+        worker = threading.Thread(target=run, name="triton-interpreter-launch")
+        worker.start()
+        worker.join()
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def device_function_call(self, *args, **kwargs):
+        mine, running = langs(self.fn), stack()
+        if not running or not mine or not mine <= running[-1]:
+            if running:  # triton's call patches them, and they stay patched for the rest of the launch
+                running[-1] |= mine
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interp.InterpreterError(repr(e)) from e
+
+    on_a_fresh_stack._tests_wrapped = True
+    interp.GridExecutor.__call__ = on_a_fresh_stack
+    interp.InterpretedFunction.__call__ = device_function_call
+    return True
