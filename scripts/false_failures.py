@@ -95,14 +95,18 @@ def _impl(name: str):
         return implementations.resolve("tests.validate.engine_kernels:correct")
     impl = {"reference": implementations.reference, "fast": implementations.fast, "stepwise": stepwise_reference,
             "fla": implementations.fla}[name]()
-    if name == "fla" and not impl.interpreted:
-        # compiled, fla's chunk kernels multiply float32 operands in TF32 (tl.dot's default) and 16-bit ones in
-        # 16-bit products: judged as declaring what they keep
-        impl.lane_contracts = {(op, dt): {torch.float32: "tf32", torch.float16: "fp16"}.get(dt, "bf16")
+    if name == "fla":
+        # fla's chunk kernels multiply 16-bit operands in 16-bit products and, compiled, float32 ones in TF32
+        # (tl.dot's default; the interpreter multiplies float32 exactly): judged as declaring what they keep
+        f32 = "ieee" if impl.interpreted else "tf32"
+        impl.lane_contracts = {(op, dt): {torch.float32: f32, torch.float16: "fp16"}.get(dt, "bf16")
                                for op in ("chunk", "chunk_varlen") for dt in (torch.float32, torch.float16, torch.bfloat16)}
-        # and they zero a reset token's own update (docs/peers.md, the fla finding): judged on the gates fla's
-        # callers give them, finite (-exp(A_log) softplus(...)), so that a failure here is a false one
-        impl.gates = "finite"
+        # and they zero a reset token's own update (docs/peers.md, the fla finding): compiled (where only its chunk
+        # lanes run apart from the recurrent ones already run on the CPU) and in a run of its chunk lanes alone,
+        # judged on the gates fla's callers give them, finite (-exp(A_log) softplus(...)), so that a failure here
+        # is a false one
+        if not impl.interpreted:
+            impl.gates = "finite"
     return impl
 
 
@@ -191,6 +195,8 @@ def main(argv=None) -> int:
             impl.sizes = dataclasses.replace(impl.sizes, head_shapes=shapes,
                                              name=f"{impl.sizes.name}, head shapes {args.head_shapes}")
     ops = [k for k, _ in lanes.select_ops(args.ops)]
+    if "fla" in impls and set(ops) <= {"chunk", "chunk_varlen"}:
+        impls["fla"].gates = "finite"
     dtypes = lanes.parse_dtypes(args.dtype)
     stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))
     rows, t0 = [], time.perf_counter()
@@ -242,7 +248,7 @@ def main(argv=None) -> int:
                 if ratio >= s["worst"]:
                     s.update(worst=ratio, worst_seed=seed, worst_name=r.worst_comparison)
                 rows.append(dict(seed=seed, operation=r.operation, implementation=r.implementation, dtype=r.dtype,
-                                 contract=impl.contract,
+                                 contract=r.contract,
                                  status=r.status, cases=r.cases, ratio=ratio, worst=r.worst_comparison))
                 if args.verbose:
                     print(f"seed {seed} {r.operation} {r.implementation} {r.dtype} {r.status} {r.cases} cases "

@@ -5,8 +5,8 @@
   including per-channel (KDA, ``gk``) gates and grouped heads, and replaying the golden buffered
   histories (decode, chain verify) as plain recurrences.
 
-fla's chunk kernels do not run under the Triton interpreter (its autotuner, int64 casts), so they are
-not here.
+fla's chunk kernels run under the interpreter through the validator's adapter
+(tests/validate/test_fla_kda.py), not here.
 Conventions mapped in tests/crosscheck/adapters.py and docs/crosscheck.md.
 """
 

@@ -1,7 +1,7 @@
 """The built-in fla adapters: scalar gates reach fla's gated-delta-rule kernels, per-channel gates its KDA
 kernels, with exact argument conversions (checked against the float64 recurrence under the error-policy
-table); the chunk kernels, which the Triton interpreter cannot run, through their real signatures with
-the math of fla's recurrent kernels behind them; the pooled KDA decode step in its engine convention."""
+table); the chunk kernels through their real signatures with the math of fla's recurrent kernels behind
+them, and themselves under the Triton interpreter; the pooled KDA decode step in its engine convention."""
 
 import inspect
 
@@ -65,8 +65,7 @@ def test_per_channel_decode_steps_and_varlen_batches_reach_kda():
 
 @pytest.mark.parametrize("channel", [True, False])
 def test_chunk_calls_bind_to_fla_signatures_exactly(channel):
-    """chunk_kda / chunk_gated_delta_rule do not run under the interpreter: each call the adapter makes is
-    bound to the real kernel's signature, and the bound arguments run through fla's recurrent kernel of
+    """Each call the adapter makes to chunk_kda / chunk_gated_delta_rule is bound to the real kernel's signature, and the bound arguments run through fla's recurrent kernel of
     the same recurrence (exact math), against the float64 truth."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -109,3 +108,23 @@ def test_the_pooled_kda_decode_passes_in_its_engine_convention():
     for lane in lanes:
         assert lane.status == "PASS", lane.failure
         assert lane.checks > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of fla's chunk kernels (a CPU check)")
+@pytest.mark.parametrize("channel", [False, True])
+def test_chunk_kernels_run_under_the_interpreter_across_fla_chunks_and_an_empty_sequence(channel):
+    """Under the Triton interpreter fla's own chunk kernels run (``_interpretable_chunk_kernels``): a varlen
+    batch of 70 (past fla's chunk of 64), 0 and 5 tokens, each sequence with its initial state, agrees with
+    the float64 recurrence sequence by sequence under the error table."""
+    impl = implementations.resolve("fla")
+    assert impl.has("chunk_gated_delta_rule") and "chunk_gated_delta_rule" not in impl.not_provided
+    lens = (70, 0, 5)
+    x = Case(B=1, T=sum(lens), H=1, HV=2, K=8, V=8, channel_gate=channel, gate="mild", seed=11).inputs(torch.float32)
+    S0 = torch.randn(len(lens), 2, 8, 8, generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 70, 70, 75])
+    o, S = impl.obj.chunk_gated_delta_rule(**x, initial_state=S0, output_final_state=True, cu_seqlens=cu)
+    for i in (0, 2):
+        sl = slice(int(cu[i]), int(cu[i + 1]))
+        agrees_with_recurrence((o[:, sl], S[i:i + 1]), {n: t[:, sl] for n, t in x.items()}, initial_state=S0[i:i + 1],
+                               chunk=64)
+    assert torch.equal(S[1], S0[1])  # the empty sequence keeps its initial state
