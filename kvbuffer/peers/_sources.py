@@ -10,6 +10,7 @@ messages and the contents of its shims).
 * ``write_shims``, ``shims_first``: a temporary folder of shim modules, and the import of the kernel files
   with it first on ``sys.path`` and the process's own modules of that package set aside meanwhile;
 * ``interpreter_fixes``: what fla's kernel files need under the Triton interpreter;
+  ``interpretable_chunk_kernels``: what its chunk kernels (and the engines' copies) need there besides;
 * ``on_gpu``, ``dtypes``: the dtypes a peer's lanes declare (bfloat16 only where the kernels run compiled).
 """
 
@@ -32,7 +33,7 @@ import torch
 from ..validate.adapters import AdapterError, interpreter_active
 
 __all__ = ["PEER_ENV", "extract", "find", "version_in", "dist_version", "git_version", "write_shims",
-           "shims_first", "interpreter_fixes", "on_gpu", "dtypes"]
+           "shims_first", "interpreter_fixes", "interpretable_chunk_kernels", "on_gpu", "dtypes"]
 
 #: The environment variable ``--peer-path`` sets: where the user keeps a peer's kernel files.
 PEER_ENV = "KVBUFFER_PEER_PATH"
@@ -195,6 +196,47 @@ def interpreter_fixes(modules: dict) -> None:
     utils = modules.get("fla.utils")
     if utils is not None and not hasattr(getattr(utils, "device_torch_lib", None), "device"):
         utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+
+
+def _tensor_range(*args):
+    """``range`` whose indices are interpreter tensors (int32), as a compiled kernel's loop indices are: fla's
+    chunk kernels (and their copies in vLLM and SGLang) call ``.to()`` on them."""
+    import triton.language as tl
+
+    for i in range(*args):
+        yield tl.full([], i, tl.int32)
+
+
+def interpretable_chunk_kernels(modules: dict) -> None:
+    """Under the Triton interpreter, make the chunk kernels of ``modules`` ({name: module} of fla kernel files,
+    or a peer's copy of them) run: every autotuner keeps the first of its configs (one config runs without the
+    benchmark that needs a GPU driver; under the interpreter a config changes tiling only, not the arithmetic),
+    and every kernel outside the fused recurrent files runs with loop indices that are tensors
+    (``_tensor_range``, in a copy of its module's globals: the host code keeps Python's ``range``).
+    Idempotent."""
+    import types
+
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for name, mod in modules.items():
+        if mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            depth = 0
+            while obj is not None and not isinstance(obj, InterpretedFunction) and depth < 8:
+                if isinstance(obj, Autotuner) and len(obj.configs) > 1:
+                    obj.configs = obj.configs[:1]
+                obj, depth = getattr(obj, "fn", None), depth + 1
+            if not isinstance(obj, InterpretedFunction) or "fused_recurrent" in name:
+                continue
+            fn = obj.fn
+            if fn.__globals__.get("range") is _tensor_range:
+                continue
+            scope = {**fn.__globals__, "range": _tensor_range}
+            clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+            clone.__kwdefaults__, clone.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+            obj.fn = obj.rewriter.fn = clone
 
 
 # ----------------------------------------------------------------------------- the lanes' declarations

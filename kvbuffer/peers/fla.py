@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from ..validate.adapters import AdapterError, Implementation, describe, interpreter_active
+from ._sources import interpretable_chunk_kernels
 from .engine import engine_adapter
 
 __all__ = ["FlaAdapter", "fla", "fla_pool"]
@@ -34,7 +35,7 @@ class FlaAdapter:
     * ``chunk_gated_delta_rule`` -> ``chunk_gated_delta_rule`` (scalar gates) or ``chunk_kda``
       (per-channel gates), fla's prefill kernels, with fla's own chunk size 64 (the requested size is a
       property of our reference form; fla takes 16/32/64, KDA 32/64).  Under the Triton interpreter they
-      run after ``_interpretable_chunk_kernels`` (each autotuner keeps the first of its configs, and the
+      run after ``interpretable_chunk_kernels`` (each autotuner keeps the first of its configs, and the
       kernels' loop indices are tensors as when compiled); the interpreter multiplies in IEEE float32,
       so there they are a check of fla's chunked algorithm, not of its GPU arithmetic.
     * Every kernel takes ``cu_seqlens`` (int64 offsets, B = 1): the varlen lanes.
@@ -72,7 +73,7 @@ class FlaAdapter:
             "prefill": "fla has no buffer hand-off",
         }
         if self.interpreted:
-            _interpretable_chunk_kernels()
+            interpretable_chunk_kernels({n: m for n, m in sys.modules.items() if n.startswith("fla.ops.")})
         elif not on_gpu:
             self.not_provided["chunk_gated_delta_rule"] = (
                 "fla's chunk kernels (chunk_gated_delta_rule, chunk_kda) run on a GPU or under the Triton "
@@ -113,46 +114,6 @@ class FlaAdapter:
         if g.dim() == 4:
             return self._chunk_kda(q, k, v, g, beta, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, **kw)
         return self._chunk(q, k, v, g, beta, **kw)
-
-
-def _tensor_range(*args):
-    """``range`` whose indices are interpreter tensors (int32), as a compiled kernel's loop indices are:
-    fla's chunk kernels call ``.to()`` on them."""
-    import triton.language as tl
-
-    for i in range(*args):
-        yield tl.full([], i, tl.int32)
-
-
-def _interpretable_chunk_kernels() -> None:
-    """Make fla's chunk kernels run under the Triton interpreter, in this process: every autotuner of
-    ``fla.ops`` keeps the first of its configs (one config runs without the benchmark that needs a GPU;
-    under the interpreter a config changes tiling only, not the arithmetic), and every kernel outside the
-    fused recurrent files runs with loop indices that are tensors (``_tensor_range``, in a copy of its
-    module's globals: the host code keeps Python's ``range``).  Idempotent."""
-    import types
-
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.interpreter import InterpretedFunction
-
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("fla.ops.") or mod is None:
-            continue
-        for obj in list(vars(mod).values()):
-            seen = 0
-            while obj is not None and not isinstance(obj, InterpretedFunction) and seen < 8:
-                if isinstance(obj, Autotuner) and len(obj.configs) > 1:
-                    obj.configs = obj.configs[:1]
-                obj, seen = getattr(obj, "fn", None), seen + 1
-            if not isinstance(obj, InterpretedFunction) or "fused_recurrent" in name:
-                continue
-            fn = obj.fn
-            if fn.__globals__.get("range") is _tensor_range:
-                continue
-            scope = {**fn.__globals__, "range": _tensor_range}
-            clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-            clone.__kwdefaults__, clone.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-            obj.fn = obj.rewriter.fn = clone
 
 
 def _fla_state(S):

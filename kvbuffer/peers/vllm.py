@@ -56,9 +56,9 @@ vLLM's ``query_start_loc``):
 Contracts: the recurrent kernels are elementwise float32 (``tl.sum`` of products, no ``tl.dot``): "ieee".
 The chunk kernel multiplies 16-bit operands in ``tl.dot`` (q, k, v and its WY factors in the inputs' dtype,
 its per-chunk states cast to it) with float32 accumulation: "fp16" for float16 inputs, "bf16" for bfloat16,
-as SGLang's copy of the same kernel.  The
-chunk kernels do not run under the Triton interpreter (``CHUNK_NOT_INTERPRETED``): on the CPU its lanes
-are NOT RUN with that reason.  Not mapped: the KDA kernels and the speculative decode's post-conv kernel
+as SGLang's copy of the same kernel.  Under
+the Triton interpreter the chunk kernels run with each autotuner on its first config and tensor loop indices
+(``_sources.interpretable_chunk_kernels``).  Not mapped: the KDA kernels and the speculative decode's post-conv kernel
 (``fused_gdn_decode_post_conv_mtp``).
 """
 
@@ -76,11 +76,12 @@ import torch
 from kvbuffer_ref.engine_inputs import check_engine_inputs
 
 from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
-from ._sources import dtypes, extract, find, git_version, interpreter_fixes, shims_first, version_in, write_shims
+from ._sources import (dtypes, extract, find, git_version, interpretable_chunk_kernels, interpreter_fixes, shims_first,
+                       version_in, write_shims)
 from .engine import InputsAdapter, engine_adapter, next_pow2, token_rows
 
 __all__ = ["locate", "load_kernels", "VLLMRecurrent", "VLLMInputs", "vllm", "vllm_decode", "vllm_packed",
-           "vllm_inputs", "vllm_chunk", "VLLMChunk", "decode_step", "packed_step", "OPS_DIRS", "CHUNK_NOT_INTERPRETED"]
+           "vllm_inputs", "vllm_chunk", "VLLMChunk", "decode_step", "packed_step", "OPS_DIRS"]
 
 #: Where vLLM keeps its fla copy, newest layout first.
 OPS_DIRS = (Path("vllm/third_party/flash_linear_attention/ops"), Path("vllm/model_executor/layers/fla/ops"))
@@ -292,7 +293,10 @@ def load_kernels(path=None, chunk: bool = False) -> types.SimpleNamespace:
                 pc = importlib.import_module(f"{pkg}.{_POST_CONV}") if (ops / f"{_POST_CONV}.py").is_file() else None
                 ch = importlib.import_module(f"{pkg}.chunk") if chunk and (ops / "chunk.py").is_file() else None
             if interpreter_active():
-                interpreter_fixes({n: m for n, m in sys.modules.items() if n.startswith(pkg + ".")})
+                mods = {n: m for n, m in sys.modules.items() if n.startswith(pkg + ".")}
+                interpreter_fixes(mods)
+                if ch is not None:
+                    interpretable_chunk_kernels(mods)
         except Exception as e:
             raise AdapterError(f"vLLM's kernels from {source} ({ops}): importing them failed: {type(e).__name__}: "
                                f"{e}") from None
@@ -566,21 +570,11 @@ def vllm_inputs():
     return describe(VLLMInputs(k))
 
 
-#: Why the chunk kernels do not run under the Triton interpreter (triton 3.9).
-CHUNK_NOT_INTERPRETED = (
-    "vLLM's chunk kernels do not run under the Triton interpreter (triton 3.9: their autotuners time each "
-    "configuration on a GPU driver, and chunk_delta_h.py calls .to() on a range() loop index, a Python int "
-    "there); run them with --device cuda")
-
-
 def vllm_chunk():
-    """``--impl vllm-chunk``: vLLM's ``chunk_gated_delta_rule`` (chunk, chunk_varlen); NOT RUN under the Triton
-    interpreter (``CHUNK_NOT_INTERPRETED``)."""
+    """``--impl vllm-chunk``: vLLM's ``chunk_gated_delta_rule`` (chunk, chunk_varlen)."""
     k, missing = _load("vllm-chunk", chunk=True)
     if missing:
         return missing
     if k.chunk_gated_delta_rule is None:
         return unavailable(f"vllm {k.version} chunk", f"{k.ops} has no chunk.py")
-    if interpreter_active():
-        return unavailable(f"vllm {k.version} chunk", CHUNK_NOT_INTERPRETED)
     return describe(VLLMChunk(k))
