@@ -503,14 +503,6 @@ def run_lines(data: dict) -> list:
     return lines
 
 
-def _over_correct(r: dict) -> str:
-    """A JSON lane's error over a correct kernel's error at its deciding slice (``LaneResult.baseline``)."""
-    err, base = _num(r.get("worst_rel")), _num(r.get("baseline"))
-    if err is None or base is None:
-        return "–"
-    return f"{err / base:.3g}x" if base > 0 else ("0x" if err == 0 else "inf")
-
-
 def validation_markdown(data: dict, plot: Optional[str] = None, notes: Sequence[str] = ()) -> str:
     """A ``kvbuffer validate`` JSON report as Markdown: which run it is (``run_lines``), the settings,
     one table row per lane (error, budget and their ratio; the reason of every lane not run), each
@@ -534,7 +526,9 @@ def validation_markdown(data: dict, plot: Optional[str] = None, notes: Sequence[
         md.append("| " + " | ".join([
             str(r.get("operation")), str(r.get("implementation")), str(r.get("dtype") or "–"),
             str(r.get("cases")) if ran else "–", _sci(r.get("worst_rel")), _sci(r.get("budget")),
-            "–" if ratio is None else f"{ratio:.3g}", _over_correct(r), status.replace("|", "\\|"),
+            "–" if ratio is None else f"{ratio:.3g}",
+            rep.format_over_correct(rep.over_correct(_num(r.get("worst_rel")), _num(r.get("baseline"))), "–"),
+            status.replace("|", "\\|"),
             f"{_num(r.get('seconds')) or 0:.1f} s" if ran else "–"]) + " |")
     failures = [r for r in data.get("results", []) if r.get("status") in ("FAIL", "ERROR")]
     if failures:

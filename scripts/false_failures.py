@@ -101,12 +101,6 @@ def _impl(name: str):
         f32 = "ieee" if impl.interpreted else "tf32"
         impl.lane_contracts = {(op, dt): {torch.float32: f32, torch.float16: "fp16"}.get(dt, "bf16")
                                for op in ("chunk", "chunk_varlen") for dt in (torch.float32, torch.float16, torch.bfloat16)}
-        # and they zero a reset token's own update (docs/peers.md, the fla finding): compiled (where only its chunk
-        # lanes run apart from the recurrent ones already run on the CPU) and in a run of its chunk lanes alone,
-        # judged on the gates fla's callers give them, finite (-exp(A_log) softplus(...)), so that a failure here
-        # is a false one
-        if not impl.interpreted:
-            impl.gates = "finite"
     return impl
 
 
@@ -195,7 +189,11 @@ def main(argv=None) -> int:
             impl.sizes = dataclasses.replace(impl.sizes, head_shapes=shapes,
                                              name=f"{impl.sizes.name}, head shapes {args.head_shapes}")
     ops = [k for k, _ in lanes.select_ops(args.ops)]
-    if "fla" in impls and set(ops) <= {"chunk", "chunk_varlen"}:
+    if "fla" in impls and (not impls["fla"].interpreted or set(ops) <= {"chunk", "chunk_varlen"}):
+        # fla's chunk kernels zero a reset token's own update (docs/peers.md, the fla finding): compiled (where its
+        # chunk lanes are the ones to run; its recurrent ones run on the CPU) and in a run of its chunk lanes alone,
+        # judged on the gates fla's callers give them, finite (-exp(A_log) softplus(...)), so that a failure here
+        # is a false one
         impls["fla"].gates = "finite"
     dtypes = lanes.parse_dtypes(args.dtype)
     stats = defaultdict(lambda: dict(lanes=0, failed=0, worst=0.0, worst_seed=None, worst_name=None))

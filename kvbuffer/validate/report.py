@@ -17,8 +17,8 @@ import kvbuffer_ref
 
 from .lanes import dtype_name
 
-__all__ = ["LaneResult", "Report", "severity", "over_correct", "table_header", "table_row", "format_table", "replay_command",
-           "format_failure", "write_json"]
+__all__ = ["LaneResult", "Report", "severity", "over_correct", "format_over_correct", "table_header", "table_row",
+           "format_table", "replay_command", "format_failure", "write_json"]
 
 
 @dataclass
@@ -231,19 +231,24 @@ def _margin(r: LaneResult) -> str:
     return "inf" if r.margin == float("inf") else f"{r.margin:.2f}"
 
 
-def over_correct(r: LaneResult) -> Optional[float]:
-    """The deciding comparison's error over a correct kernel's error on the same slice in the declared
-    arithmetic (None when nothing was compared; inf when that kernel was exact and this one was not)."""
-    if r.worst_rel is None or r.baseline is None:
+def over_correct(worst_rel: Optional[float], baseline: Optional[float]) -> Optional[float]:
+    """A lane's deciding error over a correct kernel's error on the same slice in the declared arithmetic
+    (``LaneResult.worst_rel`` / ``LaneResult.baseline``; None when nothing was compared; inf when that kernel
+    was exact and this one was not)."""
+    if worst_rel is None or baseline is None:
         return None
-    if r.baseline > 0:
-        return r.worst_rel / r.baseline
-    return 0.0 if r.worst_rel == 0 else float("inf")
+    if baseline > 0:
+        return worst_rel / baseline
+    return 0.0 if worst_rel == 0 else float("inf")
+
+
+def format_over_correct(x: Optional[float], none: str = "-") -> str:
+    """``over_correct``'s value as the table and ``kvbuffer report`` print it ("3.1x", "inf"; ``none`` for None)."""
+    return none if x is None else "inf" if x == float("inf") else f"{x:.3g}x"
 
 
 def _over_correct(r: LaneResult) -> str:
-    x = over_correct(r)
-    return "-" if x is None else "inf" if x == float("inf") else f"{x:.3g}x"
+    return format_over_correct(over_correct(r.worst_rel, r.baseline))
 
 
 def format_table(report: Report) -> str:

@@ -278,6 +278,13 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
     return res
 
 
+def _record_worst(res: LaneResult, c, op) -> None:
+    """The lane's deciding comparison ``c`` into ``res``: its error, budget, name, margin (error / budget, the
+    gain check's included) and a correct kernel's error on its slice."""
+    res.worst_rel, res.budget, res.worst_comparison = c.worst_rel, c.budget, _lane_named(c.name, op)
+    res.margin, res.baseline = _ratio(c), c.baseline_rel
+
+
 def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: Optional[int], shrink: bool,
               replay: Optional[str], progress=None, edge_part: tuple = (0, 1), finite: bool = False,
               done: frozenset = frozenset()) -> LaneResult:
@@ -472,9 +479,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
             res.klass, res.why = klass, why
             worst = f.get("worst")
             if worst is not None:
-                res.worst_rel, res.budget = worst.worst_rel, worst.budget
-                res.margin, res.baseline = _ratio(worst), worst.baseline_rel
-                res.worst_comparison = _lane_named(worst.name, op)
+                _record_worst(res, worst, op)
             res.failure = dict(
                 case=f["params"].get("case"),
                 params=op_params(f["params"]),
@@ -501,9 +506,7 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
         res.failure = dict(error="[vacuous] no example had an informative comparison (every truth was zero or "
                                  "constant): the lane checked nothing", comparisons=[])
     if res.status == "PASS" and state["worst"] is not None:
-        w = state["worst"]
-        res.worst_rel, res.budget, res.worst_comparison = w.worst_rel, w.budget, _lane_named(w.name, op)
-        res.margin, res.baseline = _ratio(w), w.baseline_rel
+        _record_worst(res, state["worst"], op)
     res.ratios = dict(state["ratios"]) if res.status == "PASS" else None
     if res.status == "FAIL" and not finite and not replay and _on_resets(res):
         _rest_without_resets(res, lambda: _run_lane(
