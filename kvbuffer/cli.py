@@ -52,6 +52,9 @@ examples:
   kvbuffer validate --report precision --impl reference --models all
                                                       # and the models' next-token KL / top-1 with a bf16
                                                       # state or u-cache (needs transformers)
+  kvbuffer validate --report precision --impl reference --impl fla --state-dtype float32,bfloat16 \
+      --models qwen3_5                                # and rows of each --impl's own decode step on a
+                                                      # float32 and a bfloat16 state
 
 An adapter (module:attr) is an object or module with some of the attributes recurrent_gated_delta_rule,
 recurrent_decode, chunk_gated_delta_rule, direct_gated_delta_rule, buffered_decode, flush,
@@ -160,7 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, metavar="N",
                    help="--report precision: decode steps (default 256 on the CPU, 4096 on CUDA)")
     v.add_argument("--state-dtype", metavar="DTYPE", default="float32",
-                   help="--report precision: the dtype of recurrent_decode's state (default float32)")
+                   help="--report precision: the dtype of the state handed to recurrent_decode, or a comma list "
+                        "(a report, and with --models a row per model, for each); default float32.  A peer that "
+                        "keeps a state dtype of its own (flashinfer-bf16: bfloat16) stores that: the report says so")
     v.add_argument("--cache-dtype", metavar="DTYPE", default="float32",
                    help="--report precision: the dtype of buffered_decode's u / v cache (default float32)")
     v.add_argument("--plot", metavar="PNG", help="--report precision: also plot the errors to PNG (needs matplotlib)")
@@ -168,7 +173,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="--report precision: also each model's next-token KL, top-1 agreement and state error of "
                         "bf16 state / u-cache against the fp32 and float64 pools over a generation (tiny configs, "
                         "random weights; needs transformers): 'all' (qwen3_next, qwen3_5, kimi_linear) or a comma "
-                        "list; --steps (default 64 on the CPU, 256 on CUDA)")
+                        "list; --steps (default 64 on the CPU, 256 on CUDA).  Each --impl with a decode step adds a "
+                        "row per --state-dtype: every linear layer's decode steps run by its recurrent_decode (the "
+                        "reference: its recurrence one token at a time) after the fp32 pool's prefill; one not "
+                        "installed is NOT RUN, one without recurrent_decode NOT PROVIDED")
     r = sub.add_parser(
         "report", help="render validation runs' JSON as Markdown (and plots, with matplotlib)",
         description="Render JSON reports as Markdown: the files given (`kvbuffer validate --json PATH` writes "
@@ -381,7 +389,9 @@ def _precision(args, impls, device: str) -> int:
     try:
         dtype = dtype_of(args.dtype or ("bfloat16" if device == "cuda" else "float16"), "--dtype",
                          ("float16", "bfloat16", "float32"))
-        state_dtype = dtype_of(args.state_dtype, "--state-dtype", ("float32", "float16", "bfloat16"))
+        state_dtypes = [dtype_of(t, "--state-dtype", ("float32", "float16", "bfloat16"))
+                        for t in str(args.state_dtype).split(",")]
+        state_dtypes = list(dict.fromkeys(state_dtypes))
         cache_dtype = dtype_of(args.cache_dtype, "--cache-dtype", ("float32", "float16", "bfloat16"))
     except ValueError as e:
         return _bad(str(e))
@@ -389,7 +399,7 @@ def _precision(args, impls, device: str) -> int:
     if steps < 1:
         return _bad(f"--steps: expected a positive integer, got {steps}")
     interpreted = [i.name for i in impls if i.interpreted]
-    if interpreted and torch.bfloat16 in (dtype, state_dtype, cache_dtype):
+    if interpreted and torch.bfloat16 in (dtype, cache_dtype, *state_dtypes):
         return _bad(f"bfloat16 under the Triton interpreter ({', '.join(interpreted)}) is computed wrongly on the "
                     f"CPU: use float16 here, bfloat16 with --device cuda")
     models = []
@@ -407,18 +417,21 @@ def _precision(args, impls, device: str) -> int:
             texts.append(f"# Precision report: {impl.name}\n\nNOT PROVIDED: neither recurrent_decode nor "
                          f"buffered_decode\n")
             continue
-        rep = prec.precision_report(impl, steps=steps, dtype=dtype, device=device, state_dtype=state_dtype,
-                                    cache_dtype=cache_dtype, seed=0 if args.seed is None else args.seed)
-        if dtype not in impl.dtypes:
-            rep["notes"].append(f"{impl.name} does not declare {str(dtype).replace('torch.', '')} inputs "
-                                f"(it declares {', '.join(str(d).replace('torch.', '') for d in impl.dtypes)}): "
-                                f"measured anyway")
-        reports.append(rep)
-        texts.append(prec.precision_markdown(rep, args.plot if args.plot and len(impls) == 1 else None))
+        for state_dtype in state_dtypes:
+            rep = prec.precision_report(impl, steps=steps, dtype=dtype, device=device, state_dtype=state_dtype,
+                                        cache_dtype=cache_dtype, seed=0 if args.seed is None else args.seed)
+            if dtype not in impl.dtypes:
+                rep["notes"].append(f"{impl.name} does not declare {str(dtype).replace('torch.', '')} inputs "
+                                    f"(it declares {', '.join(str(d).replace('torch.', '') for d in impl.dtypes)}): "
+                                    f"measured anyway")
+            reports.append(rep)
+            single = args.plot and len(impls) == 1 and len(state_dtypes) == 1
+            texts.append(prec.precision_markdown(rep, args.plot if single else None))
     model_reports = []
     if models:
         text, model_reports = mprec.models_section(models, steps=args.steps, device=device,
-                                                   seed=0 if args.seed is None else args.seed)
+                                                   seed=0 if args.seed is None else args.seed, impls=impls,
+                                                   state_dtypes=state_dtypes)
         texts.append(text)
     print("\n".join(texts))
     if args.plot and reports:

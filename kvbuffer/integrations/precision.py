@@ -15,6 +15,19 @@ precision differs:
     <lowp> state, C = 1   the state rounded after every token (capacity 1: each decode folds), what an
                       engine storing a 16-bit state in its in-place recurrent step does
 
+and, per implementation given (``peers``: ``peer_servings``, ``kvbuffer validate --report precision --models M
+--impl PEER``), a row of that implementation's own decode step (``PeerServing``):
+
+    <impl> recurrent_decode (state <dtype>)
+                      every linear layer's decode steps run by the implementation's ``recurrent_decode`` on a
+                      state it is handed in ``state_dtype`` (and stores in its own dtype where its engine
+                      convention keeps one: ``validate.precision.stored_state_dtype``).  The prompt is the
+                      fp32 reference pool's (its prefill hand-off, float32): the state after the prompt
+                      (``pool.state_of``) is rounded once into ``state_dtype`` and handed to the
+                      implementation, which then runs every generated token (``PeerDecodePool``).  The
+                      reference (``kvbuffer_ref``, which has no in-place step) is stepped through its own
+                      recurrence one token at a time, the state written back (rounded) after each token.
+
 What is modelled: the model computes in float32 and the pool's operations compute in float32 (at least);
 the 16-bit fields are stored precision only, read exactly and rounded once (round to nearest even) when
 written, as ``kvbuffer_fast``'s kernels store them.  Keys and the cumulative gates G stay float32 (the fast
@@ -43,7 +56,8 @@ import copy
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+import types
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -51,12 +65,14 @@ from kvbuffer_ref.pool import KVPool
 
 from . import transformers as kt
 from .transformers import FAMILIES, KVBufferRunner, family_of
+from ..validate.precision import dtype_name, own_state_dtype, stored_state_dtype
 from ..validate.tolerances import rel_rms_slices
 
 __all__ = ["ServingPrecision", "serving_precisions", "precision_pool", "kl_divergence", "top1_agreement",
            "checkpoints4", "slow_gates", "random_prompts", "serve", "model_precision_report",
            "model_precision_markdown",
-           "DEFAULT_MODELS", "parse_models", "models_section"]
+           "DEFAULT_MODELS", "parse_models", "models_section", "PeerServing", "PeerDecodePool", "peer_pool",
+           "decode_step", "peer_servings"]
 
 #: The models of ``--models all``.
 DEFAULT_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear")
@@ -103,6 +119,171 @@ def precision_pool(pool_cls, sp: ServingPrecision):
         return pool_cls(**kw, dtype=sp.cache_dtype, key_dtype=dtype, state_dtype=sp.state_dtype, **extra)
 
     return build
+
+
+# ----------------------------------------------------------------------------- an implementation's decode steps
+def decode_step(impl) -> tuple[Optional[Callable], str]:
+    """(step, what it is) of an implementation (``validate.adapters.Implementation``): its ``recurrent_decode``
+    (``step(q, k, v, *, g, beta, state, scale)`` updating ``state`` in place, returning o); for the oracle itself
+    (``is_truth``, kvbuffer_ref, which has no in-place step by design) its ``recurrent_gated_delta_rule`` on one
+    token from ``state`` (in at least float32), the final state written back into ``state`` (rounded once into
+    its dtype); (None, why) otherwise."""
+    obj = impl.obj
+    if impl.has("recurrent_decode"):
+        return obj.recurrent_decode, "recurrent_decode"
+    if impl.is_truth and impl.has("recurrent_gated_delta_rule"):
+        rec = obj.recurrent_gated_delta_rule
+
+        def step(q, k, v, *, g, beta, state, scale=None):
+            o, S = rec(q, k, v, g=g, beta=beta, scale=scale,
+                       initial_state=state.to(torch.promote_types(q.dtype, torch.float32)), output_final_state=True)
+            state.copy_(S)
+            return o
+
+        return step, "recurrence, T = 1 per step"
+    why = impl.not_provided.get("recurrent_decode") if isinstance(impl.not_provided, dict) else None
+    return None, why or "no recurrent_decode"
+
+
+class PeerDecodePool:
+    """A serving pool for ``KVBufferRunner`` whose decode steps are an implementation's ``step`` (``decode_step``)
+    on states of its own, one [HV, K, V] state in ``state_dtype`` per (layer, request), handed to ``step`` as the
+    batch's [B, HV, K, V]; q, k, v handed in ``input_dtype`` (g and beta as the model computes them).  Everything
+    else is ``inner``'s, a float32 pool: ``admit`` (the prompt) runs there, and its state after the prompt
+    (``inner.state_of``) becomes the request's state, rounded once into ``state_dtype``.  ``state_of`` gives the
+    implementation's states (in the compute dtype).  Decode only: ``verify``, ``accept``, ``flush`` and ``fork``
+    raise.  The capacity is irrelevant to the decode steps (the inner pool's buffer only holds the prompt's
+    tail, folded into the state handed over)."""
+
+    def __init__(self, inner, step: Callable, *, state_dtype: torch.dtype, input_dtype: torch.dtype,
+                 dtype: torch.dtype = torch.float32):
+        self._inner, self._step = inner, step
+        self.state_dtype, self.input_dtype, self.compute_dtype = state_dtype, input_dtype, dtype
+        self.states = torch.zeros(inner.layers, inner.num_buffer_slots, inner.num_value_heads, inner.head_k_dim,
+                                  inner.head_v_dim, dtype=state_dtype, device=inner.device)
+
+    def __getattr__(self, name):
+        if name == "_inner":  # not set yet (a copy in the making): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def acquire(self, n: int) -> torch.Tensor:
+        got = self._inner.acquire(n)
+        self.states[:, got] = 0
+        return got
+
+    def admit(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, **kw) -> torch.Tensor:
+        o = self._inner.admit(q, k, v, g=g, beta=beta, layer=layer, slots=slots, **kw)
+        s = slots.to(self.states.device).long()
+        s = s[s >= 0]
+        self.states[layer, s] = self._inner.state_of(layer=layer, slots=s).to(self.state_dtype)
+        return o
+
+    def decode(self, q, k, v, *, g, beta, layer: int, slots: torch.Tensor, scale=None) -> torch.Tensor:
+        s = slots.to(self.states.device).long()
+        rows = (s >= 0).nonzero().flatten()
+        sv = s[rows]
+        S = self.states[layer, sv]  # a gathered copy: the step updates it in place
+        dt = self.input_dtype
+        o_rows = self._step(q[rows].to(dt), k[rows].to(dt), v[rows].to(dt), g=g[rows], beta=beta[rows], state=S,
+                            scale=scale)
+        self.states[layer, sv] = S.to(self.state_dtype)
+        o = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
+        o[rows] = o_rows.to(v.dtype)
+        return o
+
+    def state_of(self, *, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        s = slots.to(self.states.device).long()
+        out = torch.zeros(s.shape[0], *self.states.shape[2:], dtype=self.compute_dtype, device=self.states.device)
+        out[s >= 0] = self.states[layer, s[s >= 0]].to(out.dtype)
+        return out
+
+    def _decode_only(self, *a, **kw):
+        raise NotImplementedError("PeerDecodePool serves prompts and decode steps only (no speculative decoding)")
+
+    verify = accept = flush = fork = _decode_only
+
+
+def peer_pool(pool_cls, step: Callable, *, state_dtype: torch.dtype, input_dtype: torch.dtype):
+    """A pool constructor for ``KVBufferRunner(pool_cls=...)``: a ``PeerDecodePool`` around a float32
+    ``pool_cls`` pool (``precision_pool`` of the fp32 precision) for the prompts."""
+    inner = precision_pool(pool_cls, ServingPrecision("fp32"))
+
+    def build(*, dtype, **kw):
+        return PeerDecodePool(inner(dtype=dtype, **kw), step, state_dtype=state_dtype, input_dtype=input_dtype,
+                              dtype=dtype)
+
+    return build
+
+
+@dataclass(frozen=True)
+class PeerServing:
+    """An implementation's decode steps as a row of the model report (``peer_servings``): ``name`` (the row),
+    ``implementation`` (its name), ``op`` (``decode_step``'s what), ``step``, the ``state_dtype`` it is handed,
+    the ``stored_dtype`` it is stored in (``stored_state_dtype``), the ``input_dtype`` of q, k, v;
+    ``impl`` the ``Implementation`` (its declarations: per-channel gates, ``declines``)."""
+
+    name: str
+    implementation: str
+    op: str
+    step: Any
+    state_dtype: torch.dtype
+    stored_dtype: torch.dtype
+    input_dtype: torch.dtype
+    impl: Any = None
+
+    def refuses(self, model_type: str, heads: tuple) -> str:
+        """Why the implementation cannot serve ``model_type``'s linear layers (heads (H, HV, K, V)), "" where it
+        can: per-channel (KDA) gates it does not take, or shapes its ``declines`` refuses."""
+        fam = FAMILIES[model_type]
+        impl = self.impl
+        if impl is None:
+            return ""
+        if fam.channel_gate and not impl.supports_channel_gate(("recurrent_decode",)):
+            return f"{self.implementation} takes no per-channel (KDA) gates in recurrent_decode"
+        if impl.declines is not None:
+            H, HV, K, V = heads
+            case = types.SimpleNamespace(B=2, T=1, H=H, HV=HV, K=K, V=V, channel_gate=fam.channel_gate)
+            try:
+                why = impl.declines(case, "recurrent_decode")
+            except Exception:  # noqa: BLE001 - a declines that reads more of a case than this one has: not refused
+                why = ""
+            if why:
+                return why
+        return ""
+
+
+def _input_dtype(impl, device) -> torch.dtype:
+    """q, k, v for the implementation: float32 where it declares float32 (the model computes in float32), else
+    the 16-bit dtype it declares (bfloat16 first on CUDA, float16 first on the CPU)."""
+    if torch.float32 in impl.dtypes:
+        return torch.float32
+    order = (torch.bfloat16, torch.float16) if str(device).startswith("cuda") else (torch.float16, torch.bfloat16)
+    return next((d for d in order if d in impl.dtypes), impl.dtypes[0])
+
+
+def peer_servings(impls: Sequence, state_dtypes: Sequence[torch.dtype] = (torch.float32,), *,
+                  device="cpu") -> tuple[list, list]:
+    """The rows of ``impls`` (``validate.adapters.Implementation``): (``PeerServing`` per implementation that
+    has a decode step and per state dtype, lines [(name, "NOT RUN" | "NOT PROVIDED", reason)] for the others)."""
+    rows, lines = [], []
+    for impl in impls:
+        if impl.unavailable:
+            lines.append((impl.name, "NOT RUN", impl.unavailable))
+            continue
+        step, op = decode_step(impl)
+        if step is None:
+            lines.append((impl.name, "NOT PROVIDED", op))
+            continue
+        impl.prepare()
+        inputs = _input_dtype(impl, device)
+        for sd in state_dtypes:
+            stored = stored_state_dtype(impl, sd)
+            what = _short(stored) + ("" if stored == sd else f", its own; handed {_short(sd)}")
+            extra = "" if inputs == torch.float32 else f", {_short(inputs)} q/k/v"
+            rows.append(PeerServing(f"{impl.name} {op} (state {what}{extra})", impl.name, op, step, sd, stored,
+                                    inputs, impl))
+    return rows, lines
 
 
 def kl_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
@@ -171,14 +352,15 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int, device=None) 
 
 @torch.no_grad()
 def serve(model, input_ids, attention_mask, *, steps: int, sp: ServingPrecision, capacity: int, pool_cls=KVPool,
-          tokens: Optional[torch.Tensor] = None, marks: Sequence[int] = ()) -> tuple:
+          tokens: Optional[torch.Tensor] = None, marks: Sequence[int] = (), pool: Optional[Callable] = None) -> tuple:
     """One generation of ``steps`` tokens of ``model`` (in the dtype it is in) through a pool of ``sp``'s
     precision and capacity (``sp.capacity`` or ``capacity``), greedy, or teacher-forced on ``tokens``
     [B, steps].  Returns (tokens [B, steps], logits [B, steps, vocab] float64, states {n: [L, B, HV, K, V]
     float64 on the CPU}: at each step n of ``marks``, every linear layer's current state (``state_of``) that
-    the n-th distribution was read from)."""
+    the n-th distribution was read from).  ``pool``: a ready pool constructor (``peer_pool``) instead of
+    ``precision_pool(pool_cls, sp)``."""
 
-    runner = KVBufferRunner(model, capacity=sp.capacity or capacity, pool_cls=precision_pool(pool_cls, sp),
+    runner = KVBufferRunner(model, capacity=sp.capacity or capacity, pool_cls=pool or precision_pool(pool_cls, sp),
                             max_requests=input_ids.shape[0])
     pool, states, want = runner.pool, {}, set(marks)
 
@@ -230,7 +412,8 @@ def _against(logits: torch.Tensor, ref_logits: torch.Tensor, states: dict, ref_s
 def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 16, batch: int = 2,
                            prompt_length: int = 24, seed: int = 0, lowp: torch.dtype = torch.bfloat16,
                            precisions: Optional[Sequence[ServingPrecision]] = None, pool_cls=None, device=None,
-                           gates: str = "slow", model=None) -> dict:
+                           gates: str = "slow", model=None, peers: Sequence[PeerServing] = (),
+                           peer_lines: Sequence[tuple] = ()) -> dict:
     """The next-token KL, top-1 agreement and state error of every serving precision (default
     ``serving_precisions(lowp)``, which must hold one ``float64`` precision and one named ``fp32``, the
     reference) over ``steps`` generated tokens of ``batch`` random prompts of ``prompt_length`` tokens
@@ -238,7 +421,9 @@ def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 
     is; default ``build_model(model_type, seed=seed)`` (the tiny config, random weights) with ``gates``
     "slow" (``slow_gates``) or "model" (transformers' own init); ``pool_cls`` serves the
     float32-compute runs (default ``kvbuffer_ref.KVPool``; the float64 run always uses it), on ``device``
-    (default the CPU).  A JSON-ready dict; ``model_precision_markdown`` renders it."""
+    (default the CPU).  ``peers`` (``peer_servings``): a row per implementation's decode step, teacher-forced
+    as the others; one it refuses for this model (``PeerServing.refuses``) and ``peer_lines`` become the
+    report's NOT RUN / NOT PROVIDED lines.  A JSON-ready dict; ``model_precision_markdown`` renders it."""
 
     precisions = list(precisions or serving_precisions(lowp))
     names = [sp.name for sp in precisions]
@@ -268,6 +453,20 @@ def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 
         m, cls = (model64, KVPool) if sp.float64 else (model, pool_cls)
         runs[sp.name] = serve(m, ids, mask, steps=steps, sp=sp, capacity=capacity, pool_cls=cls, tokens=tokens,
                               marks=marks)
+    lines = [dict(implementation=n, status=st, reason=why) for n, st, why in peer_lines]
+    heads = family_of(model).heads(model.config)
+    served = []
+    for pr in peers:
+        if pr.name in runs:
+            raise ValueError(f"peers: the row {pr.name!r} is named twice (or as a precision)")
+        why = pr.refuses(family_of(model).model_type, heads)
+        if why:
+            lines.append(dict(implementation=pr.name, status="NOT RUN", reason=why))
+            continue
+        build = peer_pool(pool_cls, pr.step, state_dtype=pr.state_dtype, input_dtype=pr.input_dtype)
+        runs[pr.name] = serve(model, ids, mask, steps=steps, sp=ref, capacity=capacity, tokens=tokens, marks=marks,
+                              pool=build)
+        served.append(pr)
     truth = next(sp.name for sp in precisions if sp.float64)
     _, ref_logits, ref_states = runs["fp32"]
     _, t_logits, t_states = runs[truth]
@@ -282,6 +481,28 @@ def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 
                                capacity=sp.capacity or capacity,
                                vs_fp32=_against(logits, ref_logits, states, ref_states, marks),
                                vs_float64=_against(logits, t_logits, states, t_states, marks))
+    for pr in served:
+        _, logits, states = runs[pr.name]
+        series[pr.name] = dict(state_dtype=_short(pr.stored_dtype), handed_state_dtype=_short(pr.state_dtype),
+                               cache_dtype=None, capacity=None, implementation=pr.implementation, op=pr.op,
+                               input_dtype=_short(pr.input_dtype),
+                               vs_fp32=_against(logits, ref_logits, states, ref_states, marks),
+                               vs_float64=_against(logits, t_logits, states, t_states, marks))
+    notes = []
+    if served:
+        notes.append("implementation rows: the prompt is the fp32 reference pool's prefill (float32 state); its "
+                     "final state is rounded once into the row's state dtype and handed to the implementation, "
+                     "whose decode step then runs every generated token of every linear-attention layer "
+                     "(teacher-forced like the other rows); g and beta as the model computes them (float32)")
+        if any(pr.impl is not None and pr.impl.qk_l2norm for pr in served):
+            notes.append("an implementation that L2-normalises q and k itself normalises the model's already "
+                         "normalised rows again (x / sqrt(|x|^2 + 1e-6): a relative change of about 5e-7)")
+        raw = sorted({pr.implementation for pr in served if pr.impl is not None and pr.impl.raw_gate_dtype})
+        if raw:
+            notes.append(f"{', '.join(raw)}: raw-gated (engine convention): g and beta are handed over as raw "
+                         f"gates a, b under the adapter's fixed A_log and dt_bias, in the dtype it declares "
+                         f"(raw_gate_dtype), so the gates it computes are those of the rounded a and b, not the "
+                         f"model's own A_log and dt_bias")
     cfg = model.config
     return dict(tool="kvbuffer validate --report precision --models", model=model_type,
                 config=dict(hidden_size=cfg.hidden_size, layers=cfg.num_hidden_layers, vocab=vocab,
@@ -289,7 +510,7 @@ def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 
                 gates=gates, seed=seed, batch=batch, prompt_length=prompt_length, steps=steps, capacity=capacity,
                 lowp=_short(lowp), pool=f"{pool_cls.__module__}.{pool_cls.__name__}",
                 device=str(ids.device), checkpoints=marks, reference_entropy=entropy, uniform_entropy=math.log(vocab),
-                tokens=tokens.tolist(), series=series)
+                tokens=tokens.tolist(), series=series, notes=notes, peers=lines)
 
 
 def _e(x) -> str:
@@ -315,7 +536,8 @@ def model_precision_markdown(rep: dict) -> str:
           f"{rep['uniform_entropy']:.3f}); KL grows with the square of the logits' spread, so sharper (trained) "
           f"models show larger KL for the same state error",
           "- KL in nats; logits: worst (request, step) rel-RMS; state: worst (layer, request, value head) "
-          "rel-RMS of the current state", "",
+          "rel-RMS of the current state"] + [f"- {n}" for n in rep.get("notes", [])] + [
+          f"- {x['implementation']}: {x['status']}: {x['reason']}" for x in rep.get("peers", [])] + ["",
           "| precision | KL vs float64: mean | max | top-1 = float64 | KL vs fp32: mean | max | top-1 = fp32 "
           "| logits vs fp32 (worst) | state vs float64 (worst) | state vs fp32 (worst) |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -347,11 +569,13 @@ def parse_models(text: str) -> list[str]:
     return names
 
 
-def models_section(models: Sequence[str], *, steps: Optional[int], device: str, seed: int) -> tuple[str, list]:
+def models_section(models: Sequence[str], *, steps: Optional[int], device: str, seed: int, impls: Sequence = (),
+                   state_dtypes: Sequence[torch.dtype] = (torch.float32,)) -> tuple[str, list]:
     """The model part of ``kvbuffer validate --report precision --models``: (Markdown, reports).  ``steps``
     None: 64 on the CPU, 256 on CUDA.  The pool: ``kvbuffer_ref.KVPool`` on the CPU,
-    ``kvbuffer_fast.pool.KVPool`` on CUDA.  Without a usable transformers, one line saying why and no
-    reports."""
+    ``kvbuffer_fast.pool.KVPool`` on CUDA.  ``impls`` (``validate.adapters.Implementation``): each adds a row
+    per state dtype of ``state_dtypes`` to every model's table (``peer_servings``), or a NOT RUN / NOT PROVIDED
+    line.  Without a usable transformers, one line saying why and no reports."""
 
     try:
         kt._transformers()
@@ -362,11 +586,13 @@ def models_section(models: Sequence[str], *, steps: Optional[int], device: str, 
     if device == "cuda":
         from kvbuffer_fast.pool import KVPool as pool_cls  # here: triton is optional, and CUDA only
     steps = steps or (256 if device == "cuda" else 64)
+    peers, lines = peer_servings(impls, state_dtypes, device=device)
     threads = torch.get_num_threads()
     if device != "cuda":
         torch.set_num_threads(1)  # tiny matrices: one thread is several times faster on a busy CPU
     try:
-        reports = [model_precision_report(m, steps=steps, seed=seed, pool_cls=pool_cls, device=device)
+        reports = [model_precision_report(m, steps=steps, seed=seed, pool_cls=pool_cls, device=device, peers=peers,
+                                          peer_lines=lines)
                    for m in models]
     finally:
         torch.set_num_threads(threads)

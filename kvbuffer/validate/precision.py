@@ -12,8 +12,12 @@ outputs and state are compared with the float64 recurrence on the same (rounded)
 
 and each implementation's decode operations that it provides:
 
-    recurrent_decode        the in-place step, its state in ``state_dtype`` (float32 by default; a 16-bit
-                            state is what an engine storing bf16 states runs)
+    recurrent_decode        the in-place step, its state handed over in ``state_dtype`` (float32 by default;
+                            a 16-bit state is what an engine storing bf16 states runs).  A peer in an engine
+                            convention that keeps a state dtype of its own (``peers.engine.Convention``'s
+                            ``state_dtype``: flashinfer-bf16's bfloat16 pool) rounds the state into it on
+                            every step whatever it is handed: the report states the dtype the state is
+                            really stored in (``stored_state_dtype``)
     buffered_decode         decode into a buffer of ``capacity`` rows (its u / v cache in ``cache_dtype``)
                             that folds into the state whenever it is full, as serving runs it; its state
                             after n steps is ``materialize_state`` when provided
@@ -40,7 +44,35 @@ from .contracts import recurrent_bf16_state
 from .tolerances import rel_rms_slices
 
 __all__ = ["checkpoints", "decode_inputs", "precision_report", "precision_markdown", "plot_precision",
-           "write_precision_json"]
+           "write_precision_json", "own_state_dtype", "stored_state_dtype", "dtype_name"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def own_state_dtype(impl) -> Optional[torch.dtype]:
+    """The dtype an implementation stores its recurrent state in by itself, whatever state it is handed: the
+    engine convention's ``state_dtype`` (``peers.engine.engine_adapter``: its ``recurrent_decode`` converts the
+    state it is handed into that dtype for the kernel and copies the kernel's state back, so it is rounded into
+    it every step; flashinfer-bf16: bfloat16), or None where the implementation keeps the state it is handed
+    (``recurrent_decode`` updates the caller's tensor in its dtype)."""
+    conv = getattr(getattr(impl, "obj", impl), "conv", None)
+    dt = getattr(conv, "state_dtype", None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def stored_state_dtype(impl, handed: torch.dtype) -> torch.dtype:
+    """The coarsest precision the state goes through per decode step: the ``handed`` state's dtype, or the
+    implementation's own (``own_state_dtype``) where that is coarser (a bfloat16 pool handed a float32 state
+    stores bfloat16).  Two different 16-bit dtypes: the implementation's own (both roundings happen; the
+    report names both)."""
+    own = own_state_dtype(impl)
+    if own is None or own == handed:
+        return handed
+    if own.itemsize < handed.itemsize or (own.itemsize == handed.itemsize and own != handed):
+        return own
+    return handed
 
 
 def checkpoints(steps: int) -> list[int]:
@@ -135,6 +167,12 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
     if impl is not None:
         impl.prepare()
         obj = impl.obj
+        own = own_state_dtype(impl)
+        if impl.has("recurrent_decode") and own is not None and own != state_dtype:
+            notes.append(f"{impl.name} stores its recurrent state in {dtype_name(own)} itself (its engine "
+                         f"convention's state_dtype): the {dtype_name(state_dtype)} state it is handed is rounded "
+                         f"into {dtype_name(own)} at every step, so its state is stored in "
+                         f"{dtype_name(stored_state_dtype(impl, state_dtype))}")
         if impl.has("recurrent_decode"):
             state = torch.zeros(B, HV, K, V, dtype=state_dtype, device=device)
             outs, states = [], {}
@@ -163,7 +201,8 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
     base = series["fp32 recurrence"]
     return dict(tool="kvbuffer validate --report precision", implementation=None if impl is None else impl.name,
                 steps=marks, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                state_dtype=str(state_dtype).replace("torch.", ""), cache_dtype=str(cache_dtype).replace("torch.", ""),
+                state_dtype=dtype_name(state_dtype), cache_dtype=dtype_name(cache_dtype),
+                stored_state_dtype=dtype_name(state_dtype if impl is None else stored_state_dtype(impl, state_dtype)),
                 capacity=capacity, shape=dict(B=B, H=H, HV=HV, K=K, V=V), seed=seed, gate_min=gate_min,
                 series=series, notes=notes,
                 ratio_to_fp32={key: {name: [None if b in (None, 0) or a is None else a / b
@@ -176,6 +215,14 @@ def _e(x) -> str:
     return "–" if x is None else f"{x:.2e}"
 
 
+def _stored(rep: dict) -> str:
+    """The recurrent_decode state's dtype as stated: the stored one, and the handed one where they differ."""
+    stored = rep.get("stored_state_dtype", rep["state_dtype"])
+    if stored == rep["state_dtype"]:
+        return stored
+    return f"{stored} (stored so by the implementation itself; handed over in {rep['state_dtype']})"
+
+
 def precision_markdown(rep: dict, plot: Optional[str] = None) -> str:
     """The report as Markdown: the settings, then two tables (outputs, states) of one row per checkpoint with
     each series' error and its ratio to the fp32 recurrence's."""
@@ -183,7 +230,7 @@ def precision_markdown(rep: dict, plot: Optional[str] = None) -> str:
     names = list(rep["series"])
     md = [f"# Precision report: {rep.get('implementation') or 'the reference points'}", "",
           f"- {rep['dtype']} inputs (g, beta float32), device {rep['device']}; recurrent_decode state "
-          f"{rep['state_dtype']}, buffered_decode cache {rep['cache_dtype']} with C = {rep['capacity']}",
+          f"{_stored(rep)}, buffered_decode cache {rep['cache_dtype']} with C = {rep['capacity']}",
           f"- B = {s['B']}, H = {s['H']}, HV = {s['HV']}, K = {s['K']}, V = {s['V']}; log-gates U({rep['gate_min']}, 0), "
           f"beta U(0, 1), unit q and k; seed {rep['seed']}",
           "- Error: worst-slice relative RMS against the float64 recurrence on the same rounded inputs; `o` of the "
