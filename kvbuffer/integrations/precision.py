@@ -464,8 +464,13 @@ def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 
             lines.append(dict(implementation=pr.name, status="NOT RUN", reason=why))
             continue
         build = peer_pool(pool_cls, pr.step, state_dtype=pr.state_dtype, input_dtype=pr.input_dtype)
-        runs[pr.name] = serve(model, ids, mask, steps=steps, sp=ref, capacity=capacity, tokens=tokens, marks=marks,
-                              pool=build)
+        try:
+            runs[pr.name] = serve(model, ids, mask, steps=steps, sp=ref, capacity=capacity, tokens=tokens,
+                                  marks=marks, pool=build)
+        except (TypeError, ValueError, NotImplementedError) as e:  # it refuses the state or inputs it is handed
+            lines.append(dict(implementation=pr.name, status="NOT RUN",
+                              reason=f"its {pr.op} raised {type(e).__name__}: {e}"))
+            continue
         served.append(pr)
     truth = next(sp.name for sp in precisions if sp.float64)
     _, ref_logits, ref_states = runs["fp32"]

@@ -176,11 +176,16 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
         if impl.has("recurrent_decode"):
             state = torch.zeros(B, HV, K, V, dtype=state_dtype, device=device)
             outs, states = [], {}
-            for t in range(steps):
-                outs.append(obj.recurrent_decode(**_tok(xin, t), state=state))
-                if t + 1 in marks:
-                    states[t + 1] = state.clone()
-            series[f"{impl.name} recurrent_decode"] = _errors(outs, states, o64, S64, marks)
+            try:
+                for t in range(steps):
+                    outs.append(obj.recurrent_decode(**_tok(xin, t), state=state))
+                    if t + 1 in marks:
+                        states[t + 1] = state.clone()
+            except (TypeError, ValueError, NotImplementedError) as e:  # it refuses the state (or inputs) it is handed
+                notes.append(f"{impl.name}: recurrent_decode NOT RUN on a {dtype_name(state_dtype)} state: it raised "
+                             f"at step {t + 1}: {type(e).__name__}: {e}")
+            else:
+                series[f"{impl.name} recurrent_decode"] = _errors(outs, states, o64, S64, marks)
         else:
             notes.append(f"{impl.name}: no recurrent_decode")
         if impl.has("buffered_decode"):

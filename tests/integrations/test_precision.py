@@ -151,3 +151,159 @@ def test_without_transformers_the_model_table_is_skipped_with_a_line(capsys, mon
                     "--models", "all"])
     out = capsys.readouterr().out
     assert rc == 0 and "Next-token precision: skipped" in out and "needs HF transformers" in out
+
+
+# ----------------------------------------------------------------------------- implementations' own decode steps
+from kvbuffer import implementations  # noqa: E402
+from kvbuffer.validate import adapters as kadapters  # noqa: E402
+
+ADAPTERS = "tests.validate.adapters_for_tests"
+BF16_C1 = next(sp for sp in mp.serving_precisions() if sp.name == "bf16 state, C = 1")
+
+
+def _peer_report(impls, state_dtypes=(torch.float32,), steps=10, extra=(), model_type="qwen3_5"):
+    peers, lines = mp.peer_servings(impls, state_dtypes)
+    return mp.model_precision_report(model_type, steps=steps, precisions=mp.serving_precisions()[:2] + list(extra),
+                                     model=model(model_type), peers=peers, peer_lines=lines)
+
+
+def test_the_reference_step_on_a_bf16_state_is_the_pool_rounding_after_every_token():
+    """``--impl reference`` with a float32 and a bfloat16 state: the float32 row stays at float32 rounding (so
+    the prompt's state was handed over: a zero state would be off by 100%), the bfloat16 row's KL is far
+    above it, and it lands on the pool's bf16 state at C = 1, which rounds the state after every token too."""
+    rep = _peer_report([implementations.reference()], (torch.float32, torch.bfloat16), extra=[BF16_C1])
+    s = rep["series"]
+    r32 = s["kvbuffer_ref recurrence, T = 1 per step (state fp32)"]
+    r16 = s["kvbuffer_ref recurrence, T = 1 per step (state bf16)"]
+    fp32 = s["fp32"]["vs_float64"]
+    assert r32["state_dtype"] == "fp32" and r16["state_dtype"] == "bf16"
+    assert r32["vs_fp32"]["state_rel_max"] < 1e-5 and r32["vs_fp32"]["kl_max"] < 1e-13
+    assert r32["vs_fp32"]["checkpoints"]["state_rel"][0] < 1e-6  # step 1: the prompt's state, handed over
+    assert r16["vs_fp32"]["kl_mean"] > 1e4 * max(r32["vs_fp32"]["kl_max"], fp32["kl_max"])
+    assert r16["vs_fp32"]["state_rel_max"] > 1e-3
+    c1 = s["bf16 state, C = 1"]["vs_fp32"]
+    assert 0.8 < r16["vs_fp32"]["kl_mean"] / c1["kl_mean"] < 1.25
+    assert 0.8 < r16["vs_fp32"]["state_rel_max"] / c1["state_rel_max"] < 1.25
+    md = mp.model_precision_markdown(rep)
+    assert "| kvbuffer_ref recurrence, T = 1 per step (state bf16) |" in md and "prefill" in md
+
+
+def _scaled_q(q, k, v, *, g, beta, state, scale=None):
+    """A decode step 1% off: q scaled by 1.01."""
+    import kvbuffer_ref as ref
+
+    o, S = ref.recurrent_gated_delta_rule(1.01 * q.float(), k.float(), v.float(), g=g.float(), beta=beta.float(),
+                                          scale=scale, initial_state=state.float(), output_final_state=True)
+    state.copy_(S)
+    return o.to(v.dtype)
+
+
+def test_a_peer_rounding_its_state_or_scaling_q_shows_in_its_row():
+    """Fakes handed a float32 state: a correct step stays at float32 rounding; one that rounds its state to
+    bfloat16 after every token, and one that scales q by 1.01, have KLs orders of magnitude above it."""
+    import types
+
+    good, bf16 = (implementations.resolve(f"{ADAPTERS}:{n}") for n in ("decode_fp32", "decode_bf16_state"))
+    wrong = kadapters.describe(types.SimpleNamespace(name="q-times-1.01", recurrent_decode=_scaled_q))
+    s = _peer_report([good, bf16, wrong])["series"]
+    ok = s["decode-fp32 recurrent_decode (state fp32)"]["vs_fp32"]
+    rounds = s["decode-bf16-state recurrent_decode (state fp32)"]["vs_fp32"]
+    off = s["q-times-1.01 recurrent_decode (state fp32)"]["vs_fp32"]
+    assert ok["kl_max"] < 1e-13 and ok["state_rel_max"] < 1e-5
+    assert rounds["kl_mean"] > 1e4 * ok["kl_max"] and rounds["state_rel_max"] > 1e-3
+    assert off["kl_mean"] > 1e4 * ok["kl_max"] and off["logit_rel_max"] > 100 * ok["logit_rel_max"]
+
+
+def test_fla_float16_state_under_the_interpreter():
+    """fla's fused_recurrent kernel (Triton interpreter) on a float32 state agrees with the fp32 pool to float32
+    rounding; on a float16 state its KL is far larger."""
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core not installed (pip install 'kvbuffer[crosscheck]')")
+    from kvbuffer.peers.fla import fla
+
+    impl = fla()
+    if not impl.interpreted and not torch.cuda.is_available():
+        pytest.skip("fla's kernels need a GPU or TRITON_INTERPRET=1")
+    s = _peer_report([impl], (torch.float32, torch.float16), steps=6)["series"]
+    r32, r16 = (s[f"{impl.name} recurrent_decode (state {d})"]["vs_fp32"] for d in ("fp32", "fp16"))
+    assert r32["kl_max"] < 1e-13 and r32["state_rel_max"] < 1e-5
+    assert r16["kl_mean"] > 100 * r32["kl_max"] and r16["state_rel_max"] > 1e-4
+
+
+def test_unavailable_and_stepless_implementations_are_listed_not_dropped():
+    """One not installed: NOT RUN with its reason; one without recurrent_decode: NOT PROVIDED; one whose step
+    refuses the state it is handed (TypeError): NOT RUN with the error; per-channel gates it does not take
+    (Kimi): NOT RUN."""
+    import types
+
+    gone = kadapters.unavailable("gone-peer", "not installed here")
+    chunk_only = kadapters.describe(types.SimpleNamespace(
+        name="chunk-only", chunk_gated_delta_rule=lambda *a, **k: None,
+        not_provided={"recurrent_decode": "a prefill kernel only"}))
+
+    def refuse(q, k, v, *, g, beta, state, scale=None):
+        raise TypeError(f"state: float32 only, got {state.dtype}")
+
+    picky = kadapters.describe(types.SimpleNamespace(name="picky", recurrent_decode=refuse))
+    scalar = kadapters.describe(types.SimpleNamespace(name="scalar-gates", recurrent_decode=refuse,
+                                                      channel_gate=False))
+    rep = _peer_report([gone, chunk_only, picky, scalar], steps=3, model_type="kimi_linear")
+    got = {(x["implementation"], x["status"]) for x in rep["peers"]}
+    assert got == {("gone-peer", "NOT RUN"), ("chunk-only", "NOT PROVIDED"),
+                   ("picky recurrent_decode (state fp32)", "NOT RUN"),
+                   ("scalar-gates recurrent_decode (state fp32)", "NOT RUN")}
+    reasons = {x["implementation"]: x["reason"] for x in rep["peers"]}
+    assert reasons["gone-peer"] == "not installed here" and reasons["chunk-only"] == "a prefill kernel only"
+    assert "TypeError: state: float32 only" in reasons["picky recurrent_decode (state fp32)"]
+    assert "per-channel" in reasons["scalar-gates recurrent_decode (state fp32)"]
+    assert set(rep["series"]) == {"fp32"}
+    md = mp.model_precision_markdown(rep)
+    assert "- gone-peer: NOT RUN: not installed here" in md and "- chunk-only: NOT PROVIDED: a prefill kernel only" in md
+
+
+def test_the_command_adds_a_row_per_impl_and_state_dtype(capsys, tmp_path):
+    js = tmp_path / "p.json"
+    rc = kcli.main(["validate", "--report", "precision", "--impl", "reference", "--impl", "flashinfer",
+                    "--device", "cpu", "--steps", "3", "--state-dtype", "float32,bfloat16", "--models", "qwen3_5",
+                    "--json", str(js)])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    assert "| kvbuffer_ref recurrence, T = 1 per step (state fp32) |" in out.out
+    assert "| kvbuffer_ref recurrence, T = 1 per step (state bf16) |" in out.out
+    data = json.loads(js.read_text())
+    series = data["models"][0]["series"]
+    assert series["kvbuffer_ref recurrence, T = 1 per step (state bf16)"]["state_dtype"] == "bf16"
+    if importlib.util.find_spec("flashinfer") is None:
+        assert "- flashinfer: NOT RUN: " in out.out
+        assert [x["status"] for x in data["models"][0]["peers"]] == ["NOT RUN"]
+
+
+from tests.validate.test_flashinfer_peers import fake_flashinfer  # noqa: E402,F401 - a fake flashinfer package
+
+
+def test_a_peer_with_its_own_bf16_pool_is_a_bf16_row(fake_flashinfer):  # noqa: F811
+    """flashinfer-bf16 (through the fake package: FlashInfer is CUDA-only) handed a float32 state stores bfloat16:
+    its row says so.  Both FlashInfer rows take bfloat16 q, k, v and raw gates (the inputs' rounding is in both
+    rows), so the bfloat16 pool is measured against the float32 pool's run on the same inputs: its states
+    differ by bfloat16 rounding, where a second float32-pool run differs by nothing."""
+    from kvbuffer.peers import flashinfer as FI
+
+    rep = _peer_report([FI.flashinfer(), FI.flashinfer_bf16()], steps=4)
+    s = rep["series"]
+    f32 = next(v for k, v in s.items() if "float32 pool" in k)
+    b16 = next(v for k, v in s.items() if "bfloat16 pool" in k)
+    name16 = next(k for k in s if "bfloat16 pool" in k)
+    assert name16.endswith("(state bf16, its own; handed fp32, bf16 q/k/v)"), name16
+    assert b16["state_dtype"] == "bf16" and b16["handed_state_dtype"] == "fp32" and f32["state_dtype"] == "fp32"
+    assert any("raw-gated" in n for n in rep["notes"]) and any("L2-normalises" in n for n in rep["notes"])
+    peers, _ = mp.peer_servings([FI.flashinfer(), FI.flashinfer_bf16()])
+    m = model("qwen3_5")
+    ids, mask = mp.random_prompts(2, 24, m.config.vocab_size, 0)
+    fp32 = mp.serving_precisions()[1]
+    tok, _, _ = mp.serve(m, ids, mask, steps=4, sp=fp32, capacity=16)
+    runs = [mp.serve(m, ids, mask, steps=4, sp=fp32, capacity=16, tokens=tok, marks=[4],
+                     pool=mp.peer_pool(mp.KVPool, p.step, state_dtype=p.state_dtype, input_dtype=p.input_dtype))[2][4]
+            for p in (peers[0], peers[0], peers[1])]
+    assert torch.equal(runs[0], runs[1])
+    diff = float(max(mp.rel_rms_slices(runs[2][i], runs[0][i], 1).max() for i in range(runs[0].shape[0])))
+    assert 1e-4 < diff < 3e-2, diff

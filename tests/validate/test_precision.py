@@ -114,3 +114,31 @@ def test_an_implementation_that_normalises_q_and_k_is_measured_on_the_normalised
     rep = prec.precision_report(impl, steps=64)
     assert any("L2-normalised" in n for n in rep["notes"])
     assert max(rep["ratio_to_fp32"]["state"]["normalising recurrent_decode"]) <= KAPPA32
+
+
+from .test_flashinfer_peers import fake_flashinfer  # noqa: E402,F401 - the fixture: a fake flashinfer package
+
+
+def test_a_peer_keeping_its_own_bf16_state_is_reported_so(fake_flashinfer, capsys):  # noqa: F811
+    """flashinfer-bf16 keeps a bfloat16 pool whatever state it is handed (its engine convention's state_dtype): the
+    report states a bfloat16 state, and its state error is the bf16-state recurrence's, not the fp32 one's;
+    flashinfer (a float32 pool) handed a float32 state is stated float32 and stays at float32 rounding.  FlashInfer
+    is CUDA-only: a fake package computes its kernels' arithmetic in float64 here."""
+    from kvbuffer.peers import flashinfer as FI
+
+    rep = prec.precision_report(FI.flashinfer_bf16(), steps=16, dtype=torch.bfloat16)
+    assert rep["state_dtype"] == "float32" and rep["stored_state_dtype"] == "bfloat16"
+    assert any("stores its recurrent state in bfloat16 itself" in n for n in rep["notes"])
+    s = rep["series"]
+    mine = next(v for k, v in s.items() if k.endswith("recurrent_decode"))["state"]
+    fp32, bf16 = s["fp32 recurrence"]["state"], s["bf16-state recurrence"]["state"]
+    assert all(0.2 * b < a < 5 * b for a, b in zip(mine, bf16)) and min(mine) > 100 * max(fp32)
+    assert "recurrent_decode state bfloat16 (stored so by the implementation itself; handed over in float32)" in \
+        prec.precision_markdown(rep)
+    rep32 = prec.precision_report(FI.flashinfer(), steps=16, dtype=torch.bfloat16)
+    assert rep32["stored_state_dtype"] == "float32"
+    assert max(next(v for k, v in rep32["series"].items() if k.endswith("recurrent_decode"))["state"]) <= FLOOR32
+    # the command: bfloat16 inputs (FlashInfer's), no interpreter involved
+    rc, out, err = _main(capsys, "--impl", "flashinfer-bf16", "--dtype", "bfloat16", "--steps", "4", "--device", "cpu")
+    assert rc == 0, out + err
+    assert "state bfloat16 (stored so by the implementation itself" in out
