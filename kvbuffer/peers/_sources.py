@@ -10,7 +10,8 @@ messages and the contents of its shims).
 * ``write_shims``, ``shims_first``: a temporary folder of shim modules, and the import of the kernel files
   with it first on ``sys.path`` and the process's own modules of that package set aside meanwhile;
 * ``interpreter_fixes``: what fla's kernel files need under the Triton interpreter;
-  ``interpretable_chunk_kernels``: what its chunk kernels (and the engines' copies) need there besides;
+  ``interpretable_chunk_kernels``: what its chunk kernels (and the engines' copies) need there besides
+  (block pointers among them: ``_block_ptr``);
 * ``on_gpu``, ``dtypes``: the dtypes a peer's lanes declare (bfloat16 only where the kernels run compiled).
 """
 
@@ -212,12 +213,17 @@ def interpretable_chunk_kernels(modules: dict) -> None:
     or a peer's copy of them) run: every autotuner keeps the first of its configs (one config runs without the
     benchmark that needs a GPU driver; under the interpreter a config changes tiling only, not the arithmetic),
     and every kernel outside the fused recurrent files runs with loop indices that are tensors
-    (``_tensor_range``, in a copy of its module's globals: the host code keeps Python's ``range``).
-    Idempotent."""
+    (``_tensor_range``) and, where it names ``triton.language`` ``tl``, with block pointers
+    (``_block_ptr.language``: ``tl.make_block_ptr``, ``tl.advance`` and ``tl.load`` / ``tl.store`` with
+    ``boundary_check``, which triton 3.9 removed; SGLang's fla copy uses them), both in a copy of its
+    module's globals: the host code keeps Python's ``range`` and the module.  Idempotent."""
     import types
 
+    import triton.language as tl
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.interpreter import InterpretedFunction
+
+    from . import _block_ptr
 
     for name, mod in modules.items():
         if mod is None:
@@ -234,6 +240,8 @@ def interpretable_chunk_kernels(modules: dict) -> None:
             if fn.__globals__.get("range") is _tensor_range:
                 continue
             scope = {**fn.__globals__, "range": _tensor_range}
+            if scope.get("tl") is tl:  # the module stays visible (the interpreter patches what it finds)
+                scope.update(tl=_block_ptr.language, _triton_language=tl)
             clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
             clone.__kwdefaults__, clone.__qualname__ = fn.__kwdefaults__, fn.__qualname__
             obj.fn = obj.rewriter.fn = clone

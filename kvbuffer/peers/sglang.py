@@ -13,10 +13,13 @@ a temporary folder, each answering as SGLang answers on the machine it runs on:
                                environment, default False, as SGLang reads it)
     sglang.kernels.jit.utils   is_arch_support_pdl (CUDA capability >= 9: the kernels launch with PDL there)
 
-Under the Triton interpreter (a CPU, ``TRITON_INTERPRET=1``) two more adjustments, neither changing what
-is computed: fla's module-level aliases of Triton builtins (``exp = tl.exp`` in ``fla/op.py``, which the
+Under the Triton interpreter (a CPU, ``TRITON_INTERPRET=1``) more adjustments, none changing what is
+computed: fla's module-level aliases of Triton builtins (``exp = tl.exp`` in ``fla/op.py``, which the
 interpreter does not patch) become jitted functions calling the same builtin, and ``input_guard``'s device
-context (``torch.cpu.device``, absent in torch) becomes a null context.
+context (``torch.cpu.device``, absent in torch) becomes a null context (``_sources.interpreter_fixes``); with
+the chunk kernel or the prefill preprocessing loaded, their kernels also get tensor loop indices, one
+autotune config and block pointers (``tl.make_block_ptr``, ``tl.advance``, ``boundary_check``: removed from
+triton 3.9, used by SGLang's fla copy; ``_block_ptr``), as ``_sources.interpretable_chunk_kernels`` does.
 
 The kernels (SGLang 0.5.23: ``sglang/kernels/ops/attention/{fla,linear}``) and the lanes each serves:
 
@@ -35,8 +38,7 @@ The kernels (SGLang 0.5.23: ``sglang/kernels/ops/attention/{fla,linear}``) and t
 ``sglang-inputs``   the prefill's preprocessing (``GDNAttnBackend.forward_extend``): ``triton_gdn_fused_proj.
                     fused_qkv_split_gdn_prefill`` (the split of the convolved q|k|v), ``linear.fused_gdn_gating``
                     (g, beta) and ``fla.l2norm.l2norm_fwd`` (q and k, called by ``fla.chunk``): the
-                    ``engine_inputs`` lane (``SGLangInputs``); NOT RUN under the Triton interpreter (l2norm_fwd's
-                    block pointers, as the chunk kernel's)
+                    ``engine_inputs`` lane (``SGLangInputs``)
 
 The three pooled kernels are validated in SGLang's convention (``engine.engine_adapter``): raw gating
 (``A_log``, ``dt_bias``, ``a``, ``b`` in float32, softplus threshold 20) where the kernel gates itself,
@@ -48,15 +50,12 @@ request's slot before its forward (``mamba_clear_indices``): these kernels have 
 
 Contracts: the recurrent kernels are elementwise float32 (``tl.sum`` of products, no ``tl.dot``):
 "ieee".  The chunk kernel multiplies operands in the inputs' 16-bit dtype in ``tl.dot``: "fp16" for float16 inputs,
-"bf16" for bfloat16.  The chunk kernel does not run
-under the Triton interpreter (triton 3.9: ``NotImplementedError('Block pointers have been removed in favor
-of the tensor descriptor API')``), so on the CPU its lanes are NOT RUN with that reason.
+"bf16" for bfloat16.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import types
 from pathlib import Path
@@ -67,7 +66,8 @@ import torch
 from kvbuffer_ref.engine_inputs import check_engine_inputs
 
 from ..validate.adapters import AdapterError, describe, interpreter_active, unavailable
-from ._sources import dist_version, dtypes, extract, find, interpreter_fixes, shims_first, version_in, write_shims
+from ._sources import (dist_version, dtypes, extract, find, interpretable_chunk_kernels, interpreter_fixes, shims_first,
+                       version_in, write_shims)
 from .engine import InputsAdapter, engine_adapter, token_rows
 
 __all__ = ["load_kernels", "locate", "KERNELS", "sglang", "sglang_decode", "sglang_packed", "sglang_pool",
@@ -274,6 +274,8 @@ def load_kernels(chunk: bool = False, path=None, inputs: bool = False) -> types.
             modules = {n[len(prefix):]: m for n, m in sys.modules.items() if n.startswith(prefix)}
             if interpreter_active():
                 interpreter_fixes(modules)
+                if chunk or inputs:  # their kernels' loop indices and block pointers
+                    interpretable_chunk_kernels(modules)
         except Exception as e:
             raise AdapterError(f"SGLang's kernels from {source}: importing them failed: {type(e).__name__}: {e}") \
                 from None
@@ -522,36 +524,14 @@ def sglang_pool():
     return _engine("pool", "pooled recurrent", pool_step)
 
 
-def _not_interpreted(spec: str, label: str, what: str):
-    """Under the Triton interpreter (unless $KVBUFFER_PEER_INTERPRET=1), ``spec`` as NOT RUN: ``what`` uses block
-    pointers, which the interpreter no longer takes; None elsewhere."""
-    if not interpreter_active() or os.environ.get("KVBUFFER_PEER_INTERPRET", "0") not in ("", "0"):
-        return None
-    try:
-        version = locate()[1]
-    except AdapterError as e:
-        return unavailable(spec, str(e))
-    return unavailable(f"sglang {version} {label}", (
-        f"{what} does not run under the Triton interpreter (triton 3.9: NotImplementedError('Block pointers have "
-        "been removed in favor of the tensor descriptor API')); run it with --device cuda (KVBUFFER_PEER_INTERPRET=1 "
-        "tries the interpreter anyway)"))
-
-
 def sglang_chunk():
-    """``--impl sglang-chunk``: SGLang's ``chunk_gated_delta_rule``; NOT RUN under the Triton interpreter."""
-    refused = _not_interpreted("sglang-chunk", "chunk", "SGLang's chunk kernel")
-    if refused is not None:
-        return refused
+    """``--impl sglang-chunk``: SGLang's ``chunk_gated_delta_rule``."""
     k, missing = _load("sglang-chunk", chunk=True)
     return missing or describe(SGLangChunk(k))
 
 
 def sglang_inputs():
-    """``--impl sglang-inputs``: the GDN backend's prefill preprocessing (split, gating, L2 norm: engine_inputs);
-    NOT RUN under the Triton interpreter."""
-    refused = _not_interpreted("sglang-inputs", "prefill inputs", "SGLang's l2norm_fwd (fla/l2norm.py, D <= 512)")
-    if refused is not None:
-        return refused
+    """``--impl sglang-inputs``: the GDN backend's prefill preprocessing (split, gating, L2 norm: engine_inputs)."""
     try:
         k = load_kernels(inputs=True)
     except AdapterError as e:

@@ -1,6 +1,6 @@
 """The built-in SGLang adapters (``kvbuffer.peers.sglang``): each call they make binds to the real
-kernel's signature; the recurrent kernels' lanes pass under the Triton interpreter; the chunk kernel, which
-the interpreter cannot run, through its real signature with SGLang's pooled recurrent kernel behind it; a
+kernel's signature; the recurrent kernels' lanes pass under the Triton interpreter; the chunk kernel through
+its real signature with SGLang's pooled recurrent kernel behind it, and itself (the interpreter too); a
 wrong state layout fails; without SGLang the lanes are NOT RUN with how to get it.
 
 SGLang's kernels come from ``$KVBUFFER_PEER_PATH``, else a ``sglang-*.whl`` in the checkout's ``.whl/sglang/``,
@@ -113,8 +113,8 @@ def test_every_call_binds_to_the_real_kernel_signature(kernels):
 
 
 def test_chunk_calls_bind_to_the_real_signature_and_compute_the_recurrence(kernels, monkeypatch):
-    """The chunk kernel does not run under the interpreter: the adapter's call binds to its real signature,
-    and the bound arguments (its pool, slots written in place) run through SGLang's pooled recurrent kernel,
+    """The adapter's call to the chunk kernel binds to its real signature, and the bound arguments (its pool,
+    slots written in place) run through SGLang's pooled recurrent kernel,
     which keeps the same pool semantics, against the float64 truth.  The stand-in returns what the wheel's
     ``chunk_gated_delta_rule`` returns (``fla/chunk.py``: ``return o, None, h``, h the per-chunk states, not the
     final state), with a NaN decoy as h: the adapter must read o from the first element and the final state
@@ -200,11 +200,37 @@ def test_a_state_read_in_the_wrong_layout_fails(kernels):
     assert lane.status == "FAIL" and lane.klass != "raised", lane.failure
 
 
-def test_the_chunk_lanes_say_why_they_do_not_run_under_the_interpreter(kernels, monkeypatch):
+def test_the_chunk_kernel_runs_varlen_under_the_interpreter_too(kernels, monkeypatch):
+    """SGLang's chunk kernel itself (on the CPU under the interpreter, with the block-pointer stand-in of
+    ``kvbuffer.peers._block_ptr``): two sequences, the second crossing its 64-token chunk, with initial states,
+    against the float64 recurrence; and its ``prepare_chunk_indices`` (vLLM's) numbering the chunks after an
+    empty sequence as the empty one's, the finding of docs/peers.md."""
+    import kvbuffer_ref as ref
+
     monkeypatch.setenv(PEER_ENV, WHERE or "")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    impl = implementations.resolve("sglang-chunk")
-    assert "Triton interpreter" in impl.unavailable and "Block pointers" in impl.unavailable
+    try:
+        k = sg.load_kernels(chunk=True)
+    except AdapterError as e:
+        pytest.skip(f"SGLang's chunk module does not import here ({e})")
+    assert not implementations.resolve("sglang-chunk").unavailable
+    lens, H, K, V = [7, 66], 1, 16, 8
+    cu = torch.tensor([0, 7, 73], device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    q, kk, v = unit(rnd(1, 73, H, K)).half(), unit(rnd(1, 73, H, K)).half(), rnd(1, 73, H, V).half()
+    gate, beta, S0 = -rnd(1, 73, H).abs() * 0.1, torch.rand(1, 73, H, generator=g).to(DEVICE).half(), rnd(2, H, K, V)
+    o, S = sg.SGLangChunk(k).chunk_gated_delta_rule(q, kk, v, g=gate, beta=beta, initial_state=S0,
+                                                    output_final_state=True, cu_seqlens=cu)
+    to64 = lambda t: t.double().cpu()  # noqa: E731
+    to, tS = ref.recurrent_gated_delta_rule(to64(q), to64(kk), to64(v), g=to64(gate), beta=to64(beta),
+                                            initial_state=to64(S0), output_final_state=True, cu_seqlens=cu.cpu())
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        assert float((to64(o[:, a:b]) - to[:, a:b]).norm() / to[:, a:b].norm()) < 3e-3, f"o of sequence {i}"
+        assert float((to64(S[i]) - tS[i]).norm() / tS[i].norm()) < 3e-3, f"state of sequence {i}"
+    chunks = inspect.unwrap(k.chunk_gated_delta_rule).__globals__["prepare_chunk_indices"]
+    seq = chunks(torch.tensor([0, 5, 5, 16, 18]), 4)[:, 0].tolist()  # chunks per sequence: 2, 0, 3, 1
+    assert seq == [0, 0, 1, 1, 1, 2]  # the truth: [0, 0, 2, 2, 2, 3]
 
 
 def test_without_sglang_every_lane_is_not_run_with_how_to_get_it(tmp_path, monkeypatch):
