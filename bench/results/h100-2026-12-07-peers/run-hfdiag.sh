@@ -7,8 +7,8 @@ R=$OUT/k4; mkdir -p $R
 V="python -m kvbuffer.cli validate --report precision --state-dtype float32,bfloat16 --models all --steps 256 --device cuda"
 nvidia-smi --query-gpu=name,driver_version --format=csv > $R/env.txt 2>&1
 L=165
-timeout $L python .dbg/hfdiag.py > $R/hfdiag-image.json 2> $R/hfdiag-image.err &
-PYTHONPATH=/tmp/tf525:$PYTHONPATH timeout $L python .dbg/hfdiag.py > $R/hfdiag-525.json 2> $R/hfdiag-525.err &
+timeout $L python bench/results/h100-2026-12-07-peers/hfdiag.py > $R/hfdiag-image.json 2> $R/hfdiag-image.err &
+PYTHONPATH=/tmp/tf525:$PYTHONPATH timeout $L python bench/results/h100-2026-12-07-peers/hfdiag.py > $R/hfdiag-525.json 2> $R/hfdiag-525.err &
 timeout $L $V --impl reference --impl fast --json $R/prec-ours.json > $R/prec-ours.md 2>&1 &
 timeout $L $V --impl fla --json $R/prec-fla.json > $R/prec-fla.md 2>&1 &
 timeout $L $V --impl hf --json $R/prec-hf.json > $R/prec-hf.md 2>&1 &

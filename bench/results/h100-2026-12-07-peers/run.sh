@@ -10,8 +10,8 @@ timeout 140 python -m bench.gpu --ops read_state,buffered_decode,replayssm_decod
 echo "bench done $(( $(date +%s) - T0 )) s" >> $R/env.txt
 L=$(( 370 - ($(date +%s) - T0) ))
 # 2. correctness side by side: HF's chunk case, the lanes the matrix lacks, each peer's precision growth
-timeout $L python .dbg/hfdiag.py > $R/hfdiag-image.json 2> $R/hfdiag-image.err &
-(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf525 .whl2/transformers-5.25.0-py3-none-any.whl && PYTHONPATH=/tmp/tf525:$PYTHONPATH timeout $L python .dbg/hfdiag.py > $R/hfdiag-525.json 2> $R/hfdiag-525.err) &
+timeout $L python bench/results/h100-2026-12-07-peers/hfdiag.py > $R/hfdiag-image.json 2> $R/hfdiag-image.err &
+(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf525 .whl2/transformers-5.25.0-py3-none-any.whl && PYTHONPATH=/tmp/tf525:$PYTHONPATH timeout $L python bench/results/h100-2026-12-07-peers/hfdiag.py > $R/hfdiag-525.json 2> $R/hfdiag-525.err) &
 for dt in float32 float16 bfloat16; do
   timeout $L $V --impl fla --ops recurrent_varlen --dtype $dt --device cuda --profile gpu --seed 11 --json $R/fla-varlen-$dt.json > $R/fla-varlen-$dt.txt 2>&1 &
 done
