@@ -421,8 +421,8 @@ def _precision(args, impls, device: str) -> int:
             rep = prec.precision_report(impl, steps=steps, dtype=dtype, device=device, state_dtype=state_dtype,
                                         cache_dtype=cache_dtype, seed=0 if args.seed is None else args.seed)
             if dtype not in impl.dtypes:
-                rep["notes"].append(f"{impl.name} does not declare {str(dtype).replace('torch.', '')} inputs "
-                                    f"(it declares {', '.join(str(d).replace('torch.', '') for d in impl.dtypes)}): "
+                rep["notes"].append(f"{impl.name} does not declare {lanes.dtype_name(dtype)} inputs "
+                                    f"(it declares {', '.join(lanes.dtype_name(d) for d in impl.dtypes)}): "
                                     f"measured anyway")
             reports.append(rep)
             single = args.plot and len(impls) == 1 and len(state_dtypes) == 1

@@ -65,7 +65,7 @@ from kvbuffer_ref.pool import KVPool
 
 from . import transformers as kt
 from .transformers import FAMILIES, KVBufferRunner, family_of
-from ..validate.precision import dtype_name, own_state_dtype, stored_state_dtype
+from ..validate.precision import stored_state_dtype
 from ..validate.tolerances import rel_rms_slices
 
 __all__ = ["ServingPrecision", "serving_precisions", "precision_pool", "kl_divergence", "top1_agreement",
@@ -454,12 +454,13 @@ def model_precision_report(model_type: str, *, steps: int = 64, capacity: int = 
         runs[sp.name] = serve(m, ids, mask, steps=steps, sp=sp, capacity=capacity, pool_cls=cls, tokens=tokens,
                               marks=marks)
     lines = [dict(implementation=n, status=st, reason=why) for n, st, why in peer_lines]
-    heads = family_of(model).heads(model.config)
+    fam = family_of(model)
+    heads = fam.heads(model.config)
     served = []
     for pr in peers:
         if pr.name in runs:
             raise ValueError(f"peers: the row {pr.name!r} is named twice (or as a precision)")
-        why = pr.refuses(family_of(model).model_type, heads)
+        why = pr.refuses(fam.model_type, heads)
         if why:
             lines.append(dict(implementation=pr.name, status="NOT RUN", reason=why))
             continue

@@ -41,14 +41,11 @@ from kvbuffer_ref.buffer import KVBuffer
 
 from .cases import l2norm_qk, snap_to_raw_gates
 from .contracts import recurrent_bf16_state
+from .lanes import dtype_name
 from .tolerances import rel_rms_slices
 
 __all__ = ["checkpoints", "decode_inputs", "precision_report", "precision_markdown", "plot_precision",
-           "write_precision_json", "own_state_dtype", "stored_state_dtype", "dtype_name"]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+           "write_precision_json", "own_state_dtype", "stored_state_dtype"]
 
 
 def own_state_dtype(impl) -> Optional[torch.dtype]:
@@ -68,11 +65,9 @@ def stored_state_dtype(impl, handed: torch.dtype) -> torch.dtype:
     stores bfloat16).  Two different 16-bit dtypes: the implementation's own (both roundings happen; the
     report names both)."""
     own = own_state_dtype(impl)
-    if own is None or own == handed:
+    if own is None or own.itemsize > handed.itemsize:
         return handed
-    if own.itemsize < handed.itemsize or (own.itemsize == handed.itemsize and own != handed):
-        return own
-    return handed
+    return own
 
 
 def checkpoints(steps: int) -> list[int]:
@@ -205,7 +200,7 @@ def precision_report(impl, *, steps: int = 256, dtype: torch.dtype = torch.float
             notes.append(f"{impl.name}: no buffered_decode")
     base = series["fp32 recurrence"]
     return dict(tool="kvbuffer validate --report precision", implementation=None if impl is None else impl.name,
-                steps=marks, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                steps=marks, device=str(device), dtype=dtype_name(dtype),
                 state_dtype=dtype_name(state_dtype), cache_dtype=dtype_name(cache_dtype),
                 stored_state_dtype=dtype_name(state_dtype if impl is None else stored_state_dtype(impl, state_dtype)),
                 capacity=capacity, shape=dict(B=B, H=H, HV=HV, K=K, V=V), seed=seed, gate_min=gate_min,
