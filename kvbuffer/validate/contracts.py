@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -234,6 +235,24 @@ def _scan_cumsum(x: torch.Tensor, dim: int, lanes: int = 32) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+#: The bits of a token's index within its chunk that ``_stepped_cumsum`` steps on: any two positions fewer than
+#: 2^3 apart differ in one of them.
+STEP_BITS = (0, 1, 2)
+
+
+def _stepped_cumsum(x: torch.Tensor, dim: int, bit: int) -> torch.Tensor:
+    """Cumulative sum of float32 ``x`` along ``dim``, each partial sum correctly rounded, then moved one float32
+    step down (towards -inf) at the positions whose index has ``bit`` set: a cumulative sum as a tree-ordered
+    scan leaves it, each sum within about a step of the exact one in a pattern of the order's own, so that the
+    difference of two nearby sums (the exponent of the decay between those tokens) carries a step of their size
+    even where a loop of additions carries none (a gate of 0 between them)."""
+    x = x.movedim(dim, 0)
+    G = x.double().cumsum(0).float()
+    on = ((torch.arange(G.shape[0], device=G.device) >> bit) & 1).bool().view(-1, *[1] * (G.dim() - 1))
+    G = torch.where(on, torch.nextafter(G, torch.full_like(G, -math.inf)), G)
+    return G.movedim(0, dim)
+
+
 def _split_product(func, eq, a, b, **kwargs):
     """A two-operand einsum as three TF32 products: each operand split into a TF32 head rounded to nearest and
     its tail, the tail x tail product dropped (Triton's ``input_precision="tf32x3"``: ``cvt.rna`` makes the
@@ -251,7 +270,8 @@ class _Arithmetic(TorchFunctionMode):
     cumsum: None (as computed), "sequential" (every float32 cumulative sum a loop of float32 additions: a
     kernel carrying its running sum in a register, on any device; ``torch.cumsum`` accumulates float32 in
     float64 on a CPU and in a parallel scan on CUDA), "scan" (the tree order of a GPU scan, ``tl.cumsum``:
-    ``_scan_cumsum``) or "rounded" (every float32 partial sum correctly rounded, computed in float64).
+    ``_scan_cumsum``), "rounded" (every float32 partial sum correctly rounded, computed in float64) or "step0",
+    "step1", "step2" (rounded, then one float32 step down where that bit of the index is set: ``_stepped_cumsum``).
     Kernels sum their cumulative gates each of these ways; a decay ``exp(G_i - G_j)`` of large ``|G|`` (after
     a reset gate of -200, say) keeps only the low bits the way leaves, which differ: on one head a scan
     leaves 15x the error of a loop, on the next a loop leaves the more.
@@ -278,6 +298,8 @@ class _Arithmetic(TorchFunctionMode):
                     and args[0].dtype == torch.float32:
                 if self.cumsum == "rounded":
                     return func(args[0].double(), *args[1:], **kwargs).float()
+                if self.cumsum.startswith("step"):
+                    return _stepped_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"], int(self.cumsum[4:]))
                 if self.cumsum == "scan":
                     return _scan_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
                 return _sequential_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
@@ -393,23 +415,26 @@ def _recurrences_ex2(x: dict, runs: list, *, scale, initial_state, contract) -> 
 #: How a kernel sums its cumulative gates and takes its exponentials: ``segmented_forms`` computes each.
 #: The scan way is fla's chunk kernels' arithmetic (``chunk_local_cumsum``, ``exp2`` of log2-scaled gates, the
 #: decays on the innovations u before the state pass's product).
+#: The stepped ways stand for the other orders a scan can take (``_stepped_cumsum``), with correctly rounded
+#: exponentials.
 SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2-ftz"), dict(cumsum="scan", exp="ex2-ftz", decay_on="u"),
-                dict(cumsum="rounded"))
+                dict(cumsum="rounded")) + tuple(dict(cumsum=f"step{b}") for b in STEP_BITS)
 
 
 def segment_ways(dtype: torch.dtype) -> tuple:
-    """``SEGMENT_WAYS`` for inputs of ``dtype``: in float64 the three ways are one (the ways differ only in
+    """``SEGMENT_WAYS`` for inputs of ``dtype``: in float64 the ways are one (the ways differ only in
     float32 sums and exponentials, which float64 inputs never take), so one form stands for them."""
     return SEGMENT_WAYS[:1] if torch.promote_types(dtype, torch.float32) == torch.float64 else SEGMENT_WAYS
 
 
 def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
-    """[(o, S), ...]: ``segmented_form`` the three ways a kernel computes its decays: cumulative gates summed by
+    """[(o, S), ...]: ``segmented_form`` the ways a kernel computes its decays (``SEGMENT_WAYS``): cumulative gates summed by
     a loop of float32 additions (a kernel carrying its sum in a register) and by a GPU scan (``tl.cumsum``), both
     with GPU exponentials that flush below float32's normal range (``tl.exp2``; a kernel taking ``tl.exp`` keeps
     those subnormal decays, as the correctly rounded way does), the scan way with the decays scaling u rather
-    than k in the fold (fla's chunk kernels), and as correctly rounded sums with correctly rounded
-    exponentials; with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
+    than k in the fold (fla's chunk kernels), as correctly rounded sums with correctly rounded
+    exponentials, and so with the sums stepped as a tree-ordered scan leaves them (``_stepped_cumsum``, one
+    form per bit of ``STEP_BITS``); with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
     buffer's accept or partial flush) instead of summed afresh."""
     ways = list(segment_ways(q.dtype))
     if any(0 < int(c) < q.shape[1] for c in carried):

@@ -328,3 +328,77 @@ def test_the_interpreter_judges_fast_as_its_16_bit_paths_when_it_takes_them(monk
     assert impl.contract_for("recurrent", torch.float16) == "ieee"
     monkeypatch.setenv("KVBUFFER_FAST_16BIT_PATHS", "0")
     assert implementations.fast().contract_for("chunk", torch.float16) == "ieee"
+
+
+def _hillis_steele(x: torch.Tensor, lanes: int) -> torch.Tensor:
+    """Inclusive scan of x [T, ...] in float32: Hillis-Steele within runs of ``lanes``, each run adding the total
+    of the runs before it."""
+    out, carry = torch.empty_like(x), None
+    for a in range(0, x.shape[0], lanes):
+        run, step = x[a:a + lanes].clone(), 1
+        while step < run.shape[0]:
+            run[step:] = run[step:] + run[:-step].clone()
+            step *= 2
+        out[a:a + lanes] = run if carry is None else run + carry
+        carry = out[a + run.shape[0] - 1]
+    return out
+
+
+def _blelloch(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive scan of x [T, ...] in float32 as a work-efficient scan forms it: an up-sweep of pairwise sums, a
+    down-sweep of exclusive prefixes (T padded to a power of two), then + x."""
+    n, p = x.shape[0], 1
+    while p < n:
+        p *= 2
+    a = torch.cat([x, x.new_zeros(p - n, *x.shape[1:])])
+    s = 1
+    while s < p:
+        i = torch.arange(2 * s - 1, p, 2 * s)
+        a[i] = a[i] + a[i - s]
+        s *= 2
+    a[p - 1] = 0
+    while s > 1:
+        s //= 2
+        i = torch.arange(2 * s - 1, p, 2 * s)
+        left = a[i - s].clone()
+        a[i - s] = a[i]
+        a[i] = a[i] + left
+    return a[:n] + x
+
+
+class _ScanOrder(torch.overrides.TorchFunctionMode):
+    """Every float32 cumulative sum taken in one scan order (along ``dim``): the one thing a kernel under test
+    does differently from the reference's chunkwise form."""
+
+    def __init__(self, scan):
+        super().__init__()
+        self.scan = scan
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.cumsum, torch.Tensor.cumsum) and args[0].dtype == torch.float32:
+            dim = args[1] if len(args) > 1 else kwargs["dim"]
+            return self.scan(args[0].movedim(dim, 0)).movedim(0, dim)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("gate, seed, order", [
+    ("strong", 0, "runs of 8"), ("strong", 17, "whole chunk"), ("wide", 5, "runs of 16"), ("mixed", 18, "work-efficient")])
+def test_a_chunk_kernel_may_sum_its_cumulative_gates_in_any_scan_order(gate, seed, order):
+    """The reference's chunkwise form in float32, its in-chunk cumulative gates summed as another scan does
+    (CUDA's cumsum and Triton layouts other than one element per lane each take their own tree), is a correct
+    kernel and passes; each of these cases failed against the loop, 32-lane scan and correctly rounded ways alone
+    (its state 1.8x to 203x the budget: a gate of 0 between two tokens whose cumulative gates are near -3000
+    leaves a loop's decay exact and a tree's one float32 step of 3000 off)."""
+    scan = {"runs of 8": lambda x: _hillis_steele(x, 8), "runs of 16": lambda x: _hillis_steele(x, 16),
+            "whole chunk": lambda x: _hillis_steele(x, 1 << 20), "work-efficient": _blelloch}[order]
+    case = Case(B=1, T=128, H=2, HV=4, K=32, V=32, gate=gate, beta="mixed", seed=seed, norm="any", scale=0.37)
+    x = case.inputs(torch.float32)
+    o64, S64 = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, scale=0.37,
+                                              output_final_state=True)
+    with _ScanOrder(scan):
+        o, S = ref.chunk_gated_delta_rule(**x, scale=0.37, chunk_size=64, output_final_state=True)
+    forms = correct_forms(**x, scale=0.37, chunks=(64,), contract="ieee")
+    assert compare(o, o64, [f[0] for f in forms], dtype=torch.float32).passed
+    c = compare(S, S64, [f[1] for f in forms], dtype=torch.float32, head_axis=1, name="final state")
+    assert c.passed, str(c)
