@@ -4,6 +4,7 @@ workloads (``bench/workloads.py``), the runner and the report (which renders wit
 #: op -> group, in the order the runner measures them.
 OPS = {
     "read_state": "decode", "recurrent_decode": "decode", "fla_fused_recurrent": "decode", "buffered_decode": "decode",
+    "buffered_decode_bf16": "decode",
     "pool_decode": "decode", "pool_decode_engine": "decode", "replayssm_decode": "decode", "sglang_decode": "decode",
     "flashinfer_decode": "decode", "flashinfer_decode_bf16": "decode", "flashinfer_decode_kmajor": "decode",
     "verify": "verify", "per_draft_state_verify": "verify", "fla_fused_recurrent_tokens": "verify",
@@ -23,6 +24,7 @@ PEERS = {
     "fla_fused_recurrent": ("read_state",),
     "buffered_decode": ("recurrent_decode", "fla_fused_recurrent", "replayssm_decode", "sglang_decode",
                         "flashinfer_decode", "flashinfer_decode_kmajor", "read_state"),
+    "buffered_decode_bf16": ("buffered_decode", "flashinfer_decode_bf16", "read_state"),
     "pool_decode": ("buffered_decode", "recurrent_decode", "replayssm_decode", "sglang_decode", "flashinfer_decode",
                     "flashinfer_decode_bf16", "read_state"),
     "pool_decode_engine": ("pool_decode", "sglang_decode", "replayssm_decode", "flashinfer_decode", "read_state"),

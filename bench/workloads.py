@@ -19,6 +19,8 @@ decode    ``recurrent_decode``             the recurrent baseline: one token, th
 decode    ``fla_fused_recurrent``          fla's ``fused_recurrent_gated_delta_rule``, one token
 decode    ``buffered_decode``              one step, averaged over a whole cycle of C steps from full
                                            buffers (the fold of the C entries included)
+decode    ``buffered_decode_bf16``         ``buffered_decode`` on buffers whose state is stored in bf16 (the
+                                           history's state rounded to it; the bf16-state contract)
 verify    ``verify``                       buffered verify of d tokens (a chain) over n entries
 verify    ``per_draft_state_verify``       the per-draft-state baseline: one state written per token
 verify    ``fla_fused_recurrent_tokens``   fla's fused_recurrent over the same d tokens (final state only)
@@ -330,6 +332,7 @@ class History:
     x: dict
     buffer: object
     P: int
+    S0: Optional[torch.Tensor] = None  # the float64 state [2, HV, K, V] ``x`` starts from (None: zero)
 
 
 @dataclass
@@ -370,18 +373,36 @@ class Workload:
         """[B, T, ...] tokens as T contiguous one-token dicts (sliced before timing, not inside it)."""
         return [{n: t[:, j:j + 1].contiguous() for n, t in x.items()} for j in range(x["q"].shape[1])]
 
-    def history(self, buffered: int, folded: Optional[int] = None, seed: int = 100) -> History:
+    def history(self, buffered: int, folded: Optional[int] = None, seed: int = 100,
+                state_dtype: Optional[torch.dtype] = None) -> History:
         """The batch's buffer after ``folded + buffered`` history tokens (default ``folded``: the
         plan's), the last ``buffered`` of them buffered: a float64 oracle prefill of two base requests,
-        stored as the kernels store it (keys in the token dtype, the rest fp32)."""
+        stored as the kernels store it (keys in the token dtype, the rest fp32).  With ``state_dtype``
+        (e.g. bfloat16) the state after the folded tokens is rounded to it and stored in it, and the
+        buffered tokens are prefilled from that rounded state: the history is then the buffered tokens
+        alone, starting from the rounded state (``History.S0``, float64), so that a truth over it is
+        exact for the state the buffer holds."""
 
-        P = (self.plan.folded if folded is None else folded) + buffered
+        F_ = self.plan.folded if folded is None else folded
+        P = F_ + buffered
         x = self._draw(2, P, torch.Generator().manual_seed(seed), "cpu")
         x64 = {n: t.double() for n, t in x.items()}
-        two = [ref.prefill(**{n: t[b:b + 1] for n, t in x64.items()}, capacity=self.plan.C, tail=buffered)[1]
-               for b in range(2)]
+        S0 = None
+        if state_dtype is None:
+            two = [ref.prefill(**{n: t[b:b + 1] for n, t in x64.items()}, capacity=self.plan.C, tail=buffered)[1]
+                   for b in range(2)]
+        else:
+            two = []
+            for b in range(2):
+                head = {n: t[b:b + 1, :F_] for n, t in x64.items()}
+                S = ref.prefill(**head, capacity=self.plan.C, tail=0)[1].state
+                S = S.to(state_dtype).double()  # rounded to nearest even, as the kernels store a state
+                two.append(ref.prefill(**{n: t[b:b + 1, F_:] for n, t in x64.items()}, capacity=self.plan.C,
+                                       tail=buffered, initial_state=S)[1])
+            S0 = torch.cat([b.state for b in two])
+            x, P = {n: t[:, F_:] for n, t in x.items()}, buffered
+        dtypes = {"k": self.dtype, "lengths": None, "has_state": None, "state": state_dtype or torch.float32}
         idx = torch.arange(self.B, device=self.device) % 2
-        dtypes = {"k": self.dtype, "lengths": None, "has_state": None}
 
         def to_device(name, _):
             t = torch.cat([getattr(b, name) for b in two])
@@ -389,19 +410,21 @@ class Workload:
             t = t.to(self.device) if dt is None else t.to(self.device, dt)
             return t.index_select(0, idx).contiguous()
 
-        return History(x=x, buffer=_map_buffer(two[0], to_device), P=P)
+        return History(x=x, buffer=_map_buffer(two[0], to_device), P=P, S0=S0)
 
     def truth(self, new: dict, hist: History, upto: Optional[int] = None, contract: str = "ieee") -> Truth:
         """The recurrence over each check row's history followed by its new tokens (the first
         ``upto`` of them, or all), and the baseline of the budgets: the correct forms in float32
         (``truth_and_baseline``: the recurrence and the chunkwise form with the buffer's capacity as its chunk),
-        under the arithmetic ``contract`` of the kernel checked (``kvbuffer.validate.contracts``)."""
+        under the arithmetic ``contract`` of the kernel checked (``kvbuffer.validate.contracts``); from the
+        history's ``S0`` where it has one."""
 
         rows = torch.tensor(self.rows)
         x = {n: torch.cat([hist.x[n].index_select(0, rows % 2),
                            t[:, :upto].detach().cpu().index_select(0, rows)], dim=1) for n, t in new.items()}
+        S0 = None if hist.S0 is None else hist.S0.index_select(0, rows % 2)
         with active_contract(contract):
-            (o64, S64), (ob, Sb) = truth_and_baseline(x, chunk=self.plan.C)
+            (o64, S64), (ob, Sb) = truth_and_baseline(x, initial_state=S0, chunk=self.plan.C)
         P = hist.P
         return Truth(o64[:, P:], ob[:, P:].to(self.dtype), S64, Sb, contract)
 
@@ -526,25 +549,59 @@ class _Builder:
         return self.case(op, group, run, self.L, io.recurrent_step(self.s, self.B), checks, d=T)
 
     def buffered_decode(self) -> Case:
+        return self._buffered_decode("buffered_decode")
+
+    def buffered_decode_bf16(self) -> Case:
+        """``buffered_decode`` on buffers whose state is stored in bfloat16 (the history's state rounded to it;
+        each fold rounds the state it writes once)."""
+        return self._buffered_decode("buffered_decode_bf16", torch.bfloat16)
+
+    def _buffered_decode(self, op: str, state_dtype: Optional[torch.dtype] = None) -> Case:
+        """One step of ``buffered_decode``, averaged over a cycle of C steps from full buffers (the fold of the C
+        entries fused into the first step); with ``state_dtype`` the buffers' state is stored in it (the
+        history's state rounded to it, the truth starting from the rounded state), the outputs judged under the
+        bf16-state contract and the state the fold writes checked in that dtype."""
         decode, C = self.api.fast.buffered_decode, self.p.C
-        hist = self.wl.history(buffered=C)
+        if state_dtype is not None:
+            try:
+                allowed = importlib.import_module("kvbuffer_fast._common").STATE_DTYPES
+            except (ImportError, AttributeError):
+                allowed = (torch.float32,)
+            if state_dtype not in allowed:
+                raise Skip(f"this kvbuffer_fast stores no {str(state_dtype)[6:]} buffer state (_common.STATE_DTYPES)")
+        hist = self.wl.history(buffered=C, state_dtype=state_dtype)
         bufs = self._buffers(hist)
         xs = self._tokens(C, seed=2)
         steps = [self.wl.steps(x) for x in xs]
         kw = self.api.kwargs("decode", decode, xs[0], C=C)
-        truth = self.wl.truth(xs[0], hist)
+        # a 16-bit state: the budgets' correct forms round their state to it after every token (the kernel
+        # rounds it once per fold, every C tokens: within that contract)
+        contract = "ieee" if state_dtype is None else "bf16-state"
+        truth = self.wl.truth(xs[0], hist, contract=contract)
         outs = [decode(**st, buffer=bufs[0], **kw)[0] for st in steps[0]]
-        checks = [self.wl.compare(f"buffered_decode[C={C}] cycle.o", torch.cat(outs, dim=1), truth)]
+        checks = [self.wl.compare(f"{op}[C={C}] cycle.o", torch.cat(outs, dim=1), truth)]
+        if state_dtype is not None:  # the state the cycle's fold wrote: the history's C entries folded
+            checks.append(self.wl.compare(f"{op}[C={C}] fold.state", bufs[0].state,
+                                          self.wl.truth(xs[0], hist, upto=0, contract=contract), state=True,
+                                          dtype=state_dtype))
         if not bool((bufs[0].lengths == C).all()):
-            checks.append(dict(name="buffered_decode: every buffer full again after a cycle", passed=False,
+            checks.append(dict(name=f"{op}: every buffer full again after a cycle", passed=False,
                                text=f"lengths {bufs[0].lengths.tolist()} after a cycle, expected all {C}"))
 
         def run():
             for t in range(C):
                 for layer in range(self.L):
                     decode(**steps[layer][t], buffer=bufs[layer], **kw)
-        return self.case("buffered_decode", "decode", run, self.L * C, io.buffered_cycle_step(self.s, self.B, C),
-                         checks, C=C)
+        elem = None if state_dtype is None else torch.empty(0, dtype=state_dtype).element_size()
+        c = self.case(op, "decode", run, self.L * C, io.buffered_cycle_step(self.s, self.B, C, state_elem_bytes=elem),
+                      checks, C=C, **({} if state_dtype is None else dict(state_dtype=str(state_dtype)[6:])))
+        if state_dtype is not None:
+            c.note = (f"kvbuffer_fast.buffered_decode on buffers whose state is stored in {str(state_dtype)[6:]} "
+                      f"(the history's state rounded to it; the truth starts from the rounded state); the fold rounds "
+                      f"the state it writes once per cycle of C = {C} tokens, and the outputs are judged under the "
+                      f"bf16-state contract (the budgets' correct forms round their state after every token: looser "
+                      f"than once per fold), the folded state in {str(state_dtype)[6:]}")
+        return c
 
     def read_state(self) -> Case:
         """The measured floor of a state read: each layer's fp32 state [B, HV, K, V] read once by
