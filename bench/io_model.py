@@ -18,7 +18,6 @@ recurrent step (ours, fla's)                ``2|S|`` (read + write)
 buffered decode, per step of a C-step       ``|S| + |S|/C + E*((C + sum_{j<C} j)/C + 1)``: the
 cycle from full buffers (fold fused into    state read every step, the fold's state write once
 its first step)                             per cycle, the entries read, one entry written
-                                            (``state_elem_bytes=2``: |S| of a bf16 state)
 per-draft-state verify of d tokens          ``(1 + d)|S|`` (the state read, d states written)
 per-draft-state accept                      ``2|S|`` (one intermediate copied over the state)
 buffered verify of d tokens over n entries  ``|S| + (n + d)E`` (nothing written but the drafts)
@@ -35,8 +34,7 @@ a device-to-device copy moves bytes.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from dataclasses import asdict, dataclass
 
 __all__ = ["Shapes", "state_bytes", "entry_bytes", "read_state", "recurrent_step", "packed_decode_step",
            "engine_inputs_step", "buffered_cycle_step",
@@ -105,12 +103,8 @@ def engine_inputs_step(s: Shapes, B: int, token_bytes: int = 2) -> float:
     return B * (read + written)
 
 
-def buffered_cycle_step(s: Shapes, B: int, C: int, state_elem_bytes: Optional[int] = None) -> float:
-    """Per step, averaged over a C-step cycle from full buffers (fold fused into the first step);
-    ``state_elem_bytes``: the stored state's bytes per element (default: the shapes', 4 for fp32; 2 for a
-    bf16 state)."""
-    if state_elem_bytes is not None:
-        s = replace(s, state_bytes=state_elem_bytes)
+def buffered_cycle_step(s: Shapes, B: int, C: int) -> float:
+    """Per step, averaged over a C-step cycle from full buffers (fold fused into the first step)."""
     entries_read = C + sum(range(C))  # the fold reads C; step j (0-based) then reads j
     return state_bytes(s, B) * (1 + 1 / C) + entry_bytes(s, B) * (entries_read / C + 1)
 

@@ -383,8 +383,8 @@ class Workload:
         alone, starting from the rounded state (``History.S0``, float64), so that a truth over it is
         exact for the state the buffer holds."""
 
-        F_ = self.plan.folded if folded is None else folded
-        P = F_ + buffered
+        folded = self.plan.folded if folded is None else folded
+        P = folded + buffered
         x = self._draw(2, P, torch.Generator().manual_seed(seed), "cpu")
         x64 = {n: t.double() for n, t in x.items()}
         S0 = None
@@ -394,13 +394,13 @@ class Workload:
         else:
             two = []
             for b in range(2):
-                head = {n: t[b:b + 1, :F_] for n, t in x64.items()}
+                head = {n: t[b:b + 1, :folded] for n, t in x64.items()}
                 S = ref.prefill(**head, capacity=self.plan.C, tail=0)[1].state
                 S = S.to(state_dtype).double()  # rounded to nearest even, as the kernels store a state
-                two.append(ref.prefill(**{n: t[b:b + 1, F_:] for n, t in x64.items()}, capacity=self.plan.C,
+                two.append(ref.prefill(**{n: t[b:b + 1, folded:] for n, t in x64.items()}, capacity=self.plan.C,
                                        tail=buffered, initial_state=S)[1])
             S0 = torch.cat([b.state for b in two])
-            x, P = {n: t[:, F_:] for n, t in x.items()}, buffered
+            x, P = {n: t[:, folded:] for n, t in x.items()}, buffered
         dtypes = {"k": self.dtype, "lengths": None, "has_state": None, "state": state_dtype or torch.float32}
         idx = torch.arange(self.B, device=self.device) % 2
 
@@ -592,8 +592,9 @@ class _Builder:
             for t in range(C):
                 for layer in range(self.L):
                     decode(**steps[layer][t], buffer=bufs[layer], **kw)
-        elem = None if state_dtype is None else torch.empty(0, dtype=state_dtype).element_size()
-        c = self.case(op, "decode", run, self.L * C, io.buffered_cycle_step(self.s, self.B, C, state_elem_bytes=elem),
+        s = self.s if state_dtype is None else dataclasses.replace(
+            self.s, state_bytes=torch.empty(0, dtype=state_dtype).element_size())
+        c = self.case(op, "decode", run, self.L * C, io.buffered_cycle_step(s, self.B, C),
                       checks, C=C, **({} if state_dtype is None else dict(state_dtype=str(state_dtype)[6:])))
         if state_dtype is not None:
             c.note = (f"kvbuffer_fast.buffered_decode on buffers whose state is stored in {str(state_dtype)[6:]} "

@@ -298,11 +298,12 @@ class _Arithmetic(TorchFunctionMode):
                     and args[0].dtype == torch.float32:
                 if self.cumsum == "rounded":
                     return func(args[0].double(), *args[1:], **kwargs).float()
+                dim = args[1] if len(args) > 1 else kwargs["dim"]
                 if self.cumsum.startswith("step"):
-                    return _stepped_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"], int(self.cumsum[4:]))
+                    return _stepped_cumsum(args[0], dim, int(self.cumsum[4:]))
                 if self.cumsum == "scan":
-                    return _scan_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
-                return _sequential_cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"])
+                    return _scan_cumsum(args[0], dim)
+                return _sequential_cumsum(args[0], dim)
         elif func in (torch.exp, torch.Tensor.exp):
             if self.exp in ("ex2", "ex2-ftz") and args and isinstance(args[0], torch.Tensor) and not kwargs:
                 return exp_ex2(args[0], ftz=self.exp == "ex2-ftz")

@@ -10,7 +10,7 @@ from kvbuffer import cli as kcli
 from kvbuffer import implementations
 from kvbuffer.validate.cases import Case
 from kvbuffer.validate import properties as P
-from kvbuffer.validate.contracts import _Arithmetic, LOG2E_F32, SEGMENT_WAYS, exp_ex2
+from kvbuffer.validate.contracts import _Arithmetic, LOG2E_F32, SEGMENT_WAYS, _scan_cumsum, exp_ex2
 from kvbuffer.validate.contracts import (CONTRACTS, baseline_recurrent, check_contract, correct_forms, emulate,
                                              round_bf16, round_fp16, round_tf32, trunc_tf32)
 from kvbuffer.validate.tolerances import active_contract, compare
@@ -332,16 +332,8 @@ def test_the_interpreter_judges_fast_as_its_16_bit_paths_when_it_takes_them(monk
 
 def _hillis_steele(x: torch.Tensor, lanes: int) -> torch.Tensor:
     """Inclusive scan of x [T, ...] in float32: Hillis-Steele within runs of ``lanes``, each run adding the total
-    of the runs before it."""
-    out, carry = torch.empty_like(x), None
-    for a in range(0, x.shape[0], lanes):
-        run, step = x[a:a + lanes].clone(), 1
-        while step < run.shape[0]:
-            run[step:] = run[step:] + run[:-step].clone()
-            step *= 2
-        out[a:a + lanes] = run if carry is None else run + carry
-        carry = out[a + run.shape[0] - 1]
-    return out
+    of the runs before it (``contracts._scan_cumsum`` with another run length)."""
+    return _scan_cumsum(x, 0, lanes=lanes)
 
 
 def _blelloch(x: torch.Tensor) -> torch.Tensor:
