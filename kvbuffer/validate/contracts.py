@@ -10,7 +10,9 @@ The contracts, and their emulation (``emulate``):
 
     ieee        every product and sum in the compute dtype (float32), the default
     tf32x3      every product as three TF32 products (a_hi b_hi + a_hi b_lo + a_lo b_hi, each operand split
-                into a TF32 head and a TF32 tail: Triton's ``input_precision="tf32x3"``), float32 accumulation
+                into a TF32 head and a TF32 tail: Triton's ``input_precision="tf32x3"``), float32 accumulation;
+                the chunkwise forms also once with the products summed as a tensor core sums them
+                (``TC_WAY``, ``_tc_product``: not IEEE, measured on an H100)
     tf32        the operands of every matrix / vector product cut to TF32 (10-bit mantissa) as an NVIDIA tensor
                 core takes a float32 operand: the 13 low mantissa bits dropped (truncated toward zero;
                 Triton's ``tl.dot`` hands float32 operands to the MMA as they are), accumulated in float32.
@@ -262,11 +264,74 @@ def _split_product(func, eq, a, b, **kwargs):
     return func(eq, ah, bh, **kwargs) + (func(eq, ah, bl, **kwargs) + func(eq, al, bh, **kwargs))
 
 
+#: How an NVIDIA tensor core sums the products of a float32 ``tl.dot`` (TF32 operands, float32 accumulator), as
+#: measured bit for bit on an H100 (Triton 3.6, ``mma`` and ``wgmma`` tiles, K = 16 to 128: 94-99 % of the
+#: outputs of plain TF32 and of three-TF32 dots equal, the rest one float32 step apart): the exact products of
+#: ``TC_GROUP`` consecutive terms of the contraction and the accumulator are aligned to the largest of them,
+#: each cut toward zero to ``TC_BITS`` bits below that one's leading bit, added exactly, and the sum cut toward
+#: zero to float32.  Both cuts drop low bits always in the same direction, so over a contraction of 128 terms
+#: a three-TF32 dot on the tensor core is about twice as far from the exact result as the same products summed
+#: in IEEE float32, and more where the sum cancels (a q . k of nearly orthogonal rows).
+TC_GROUP, TC_BITS = 8, 25
+
+
+def _trunc_f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x`` cut to float32 toward zero."""
+    f = x.float()
+    return torch.where(f.double().abs() > x.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+
+
+def _tc_sum(groups, acc) -> torch.Tensor:
+    """The tensor core's sum (``TC_GROUP``, ``TC_BITS``) of exact float64 products onto the float32 accumulator
+    ``acc`` [...] (None: zeros): ``groups`` yields the products of each group of ``TC_GROUP`` consecutive terms
+    of the contraction in order, [..., TC_GROUP] (the contracted index last).  Returns [...] float32."""
+    for terms in groups:
+        if acc is None:
+            acc = torch.zeros(terms.shape[:-1], dtype=torch.float64, device=terms.device)
+        _, e = torch.frexp(torch.maximum(terms.abs().amax(-1), acc.abs()))  # largest = m 2^e, m in [0.5, 1)
+        step = torch.exp2((e - 1 - TC_BITS).double())  # a power of two (float64: no underflow at float32's range)
+        acc = _trunc_f32(((terms / step[..., None]).trunc().sum(-1) + (acc / step).trunc()) * step).double()
+    return acc.float()
+
+
+def _dim_of(spec: str, index: str) -> int:
+    """The dimension of einsum index ``index`` in an operand's ``spec`` (counted from the end after an ellipsis)."""
+    if "..." in spec:
+        head, tail = spec.split("...")
+        return head.index(index) if index in head else tail.index(index) - len(tail)
+    return spec.index(index)
+
+
+def _tc_product(func, eq, a, b, **kwargs):
+    """A two-operand float32 einsum as Triton's ``input_precision="tf32x3"`` computes it on a tensor core: the
+    three TF32 products of ``_split_product`` as three dots in Triton's order (tail x head, head x tail, then
+    head x head, each onto the one before), the head x head dot summed as the tensor core sums (``_tc_sum``),
+    group by group of the contracted index.  An equation without exactly one contracted index (an outer
+    product): ``_split_product``."""
+    lhs, out = eq.replace(" ", "").split("->")
+    x, y = lhs.split(",")
+    cut = [c for c in x if c in y and c not in out and c != "."]
+    if len(cut) != 1:
+        return _split_product(func, eq, a, b, **kwargs)
+    each = f"{x},{y}->{out}{cut[0]}"  # the products, the contracted index kept last: exact in float64
+    da, db, n = _dim_of(x, cut[0]), _dim_of(y, cut[0]), a.shape[_dim_of(x, cut[0])]
+    ah, bh = round_tf32(a), round_tf32(b)
+    al, bl = trunc_tf32(a - ah), trunc_tf32(b - bh)
+    # the two tail products are 2^-11 of the head product: how their dots round moves the result by about
+    # 2^-35 of it, so they are summed in float64 and rounded once (a third of the cost), then the head
+    # product is summed onto them as the tensor core sums
+    small = (func(eq, ah.double(), bl.double(), **kwargs) + func(eq, al.double(), bh.double(), **kwargs)).float()
+    ah, bh = ah.double(), bh.double()
+    return _tc_sum((func(each, ah.narrow(da, s, min(TC_GROUP, n - s)), bh.narrow(db, s, min(TC_GROUP, n - s)),
+                         **kwargs) for s in range(0, n, TC_GROUP)), small)
+
+
 class _Arithmetic(TorchFunctionMode):
     """The arithmetic of one correct form, as a torch function mode over the reference's own code.
 
-    products: None (as computed), "tf32x3" (``_split_product``) or a rounding applied to the operands of
-    every ``torch.einsum`` (the reference's forms take all their products through einsum).
+    products: None (as computed), "tf32x3" (``_split_product``), "tf32x3-tc" (the same, summed as a tensor core
+    sums: ``_tc_product``) or a rounding applied to the operands of every ``torch.einsum`` (the reference's
+    forms take all their products through einsum).
     cumsum: None (as computed), "sequential" (every float32 cumulative sum a loop of float32 additions: a
     kernel carrying its running sum in a register, on any device; ``torch.cumsum`` accumulates float32 in
     float64 on a CPU and in a parallel scan on CUDA), "scan" (the tree order of a GPU scan, ``tl.cumsum``:
@@ -287,10 +352,10 @@ class _Arithmetic(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.einsum:
             if self.products is not None and args and isinstance(args[0], str):
-                if self.products == "tf32x3":
+                if self.products in ("tf32x3", "tf32x3-tc"):
                     if len(args) == 3 and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32
                                               for a in args[1:]):
-                        return _split_product(func, *args, **kwargs)
+                        return (_split_product if self.products == "tf32x3" else _tc_product)(func, *args, **kwargs)
                 else:
                     args = (args[0], *[self.products(a) if isinstance(a, torch.Tensor) else a for a in args[1:]])
         elif func in (torch.cumsum, torch.Tensor.cumsum):
@@ -422,10 +487,19 @@ SEGMENT_WAYS = (dict(cumsum="sequential", exp="ex2-ftz"), dict(cumsum="scan", ex
                 dict(cumsum="rounded")) + tuple(dict(cumsum=f"step{b}") for b in STEP_BITS)
 
 
-def segment_ways(dtype: torch.dtype) -> tuple:
-    """``SEGMENT_WAYS`` for inputs of ``dtype``: in float64 the ways are one (the ways differ only in
-    float32 sums and exponentials, which float64 inputs never take), so one form stands for them."""
-    return SEGMENT_WAYS[:1] if torch.promote_types(dtype, torch.float32) == torch.float64 else SEGMENT_WAYS
+#: The way a three-TF32 tensor-core kernel adds under the tf32x3 contract: correctly rounded sums and exponentials,
+#: its products as the tensor core sums them (``_tc_product``).
+TC_WAY = dict(cumsum="rounded", products="tf32x3-tc")
+
+
+def segment_ways(dtype: torch.dtype, contract=None) -> tuple:
+    """``SEGMENT_WAYS`` for inputs of ``dtype`` under ``contract`` (default: the active one): in float64 the ways
+    are one (the ways differ only in float32 sums and exponentials, which float64 inputs never take), so one
+    form stands for them; under tf32x3 also ``TC_WAY`` (a chunk kernel's products are a tensor core's)."""
+    if torch.promote_types(dtype, torch.float32) == torch.float64:
+        return SEGMENT_WAYS[:1]
+    contract = check_contract(current_contract() if contract is None else contract)
+    return SEGMENT_WAYS + ((TC_WAY,) if contract == "tf32x3" else ())
 
 
 def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
@@ -435,17 +509,19 @@ def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=
     those subnormal decays, as the correctly rounded way does), the scan way with the decays scaling u rather
     than k in the fold (fla's chunk kernels), as correctly rounded sums with correctly rounded
     exponentials, and so with the sums stepped as a tree-ordered scan leaves them (``_stepped_cumsum``, one
-    form per bit of ``STEP_BITS``); with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
+    form per bit of ``STEP_BITS``); under tf32x3 also with the products a tensor core's (``TC_WAY``); with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
     buffer's accept or partial flush) instead of summed afresh."""
-    ways = list(segment_ways(q.dtype))
+    ways = list(segment_ways(q.dtype, contract))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
     out = [None] * len(ways)
-    for exp in dict.fromkeys(w.get("exp") for w in ways):  # the ways that share their exponentials: one batch
-        idx = [i for i, w in enumerate(ways) if w.get("exp") == exp]
+    kinds = dict.fromkeys((w.get("exp"), w.get("products")) for w in ways)
+    for exp, products in kinds:  # the ways that share their exponentials and products: one batch
+        idx = [i for i, w in enumerate(ways) if (w.get("exp"), w.get("products")) == (exp, products)]
         sums = [(ways[i]["cumsum"], ways[i].get("carried", ()), ways[i].get("decay_on", "k")) for i in idx]
         for i, r in zip(idx, _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                              starts=starts, sums=sums, contract=contract, exp=exp)):
+                                              starts=starts, sums=sums, contract=contract, exp=exp,
+                                              products=products)):
             out[i] = r
     return out
 
@@ -496,9 +572,9 @@ def _fold_ways(S, k, u, G, decay_on: list, B: int) -> torch.Tensor:
     return torch.cat([_fold(*(t[j * B:(j + 1) * B] for t in (S, k, u, G)), d) for j, d in enumerate(decay_on)])
 
 
-def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp) -> list:
+def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp, products=None) -> list:
     """[(o, S), ...]: ``segmented_form`` once per (cumsum, carried, decay_on) of ``sums``, all with exponentials
-    ``exp``, computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way and
+    ``exp`` and products ``products`` (``_Arithmetic``'s; None: the contract's), computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way and
     its fold's decays on its own factor, the chunk arithmetic batched)."""
     contract = check_contract(current_contract() if contract is None else contract)
     T, n = q.shape[1], len(sums)
@@ -518,7 +594,7 @@ def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, co
     S = rep(torch.zeros(B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
             if initial_state is None else initial_state.to(x.v.dtype))
     outs = []
-    with _Arithmetic(products=_products(contract), exp=exp):
+    with _Arithmetic(products=products or _products(contract), exp=exp):
         for i, (a, b) in enumerate(zip(edges, edges[1:])):
             sl = slice(a, b)
             G = torch.cat([gw[i] for gw in gates]) if n > 1 else gates[0][i]

@@ -1,6 +1,8 @@
 """Declared arithmetic contracts: the emulation, the baselines computed in the contract's arithmetic, both verdicts
 in the report, the exit code."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -287,6 +289,62 @@ def test_three_tf32_products_sit_between_ieee_and_tf32():
             o = ref.chunk_gated_delta_rule(**x)[0]
         err[c] = float((o.double() - o64).norm() / o64.norm())
     assert err["ieee"] < 1e-6 and err["tf32x3"] < 4 * err["ieee"] and err["tf32"] > 100 * err["tf32x3"]
+
+
+#: Outputs measured on an H100 (tests/validate/h100_tensor_core.pt; device and versions inside; the scripts that
+#: measured them: bench/results/h100-2026-12-07-tensor-core): Triton dots of float32 operands, and
+#: kvbuffer_fast's compiled chunk kernel on one case whose output is a cancelling q . k.
+H100 = Path(__file__).with_name("h100_tensor_core.pt")
+
+
+def test_the_tensor_core_sum_reproduces_an_h100s_dots_bit_for_bit():
+    """``_tc_product`` (exact products summed in groups of 8 with the accumulator, cut toward zero) gives the H100's
+    own float32 dots of three TF32 products on almost every output and its error to three digits; the same
+    products summed in IEEE float32 (``_split_product``) have about half the H100's error at K = 128."""
+    from kvbuffer.validate.contracts import _split_product, _tc_product, _tc_sum
+    data = torch.load(H100)["dots"]
+    for name, d in data.items():
+        A, B, O = d["A"], d["B"], d["O"]
+        exact = A.double() @ B.double()
+        if d["precision"] == "tf32":  # one TF32 product: truncated operands, the tensor core's sum
+            got = _tc_sum((trunc_tf32(A).double()[:, None, :] * trunc_tf32(B).double().T[None]).split(8, -1), None)
+        else:
+            got = _tc_product(torch.einsum, "mk,kn->mn", A, B)
+        assert (got == O).float().mean() > 0.93, name
+
+        def err(x):
+            return float((x.double() - exact).norm() / exact.norm())
+        assert abs(err(got) / err(O) - 1) < 0.02, name
+        if name == "16x16x128-tf32x3":
+            assert err(_split_product(torch.einsum, "mk,kn->mn", A, B)) < 0.6 * err(O)
+
+
+def test_the_tensor_core_sum_keeps_products_far_below_float32s_normal_range():
+    """Products near float32's smallest normal number (decays after a strong gate) are summed, not lost: the
+    alignment step is taken in float64 (a step of 2^-151 once underflowed to 0 and made NaN)."""
+    from kvbuffer.validate.contracts import _tc_product
+    a = torch.full((3, 16), 2.0 ** -70)
+    b = torch.full((16, 2), 2.0 ** -60)
+    got = _tc_product(torch.einsum, "mk,kn->mn", a, b)
+    assert torch.equal(got, torch.full((3, 2), 16 * 2.0 ** -130))
+
+
+def test_a_three_tf32_chunk_kernel_on_a_tensor_core_is_within_its_budget():
+    """kvbuffer_fast's chunk kernel on an H100 (one token, scale 0.37, rows of any norm: the output is a
+    q . k that cancels over K = 128, taken as three TF32 products on the tensor core): about 4x the error of
+    the tf32x3 forms summed in IEEE float32 (0.96 of the budget they make here, 1.01 computed on the H100),
+    about 1.3x the form summed as the tensor core sums (``TC_WAY``), a third of the budget with it."""
+    from kvbuffer.validate import contracts as C
+    d = torch.load(H100)["chunk"]
+    x = {n: d[n] for n in ("q", "k", "v", "g", "beta")}
+    o64 = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, scale=d["scale"])[0]
+    with active_contract("tf32x3"):
+        forms = correct_forms(**x, scale=d["scale"], chunks=(d["chunk_size"],))
+    assert len(forms) == 2 + len(SEGMENT_WAYS) + 1
+    with_tc = compare(d["o"], o64, [o for o, _ in forms], contract="tf32x3")
+    without = compare(d["o"], o64, [o for o, _ in forms[:-1]], contract="tf32x3")
+    assert with_tc.passed and with_tc.worst_rel < 0.4 * with_tc.budget and with_tc.over_baseline < 1.5
+    assert without.worst_rel > 0.9 * without.budget and without.over_baseline > 3.5
 
 
 def test_a_gpu_scan_sums_in_a_tree_order_within_32_lanes_and_carries_between_them():
