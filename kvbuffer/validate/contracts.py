@@ -509,8 +509,9 @@ def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=
     those subnormal decays, as the correctly rounded way does), the scan way with the decays scaling u rather
     than k in the fold (fla's chunk kernels), as correctly rounded sums with correctly rounded
     exponentials, and so with the sums stepped as a tree-ordered scan leaves them (``_stepped_cumsum``, one
-    form per bit of ``STEP_BITS``); under tf32x3 also with the products a tensor core's (``TC_WAY``); with ``carried`` boundaries, also each way with the gates rebased at those boundaries (a
-    buffer's accept or partial flush) instead of summed afresh."""
+    form per bit of ``STEP_BITS``); under tf32x3 also with the products a tensor core's (``TC_WAY``); with
+    ``carried`` boundaries, also each way with the gates rebased at those boundaries (a buffer's accept or
+    partial flush) instead of summed afresh."""
     ways = list(segment_ways(q.dtype, contract))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
