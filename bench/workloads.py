@@ -562,13 +562,14 @@ class _Builder:
         history's state rounded to it, the truth starting from the rounded state), the outputs judged under the
         bf16-state contract and the state the fold writes checked in that dtype."""
         decode, C = self.api.fast.buffered_decode, self.p.C
+        name = "" if state_dtype is None else str(state_dtype).removeprefix("torch.")
         if state_dtype is not None:
             try:
                 allowed = importlib.import_module("kvbuffer_fast._common").STATE_DTYPES
             except (ImportError, AttributeError):
                 allowed = (torch.float32,)
             if state_dtype not in allowed:
-                raise Skip(f"this kvbuffer_fast stores no {str(state_dtype)[6:]} buffer state (_common.STATE_DTYPES)")
+                raise Skip(f"this kvbuffer_fast stores no {name} buffer state (_common.STATE_DTYPES)")
         hist = self.wl.history(buffered=C, state_dtype=state_dtype)
         bufs = self._buffers(hist)
         xs = self._tokens(C, seed=2)
@@ -595,13 +596,13 @@ class _Builder:
         s = self.s if state_dtype is None else dataclasses.replace(
             self.s, state_bytes=torch.empty(0, dtype=state_dtype).element_size())
         c = self.case(op, "decode", run, self.L * C, io.buffered_cycle_step(s, self.B, C),
-                      checks, C=C, **({} if state_dtype is None else dict(state_dtype=str(state_dtype)[6:])))
+                      checks, C=C, **({} if state_dtype is None else dict(state_dtype=name)))
         if state_dtype is not None:
-            c.note = (f"kvbuffer_fast.buffered_decode on buffers whose state is stored in {str(state_dtype)[6:]} "
+            c.note = (f"kvbuffer_fast.buffered_decode on buffers whose state is stored in {name} "
                       f"(the history's state rounded to it; the truth starts from the rounded state); the fold rounds "
                       f"the state it writes once per cycle of C = {C} tokens, and the outputs are judged under the "
                       f"bf16-state contract (the budgets' correct forms round their state after every token: looser "
-                      f"than once per fold), the folded state in {str(state_dtype)[6:]}")
+                      f"than once per fold), the folded state in {name}")
         return c
 
     def read_state(self) -> Case:

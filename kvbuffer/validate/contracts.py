@@ -314,7 +314,8 @@ def _tc_product(func, eq, a, b, **kwargs):
     if len(cut) != 1:
         return _split_product(func, eq, a, b, **kwargs)
     each = f"{x},{y}->{out}{cut[0]}"  # the products, the contracted index kept last: exact in float64
-    da, db, n = _dim_of(x, cut[0]), _dim_of(y, cut[0]), a.shape[_dim_of(x, cut[0])]
+    da, db = _dim_of(x, cut[0]), _dim_of(y, cut[0])
+    n = a.shape[da]
     ah, bh = round_tf32(a), round_tf32(b)
     al, bl = trunc_tf32(a - ah), trunc_tf32(b - bh)
     # the two tail products are 2^-11 of the head product: how their dots round moves the result by about

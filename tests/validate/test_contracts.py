@@ -388,12 +388,6 @@ def test_the_interpreter_judges_fast_as_its_16_bit_paths_when_it_takes_them(monk
     assert implementations.fast().contract_for("chunk", torch.float16) == "ieee"
 
 
-def _hillis_steele(x: torch.Tensor, lanes: int) -> torch.Tensor:
-    """Inclusive scan of x [T, ...] in float32: Hillis-Steele within runs of ``lanes``, each run adding the total
-    of the runs before it (``contracts._scan_cumsum`` with another run length)."""
-    return _scan_cumsum(x, 0, lanes=lanes)
-
-
 def _blelloch(x: torch.Tensor) -> torch.Tensor:
     """Inclusive scan of x [T, ...] in float32 as a work-efficient scan forms it: an up-sweep of pairwise sums, a
     down-sweep of exclusive prefixes (T padded to a power of two), then + x."""
@@ -440,8 +434,9 @@ def test_a_chunk_kernel_may_sum_its_cumulative_gates_in_any_scan_order(gate, see
     kernel and passes; each of these cases failed against the loop, 32-lane scan and correctly rounded ways alone
     (its state 1.8x to 203x the budget: a gate of 0 between two tokens whose cumulative gates are near -3000
     leaves a loop's decay exact and a tree's one float32 step of 3000 off)."""
-    scan = {"runs of 8": lambda x: _hillis_steele(x, 8), "runs of 16": lambda x: _hillis_steele(x, 16),
-            "whole chunk": lambda x: _hillis_steele(x, 1 << 20), "work-efficient": _blelloch}[order]
+    # Hillis-Steele within runs of 8, 16 or the whole chunk, each run adding the runs before it; or work-efficient
+    scan = {"runs of 8": lambda x: _scan_cumsum(x, 0, lanes=8), "runs of 16": lambda x: _scan_cumsum(x, 0, lanes=16),
+            "whole chunk": lambda x: _scan_cumsum(x, 0, lanes=1 << 20), "work-efficient": _blelloch}[order]
     case = Case(B=1, T=128, H=2, HV=4, K=32, V=32, gate=gate, beta="mixed", seed=seed, norm="any", scale=0.37)
     x = case.inputs(torch.float32)
     o64, S64 = ref.recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()}, scale=0.37,
