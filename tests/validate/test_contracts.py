@@ -321,7 +321,7 @@ def test_the_tensor_core_sum_reproduces_an_h100s_dots_bit_for_bit():
 
 def test_the_tensor_core_sum_keeps_products_far_below_float32s_normal_range():
     """Products near float32's smallest normal number (decays after a strong gate) are summed, not lost: the
-    alignment step is taken in float64 (a step of 2^-151 once underflowed to 0 and made NaN)."""
+    alignment step is taken in float64 (a step of 2^-151 in float32 underflows to 0 and makes NaN)."""
     from kvbuffer.validate.contracts import _tc_product
     a = torch.full((3, 16), 2.0 ** -70)
     b = torch.full((16, 2), 2.0 ** -60)
