@@ -263,9 +263,9 @@ class Api:
             raise Skip(str(self._flashinfer))
         return self._flashinfer
 
-    def kwargs(self, op: str, fn: Callable, x: dict, C: int = 0) -> dict:
-        """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x``: the ``config``
-        override of ``op``, if any."""
+    def kwargs(self, op: str, fn: Callable, x: dict, C: int = 0, state: Optional[torch.dtype] = None) -> dict:
+        """The launch keywords of one call of ``fn`` (launch table ``op``) on tokens ``x`` (``state``: the
+        stored state's dtype, None for float32): the ``config`` override of ``op``, if any."""
         params = inspect.signature(fn).parameters
         kw = {}
         fields = self.overrides.get(op)
@@ -273,7 +273,7 @@ class Api:
             if "config" not in params:
                 raise ValueError(f"--set {op}.*: {fn.__module__}.{fn.__name__} takes no config")
             B, HV, V = x["q"].shape[0], x["v"].shape[2], x["v"].shape[3]
-            key = self.launch.key_of(x["q"], C=C, B=B, HV=HV, V=V, channel=x["g"].dim() == 4)
+            key = self.launch.key_of(x["q"], C=C, B=B, HV=HV, V=V, channel=x["g"].dim() == 4, state=state)
             kw["config"] = dataclasses.replace(self.launch.config_for(op, key), **fields)
         return kw
 
@@ -574,7 +574,7 @@ class _Builder:
         bufs = self._buffers(hist)
         xs = self._tokens(C, seed=2)
         steps = [self.wl.steps(x) for x in xs]
-        kw = self.api.kwargs("decode", decode, xs[0], C=C)
+        kw = self.api.kwargs("decode", decode, xs[0], C=C, state=state_dtype)
         # a 16-bit state: the budgets' correct forms round their state to it after every token (the kernel
         # rounds it once per fold, every C tokens: within that contract)
         contract = "ieee" if state_dtype is None else "bf16-state"

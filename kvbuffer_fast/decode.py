@@ -478,7 +478,8 @@ def buffered_decode(
         _require_no_full(buffer)
     s = check_scale(scale, d.K)
     if config is None:
-        config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
+        config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate,
+                                             state=None if buffer.state is None else buffer.state.dtype))
     cfg = check_config("decode", config)
     if cfg.fold not in ("group", "tile"):
         raise ValueError(f"config.fold: expected 'group' or 'tile', got {cfg.fold!r}")

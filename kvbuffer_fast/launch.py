@@ -36,7 +36,7 @@ class Key:
     C: buffer capacity (0 where the operation has no buffer); columns: B * HV * V, the state columns
     the launch covers (proportional to its programs for any column tile that divides V); dtype: the
     dtype of q and k; channel: per-channel (KDA) gates; capability: (major, minor) of the CUDA device,
-    None under the Triton interpreter.
+    None under the Triton interpreter; state: the dtype of the stored state the launch streams.
     """
 
     C: int = 0
@@ -44,23 +44,24 @@ class Key:
     dtype: torch.dtype = torch.float32
     channel: bool = False
     capability: Optional[tuple[int, int]] = None
+    state: torch.dtype = torch.float32
 
 
 def key_of(x: torch.Tensor, *, C: int = 0, B: int, HV: int, V: int, channel: bool = False,
-           dtype: Optional[torch.dtype] = None) -> Key:
-    """The :class:`Key` of a launch on ``x``'s device."""
+           dtype: Optional[torch.dtype] = None, state: Optional[torch.dtype] = None) -> Key:
+    """The :class:`Key` of a launch on ``x``'s device (``state``: the stored state's dtype, float32 if None)."""
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
     return Key(C=int(C), columns=int(B) * int(HV) * int(V), dtype=dtype or x.dtype, channel=bool(channel),
-               capability=cap)
+               capability=cap, state=state or torch.float32)
 
 
 @dataclass(frozen=True)
 class Row:
     """One table row: ``set`` (field -> value) applies where every condition holds.
 
-    Ranges are inclusive (lo, hi), None meaning unbounded; ``dtypes`` None means any; ``channel`` None
-    means either gate kind; ``capability`` is a range of (major, minor), never matching the interpreter
-    unless it is None.
+    Ranges are inclusive (lo, hi), None meaning unbounded; ``dtypes`` (of q and k) and ``states`` (of the
+    stored state) None mean any; ``channel`` None means either gate kind; ``capability`` is a range of
+    (major, minor), never matching the interpreter unless it is None.
     """
 
     set: dict
@@ -70,6 +71,7 @@ class Row:
     dtypes: Optional[tuple] = None
     channel: Optional[bool] = None
     capability: Optional[tuple] = None
+    states: Optional[tuple] = None
 
     def matches(self, key: Key) -> bool:
         def inside(x, rng):
@@ -79,6 +81,8 @@ class Row:
         if not inside(key.C, self.C) or not inside(key.columns, self.columns):
             return False
         if self.dtypes is not None and key.dtype not in self.dtypes:
+            return False
+        if self.states is not None and key.state not in self.states:
             return False
         if self.channel is not None and key.channel != self.channel:
             return False

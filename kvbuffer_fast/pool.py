@@ -346,7 +346,8 @@ class KVPool:
         C = self.capacity
         sc = check_scale(scale, d.K)
         if config is None:
-            config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate))
+            config = config_for("decode", key_of(q, C=C, B=d.B, HV=d.HV, V=d.V, channel=d.channel_gate,
+                                                 state=self.state.dtype))
         cfg = check_config("decode", config)
         if cfg.fold != "group" or C > 32:
             return self._decode_gathered(q, k, v, g, beta, layer, s, checked, sc, cfg)

@@ -313,18 +313,42 @@ def _tc_product(func, eq, a, b, **kwargs):
     cut = [c for c in x if c in y and c not in out and c != "."]
     if len(cut) != 1:
         return _split_product(func, eq, a, b, **kwargs)
-    each = f"{x},{y}->{out}{cut[0]}"  # the products, the contracted index kept last: exact in float64
-    da, db = _dim_of(x, cut[0]), _dim_of(y, cut[0])
-    n = a.shape[da]
     ah, bh = round_tf32(a), round_tf32(b)
     al, bl = trunc_tf32(a - ah), trunc_tf32(b - bh)
     # the two tail products are 2^-11 of the head product: how their dots round moves the result by about
     # 2^-35 of it, so they are summed in float64 and rounded once (a third of the cost), then the head
     # product is summed onto them as the tensor core sums
     small = (func(eq, ah.double(), bl.double(), **kwargs) + func(eq, al.double(), bh.double(), **kwargs)).float()
-    ah, bh = ah.double(), bh.double()
-    return _tc_sum((func(each, ah.narrow(da, s, min(TC_GROUP, n - s)), bh.narrow(db, s, min(TC_GROUP, n - s)),
-                         **kwargs) for s in range(0, n, TC_GROUP)), small)
+    return _tc_head(func, (x, y, out, cut[0]), ah.double(), bh.double(), small, **kwargs)
+
+
+#: Bytes of float64 products ``_tc_head`` holds at once (one group of each output element).
+TC_BYTES = 1 << 28
+
+
+def _tc_head(func, specs, ah, bh, acc, **kwargs):
+    """The head x head dot of ``_tc_product`` summed onto ``acc`` (its output, float32) as the tensor core sums;
+    ``specs``: the operands', the output's and the contracted index's einsum letters.  Every output element
+    is summed on its own, so the output is split along its longest index held by an operand into pieces whose
+    products fit ``TC_BYTES`` (a state-sized output of a batch of 256 would hold gigabytes)."""
+    x, y, out, c = specs
+    da, db = _dim_of(x, c), _dim_of(y, c)
+    n = ah.shape[da]
+    g = min(TC_GROUP, n)
+    letters = [i for i in out.replace("...", "") if i in x or i in y]
+    if acc.numel() * g * 8 > TC_BYTES and letters:
+        i = max(letters, key=lambda i: acc.shape[_dim_of(out, i)])
+        do = _dim_of(out, i)
+        m = acc.shape[do]
+        step = max(1, m * TC_BYTES // (acc.numel() * g * 8))
+        if step < m:
+            cut = lambda t, spec, s: (t.narrow(_dim_of(spec, i), s, min(step, m - s))
+                                       if i in spec and t.shape[_dim_of(spec, i)] == m else t)  # 1: broadcast
+            return torch.cat([_tc_head(func, specs, cut(ah, x, s), cut(bh, y, s), acc.narrow(do, s, min(step, m - s)),
+                                       **kwargs) for s in range(0, m, step)], dim=do)
+    each = f"{x},{y}->{out}{c}"  # the products, the contracted index kept last: exact in float64
+    return _tc_sum((func(each, ah.narrow(da, s, min(g, n - s)), bh.narrow(db, s, min(g, n - s)), **kwargs)
+                    for s in range(0, n, g)), acc)
 
 
 class _Arithmetic(TorchFunctionMode):

@@ -15,6 +15,7 @@ under test consumes.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -30,6 +31,7 @@ from .contracts import baseline_recurrent, segment_ways, correct_forms, emulate,
 from .tolerances import Comparison, compare, compute_dtype, current_contract
 
 __all__ = [
+    "ValidatorFault",
     "buffer_to",
     "stack_buffers",
     "ragged_buffer",
@@ -221,6 +223,25 @@ def worst_rows(truth: torch.Tensor, forms: Sequence[torch.Tensor], rows: int) ->
     return torch.stack(list(forms)).gather(0, pick)[0]
 
 
+class ValidatorFault(RuntimeError):
+    """The validator's own computation of a case's truth or budget raised: a defect of the validator (or of
+    the machine it runs on: memory), never the implementation's; the lane is an ERROR, not a FAIL."""
+
+
+def _ours(fn):
+    """``fn`` computes the validator's side of a check: an exception inside it is a ``ValidatorFault``."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValidatorFault:
+            raise
+        except Exception as e:
+            raise ValidatorFault(f"the validator's {fn.__name__} raised {type(e).__name__}: {e}") from e
+    return wrapped
+
+
+@_ours
 def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = None,
                        compute_baseline: bool = True, scale: Optional[float] = None, qk_l2norm: bool = False,
                        chunk: Optional[int] = None):
@@ -256,6 +277,7 @@ def truth_and_baseline(x_dtype: dict, initial_state: Optional[torch.Tensor] = No
                    worst_rows(truth[1], [S for _, S in forms], 2))
 
 
+@_ours
 def _buffer_form(x: dict, b: int, first: int, last: int, state: Optional[torch.Tensor], starts: Sequence[int],
                  dtype: torch.dtype, scale: Optional[float], carried: Sequence[int] = ()) -> list:
     """Request b's tokens ``first..last-1`` of ``x`` as a buffer computes them: ``contracts.segmented_forms``
@@ -270,6 +292,7 @@ def _buffer_form(x: dict, b: int, first: int, last: int, state: Optional[torch.T
     return [(o.to(dtype), S) for o, S in segmented_forms(**xb, initial_state=S0, starts=rel, carried=kept, scale=scale)]
 
 
+@_ours
 def _oracle_run(dtype: torch.dtype, run):
     """``run()``: the operation's calls made with ``kvbuffer_ref`` as the implementation, on a copy of the same
     buffer in the implementation's dtypes, under the lane's arithmetic contract (products emulated): the

@@ -294,6 +294,8 @@ def format_failure(r: LaneResult, replay_cmd: str) -> str:
     err = f.get("error")
     if err and err.startswith("["):
         lines.append(f"  {err}")
+    elif err and r.klass == "validator":
+        lines.append(f"  [validator] {err}")
     elif err:
         lines.append(f"  [{r.klass or 'raised'}] the implementation raised {err}")
     if f.get("traceback"):

@@ -58,6 +58,8 @@ CLASSES = {
     "wrong-result": "differs from the float64 truth",
     "raised": "the implementation raised (on any call of an example: the case reported is the call that raised)",
     "vacuous": "no example had an informative comparison",
+    "validator": "the validator's own truth or budget computation raised on the case (out of memory, say): an ERROR "
+                 "of the validator, no verdict on the implementation",
 }
 
 
@@ -384,6 +386,9 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
                     raise
                 fail(params, what, i, klass=klass, error=str(e), exc=e)
                 raise
+            except P.ValidatorFault:  # the validator's own truth or budget: not the implementation's failure
+                state["fault"] = dict(case=p.get("case"), params=op_params(p), call=what)
+                raise
             except Exception as e:  # an exception is [raised], reported with the call that raised it (a state
                 # leak is a later call's result that differs, above and below)
                 fail(p, what, i, klass="raised", error=f"{type(e).__name__}: {e}", exc=e, example=params)
@@ -465,8 +470,11 @@ def _run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples:
             res.why = ("the replayed case passes: hypothesis could not reproduce the failure its blob records "
                        "(fixed since, or recorded by another version of the implementation)")
         elif f is None:
-            res.status, res.klass = "ERROR", "raised"
-            res.failure = dict(error=f"{type(e).__name__}: {e}", notes=notes, traceback=_where(e))
+            res.status, res.klass = "ERROR", "validator" if isinstance(e, P.ValidatorFault) else "raised"
+            res.failure = dict(error=f"{type(e).__name__}: {e}", notes=notes, traceback=_where(e.__cause__ or e))
+            if res.klass == "validator":
+                res.why = "the validator's truth or budget raised, not the implementation: no verdict on it"
+                res.failure.update(state.get("fault") or {})
         else:
             res.status = "FAIL"
             klass, why = f.get("klass"), f.get("why") or f"on {f['call']}"

@@ -86,6 +86,23 @@ def test_a_correct_adapter_passes_every_class():
     assert r.status == "PASS" and r.checks > 0
 
 
+def test_an_exception_in_the_validators_own_truth_is_its_error_not_the_implementations(monkeypatch):
+    """The truth or the budget raising (out of memory on a large case, say) is an ERROR [validator] naming
+    the case, never a FAIL [raised] of a correct implementation."""
+    from kvbuffer.validate import properties, report
+
+    def out_of_memory(*a, **kw):
+        raise RuntimeError("CUDA out of memory (planted)")
+
+    monkeypatch.setattr(properties.ref, "recurrent_gated_delta_rule", out_of_memory)
+    (r,) = _run(_direct(ref.direct_gated_delta_rule))
+    assert (r.status, r.klass) == ("ERROR", "validator"), (r.status, r.klass, r.failure)
+    text = report.format_failure(r, "replay")
+    assert "[validator] ValidatorFault: the validator's truth_and_baseline raised RuntimeError" in text, text
+    assert "the implementation raised" not in text and "smallest failing case: Case(" in text, text
+    assert "planted" in text and "out_of_memory" in text, text  # the validator's own frame, not the wrapper's
+
+
 def test_a_float64_recurrent_decode_gets_a_float64_state():
     """A correct float64 in-place step passes (the stepwise wrapper keeps the state in the inputs' dtype)."""
     def step(q, k, v, *, g, beta, state, scale=None):

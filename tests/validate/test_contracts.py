@@ -16,6 +16,7 @@ from kvbuffer.validate.contracts import _Arithmetic, LOG2E_F32, SEGMENT_WAYS, _s
 from kvbuffer.validate.contracts import (CONTRACTS, baseline_recurrent, check_contract, correct_forms, emulate,
                                              round_bf16, round_fp16, round_tf32, trunc_tf32)
 from kvbuffer.validate.tolerances import active_contract, compare
+from kvbuffer.validate import contracts
 
 from .conftest import ADAPTERS
 
@@ -447,3 +448,19 @@ def test_a_chunk_kernel_may_sum_its_cumulative_gates_in_any_scan_order(gate, see
     assert compare(o, o64, [f[0] for f in forms], dtype=torch.float32).passed
     c = compare(S, S64, [f[1] for f in forms], dtype=torch.float32, head_axis=1, name="final state")
     assert c.passed, str(c)
+
+
+def test_the_tensor_core_form_bounds_its_memory_without_changing_a_bit(monkeypatch):
+    """``_tc_product`` splits a large output into pieces of at most ``TC_BYTES`` of products: the same bits."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 2, 16, 40, generator=g), torch.randn(3, 2, 16, 24, generator=g)
+    c = torch.randn(1, 2, 9, 40, generator=g)  # broadcast over the first index
+    whole = [contracts._tc_product(torch.einsum, "bhck,bhcv->bhkv", a, b),
+             contracts._tc_product(torch.einsum, "...ck,...cv->...kv", a, b),
+             contracts._tc_product(torch.einsum, "bhck,bhdk->bhcd", a, c)]
+    monkeypatch.setattr(contracts, "TC_BYTES", 200)
+    split = [contracts._tc_product(torch.einsum, "bhck,bhcv->bhkv", a, b),
+             contracts._tc_product(torch.einsum, "...ck,...cv->...kv", a, b),
+             contracts._tc_product(torch.einsum, "bhck,bhdk->bhcd", a, c)]
+    for w, s in zip(whole, split):
+        assert s.shape == w.shape and torch.equal(s, w)
