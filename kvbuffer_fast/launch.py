@@ -262,6 +262,10 @@ TABLES: dict[str, tuple[Row, ...]] = {
         Row(dict(fold_FH=4), columns=(None, 8 * 1024 * 64 - 1),
             why="fewer than 1024 eight-head fold programs (B < 128 at Qwen3-Next heads): 4 value heads "
                 "per program, 50.2 -> 49.5 us per step at B = 64"),
+        Row(dict(BV=128), states=_SIXTEEN_BIT, capability=((9, 0), None),
+            why="a 16-bit state: 128 state columns per program took 45.8 / 159.4 / 308.0 against 51.3 / 184.9 / "
+                "359.9 us per step at B = 64 / 256 / 512 (H100); with 2 stages, KB = 16 or 64, 8 warps or a "
+                "128-column fold it was slower; a float32 state gains nothing from it (62.0 against 62.6 us)"),
     ),
     "flush": (),
     "verify": (

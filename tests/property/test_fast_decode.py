@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 import kvbuffer_fast as fast  # noqa: E402
 import kvbuffer_fast.decode as dec  # noqa: E402
 import kvbuffer_ref as ref  # noqa: E402
-from kvbuffer_fast.launch import DecodeConfig, FlushConfig, Key, config_for  # noqa: E402
+from kvbuffer_fast.launch import DecodeConfig, FlushConfig, Key, config_for, key_of  # noqa: E402
 
 from kvbuffer.validate import Case, assert_matches, compare  # noqa: E402
 from kvbuffer.validate import properties as P, strategies as kst  # noqa: E402
@@ -171,6 +171,18 @@ def test_launch_table_rows(C, columns, fold, FH):
     fold program below 1024 eight-head programs at V = 128 (B * HV * V < 8 * 1024 * 64), 8 from there."""
     config = config_for("decode", Key(C=C, columns=columns))
     assert (config.fold, config.fold_FH) == (fold, FH)
+
+
+@pytest.mark.parametrize("state,capability,BV", [
+    (torch.bfloat16, (9, 0), 128), (torch.float16, (9, 0), 128), (torch.float32, (9, 0), 64),
+    (torch.bfloat16, None, 64),
+])
+def test_a_16_bit_state_streams_whole_value_rows_on_sm90(state, capability, BV):
+    """The decode table keys on the stored state's dtype: 128 state columns per program for a 16-bit state
+    on sm_90 (the interpreter keeps the default), and ``key_of`` passes the dtype through."""
+    assert config_for("decode", Key(C=16, columns=64 * 32 * 128, state=state, capability=capability)).BV == BV
+    assert key_of(torch.empty(1, 1, 1, 8), B=1, HV=1, V=8, state=state).state == state
+    assert key_of(torch.empty(1, 1, 1, 8), B=1, HV=1, V=8).state == torch.float32
 
 
 def _own_decode(x: dict, buf) -> tuple:
