@@ -228,10 +228,9 @@ def time_decode(p: Plan, copy: dict, log) -> list:
 
 
 #: The sweep's launches of the decode step for a 16-bit state: name -> DecodeConfig fields set on top of
-#: the launch table's choice (``config_for("decode", key)``).  With a bf16 state the table's launch
-#: (``[32, 64]`` blocks, one in flight per program) moves half the fp32 bytes per round trip in the same
-#: number of round trips; the candidates put more bytes in flight per SM (more blocks pipelined, larger
-#: blocks, wider tiles).
+#: the launch table's choice (``config_for("decode", key)``, keyed on the storage's state dtype: ``[32, 128]``
+#: blocks for a 16-bit state on sm_90, ``[32, 64]`` for a float32 one); the candidates put more bytes in
+#: flight per SM (more blocks pipelined, larger blocks, wider tiles).
 CANDIDATES: dict[str, dict] = {
     "table": {},
     "NS=2": dict(NS=2),
@@ -247,7 +246,7 @@ CANDIDATES: dict[str, dict] = {
 }
 #: What each candidate is for (printed beside it in the JSON).
 WHY = {
-    "table": "the launch table's choice (the fp32 state's launch)",
+    "table": "the launch table's choice for the storage's state dtype",
     "NS=2": "two [32, 64] state blocks in flight per program (the loop software-pipelined through shared memory)",
     "NS=3": "three blocks in flight per program",
     "KB=64": "[64, 64] bf16 blocks: the fp32 launch's 8 KB per round trip, two round trips per program",
@@ -295,7 +294,7 @@ def sweep(p: Plan, copy: dict, names: list, storage_names: list, budget_s: float
                     continue
                 try:
                     x0 = xs[B][0]
-                    key = key_of(x0["q"], C=p.C, B=B, HV=p.HV, V=p.V)
+                    key = key_of(x0["q"], C=p.C, B=B, HV=p.HV, V=p.V, state=sd)
                     cfg = dataclasses.replace(config_for("decode", key), **CANDIDATES[name])
                     row["config"] = dataclasses.asdict(cfg)
                     if i == 0 or check_all:
