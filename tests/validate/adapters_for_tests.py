@@ -137,3 +137,20 @@ def _gate_axis_step(q, k, v, *, g, beta, state, scale=None):
 #: Broken: raises RuntimeError on a per-channel gate whenever K != V (the gate applied on the wrong axis).
 gate_wrong_axis = types.SimpleNamespace(name="gate-wrong-axis-with-a-rather-long-implementation-name",
                                         dtypes=(torch.float32,), recurrent_decode=_gate_axis_step)
+
+
+def _tf32_no_resets(q, k, v, *, g, **kw):
+    """TF32 products, and NaN outputs for a request that has a reset gate (-inf, -1e30, -300)."""
+    o = _tf32_recurrent(q, k, v, g=g, **kw)
+    reset = (g <= -300).flatten(1).any(1)
+    if isinstance(o, tuple):
+        o = (o[0].masked_fill(reset.view(-1, 1, 1, 1), float("nan")), *o[1:])
+    else:
+        o = o.masked_fill(reset.view(-1, 1, 1, 1), float("nan"))
+    return o
+
+
+#: TF32 products declared as IEEE float32, and no reset gates: it fails as fp32 on mild gates, and as tf32 on
+#: reset gates only; the report must say that tf32 explains the first failure.
+tf32_no_resets = types.SimpleNamespace(name="tf32-no-resets", dtypes=(torch.float32,),
+                                       recurrent_gated_delta_rule=_tf32_no_resets)
