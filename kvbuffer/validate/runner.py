@@ -271,7 +271,7 @@ def run_lane(lane: Lane, *, device: str, profile: str, seed: int, max_examples: 
         tried.append(c)
         # under c the lane may fail on reset gates alone ([domain]) and pass the rest: the gate domain is no
         # precision, so c still explains the declared failure (which was on other gates: resets return above)
-        rest = (again.failure or {}).get("rest") or {} if again.status == "FAIL" and again.klass == "domain" else {}
+        rest = ((again.failure or {}).get("rest") or {}) if (again.status, again.klass) == ("FAIL", "domain") else {}
         if again.status == "PASS" or rest.get("status") == "PASS":
             worst, budget = (again.worst_rel, again.budget) if again.status == "PASS" else (rest.get("worst_rel"),
                                                                                           rest.get("budget"))

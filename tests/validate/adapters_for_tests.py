@@ -140,14 +140,14 @@ gate_wrong_axis = types.SimpleNamespace(name="gate-wrong-axis-with-a-rather-long
 
 
 def _tf32_no_resets(q, k, v, *, g, **kw):
-    """TF32 products, and NaN outputs for a request that has a reset gate (-inf, -1e30, -300)."""
+    """TF32 products, and NaN outputs for a request that has a reset gate (below -RESET_GATE: -inf, -1e30, -300)."""
+    from kvbuffer_ref.checks import RESET_GATE
+
     o = _tf32_recurrent(q, k, v, g=g, **kw)
-    reset = (g <= -300).flatten(1).any(1)
+    reset = (g < -RESET_GATE[torch.float32]).flatten(1).any(1).view(-1, 1, 1, 1)
     if isinstance(o, tuple):
-        o = (o[0].masked_fill(reset.view(-1, 1, 1, 1), float("nan")), *o[1:])
-    else:
-        o = o.masked_fill(reset.view(-1, 1, 1, 1), float("nan"))
-    return o
+        return (o[0].masked_fill(reset, float("nan")), *o[1:])
+    return o.masked_fill(reset, float("nan"))
 
 
 #: TF32 products declared as IEEE float32, and no reset gates: it fails as fp32 on mild gates, and as tf32 on
