@@ -52,7 +52,9 @@ from ._common import (PoolLayer, _gdc_wait, _pdl_prologue, _program_ids, _tile_o
 from ._fold import fold_block, fold_empty, fold_tile, state_tile
 from .launch import DecodeConfig, check_config, config_for, key_of
 
-__all__ = ["buffered_decode", "decode_pool"]
+__all__ = ["buffered_decode", "decode_pool", "state_dot"]
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -125,6 +127,7 @@ def _decode_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr = False, SERVED: tl.constexpr = False,
+    DOT: tl.constexpr = False,
 ):
     """The token of one (request, value head, V-tile): ONE loop over the key dimension in KB-row blocks
     forms S0^T k, S0^T q and the scores k.k_j, q.k_j of the n buffered keys together; then the u rows
@@ -140,7 +143,7 @@ def _decode_kernel(
     i_v, i_bhv, i_b, i_hv, i_h = _program_ids(H, HV)
     _decode_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                     scale, i_v, i_bhv, i_b, i_hv, i_h, i_b, i_bhv, True, C, H, HV, K, V, CB, BV, KB, NS, CHANNEL,
-                    STORAGE, PDL, SERVED, False)
+                    STORAGE, PDL, SERVED, False, DOT)
 
 
 @triton.jit
@@ -150,6 +153,7 @@ def _decode_slots_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr = False, SERVED: tl.constexpr = False,
+    DOT: tl.constexpr = False,
 ):
     """``_decode_kernel`` on a pool: token row i_b reads and writes buffer row ``bslot[i_b]`` and reads
     state row ``sslot[i_b]`` (-1: none, nothing read, S0 = 0), offsets in int64; a pad row (bslot -1)
@@ -161,7 +165,7 @@ def _decode_slots_kernel(
         s_b = tl.load(sslot_ptr + i_b).to(tl.int64)
         _decode_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
                         o_ptr, scale, i_v, i_bhv, i_b, i_hv, i_h, c_b, tl.maximum(s_b, 0) * HV + i_hv, s_b >= 0,
-                        C, H, HV, K, V, CB, BV, KB, NS, CHANNEL, STORAGE, PDL, SERVED, True)
+                        C, H, HV, K, V, CB, BV, KB, NS, CHANNEL, STORAGE, PDL, SERVED, True, DOT)
 
 
 @triton.jit
@@ -171,10 +175,15 @@ def _decode_program(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     CB: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr,
     CHANNEL: tl.constexpr, STORAGE: tl.constexpr, PDL: tl.constexpr, SERVED: tl.constexpr, SLOTS: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """The body of the decode kernels for token row t_b (value head i_hv, q/k head i_h, V-tile i_v;
     i_bhv = t_b * HV + i_hv) on buffer row i_b and state row s_bhv (per value head); outside a pool
-    i_b = t_b and s_bhv = i_bhv.  SLOTS: the state row exists only where ``s_ok``."""
+    i_b = t_b and s_bhv = i_bhv.  SLOTS: the state row exists only where ``s_ok``.  DOT (a 16-bit state of
+    q's and k's dtype, scalar gates; ``state_dot``): S0^T k and S0^T q are the first two rows of one tl.dot
+    per block, the [16, KB] rows (k, q, then zeros) by the [KB, BV] state block in their own dtype with
+    fp32 accumulation: the products are exact, as in the fp32 sums without it, which take two cross-lane
+    reductions per block (the scores of the cached keys keep those sums)."""
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n = tl.load(len_ptr + i_b).to(tl.int32)
@@ -194,6 +203,9 @@ def _decode_program(
     p_c = ((i_b * C + rows[:, None]) * H + i_h) * K + o_kb[None, :]
     sk = tl.zeros([BV], dtype=tl.float32)
     sq = tl.zeros([BV], dtype=tl.float32)
+    if DOT:
+        o_x = tl.arange(0, 16)
+        X = tl.zeros([16, BV], dtype=tl.float32)  # rows 0 and 1: S0^T k and S0^T q
     wk = tl.zeros([CB], dtype=tl.float32)
     wq = tl.zeros([CB], dtype=tl.float32)
     qk = tl.zeros([KB], dtype=tl.float32)
@@ -211,9 +223,17 @@ def _decode_program(
                     m_st = ((k0 + o_kb) < tl.where(s_ok, K, 0))[:, None] & m_v[None, :]
                 else:
                     m_st = m_kb[:, None] & m_v[None, :]
-                st = tl.load(p_s + k0 * V, mask=m_st, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
-            qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0).to(tl.float32)
+                st = tl.load(p_s + k0 * V, mask=m_st, other=0.0, eviction_policy="evict_first")
+                if not DOT:
+                    st = st.to(tl.float32)
+            kb = tl.load(k_ptr + p_x + k0, mask=m_kb, other=0.0)
+            qb = tl.load(q_ptr + p_x + k0, mask=m_kb, other=0.0)
+            if DOT:
+                xb = tl.where(o_x[:, None] == 0, kb[None, :], tl.where(o_x[:, None] == 1, qb[None, :], 0.0))
+                xb = xb.to(st.dtype)
+                X = tl.dot(xb, st, X)
+            kb = kb.to(tl.float32)
+            qb = qb.to(tl.float32)
             kc = tl.load(ck_ptr + p_c + k0, mask=m_key[:, None] & m_kb[None, :], other=0.0,
                          eviction_policy="evict_last").to(tl.float32)
             qk += kb * qb
@@ -237,9 +257,12 @@ def _decode_program(
             else:
                 wk += tl.sum(kc * kb[None, :], 1)
                 wq += tl.sum(kc * qb[None, :], 1)
-                if STORAGE:
+                if STORAGE and not DOT:
                     sk += tl.sum(st * kb[:, None], 0)
                     sq += tl.sum(st * qb[:, None], 0)
+        if DOT:
+            sk = tl.sum(tl.where(o_x[:, None] == 0, X, 0.0), 0)
+            sq = tl.sum(tl.where(o_x[:, None] == 1, X, 0.0), 0)
     m_r = rows < n
     uc = tl.load(cu_ptr + ((i_b * C + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
                  mask=m_r[:, None] & m_v[None, :], other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -495,11 +518,13 @@ def buffered_decode(
         if storage:
             _fold_launch(buffer, d, cfg, tokens, pdl)
         BV = _columns(cfg.BV, d.V)
+        dot = state_dot(cfg, q, buffer.state, d.channel_gate)
         _decode_kernel[(triton.cdiv(d.V, BV), d.B * d.HV)](
             buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
             buffer.state if storage else buffer.lengths,  # without storage: a dummy pointer, never dereferenced
-            **tokens, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C), BV=BV, KB=_rows(cfg.KB, d.K), NS=cfg.NS,
-            CHANNEL=d.channel_gate, STORAGE=storage, SERVED=served, num_warps=cfg.num_warps, **pdl,
+            **tokens, C=C, H=d.H, HV=d.HV, K=d.K, V=d.V, CB=block(C), BV=BV, KB=_rows(cfg.KB, d.K),
+            NS=cfg.NS, CHANNEL=d.channel_gate, STORAGE=storage, SERVED=served, DOT=dot, num_warps=cfg.num_warps,
+            **pdl,
         )
         _book_kernel[(d.B,)](tokens["k_ptr"], tokens["g_ptr"], buffer.k, buffer.G, buffer.lengths,
                              flag_view(buffer.has_state), C=C, H=d.H, HV=d.HV, K=d.K, BK=block(d.K),
@@ -541,15 +566,24 @@ def decode_pool(q, k, v, g, beta, pool: PoolLayer, *, current: torch.Tensor, rea
             CB=block(C), KB=_rows(cfg.fold_KB, K), BV=BV, FH=FH, NS=cfg.fold_NS, CHANNEL=d.channel_gate,
             num_warps=cfg.fold_warps, **pdl)
         BV = _columns(cfg.BV, V)
+        dot = state_dot(cfg, q, pool.state, d.channel_gate)
         _decode_slots_kernel[(triton.cdiv(V, BV), d.B * HV)](
-            *rows, **tokens, bslot_ptr=pool.slots, sslot_ptr=current, C=C, H=H, HV=HV, K=K, V=V, CB=block(C), BV=BV,
-            KB=_rows(cfg.KB, K), NS=cfg.NS, CHANNEL=d.channel_gate, STORAGE=True, SERVED=True,
+            *rows, **tokens, bslot_ptr=pool.slots, sslot_ptr=current, C=C, H=H, HV=HV, K=K, V=V,
+            CB=block(C), BV=BV, KB=_rows(cfg.KB, K), NS=cfg.NS, CHANNEL=d.channel_gate, STORAGE=True,
+            SERVED=True, DOT=dot,
             num_warps=cfg.num_warps, **pdl)
         _book_slots_kernel[(d.B,)](
             tokens["k_ptr"], tokens["g_ptr"], pool.buffer.k, pool.buffer.G, pool.buffer.lengths,
             flag_view(pool.buffer.has_state), pool.slots, C=C, H=H, HV=HV, K=K, BK=block(K), BH=block(H, 1),
             BHV=block(HV, 1), CHANNEL=d.channel_gate, num_warps=1, **pdl)
     return o
+
+
+def state_dot(cfg: DecodeConfig, q: torch.Tensor, state: Optional[torch.Tensor], channel: bool) -> bool:
+    """Whether the decode launch forms S0^T k and S0^T q by tl.dot (``cfg.dot``): only where that dot's
+    products are exact, a 16-bit state of q's dtype with scalar gates; elsewhere by fp32 sums."""
+    return (bool(cfg.dot) and state is not None and state.dtype == q.dtype and q.dtype in _SIXTEEN_BIT
+            and not channel)
 
 
 def _require_no_full(buffer: KVBuffer) -> None:

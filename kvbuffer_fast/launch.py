@@ -106,13 +106,17 @@ class DecodeConfig:
     (``fold`` 'group': fold_FH value heads per program, [fold_KB, fold_BV] blocks, fold_NS stages,
     serving the tokens of the requests it folds; 'tile': one program per [K, fold_BV] tile, not
     serving) and the bookkeeping launch after it.  ``pdl``: the launches chained by programmatic
-    dependent launch (sm_90+; behind the serving fold launch the decode launch waits at its end)."""
+    dependent launch (sm_90+; behind the serving fold launch the decode launch waits at its end).
+    ``dot``: the decode launch forms S0^T k and S0^T q by one tl.dot per state block where its products
+    are exact (a 16-bit state of q's dtype, scalar gates; ``kvbuffer_fast.decode.state_dot``), else by
+    fp32 sums."""
 
     BV: int = 64
     num_warps: int = 2
     KB: int = 32
     NS: int = 1
     pdl: bool = True
+    dot: bool = False
     fold: str = "group"
     fold_FH: int = 8
     fold_BV: int = 64
@@ -266,6 +270,11 @@ TABLES: dict[str, tuple[Row, ...]] = {
             why="a 16-bit state: 128 state columns per program took 45.8 / 159.4 / 308.0 against 51.3 / 184.9 / "
                 "359.9 us per step at B = 64 / 256 / 512 (H100); with 2 stages, KB = 16 or 64, 8 warps or a "
                 "128-column fold it was slower; a float32 state gains nothing from it (62.0 against 62.6 us)"),
+        Row(dict(dot=True), states=_SIXTEEN_BIT, capability=((9, 0), None),
+            why="a 16-bit state with q and k of its dtype: the state sums by tl.dot took 41.8 / 76.3 / 143.2 / "
+                "273.2 against 45.8 / 84.2 / 160.1 / 309.3 us per step at B = 64 / 128 / 256 / 512 (H100, bf16); "
+                "1 warp, 2 or 3 stages, KB = 64 or the cached keys' scores by tl.dot too were within 2 % or "
+                "slower; 4 warps 1.8x slower"),
     ),
     "flush": (),
     "verify": (

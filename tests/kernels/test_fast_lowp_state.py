@@ -170,16 +170,21 @@ def _decode_both(x_t, fb, rb64, rb32, cfg):
 
 @pytest.mark.parametrize("low", LOW)
 @pytest.mark.parametrize("u16", [False, True], ids=["u32", "u16"])
-@pytest.mark.parametrize("fold,channel", [("group", False), ("tile", False), ("group", True)])
-def test_decode_cycles_round_like_the_reference(low, u16, fold, channel):
+@pytest.mark.parametrize("fold,channel,dot", [("group", False, False), ("tile", False, False), ("group", True, False),
+                                               ("group", False, True)], ids=["group", "tile", "channel", "dot"])
+def test_decode_cycles_round_like_the_reference(low, u16, fold, channel, dot):
     """3C + 2 decode steps from an empty buffer (three folds per request, the first from direct mode)
     with a ragged flush after step 2: after every operation the stored state and u are the float64
-    oracle's rounding; the outputs step by step (re-synced) and free running within the 16-bit budget."""
+    oracle's rounding; the outputs step by step (re-synced) and free running within the 16-bit budget.
+    ``dot``: q, k, v in the state's dtype and the state sums by tl.dot (``DecodeConfig.dot``)."""
     T = 3 * C + 2
-    x = _tokens(1 + fold.startswith("t") + 2 * channel + 4 * u16, T, channel)
+    x = _tokens(1 + fold.startswith("t") + 2 * channel + 4 * u16 + 8 * dot, T, channel)
+    if dot:
+        x.update({n: x[n].to(low) for n in ("q", "k", "v")})
     fb = _new_buffer(low, low if u16 else torch.float32, channel)
     cfg = dataclasses.replace(config_for("decode", key_of(x["q"], C=C, B=B, HV=HV, V=V, channel=channel)),
-                              fold=fold)
+                              fold=fold, dot=dot)
+    assert fast.decode.state_dot(cfg, x["q"], fb.state, channel) == dot
     # free running: the exact float64 math (every field float64, nothing rounded to 16 bits) is the truth, the
     # float32 reference storing the same 16-bit fields the baseline, so both carry the 16-bit stores' rounding
     free64 = _exact(fb)
@@ -250,10 +255,12 @@ def test_verify_accept_round_like_the_reference(low, u16, tree):
 
 
 @pytest.mark.parametrize("low", LOW)
-def test_pool_ops_round_like_the_reference(low):
+@pytest.mark.parametrize("dot", [False, True], ids=["sums", "dot"])
+def test_pool_ops_round_like_the_reference(low, dot):
     """KVPool(state_dtype=16-bit, dtype=16-bit u): admit (direct mode), decode across folds, verify and
     accept with a fold, flush, state_of: after each, the addressed rows (gathered) are the float64
-    oracle's after the same operation on the rows gathered before it."""
+    oracle's after the same operation on the rows gathered before it.  ``dot``: q, k, v in the state's
+    dtype and decode's state sums by tl.dot (``DecodeConfig.dot``)."""
     N, D = 3, 3
     p = KVPool(layers=1, num_state_slots=N, num_buffer_slots=N, capacity=C, max_drafts=D, num_heads=H,
                num_value_heads=HV, head_k_dim=K, head_v_dim=V, dtype=low, key_dtype=torch.float32, state_dtype=low,
@@ -261,7 +268,11 @@ def test_pool_ops_round_like_the_reference(low):
     t = p.tensors()
     assert t["state"].dtype == low and t["u"].dtype == low and t["G"].dtype == torch.float32
     s = p.acquire(N).to(DEVICE)
-    x = _tokens(21, 12, False)
+    x = _tokens(21 + dot, 12, False)
+    if dot:
+        x.update({n: x[n].to(low) for n in ("q", "k", "v")})
+    cfg = dataclasses.replace(config_for("decode", key_of(x["q"], C=C, B=N, HV=HV, V=V, state=low)), dot=dot)
+    assert fast.decode.state_dot(cfg, x["q"], t["state"], False) == dot
     gather = lambda: p._gather(0, s)  # noqa: E731
     r64 = None
     o = p.admit(**_at(x, slice(0, 2)), layer=0, slots=s)
@@ -270,7 +281,7 @@ def test_pool_ops_round_like_the_reference(low):
         r64, r32 = _oracle(gather()), _oracle(gather(), torch.float32)
         x64 = {n: y.double() for n, y in _at(x, step).items()}
         o64, _ = ref.buffered_decode(**x64, buffer=_exact(gather()))  # the output's truth: nothing rounded
-        o = p.decode(**_at(x, step), layer=0, slots=s)
+        o = p.decode(**_at(x, step), layer=0, slots=s, config=cfg)
         _, r64 = ref.buffered_decode(**x64, buffer=r64)
         o32, r32 = ref.buffered_decode(**_at(x, step), buffer=r32)
         _assert_buffer(f"pool decode step {step}", gather(), r64, r32)

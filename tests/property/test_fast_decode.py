@@ -178,9 +178,11 @@ def test_launch_table_rows(C, columns, fold, FH):
     (torch.bfloat16, None, 64),
 ])
 def test_a_16_bit_state_streams_whole_value_rows_on_sm90(state, capability, BV):
-    """The decode table keys on the stored state's dtype: 128 state columns per program for a 16-bit state
-    on sm_90 (the interpreter keeps the default), and ``key_of`` passes the dtype through."""
-    assert config_for("decode", Key(C=16, columns=64 * 32 * 128, state=state, capability=capability)).BV == BV
+    """The decode table keys on the stored state's dtype: 128 state columns per program and the state sums by
+    tl.dot for a 16-bit state on sm_90 (the interpreter keeps the default), and ``key_of`` passes the dtype
+    through."""
+    cfg = config_for("decode", Key(C=16, columns=64 * 32 * 128, state=state, capability=capability))
+    assert (cfg.BV, cfg.dot) == (BV, BV == 128)
     assert key_of(torch.empty(1, 1, 1, 8), B=1, HV=1, V=8, state=state).state == state
     assert key_of(torch.empty(1, 1, 1, 8), B=1, HV=1, V=8).state == torch.float32
 
