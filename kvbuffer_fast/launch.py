@@ -273,8 +273,8 @@ TABLES: dict[str, tuple[Row, ...]] = {
         Row(dict(dot=True), states=_SIXTEEN_BIT, capability=((9, 0), None),
             why="a 16-bit state with q and k of its dtype: the state sums by tl.dot took 41.8 / 76.3 / 143.2 / "
                 "273.2 against 45.8 / 84.2 / 160.1 / 309.3 us per step at B = 64 / 128 / 256 / 512 (H100, bf16); "
-                "1 warp, 2 or 3 stages, KB = 64 or the cached keys' scores by tl.dot too were within 2 % or "
-                "slower; 4 warps 1.8x slower"),
+                "1 warp, 2 or 3 stages or KB = 64 were within 5 % (up to 2 % faster at B = 512, up to 5 % slower "
+                "at B = 64), the cached keys' scores by tl.dot too slower, 4 warps 1.8x slower"),
     ),
     "flush": (),
     "verify": (
