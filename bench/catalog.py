@@ -12,7 +12,7 @@ OPS = {
     "pool_verify": "verify",
     "accept": "accept", "per_draft_state_accept": "accept", "pool_accept": "accept", "flush": "accept",
     "round": "round", "pool_round": "round", "pool_round_per_layer": "round", "per_draft_state_round": "round",
-    "replayssm_round": "round", "round_cycle": "round", "round_cycle_fold": "round",
+    "replayssm_round": "round", "round_cycle": "round", "round_cycle_fold": "round", "round_cycle_fold_bf16": "round",
     "pool_round_cycle": "round", "pool_round_cycle_fold": "round", "replayssm_round_cycle": "round",
     "tree_round": "round", "per_draft_state_tree_round": "round", "flashinfer_round": "round",
 }
@@ -46,6 +46,7 @@ PEERS = {
     "replayssm_round": ("per_draft_state_round",),
     "round_cycle": ("replayssm_round_cycle", "round", "flashinfer_round"),
     "round_cycle_fold": ("round_cycle", "replayssm_round_cycle"),
+    "round_cycle_fold_bf16": ("round_cycle_fold", "replayssm_round_cycle"),
     "pool_round_cycle": ("replayssm_round_cycle", "round_cycle", "pool_round", "flashinfer_round"),
     "pool_round_cycle_fold": ("pool_round_cycle", "round_cycle_fold", "replayssm_round_cycle"),
     "tree_round": ("per_draft_state_tree_round", "round"),

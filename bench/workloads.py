@@ -20,7 +20,8 @@ decode    ``fla_fused_recurrent``          fla's ``fused_recurrent_gated_delta_r
 decode    ``buffered_decode``              one step, averaged over a whole cycle of C steps from full
                                            buffers (the fold of the C entries included)
 decode    ``buffered_decode_bf16``         ``buffered_decode`` on buffers whose state is stored in bf16 (the
-                                           history's state rounded to it; the bf16-state contract)
+                                           history's state rounded to it; the bf16-state contract; float16
+                                           under --smoke, whose interpreter mishandles bf16)
 verify    ``verify``                       buffered verify of d tokens (a chain) over n entries
 verify    ``per_draft_state_verify``       the per-draft-state baseline: one state written per token
 verify    ``fla_fused_recurrent_tokens``   fla's fused_recurrent over the same d tokens (final state only)
@@ -33,6 +34,8 @@ round     ``round``                        a speculative round: verify of every 
 round     ``per_draft_state_round``        the baseline's round
 round     ``round_cycle``                  a cycle of C // m + 1 rounds from empty buffers, one accept folding
 round     ``round_cycle_fold``             ``round_cycle`` with that round's verify folding (fold=True) instead
+round     ``round_cycle_fold_bf16``        ``round_cycle_fold`` on buffers whose state is stored in bf16 (as
+                                           ``buffered_decode_bf16``)
 round     ``pool_round_cycle``             ``round_cycle`` through the serving pool (every layer's accept in
                                            one call, the last folding)
 round     ``pool_round_cycle_fold``        ``pool_round_cycle`` with that round's verify folding (fold=True)
@@ -103,6 +106,7 @@ class Plan:
     accepted: int         # drafts accepted per round (m)
     layers: int           # layers of distinct states, run in turn
     folded: int = 4       # history tokens folded into the state before the buffered ones
+    state16: str = "bfloat16"  # the 16-bit state of the ``*_bf16`` ops (float16 under the interpreter)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -119,7 +123,7 @@ GPU = Plan(shapes=io.Shapes(H=16, HV=32, K=128, V=128), dtype="bfloat16", batche
            fill=8, drafts=5, accepted=3, layers=4)
 #: Tiny shapes for the Triton interpreter (which mishandles bf16): proves the code, measures nothing.
 SMOKE = Plan(shapes=io.Shapes(H=1, HV=2, K=16, V=16, key_bytes=4), dtype="float32", batches=(2,), C=4, fill=2,
-             drafts=3, accepted=2, layers=2, folded=2)
+             drafts=3, accepted=2, layers=2, folded=2, state16="float16")
 
 
 class Skip(Exception):
@@ -553,8 +557,19 @@ class _Builder:
 
     def buffered_decode_bf16(self) -> Case:
         """``buffered_decode`` on buffers whose state is stored in bfloat16 (the history's state rounded to it;
-        each fold rounds the state it writes once)."""
-        return self._buffered_decode("buffered_decode_bf16", torch.bfloat16)
+        each fold rounds the state it writes once); the plan's ``state16`` (float16 under --smoke)."""
+        return self._buffered_decode("buffered_decode_bf16", self._state16())
+
+    def _state16(self) -> torch.dtype:
+        """The plan's 16-bit state dtype, if this package root stores one (``_common.STATE_DTYPES``), else Skip."""
+        dt = getattr(torch, self.p.state16)
+        try:
+            allowed = importlib.import_module("kvbuffer_fast._common").STATE_DTYPES
+        except (ImportError, AttributeError):
+            allowed = (torch.float32,)
+        if dt not in allowed:
+            raise Skip(f"this kvbuffer_fast stores no {self.p.state16} buffer state (_common.STATE_DTYPES)")
+        return dt
 
     def _buffered_decode(self, op: str, state_dtype: Optional[torch.dtype] = None) -> Case:
         """One step of ``buffered_decode``, averaged over a cycle of C steps from full buffers (the fold of the C
@@ -563,13 +578,6 @@ class _Builder:
         bf16-state contract and the state the fold writes checked in that dtype."""
         decode, C = self.api.fast.buffered_decode, self.p.C
         name = "" if state_dtype is None else str(state_dtype).removeprefix("torch.")
-        if state_dtype is not None:
-            try:
-                allowed = importlib.import_module("kvbuffer_fast._common").STATE_DTYPES
-            except (ImportError, AttributeError):
-                allowed = (torch.float32,)
-            if state_dtype not in allowed:
-                raise Skip(f"this kvbuffer_fast stores no {name} buffer state (_common.STATE_DTYPES)")
         hist = self.wl.history(buffered=C, state_dtype=state_dtype)
         bufs = self._buffers(hist)
         xs = self._tokens(C, seed=2)
@@ -875,14 +883,19 @@ class _Builder:
         return {n: torch.cat([t[:, r * d:r * d + m] for r in range(R)], dim=1) for n, t in x.items()}
 
     def _cycle_checks(self, name: str, outs: list, state, hist, rounds: list, xs: list, m: int,
-                      folded: Optional[int]) -> list:
+                      folded: Optional[int], state_dtype: Optional[torch.dtype] = None) -> list:
         """A round cycle's checks on layer 0: round 0's outputs, the state after the R rounds (``state``, as the
         op reads it back) and, when round ``folded``'s verify folded, that round's outputs against the tokens
-        rounds 0..folded-1 committed followed by its own."""
+        rounds 0..folded-1 committed followed by its own.  A 16-bit ``state_dtype``: the state after the cycle
+        (folded, so rounded to it) under the bf16-state contract and compared in that dtype; the outputs stay
+        under IEEE float32, since both read the history's state, which the truth starts from exactly, and
+        fp32 entries (the folding verify reads the state before its fold)."""
         R = len(outs)
+        c = "ieee" if state_dtype is None else "bf16-state"
         checks = [self.wl.compare(f"{name}[R={R}] round 0.o", outs[0], self.wl.truth(rounds[0][0], hist)),
                   self.wl.compare(f"{name}[R={R}, m={m}].state_after_cycle", state,
-                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist), state=True)]
+                                  self.wl.truth(self._accepted_tokens(xs[0], R), hist, contract=c), state=True,
+                                  dtype=state_dtype)]
         if folded is not None:
             r = folded
             before = self._accepted_tokens(xs[0], r)  # the tokens rounds 0..r-1 committed, then round r's
@@ -901,13 +914,21 @@ class _Builder:
             raise Skip("this package root's verify has no fold")
         return self._round_cycle("round_cycle_fold", fold=True)
 
-    def _round_cycle(self, name: str, *, fold: bool) -> Case:
+    def round_cycle_fold_bf16(self) -> Case:
+        """``round_cycle_fold`` on buffers whose state is stored in bfloat16 (the plan's ``state16``; as
+        ``buffered_decode_bf16``: the history's state rounded to it, the bf16-state contract)."""
+        if "fold" not in inspect.signature(self.api.fast.verify).parameters:
+            raise Skip("this package root's verify has no fold")
+        return self._round_cycle("round_cycle_fold_bf16", fold=True, state_dtype=self._state16())
+
+    def _round_cycle(self, name: str, *, fold: bool, state_dtype: Optional[torch.dtype] = None) -> Case:
         """A cycle of R rounds from empty buffers (``_cycle``); the one round whose accept passes C folds the
-        buffer: in that accept, or (``fold``) in that round's verify."""
+        buffer: in that accept, or (``fold``) in that round's verify.  ``state_dtype``: the buffers' state
+        stored in it (``_cycle_checks``; its bytes counted at its size)."""
         verify, accept, d, m = self.api.fast.verify, self.api.fast.accept, self.p.drafts, self.p.accepted
         R, starts = self._cycle()
         folding = [r for r in range(R) if starts[r] + m > self.p.C]  # the round whose accept would fold
-        hist = self.wl.history(buffered=0)
+        hist = self.wl.history(buffered=0, state_dtype=state_dtype)
         bufs = self._buffers(hist)
         lengths, bufs = _shared_lengths(bufs)
         xs = self._tokens(R * d, seed=11)
@@ -932,11 +953,14 @@ class _Builder:
             return outs
         outs = cycle()
         checks = self._cycle_checks(name, outs, self.api.fast.materialize_state(bufs[0]), hist, rounds, xs, m,
-                                    folding[-1] if fold else None)
-        nbytes = sum(io.buffered_verify(self.s, self.B, n, d) + io.buffered_accept(self.s, self.B, m) for n in starts)
+                                    folding[-1] if fold else None, state_dtype)
+        s = self.s if state_dtype is None else dataclasses.replace(
+            self.s, state_bytes=torch.empty(0, dtype=state_dtype).element_size())
+        nbytes = sum(io.buffered_verify(s, self.B, n, d) + io.buffered_accept(s, self.B, m) for n in starts)
         # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
-        nbytes += (1 if fold else 2) * io.state_bytes(self.s, self.B)
-        c = self.case(name, "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
+        nbytes += (1 if fold else 2) * io.state_bytes(s, self.B)
+        info = {} if state_dtype is None else dict(state_dtype=str(state_dtype).removeprefix("torch."))
+        c = self.case(name, "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R, **info)
         where = f"round {folding[-1]}'s verify folding (fold=True)" if fold else "the last accept folding"
         c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), {where}; each "
                   "replay first empties every layer's buffer (one fill); µs per round and layer")

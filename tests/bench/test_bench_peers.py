@@ -34,7 +34,8 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
         env.pop(name)
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out), "--peer-path", "/nonexistent",
-                        "--ops", POOL_OPS + ",round_cycle_fold,sglang_decode,replayssm_decode,replayssm_round"], cwd=ROOT,
+                        "--ops", POOL_OPS + ",round_cycle_fold,round_cycle_fold_bf16,buffered_decode_bf16,sglang_decode,"
+                        "replayssm_decode,replayssm_round"], cwd=ROOT,
                        env=env,
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -43,7 +44,13 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     assert not tree["failures"], tree["failures"]
     rows = {row["op"]: row for row in tree["rows"]}
     wheel = _sglang_wheel()
-    assert set(rows) == set(POOL_OPS.split(",")) | {"round_cycle_fold"} | ({"sglang_decode"} if wheel else set())
+    assert set(rows) == (set(POOL_OPS.split(",")) | {"round_cycle_fold", "round_cycle_fold_bf16", "buffered_decode_bf16"}
+                         | ({"sglang_decode"} if wheel else set()))
+    # the 16-bit state ops (float16 under the interpreter): the state checked in it, the round's outputs as fp32
+    cycle16 = rows["round_cycle_fold_bf16"]
+    assert cycle16["state_dtype"] == "float16"
+    assert sorted(c["dtype"] for c in cycle16["checks"]) == ["float16", "float32", "float32"]
+    assert [c["dtype"] for c in cycle16["checks"] if "state_after_cycle" in c["name"]] == ["float16"]
     for row in rows.values():
         assert row["checks"] and all(c["passed"] for c in row["checks"]) and row["within_budget"], row
     assert rows["pool_decode"]["ops_per_replay"] == 2 * 4  # layers x a cycle of C steps
