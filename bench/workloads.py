@@ -571,13 +571,21 @@ class _Builder:
             raise Skip(f"this kvbuffer_fast stores no {self.p.state16} buffer state (_common.STATE_DTYPES)")
         return dt
 
+    def _stored(self, state_dtype: Optional[torch.dtype]) -> tuple:
+        """(the plan's shapes with the state's bytes at ``state_dtype``'s size, the row's ``state_dtype`` field):
+        the plan's shapes and no field for None (float32)."""
+        if state_dtype is None:
+            return self.s, {}
+        return (dataclasses.replace(self.s, state_bytes=torch.empty(0, dtype=state_dtype).element_size()),
+                dict(state_dtype=str(state_dtype).removeprefix("torch.")))
+
     def _buffered_decode(self, op: str, state_dtype: Optional[torch.dtype] = None) -> Case:
         """One step of ``buffered_decode``, averaged over a cycle of C steps from full buffers (the fold of the C
         entries fused into the first step); with ``state_dtype`` the buffers' state is stored in it (the
         history's state rounded to it, the truth starting from the rounded state), the outputs judged under the
         bf16-state contract and the state the fold writes checked in that dtype."""
         decode, C = self.api.fast.buffered_decode, self.p.C
-        name = "" if state_dtype is None else str(state_dtype).removeprefix("torch.")
+        s, info = self._stored(state_dtype)
         hist = self.wl.history(buffered=C, state_dtype=state_dtype)
         bufs = self._buffers(hist)
         xs = self._tokens(C, seed=2)
@@ -601,11 +609,9 @@ class _Builder:
             for t in range(C):
                 for layer in range(self.L):
                     decode(**steps[layer][t], buffer=bufs[layer], **kw)
-        s = self.s if state_dtype is None else dataclasses.replace(
-            self.s, state_bytes=torch.empty(0, dtype=state_dtype).element_size())
-        c = self.case(op, "decode", run, self.L * C, io.buffered_cycle_step(s, self.B, C),
-                      checks, C=C, **({} if state_dtype is None else dict(state_dtype=name)))
+        c = self.case(op, "decode", run, self.L * C, io.buffered_cycle_step(s, self.B, C), checks, C=C, **info)
         if state_dtype is not None:
+            name = info["state_dtype"]
             c.note = (f"kvbuffer_fast.buffered_decode on buffers whose state is stored in {name} "
                       f"(the history's state rounded to it; the truth starts from the rounded state); the fold rounds "
                       f"the state it writes once per cycle of C = {C} tokens, and the outputs are judged under the "
@@ -910,21 +916,20 @@ class _Builder:
     def round_cycle_fold(self) -> Case:
         """``round_cycle`` with the buffer folded by the verify of the round whose accept would fold
         (``verify(fold=True)``, the buffer's entries folded in verify's state stream), so no accept folds."""
-        if "fold" not in inspect.signature(self.api.fast.verify).parameters:
-            raise Skip("this package root's verify has no fold")
         return self._round_cycle("round_cycle_fold", fold=True)
 
     def round_cycle_fold_bf16(self) -> Case:
         """``round_cycle_fold`` on buffers whose state is stored in bfloat16 (the plan's ``state16``; as
         ``buffered_decode_bf16``: the history's state rounded to it, the bf16-state contract)."""
-        if "fold" not in inspect.signature(self.api.fast.verify).parameters:
-            raise Skip("this package root's verify has no fold")
         return self._round_cycle("round_cycle_fold_bf16", fold=True, state_dtype=self._state16())
 
     def _round_cycle(self, name: str, *, fold: bool, state_dtype: Optional[torch.dtype] = None) -> Case:
         """A cycle of R rounds from empty buffers (``_cycle``); the one round whose accept passes C folds the
-        buffer: in that accept, or (``fold``) in that round's verify.  ``state_dtype``: the buffers' state
-        stored in it (``_cycle_checks``; its bytes counted at its size)."""
+        buffer: in that accept, or (``fold``) in that round's verify (Skip where this package root's verify
+        has no fold).  ``state_dtype``: the buffers' state stored in it (``_cycle_checks``; its bytes counted
+        at its size)."""
+        if fold and "fold" not in inspect.signature(self.api.fast.verify).parameters:
+            raise Skip("this package root's verify has no fold")
         verify, accept, d, m = self.api.fast.verify, self.api.fast.accept, self.p.drafts, self.p.accepted
         R, starts = self._cycle()
         folding = [r for r in range(R) if starts[r] + m > self.p.C]  # the round whose accept would fold
@@ -954,12 +959,10 @@ class _Builder:
         outs = cycle()
         checks = self._cycle_checks(name, outs, self.api.fast.materialize_state(bufs[0]), hist, rounds, xs, m,
                                     folding[-1] if fold else None, state_dtype)
-        s = self.s if state_dtype is None else dataclasses.replace(
-            self.s, state_bytes=torch.empty(0, dtype=state_dtype).element_size())
+        s, info = self._stored(state_dtype)
         nbytes = sum(io.buffered_verify(s, self.B, n, d) + io.buffered_accept(s, self.B, m) for n in starts)
         # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
         nbytes += (1 if fold else 2) * io.state_bytes(s, self.B)
-        info = {} if state_dtype is None else dict(state_dtype=str(state_dtype).removeprefix("torch."))
         c = self.case(name, "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R, **info)
         where = f"round {folding[-1]}'s verify folding (fold=True)" if fold else "the last accept folding"
         c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), {where}; each "

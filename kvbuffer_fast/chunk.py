@@ -50,11 +50,9 @@ from kvbuffer_ref.checks import Dims, check_chunk_size, check_scale, check_state
 from kvbuffer_ref.recurrent import check_cu_seqlens
 
 from ._common import as_input, block, checked_tokens, device_guard, new_output, on_device, sixteen_bit_paths
-from .launch import ChunkConfig, check_config, chunk_smem_bytes, config_for, fit_chunk_tiles, key_of
+from .launch import SIXTEEN_BIT, ChunkConfig, check_config, chunk_smem_bytes, config_for, fit_chunk_tiles, key_of
 
 __all__ = ["chunk_gated_delta_rule", "chunk_launches_for", "chunk_table", "precision_for"]
-
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -376,7 +374,7 @@ def precision_for(x: torch.Tensor) -> str:
     inputs on CUDA (fp32 accuracy), "tf32" for 16-bit inputs on CUDA."""
     if not x.is_cuda:
         return "ieee"
-    return "tf32" if x.dtype in _SIXTEEN_BIT else "tf32x3"
+    return "tf32" if x.dtype in SIXTEEN_BIT else "tf32x3"
 
 
 def _shared_budget(q: torch.Tensor) -> Optional[tuple[int, torch.dtype]]:
@@ -466,7 +464,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     NT, NC = d.B * d.T, starts.numel()
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
-    lowp = sixteen_bit_paths(k) and k.dtype in _SIXTEEN_BIT  # the state pass's products in the keys' dtype
+    lowp = sixteen_bit_paths(k) and k.dtype in SIXTEEN_BIT  # the state pass's products in the keys' dtype
     fast16 = lowp and cfg.fast16 and q.dtype == k.dtype == v.dtype  # and the prep's and output's
     w = torch.empty(NT, d.HV, d.K, dtype=k.dtype if lowp else torch.float32, device=dev)
     ut = torch.empty(NT, d.HV, d.V, **f32)
@@ -479,7 +477,7 @@ def chunk_launches(q, k, v, g, beta, d: Dims, cu: list[int], s: float, chunk_siz
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     tail = buffer is not None
     dummy = ut  # fp32
-    mma16 = sixteen_bit_paths(q) and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT
+    mma16 = sixteen_bit_paths(q) and q.dtype == k.dtype and q.dtype in SIXTEEN_BIT
     common = dict(H=d.H, HV=d.HV, K=d.K, V=d.V, BT=BT, BK=BK, CHANNEL=d.channel_gate, PREC=prec)
 
     def prep():

@@ -50,11 +50,9 @@ from kvbuffer_ref.checks import check_scale, check_tokens
 from ._common import (PoolLayer, _gdc_wait, _pdl_prologue, _program_ids, _tile_offsets, as_input, block,
                       checked_buffer, checked_tokens, device_guard, flag_view, new_output, pdl_launch, ticket_counters)
 from ._fold import fold_block, fold_empty, fold_tile, state_tile
-from .launch import DecodeConfig, check_config, config_for, key_of
+from .launch import SIXTEEN_BIT, DecodeConfig, check_config, config_for, key_of
 
 __all__ = ["buffered_decode", "decode_pool", "state_dot"]
-
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -582,7 +580,7 @@ def decode_pool(q, k, v, g, beta, pool: PoolLayer, *, current: torch.Tensor, rea
 def state_dot(cfg: DecodeConfig, q: torch.Tensor, state: Optional[torch.Tensor], channel: bool) -> bool:
     """Whether the decode launch forms S0^T k and S0^T q by tl.dot (``cfg.dot``): only where that dot's
     products are exact, a 16-bit state of q's dtype with scalar gates; elsewhere by fp32 sums."""
-    return (bool(cfg.dot) and state is not None and state.dtype == q.dtype and q.dtype in _SIXTEEN_BIT
+    return (bool(cfg.dot) and state is not None and state.dtype == q.dtype and q.dtype in SIXTEEN_BIT
             and not channel)
 
 

@@ -23,7 +23,7 @@ import torch
 __all__ = [
     "Key", "Row", "RecurrentConfig", "DecodeConfig", "FlushConfig", "VerifyConfig", "AcceptConfig",
     "PerDraftStateConfig", "ChunkConfig", "DirectConfig", "PrefillConfig", "CONFIGS", "TABLES", "config_for", "key_of",
-    "chunk_smem_bytes", "fit_chunk_tiles", "SM90_SHARED_BYTES",
+    "chunk_smem_bytes", "fit_chunk_tiles", "SM90_SHARED_BYTES", "SIXTEEN_BIT",
 ]
 
 _INF = float("inf")
@@ -226,7 +226,8 @@ CONFIGS = {
     "prefill": PrefillConfig,
 }
 
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+#: The 16-bit floating dtypes (of q and k, or of a stored state) the tables and launchers key on.
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 #: The chunk launches' rows (chunk, direct and prefill launch the same kernels).
 _CHUNK_ROWS: tuple[Row, ...] = (
@@ -239,18 +240,18 @@ _CHUNK_ROWS: tuple[Row, ...] = (
     Row(dict(stages=2), dtypes=(torch.float32,), capability=((9, 0), None),
         why="fp32 inputs: the state launch's chunk loop (arithmetic chunk addresses) in 2 stages took 150.0 "
             "against 167.6 us at B = 1, T = 1k (whole call 435.0 against 449.8); 3 stages do not fit at BV = 32"),
-    Row(dict(prep_warps=8), dtypes=_SIXTEEN_BIT, capability=((0, 0), None),
+    Row(dict(prep_warps=8), dtypes=SIXTEEN_BIT, capability=((0, 0), None),
         why="16-bit inputs: the per-chunk launch on 4 warps, compiled (sm_90, Triton 3.6), computed wrong W / U~ at "
             "K = 16 (direct mode 8.3e-2 / 6.8e-2 off the float64 recurrence in float16 with per-channel / scalar gates "
             "at T = 129, against 4.8e-4 on 8 warps, which is what the interpreter computes) and corrupted memory "
             "(an illegal address on the next launch); docs/kernels.md, Known defects"),
-    Row(dict(out_BV=128), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
+    Row(dict(out_BV=128), dtypes=SIXTEEN_BIT, capability=((9, 0), None),
         why="16-bit inputs: the output launch with 128 columns per program took 20.5 / 57.9 / 199 / 412 against "
             "28.2 / 81.0 / 294 / 607 us at B = 1, T = 1k / 4k / 16k / 32k (57.7 against 81.0 at B = 4, T = 1k)"),
-    Row(dict(BV=32), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
+    Row(dict(BV=32), dtypes=SIXTEEN_BIT, capability=((9, 0), None),
         why="16-bit inputs: the state launch with 32 columns per program took 51.3 / 179.8 against 54.0 / 186.7 "
             "us (16 columns, 2 stages) at B = 1, T = 1k / 4k, and 161 against 216 us at B = 4, T = 1k (1 stage)"),
-    Row(dict(stages=3), dtypes=_SIXTEEN_BIT, capability=((9, 0), None),
+    Row(dict(stages=3), dtypes=SIXTEEN_BIT, capability=((9, 0), None),
         why="16-bit inputs: the state launch's chunk loop in 3 stages took 45.6 / 148.8 / 584.1 / 1137.0 against "
             "51.2 / 180.0 / 699.2 / 1390.2 us (2 stages) at B = 1, T = 1k / 4k / 16k / 32k, and 153.7 / 552.2 / "
             "2163.6 / 4311.2 against 157.2 / 593.3 / 2340.5 / 4674.1 us (1 stage) at B = 4; whole calls 94.3 / "
@@ -266,11 +267,11 @@ TABLES: dict[str, tuple[Row, ...]] = {
         Row(dict(fold_FH=4), columns=(None, 8 * 1024 * 64 - 1),
             why="fewer than 1024 eight-head fold programs (B < 128 at Qwen3-Next heads): 4 value heads "
                 "per program, 50.2 -> 49.5 us per step at B = 64"),
-        Row(dict(BV=128), states=_SIXTEEN_BIT, capability=((9, 0), None),
+        Row(dict(BV=128), states=SIXTEEN_BIT, capability=((9, 0), None),
             why="a 16-bit state: 128 state columns per program took 45.8 / 159.4 / 308.0 against 51.3 / 184.9 / "
                 "359.9 us per step at B = 64 / 256 / 512 (H100); with 2 stages, KB = 16 or 64, 8 warps or a "
                 "128-column fold it was slower; a float32 state gains nothing from it (62.0 against 62.6 us)"),
-        Row(dict(dot=True), states=_SIXTEEN_BIT, capability=((9, 0), None),
+        Row(dict(dot=True), states=SIXTEEN_BIT, capability=((9, 0), None),
             why="a 16-bit state with q and k of its dtype: the state sums by tl.dot took 41.8 / 76.3 / 143.2 / "
                 "273.2 against 45.8 / 84.2 / 160.1 / 309.3 us per step at B = 64 / 128 / 256 / 512 (H100, bf16); "
                 "1 warp, 2 or 3 stages or KB = 64 were within 5 % (up to 2 % faster at B = 512, up to 5 % slower "
@@ -280,10 +281,10 @@ TABLES: dict[str, tuple[Row, ...]] = {
     "verify": (
         Row(dict(early=True), columns=(None, 2048 * 128),
             why="at most 2048 phase-2 programs (B = 64): the early loads were faster, 74.5 against 77.0 us"),
-        Row(dict(early=True), dtypes=_SIXTEEN_BIT, channel=False,
+        Row(dict(early=True), dtypes=SIXTEEN_BIT, channel=False,
             why="16-bit q and k take the two-piece TF32 X S0 product, with which the early loads were "
                 "faster at every batch"),
-        Row(dict(KB=16, NS=4), C=(None, 16), columns=(None, 2048 * 128), dtypes=_SIXTEEN_BIT, channel=False,
+        Row(dict(KB=16, NS=4), C=(None, 16), columns=(None, 2048 * 128), dtypes=SIXTEEN_BIT, channel=False,
             why="the two-piece product, at most 2048 programs and <= 16 buffer rows: 70.4 against 72.5 us "
                 "at B = 64; slower at B = 128 and with C = 32"),
     ),

@@ -77,14 +77,12 @@ from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _p
                       pdl_launch, ticket_counters, values_checked)
 from ._fold import fold_block, fold_empty
 from .flush import flush, flush_pool
-from .launch import Key, VerifyConfig, check_config, config_for, key_of
+from .launch import SIXTEEN_BIT, Key, VerifyConfig, check_config, config_for, key_of
 
 __all__ = ["verify", "MAX_DRAFTS", "PoolLayer", "verify_pool"]
 
 #: The largest draft count per request one launch handles (the [2D, 2D] algebra lives in registers).
 MAX_DRAFTS = 64
-
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -977,7 +975,7 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     KB = max(16, min(cfg.KB, block(d.K)))
     prec = "tf32x3" if q.is_cuda else "ieee"
     zp = not d.channel_gate  # phase 2 forms X S0 from the raw rows (scalar gates) or multiplies P by S0
-    xsplit = zp and q.dtype == k.dtype and q.dtype in _SIXTEEN_BIT
+    xsplit = zp and q.dtype == k.dtype and q.dtype in SIXTEEN_BIT
     pdl = pdl_launch(q, cfg.pdl)
     # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC]; L' [B*HV, R, R] or P [B*HV, R, K]
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
@@ -999,7 +997,7 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     prep.update(POOL=pool is not None, BDR=block(DR, 2), fold_ptr=fold_ptr, FOLD=FOLD)
     with device_guard(q):
         if zp:
-            mma16 = q.dtype == k.dtype == buffer.k.dtype and q.dtype in _SIXTEEN_BIT
+            mma16 = q.dtype == k.dtype == buffer.k.dtype and q.dtype in SIXTEEN_BIT
             _verify_prep_group_kernel[(d.B * d.H,)](*args, BG=triton.next_power_of_2(d.HV // d.H), MMA16=mma16,
                                                     **prep)
         else:
