@@ -620,7 +620,8 @@ def _verify_stream_kernel(
     ZP (per-channel gates) the loop multiplies phase 1's P by the state blocks, after the wait.
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
     it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
-    products in precision XP); otherwise in PREC.
+    products in precision XP); 2, a 16-bit state as well: one product in XP (the low piece is zero);
+    otherwise in PREC.
     FOLD (``verify(fold=...)``; ``_folds`` picks the rows): a folding request's n buffered entries (k, u, G
     of buffer row i_b) are folded into each state block as it is loaded, S1 = exp(G_n) S0 + sum_m
     exp(G_n - G_m) k_m u_m^T (``_fold.fold_block``), and S1 is stored over S0; the request's last
@@ -729,7 +730,9 @@ def _verify_stream_program(
                 sb = tl.load(p_s + k0 * V, mask=m_kb[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                 xb = (tl.load(k_ptr + p_x + k0, mask=m_kx & m_kb[None, :], other=0.0).to(tl.float32)
                       + tl.load(q_ptr + p_x + k0, mask=m_qx & m_kb[None, :], other=0.0).to(tl.float32))
-                if XSPLIT:
+                if XSPLIT == 2:
+                    X = tl.dot(xb, sb, X, input_precision=XP)
+                elif XSPLIT:
                     X = _split_dot(xb, sb, X, XP)
                 else:
                     X = tl.dot(xb, sb, X, input_precision=PREC)
@@ -976,6 +979,9 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     prec = "tf32x3" if q.is_cuda else "ieee"
     zp = not d.channel_gate  # phase 2 forms X S0 from the raw rows (scalar gates) or multiplies P by S0
     xsplit = zp and q.dtype == k.dtype and q.dtype in SIXTEEN_BIT
+    stored = pool.state if pool is not None else buffer.state
+    if xsplit and stored is not None and stored.dtype in SIXTEEN_BIT:
+        xsplit = 2  # a 16-bit state is a TF32 value: its low piece is zero, one TF32 product (the same bits)
     pdl = pdl_launch(q, cfg.pdl)
     # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC]; L' [B*HV, R, R] or P [B*HV, R, K]
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)

@@ -213,13 +213,17 @@ def test_decode_cycles_round_like_the_reference(low, u16, fold, channel, dot):
 
 @pytest.mark.parametrize("low", LOW)
 @pytest.mark.parametrize("u16", [False, True], ids=["u32", "u16"])
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_verify_accept_round_like_the_reference(low, u16, tree):
+@pytest.mark.parametrize("tree,qk16", [(False, False), (True, False), (False, True)], ids=["chain", "tree", "qk16"])
+def test_verify_accept_round_like_the_reference(low, u16, tree, qk16):
     """After C + 2 decode steps (a fold) and a ragged flush, verify 3 drafts (a chain, or a tree) and
     accept a path per request so that one or two requests pass the capacity (accept's fold): the drafts' u are
-    the oracle's rounded, the outputs within the 16-bit budget, the buffer after accept the oracle's."""
+    the oracle's rounded, the outputs within the 16-bit budget, the buffer after accept the oracle's.
+    ``qk16``: q, k, v in the state's dtype, so phase 2's X S0 is one TF32 product (a 16-bit state has no low
+    TF32 piece)."""
     channel = tree
-    x = _tokens(11 + tree + 2 * u16, C + 2 + 3, channel)
+    x = _tokens(11 + tree + 2 * u16 + 4 * qk16, C + 2 + 3, channel)
+    if qk16:
+        x.update({n: x[n].to(low) for n in ("q", "k", "v")})
     fb = _new_buffer(low, low if u16 else torch.float32, channel)
     for t in range(C + 2):
         poison_unused_(fb)
