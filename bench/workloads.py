@@ -963,7 +963,8 @@ class _Builder:
         nbytes = sum(io.buffered_verify(s, self.B, n, d) + io.buffered_accept(s, self.B, m) for n in starts)
         # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
         nbytes += (1 if fold else 2) * io.state_bytes(s, self.B)
-        c = self.case(name, "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R, **info)
+        # per round (the time is per round and layer): the cycle's bytes over its R rounds
+        c = self.case(name, "round", cycle, self.L * R, nbytes / R, checks, C=self.p.C, d=d, m=m, R=R, **info)
         where = f"round {folding[-1]}'s verify folding (fold=True)" if fold else "the last accept folding"
         c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), {where}; each "
                   "replay first empties every layer's buffer (one fill); µs per round and layer")
@@ -1170,7 +1171,7 @@ class _Builder:
         nbytes = sum(io.buffered_verify(self.s, B, n, d) + io.buffered_accept(self.s, B, m) for n in starts)
         # the one fold: in an accept, the state read and written; in verify, which reads it anyway, written
         nbytes += (1 if fold else 2) * io.state_bytes(self.s, B)
-        c = self.case(name, "round", cycle, self.L * R, nbytes, checks, C=self.p.C, d=d, m=m, R=R)
+        c = self.case(name, "round", cycle, self.L * R, nbytes / R, checks, C=self.p.C, d=d, m=m, R=R)  # per round
         where = f"round {folding[-1]}'s verify folding (fold=True)" if fold else "the last accept folding"
         c.note = (f"a cycle of {R} rounds from empty buffers (n = {', '.join(map(str, starts))}), {where}; each "
                   "replay first empties every layer's buffers (one fill); accept of every layer in one call; µs per "
@@ -1571,7 +1572,8 @@ class _Builder:
             fl = wp + 2 * T > Lc
         ent = replayssm_io.entry_bytes(s, B)
         nbytes = R * (io.state_bytes(s, B) + T * ent) + flushes * io.state_bytes(s, B)
-        c = self.case("replayssm_round_cycle", "round", cycle, self.L * R, nbytes, checks, C=C, d=T, m=m, R=R)
+        c = self.case("replayssm_round_cycle", "round", cycle, self.L * R, nbytes / R, checks, C=C, d=T, m=m,
+                      R=R)  # bytes per round, as the time
         c.peer, c.note = True, (f"ReplaySSM's round (spec decode on every layer, one commit) {R} times from empty "
                                 f"rings (L = {Lc}, ring {Rb}); its {flushes} flush(es) happen inside, as its cursors "
                                 "set them; "

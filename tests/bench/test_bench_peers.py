@@ -64,6 +64,9 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     # round_cycle_fold (kvbuffer_fast's cycle with the folding round's verify(fold=True)), run here to share the
     # runner's start: its first and folding rounds' outputs and the state after the cycle
     assert rows["round_cycle_fold"]["ops_per_replay"] == 2 * 3 and len(rows["round_cycle_fold"]["checks"]) == 3
+    # a cycle's bytes are per round, as its time (a cycle's total would put its floor R times too high)
+    for op in ("round_cycle_fold", "round_cycle_fold_bf16", "pool_round_cycle", "pool_round_cycle_fold"):
+        assert 0.5 < rows[op]["io_bytes"] / rows["round"]["io_bytes"] < 2, (op, rows[op]["io_bytes"])
     skipped = {s["op"]: s["reason"] for s in tree["skips"]}
     assert set(skipped) == {"replayssm_decode", "replayssm_round"} | (set() if wheel else {"sglang_decode"})
     assert all("Triton interpreter" in skipped[op] for op in ("replayssm_decode", "replayssm_round"))
@@ -98,6 +101,14 @@ def test_replayssm_cases_match_the_oracle_through_the_kernel_model(op):
     assert case.peer and case.passed, [c["text"] for c in case.checks]
     assert len(case.checks) == 2 and case.io_bytes > 0
     case.run()  # a replay: the cursors restored (round) or a whole ring cycle (decode)
+
+
+def test_replayssm_cycle_bytes_are_per_round():
+    """The ring cycle's bytes per round (its time is per round and layer), within 2x of one round's."""
+    W, api = _replayssm_api()
+    wl = W.Workload(W.SMOKE, 3, "cpu")
+    one, cycle = W.build("replayssm_round", api, wl), W.build("replayssm_round_cycle", api, wl)
+    assert 0.5 < cycle.io_bytes / one.io_bytes < 2, (cycle.io_bytes, one.io_bytes)
 
 
 @pytest.mark.parametrize("op, check", [("replayssm_round", "state_after_commit"),
