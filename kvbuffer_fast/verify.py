@@ -972,16 +972,18 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     the buffer has state storage, and in a pool ``states`` = (read, write), the [B] int64 state slots the
     pool's bookkeeping gave the call rows (``_verify_stream_slots_kernel``)."""
     storage = buffer.state is not None or pool is not None
+    state = pool.state if pool is not None else buffer.state  # S0's storage (None: no state storage)
     BD = block(d.T, 8)
     R, BC = 2 * BD, block(buffer.capacity)
     BV = max(16, min(cfg.BV, block(d.V)))
     KB = max(16, min(cfg.KB, block(d.K)))
     prec = "tf32x3" if q.is_cuda else "ieee"
     zp = not d.channel_gate  # phase 2 forms X S0 from the raw rows (scalar gates) or multiplies P by S0
-    xsplit = zp and q.dtype == k.dtype and q.dtype in SIXTEEN_BIT
-    stored = pool.state if pool is not None else buffer.state
-    if xsplit and stored is not None and stored.dtype in SIXTEEN_BIT:
-        xsplit = 2  # a 16-bit state is a TF32 value: its low piece is zero, one TF32 product (the same bits)
+    # X S0 for 16-bit q and k: the state in two TF32 pieces (1), or one product (2) where the state is 16-bit
+    # too, a TF32 value whose low piece is zero (the same bits)
+    xsplit = 0
+    if zp and q.dtype == k.dtype and q.dtype in SIXTEEN_BIT:
+        xsplit = 2 if state is not None and state.dtype in SIXTEEN_BIT else 1
     pdl = pdl_launch(q, cfg.pdl)
     # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC]; L' [B*HV, R, R] or P [B*HV, R, K]
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
@@ -1009,11 +1011,11 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
         else:
             _verify_prep_kernel[(d.B * d.HV,)](*args, **prep)
         folding = dict(ck_ptr=buffer.k, cg_ptr=buffer.G, fold_ptr=fold_ptr, ticket_ptr=ticket, FOLD=FOLD)
+        own = flag_view(buffer.has_state)  # in a pool written by a fold only (its rows' S0 come from their slots)
         if pool is None:
-            stream, state, slots = _verify_stream_kernel, buffer.state, folding
-            own = flag_view(buffer.has_state)
-        else:  # has_state is written by a fold only (its rows' S0 come from their state slots)
-            stream, state, own = _verify_stream_slots_kernel, pool.state, flag_view(buffer.has_state)
+            stream, slots = _verify_stream_kernel, folding
+        else:
+            stream = _verify_stream_slots_kernel
             read, write = states if FOLD else (num_drafts, num_drafts)  # dummy pointers without a fold
             slots = dict(sslot_ptr=pool.state_slot, bslot_ptr=pool.slots, DR=DR, dk_ptr=drafts.k, dg_ptr=drafts.G,
                          sread_ptr=read, swrite_ptr=write, **folding)
