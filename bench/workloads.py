@@ -655,10 +655,10 @@ class _Builder:
         bufs, xs = self._buffers(hist), self._tokens(self.p.drafts, seed=seed)
         return hist, bufs, xs, self._verify_kwargs(xs[0])
 
-    def _verify_kwargs(self, x: dict) -> dict:
-        """verify's keywords for tokens ``x``: one draft tree per step, passed to every layer, as an engine
-        does (the chain of d drafts)."""
-        kw = self.api.kwargs("verify", self.api.fast.verify, x, C=self.p.C)
+    def _verify_kwargs(self, x: dict, state_dtype: Optional[torch.dtype] = None) -> dict:
+        """verify's keywords for tokens ``x`` (``state_dtype``: the buffers' stored state's, None for
+        float32): one draft tree per step, passed to every layer, as an engine does (the chain of d drafts)."""
+        kw = self.api.kwargs("verify", self.api.fast.verify, x, C=self.p.C, state=state_dtype)
         d, dev = self.p.drafts, self.wl.device
         kw["parents"] = torch.arange(-1, d - 1, device=dev, dtype=torch.long).expand(self.B, d).contiguous()
         kw["num_drafts"] = torch.full((self.B,), d, device=dev, dtype=torch.long)
@@ -938,7 +938,7 @@ class _Builder:
         lengths, bufs = _shared_lengths(bufs)
         xs = self._tokens(R * d, seed=11)
         rounds = [[self._round_tokens(x, r, d) for r in range(R)] for x in xs]
-        kw = self._verify_kwargs(rounds[0][0])
+        kw = self._verify_kwargs(rounds[0][0], state_dtype)
         akw = self.api.kwargs("accept", accept, rounds[0][0], C=self.p.C)
         counts = self._counts()
 

@@ -868,7 +868,7 @@ def verify_pool(q, k, v, g, beta, pool: PoolLayer, parents, num_drafts, scale, c
         check_growth(g, drafted, rows)
     else:
         _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
-    s, cfg = _launch_settings(q, k, d, pool.buffer, scale, config)
+    s, cfg = _launch_settings(q, k, d, pool.buffer, scale, config, pool.state)
     o = new_output((d.B, d.T, d.HV, d.V), v.dtype, q.device)
     if d.B == 0:
         return o
@@ -909,7 +909,7 @@ def _verify(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, scale, conf
         _, g = checked_tokens(q, k, v, g, beta, valid=valid, buffer=buffer)
     else:
         _check_draft_kinds(parents, num_drafts, d.B, d.T, q.device)
-    s, cfg = _launch_settings(q, k, d, buffer, scale, config)
+    s, cfg = _launch_settings(q, k, d, buffer, scale, config, buffer.state)
     parents, num_drafts = index_input(parents), index_input(num_drafts)
     shape_o = (d.B, d.T, d.HV, d.V)
     o = new_output(shape_o, v.dtype, q.device)
@@ -932,25 +932,27 @@ def _check_draft_kinds(parents, num_drafts, B: int, D: int, device) -> None:
     require_int_tensor("num_drafts", num_drafts, (B,), "[B]", device)
 
 
-def _launch_settings(q, k, d, buffer: KVBuffer, scale, config) -> tuple[float, VerifyConfig]:
+def _launch_settings(q, k, d, buffer: KVBuffer, scale, config, state=None) -> tuple[float, VerifyConfig]:
     """The draft count within one launch's reach, the query scale and the launch (``config``, else the
-    launch table's row for these shapes), shared by ``verify`` and ``verify_pool``."""
+    launch table's row for these shapes and ``state``'s dtype, S0's storage), shared by ``verify`` and
+    ``verify_pool``."""
     if d.T > MAX_DRAFTS:
         raise ValueError(f"q: {d.T} draft tokens per request, but kvbuffer_fast.verify handles at most "
                          f"{MAX_DRAFTS} in one launch; verify them in parts or use kvbuffer_ref.verify")
     s = check_scale(scale, d.K)
-    cfg = check_config("verify", config) if config is not None else config_for("verify", _key(q, k, d, buffer))
+    cfg = check_config("verify", config) if config is not None else config_for("verify", _key(q, k, d, buffer, state))
     return s, cfg
 
 
-def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer):
+def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer, state: Optional[torch.Tensor] = None):
     """The launch table's key.  Its rows count phase 2's programs (B * HV * V-tiles; measured at V = 128),
     so ``columns`` is 128 per program of the default tile; the dtype is q's where q and k share it, else
-    float32 (mixed inputs take the fp32 products)."""
+    float32 (mixed inputs take the fp32 products); the state's is ``state``'s (S0's storage; float32 if
+    None)."""
     BV = max(16, min(VerifyConfig.BV, block(d.V)))
     dtype = q.dtype if q.dtype == k.dtype else torch.float32
     return key_of(q, C=buffer.capacity, B=d.B, HV=d.HV, V=triton.cdiv(d.V, BV) * 128, channel=d.channel_gate,
-                  dtype=dtype)
+                  dtype=dtype, state=None if state is None else state.dtype)
 
 
 def prep_warps(cfg: VerifyConfig, BD: int) -> tuple[int, int]:

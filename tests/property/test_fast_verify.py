@@ -425,6 +425,18 @@ def test_launch_table_rows(B, C, dtype, channel, want):
     assert {f: getattr(cfg, f) for f in want} == want
 
 
+@pytest.mark.parametrize("state", [None, torch.float32, torch.bfloat16, torch.float16])
+def test_launch_key_carries_the_state_dtype(state):
+    """verify's launch key holds S0's storage dtype (float32 without storage), so the table can choose a
+    16-bit state's launch, for a buffer and a pool alike (``_launch_settings`` passes the S0 storage)."""
+    q = torch.empty(2, 3, 1, 16, dtype=torch.bfloat16)
+    x = dict(q=q, k=q, v=torch.empty(2, 3, 2, 16), g=torch.empty(2, 3, 2), beta=torch.empty(2, 3, 2))
+    buf = ref.KVBuffer.empty(2, 1, 2, 16, 16, 4, dtype=torch.float32, with_state=state is not None,
+                             state_dtype=state)
+    key = fast_verify._key(q, q, fast_verify.check_tokens(**x), buf, buf.state)
+    assert key.state == (state or torch.float32) and key.dtype == torch.bfloat16
+
+
 # ------------------------------------------------------------------ phase 2's split X S0
 @triton.jit
 def _tf32_round_kernel(s_ptr, out_ptr, N: tl.constexpr):
