@@ -106,6 +106,7 @@ SLOW_FIRST = (
     "tests/validate/test_mutate.py",
     "tests/property/test_fast_verify.py",
     "tests/validate/test_jobs.py",
+    "tests/validate/test_cli.py",
     "tests/hostile/test_hostile.py",
     "tests/pool/test_tp_gloo.py",
 )

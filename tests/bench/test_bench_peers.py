@@ -17,6 +17,9 @@ import pytest
 pytest.importorskip("triton", reason="triton not installed: the benchmarks time the Triton kernels")
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the smoke's layers: one, the runner's layer loop and its op counts are the second-root smoke's to check at two
+#: (tests/bench/test_bench_smoke.py), a pool's layers the pool tests' (tests/pool)
+LAYERS = 1
 POOL_OPS = ("buffered_decode,pool_decode,pool_decode_engine,round,pool_round,pool_round_per_layer,pool_round_cycle,"
             "pool_round_cycle_fold")
 
@@ -33,7 +36,8 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     for name in [n for n in env if n.startswith("PYTEST_")]:
         env.pop(name)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out), "--peer-path", "/nonexistent",
+    r = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--layers", str(LAYERS), "--out", str(out),
+                        "--peer-path", "/nonexistent",
                         "--ops", POOL_OPS + ",round_cycle_fold,round_cycle_fold_bf16,buffered_decode_bf16,sglang_decode,"
                         "replayssm_decode,replayssm_round"], cwd=ROOT,
                        env=env,
@@ -53,17 +57,17 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     assert [c["dtype"] for c in cycle16["checks"] if "state_after_cycle" in c["name"]] == ["float16"]
     for row in rows.values():
         assert row["checks"] and all(c["passed"] for c in row["checks"]) and row["within_budget"], row
-    assert rows["pool_decode"]["ops_per_replay"] == 2 * 4  # layers x a cycle of C steps
-    assert rows["pool_decode_engine"]["ops_per_replay"] == 2 * 4 and rows["pool_decode_engine"]["vs_pool_decode"] > 0
+    assert rows["pool_decode"]["ops_per_replay"] == LAYERS * 4  # layers x a cycle of C steps
+    assert rows["pool_decode_engine"]["ops_per_replay"] == LAYERS * 4 and rows["pool_decode_engine"]["vs_pool_decode"] > 0
     assert rows["pool_round"]["vs_round"] > 0 and rows["pool_round_per_layer"]["vs_pool_round"] > 0
-    assert rows["pool_round_cycle"]["ops_per_replay"] == 2 * 3 and rows["pool_round_cycle"]["vs_pool_round"] > 0
+    assert rows["pool_round_cycle"]["ops_per_replay"] == LAYERS * 3 and rows["pool_round_cycle"]["vs_pool_round"] > 0
     # pool_round_cycle with the folding round's pool.verify(fold=True): its first and folding rounds' outputs and the
     # state after the cycle
     fold = rows["pool_round_cycle_fold"]
-    assert fold["ops_per_replay"] == 2 * 3 and len(fold["checks"]) == 3 and fold["vs_pool_round_cycle"] > 0
+    assert fold["ops_per_replay"] == LAYERS * 3 and len(fold["checks"]) == 3 and fold["vs_pool_round_cycle"] > 0
     # round_cycle_fold (kvbuffer_fast's cycle with the folding round's verify(fold=True)), run here to share the
     # runner's start: its first and folding rounds' outputs and the state after the cycle
-    assert rows["round_cycle_fold"]["ops_per_replay"] == 2 * 3 and len(rows["round_cycle_fold"]["checks"]) == 3
+    assert rows["round_cycle_fold"]["ops_per_replay"] == LAYERS * 3 and len(rows["round_cycle_fold"]["checks"]) == 3
     # a cycle's bytes are per round, as its time (a cycle's total would put its floor R times too high)
     for op in ("round_cycle_fold", "round_cycle_fold_bf16", "pool_round_cycle", "pool_round_cycle_fold"):
         assert 0.5 < rows[op]["io_bytes"] / rows["round"]["io_bytes"] < 2, (op, rows[op]["io_bytes"])
@@ -71,7 +75,7 @@ def test_smoke_runs_the_pool_ops_and_skips_replayssm(tmp_path):
     assert set(skipped) == {"replayssm_decode", "replayssm_round"} | (set() if wheel else {"sglang_decode"})
     assert all("Triton interpreter" in skipped[op] for op in ("replayssm_decode", "replayssm_round"))
     if wheel:  # SGLang's packed decode: one token per layer, checked (output and pool state), a peer of both decodes
-        assert rows["sglang_decode"]["ops_per_replay"] == 2 and len(rows["sglang_decode"]["checks"]) == 2
+        assert rows["sglang_decode"]["ops_per_replay"] == LAYERS and len(rows["sglang_decode"]["checks"]) == 2
         assert rows["buffered_decode"]["vs_sglang_decode"] > 0 and rows["pool_decode"]["vs_sglang_decode"] > 0
         assert rows["pool_decode_engine"]["vs_sglang_decode"] > 0
         assert data["sglang_path"].endswith(os.path.join(".whl", "sglang"))

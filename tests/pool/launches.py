@@ -79,7 +79,7 @@ def count_launches(fn) -> dict:
     return {"triton": launched, "torch": mode.torch, "host": mode.host}
 
 
-def pool_calls(device="cpu", B: int = 4):
+def pool_calls(device="cpu", B: int = 2):
     """A small pool with B live requests (a state each, one of them shared with a fork) and the four
     calls to count: {"decode": fn, "verify": fn, "verify_fold": fn, "accept": fn} (layer 0, layer 0, layer
     0, every layer), run in that order (the second verify replaces the first's drafts, and they are what

@@ -1,7 +1,7 @@
 """Tensor parallelism of the serving pool by heads, under torch.distributed with gloo on CPU.
 
-Four spawned processes form one gloo process group, started once for the module: the world is a tp = 4
-layout and ranks {0, 1}, {2, 3} two tp = 2 layouts.  A schedule of admit / decode / verify (chains and
+Four processes, forked from one forkserver, form one gloo process group, started once for the module: the
+world is a tp = 4 layout and ranks {0, 1}, {2, 3} two tp = 2 layouts.  A schedule of admit / decode / verify (chains and
 trees) / accept / flush / fork / release drawn by hypothesis (``schedule.run_schedule``) runs in lock step
 on one unsharded ``kvbuffer_ref.KVPool`` and on every rank's shard (``kvbuffer_ref.tp``: heads from
 ``tp_shard``, tokens sliced by ``shard_tokens``); each call's outputs are all-gathered per TP group and

@@ -1,9 +1,10 @@
 """Tensor-parallel pools in separate processes under torch.distributed (gloo on CPU), driven in lock step
 with one unsharded pool.
 
-``Workers(world_size=4)`` spawns four processes once (process startup is the cost) and forms one gloo
-process group: the whole world is a tp = 4 group, and ranks {0, 1} and {2, 3} are two tp = 2 groups (two
-data-parallel replicas of a tp = 2 layer).  ``TPPool(workers, ...)`` has the API of a pool: every call
+``Workers(world_size=4)`` starts four processes once (process startup is the cost: each is a fork of one
+forkserver that has imported torch and the pools) and forms one gloo process group: the whole world is a
+tp = 4 group, and ranks {0, 1} and {2, 3} are two tp = 2 groups (two data-parallel replicas of a tp = 2
+layer).  ``TPPool(workers, ...)`` has the API of a pool: every call
 runs on an unsharded pool in this process and, on each worker, on its shard of every layout (tokens
 sliced with ``kvbuffer_ref.tp.shard_tokens``); the workers all-gather their outputs within each TP group
 (``all_gather_heads``) and the call's outputs must equal the unsharded pool's: float64 bit for bit per
@@ -109,12 +110,15 @@ def _worker(rank: int, world_size: int, init: str, inbox, outbox) -> None:
 
 
 class Workers:
-    """``world_size`` spawned gloo ranks, reused across examples (``close()`` ends them)."""
+    """``world_size`` gloo ranks (forked from a forkserver), reused across examples (``close()`` ends them)."""
 
     def __init__(self, world_size: int = 4, timeout: float = 120.0):
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        # forkserver: one fresh server imports torch and the pools once, and each rank is a fork of it (a spawned
+        # rank would import them again); the server has run no torch work, so no thread pool is forked
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, "kvbuffer_ref.pool", "kvbuffer_fast.pool"])
         self.world_size, self.timeout = world_size, timeout
         self._dir = tempfile.mkdtemp(prefix="kvbuffer-tp-")
         init = "file://" + os.path.join(self._dir, "pg")
