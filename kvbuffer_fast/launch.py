@@ -287,6 +287,16 @@ TABLES: dict[str, tuple[Row, ...]] = {
         Row(dict(KB=16, NS=4), C=(None, 16), columns=(None, 2048 * 128), dtypes=SIXTEEN_BIT, channel=False,
             why="the two-piece product, at most 2048 programs and <= 16 buffer rows: 70.4 against 72.5 us "
                 "at B = 64; slower at B = 128 and with C = 32"),
+        Row(dict(prep_maxnreg=0), columns=(None, 2048 * 128), dtypes=SIXTEEN_BIT, channel=False,
+            capability=((9, 0), None),
+            why="at most 2048 phase-2 programs: phase 1 without its register cap (180 registers, no spills, "
+                "against 128 and spills) took verify from 84.2 to 77.2 us (fp32 state) and 64.8 to 58.5 (bf16 "
+                "state) at B = 64 (H100), though phase 1 alone is slower (19.6 against 17.2 us); from B = 128 "
+                "the cap is faster (verify 137.9 against 145.3 us)"),
+        Row(dict(KB=32, NS=3), columns=(None, 2048 * 128), dtypes=SIXTEEN_BIT, channel=False,
+            states=SIXTEEN_BIT, capability=((9, 0), None),
+            why="a 16-bit state, at most 2048 programs: 32-row state blocks in 3 stages, with phase 1 "
+                "uncapped, took verify to 55.1 against 58.5 us with 16-row blocks (B = 64, H100, bf16)"),
     ),
     "accept": (),
     "per_draft_state": (),

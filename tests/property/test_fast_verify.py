@@ -411,16 +411,23 @@ def test_bad_config_type():
         fast.accept(buf, drafts, counts=1, config=VerifyConfig())
 
 
-@pytest.mark.parametrize("B,C,dtype,channel,want", [
-    (64, 16, torch.bfloat16, False, dict(early=True, KB=16, NS=4)),   # the split X S0, few programs, C <= 16
-    (64, 32, torch.bfloat16, False, dict(early=True, KB=32, NS=3)),   # more buffer rows: 32-row blocks
-    (128, 16, torch.bfloat16, False, dict(early=True, KB=32, NS=3)),  # the split X S0: early at every batch
-    (128, 16, torch.float32, False, dict(early=False, KB=32, NS=3)),  # tf32x3 rows above 2048 programs
-    (64, 16, torch.float32, True, dict(early=True, KB=32, NS=3)),     # per-channel gates at <= 2048 programs
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("B,C,dtype,channel,state,want", [
+    # the split X S0, few programs, C <= 16; phase 1 uncapped at <= 2048 programs
+    (64, 16, BF16, False, F32, dict(early=True, KB=16, NS=4, prep_maxnreg=0)),
+    (64, 32, BF16, False, F32, dict(early=True, KB=32, NS=3)),   # more buffer rows: 32-row blocks
+    (128, 16, BF16, False, F32, dict(early=True, KB=32, NS=3, prep_maxnreg=128)),  # early at every batch, capped
+    (128, 16, F32, False, F32, dict(early=False, KB=32, NS=3)),  # tf32x3 rows above 2048 programs
+    (64, 16, F32, True, F32, dict(early=True, KB=32, NS=3)),     # per-channel gates at <= 2048 programs
+    (64, 16, BF16, False, BF16, dict(early=True, KB=32, NS=3, prep_maxnreg=0)),  # a 16-bit state, few programs
+    (128, 16, BF16, False, BF16, dict(KB=32, NS=3, prep_maxnreg=128)),
 ])
-def test_launch_table_rows(B, C, dtype, channel, want):
-    """The verify table at Qwen3-Next heads (HV = 32, V = 128: one phase-2 program per 128 columns)."""
-    key = key_of(torch.empty(0), C=C, B=B, HV=32, V=128, channel=channel, dtype=dtype)
+def test_launch_table_rows(B, C, dtype, channel, state, want):
+    """The verify table at Qwen3-Next heads (HV = 32, V = 128: one phase-2 program per 128 columns) on sm_90,
+    keyed on the state's dtype too."""
+    key = key_of(torch.empty(0), C=C, B=B, HV=32, V=128, channel=channel, dtype=dtype, state=state)
     cfg = config_for("verify", dataclasses.replace(key, capability=(9, 0)))
     assert {f: getattr(cfg, f) for f in want} == want
 
