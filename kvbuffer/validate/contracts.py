@@ -539,7 +539,8 @@ def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=
     ``carried`` boundaries, also each way with the gates rebased at those boundaries (a buffer's accept or
     partial flush) instead of summed afresh.  ``initial_states``: a start state per form (in the order returned)
     in place of ``initial_state``, each form resuming from its own, as a call over the tokens before a segment
-    boundary leaves them: a segment never spans a call's start, so the two calls give the numbers of one."""
+    boundary leaves them: a segment never spans a call's start, so without ``carried`` boundaries (whose gates
+    are summed from the frame before them) the two calls give the numbers of one."""
     ways = list(segment_ways(q.dtype, contract))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
