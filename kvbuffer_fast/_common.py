@@ -17,6 +17,32 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import RESET_GATE, byte_range, check_buffer, check_gate_values, check_tokens, require_tensor
 
+#: A Python file whose ``install()`` runs once, here, when the Triton interpreter is on (TRITON_INTERPRET=1): before
+#: any kvbuffer_fast launch, and in every process that loads kvbuffer_fast.  tests/conftest.py names
+#: tests/interpreter_launches.py, so the programs the tests start run their launches as the tests do.  Unset: nothing.
+INTERPRETER_SETUP_ENV = "KVBUFFER_INTERPRETER_SETUP"
+
+
+def _interpreter_setup() -> None:
+    import sys
+
+    path = os.environ.get(INTERPRETER_SETUP_ENV, "")
+    name = "_kvbuffer_interpreter_setup"
+    if not path or os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or name in sys.modules:
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"${INTERPRETER_SETUP_ENV}: no Python file at {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()
+    sys.modules[name] = module
+
+
+_interpreter_setup()
+
 try:  # grid dependency control (Triton >= 3.3): used only when a launch asks for PDL
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
     from triton.language.extra.cuda import gdc_wait as _gdc_wait

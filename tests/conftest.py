@@ -3,7 +3,8 @@ examples every run, NaN-poisoned library outputs (KVBUFFER_POISON=1: every outpu
 starts as NaN, so an element a kernel forgets to write fails), `kvbuffer validate` without worker processes
 (KVBUFFER_JOBS=1), each pytest-xdist worker's share of the cores as torch's thread count and, on a machine
 without CUDA, the Triton interpreter (set before anything imports triton), its launches run as
-tests/interpreter_launches.py says.
+tests/interpreter_launches.py says, here and in the programs the tests start ($KVBUFFER_INTERPRETER_SETUP, which
+kvbuffer_fast honours on import).
 
 Seeds: the run's seed is $KVBUFFER_SEED, else a random one (exported to $KVBUFFER_SEED before the
 pytest-xdist workers start, so they share it); it is printed in the pytest header.  Every hypothesis
@@ -46,6 +47,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     from .interpreter_launches import install as _install_interpreter_launches
 
     _install_interpreter_launches()  # each launch on a fresh frame stack; see tests/interpreter_launches.py
+    # and so in the programs the tests start: kvbuffer_fast runs its install() on import (kvbuffer_fast._common)
+    os.environ.setdefault("KVBUFFER_INTERPRETER_SETUP", str(Path(__file__).resolve().parent
+                                                            / "interpreter_launches.py"))
 os.environ.setdefault("KVBUFFER_POISON", "1")
 # `kvbuffer validate` runs one lane at a time in the test's own process (pytest -n already spreads the tests over
 # the cores); tests/validate/test_jobs.py runs it with --jobs

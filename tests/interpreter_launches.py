@@ -1,5 +1,7 @@
 """Two costs of the Triton interpreter (TRITON_INTERPRET=1) that carry no check, removed in the tests' processes
-(``install()``: tests/conftest.py, and the spawned gloo ranks of tests/pool/tp_harness.py):
+(``install()``: tests/conftest.py, the spawned gloo ranks of tests/pool/tp_harness.py, and every program the tests
+start that loads kvbuffer_fast, which runs the file named by $KVBUFFER_INTERPRETER_SETUP: tests/conftest.py names
+this one):
 
 * CPython keeps its frames in 16 KiB chunks that it maps when the stack grows past a chunk's end and unmaps
   when it shrinks back.  An interpreted kernel goes a few dozen frames deep for every element operation; where

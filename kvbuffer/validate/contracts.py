@@ -527,7 +527,8 @@ def segment_ways(dtype: torch.dtype, contract=None) -> tuple:
     return SEGMENT_WAYS + ((TC_WAY,) if contract == "tf32x3" else ())
 
 
-def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None):
+def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=(0,), carried=(), contract=None,
+                    initial_states=None):
     """[(o, S), ...]: ``segmented_form`` the ways a kernel computes its decays (``SEGMENT_WAYS``): cumulative gates summed by
     a loop of float32 additions (a kernel carrying its sum in a register) and by a GPU scan (``tl.cumsum``), both
     with GPU exponentials that flush below float32's normal range (``tl.exp2``; a kernel taking ``tl.exp`` keeps
@@ -536,16 +537,22 @@ def segmented_forms(q, k, v, *, g, beta, scale=None, initial_state=None, starts=
     exponentials, and so with the sums stepped as a tree-ordered scan leaves them (``_stepped_cumsum``, one
     form per bit of ``STEP_BITS``); under tf32x3 also with the products a tensor core's (``TC_WAY``); with
     ``carried`` boundaries, also each way with the gates rebased at those boundaries (a buffer's accept or
-    partial flush) instead of summed afresh."""
+    partial flush) instead of summed afresh.  ``initial_states``: a start state per form (in the order returned)
+    in place of ``initial_state``, each form resuming from its own, as a call over the tokens before a segment
+    boundary leaves them: a segment never spans a call's start, so without ``carried`` boundaries (whose gates
+    are summed from the frame before them) the two calls give the numbers of one."""
     ways = list(segment_ways(q.dtype, contract))
     if any(0 < int(c) < q.shape[1] for c in carried):
         ways += [dict(w, carried=carried) for w in ways]
+    if initial_states is not None and len(initial_states) != len(ways):
+        raise ValueError(f"initial_states: {len(ways)} forms, got {len(initial_states)} states")
     out = [None] * len(ways)
     kinds = dict.fromkeys((w.get("exp"), w.get("products")) for w in ways)
     for exp, products in kinds:  # the ways that share their exponentials and products: one batch
         idx = [i for i, w in enumerate(ways) if (w.get("exp"), w.get("products")) == (exp, products)]
         sums = [(ways[i]["cumsum"], ways[i].get("carried", ()), ways[i].get("decay_on", "k")) for i in idx]
-        for i, r in zip(idx, _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        S0 = initial_state if initial_states is None else [initial_states[i] for i in idx]
+        for i, r in zip(idx, _segmented_batch(q, k, v, g=g, beta=beta, scale=scale, initial_state=S0,
                                               starts=starts, sums=sums, contract=contract, exp=exp,
                                               products=products)):
             out[i] = r
@@ -601,14 +608,17 @@ def _fold_ways(S, k, u, G, decay_on: list, B: int) -> torch.Tensor:
 def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, contract, exp, products=None) -> list:
     """[(o, S), ...]: ``segmented_form`` once per (cumsum, carried, decay_on) of ``sums``, all with exponentials
     ``exp`` and products ``products`` (``_Arithmetic``'s; None: the contract's), computed as one batch of len(sums) x B requests (each way's cumulative gates summed its own way and
-    its fold's decays on its own factor, the chunk arithmetic batched)."""
+    its fold's decays on its own factor, the chunk arithmetic batched).  ``initial_state``: one state for every
+    way, or a list of one per way."""
     contract = check_contract(current_contract() if contract is None else contract)
     T, n = q.shape[1], len(sums)
+    per_way = isinstance(initial_state, (list, tuple))
     if not T:  # no tokens: the state as it was (zeros without one)
         S = initial_state if initial_state is not None else torch.zeros(
             q.shape[0], v.shape[2], k.shape[-1], v.shape[3], dtype=torch.promote_types(q.dtype, torch.float32),
             device=q.device)
-        return [(v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3]), S)] * n
+        o = v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3])
+        return [(o, s) for s in S] if per_way else [(o, S)] * n
     edges = sorted(set(int(s) for s in starts if 0 < int(s) < T) | {0}) + [T]
     x = prepare_tokens(q, k, v, g, beta, scale)
     gates = []  # per way, the cumulative gates of each segment
@@ -617,8 +627,11 @@ def _segmented_batch(q, k, v, *, g, beta, scale, initial_state, starts, sums, co
             gates.append(_segment_gates(x.g, edges, {int(c) for c in carried}))
     rep = (lambda t: t) if n == 1 else (lambda t: torch.cat([t] * n))  # noqa: E731
     B = x.dims.B
-    S = rep(torch.zeros(B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
-            if initial_state is None else initial_state.to(x.v.dtype))
+    if per_way:
+        S = torch.cat(list(initial_state)).to(x.v.dtype)
+    else:
+        S = rep(torch.zeros(B, x.dims.HV, x.dims.K, x.dims.V, dtype=x.v.dtype, device=q.device)
+                if initial_state is None else initial_state.to(x.v.dtype))
     outs = []
     with _Arithmetic(products=products or _products(contract), exp=exp):
         for i, (a, b) in enumerate(zip(edges, edges[1:])):

@@ -146,16 +146,17 @@ def test_fast_accept_of_every_layer_is_each_layer_alone(how):
     with a fork: copy-on-write) and requests that do not, a pad row, per-layer tokens."""
     shapes = dict(SHAPES, layers=3, N=5)
     a, b = _pool(**shapes), _pool(**shapes)
-    for p in (a, b):
-        s = p.acquire(3).to(DEVICE)
-        for layer in range(3):
-            p.admit(**_tok(1, T=2, seed=layer), layer=layer, slots=s[:1])        # direct, 2 entries
-            p.admit(**_tok(2, T=4, seed=10 + layer), layer=layer, slots=s[1:])   # a state each, 1 entry
-        f = p.acquire(1).to(DEVICE)
-        p.fork(src=s[1:2], dst=f, keep=1)                                       # shares request 1's slot
-        rows = torch.cat([s, torch.tensor([-1], device=DEVICE), f]).to(torch.int32)
-        for layer in range(3):
-            p.verify(**_tok(5, T=3, seed=20 + layer), layer=layer, slots=rows)
+    s = a.acquire(3).to(DEVICE)
+    for layer in range(3):
+        a.admit(**_tok(1, T=2, seed=layer), layer=layer, slots=s[:1])        # direct, 2 entries
+        a.admit(**_tok(2, T=4, seed=10 + layer), layer=layer, slots=s[1:])   # a state each, 1 entry
+    f = a.acquire(1).to(DEVICE)
+    a.fork(src=s[1:2], dst=f, keep=1)                                       # shares request 1's slot
+    rows = torch.cat([s, torch.tensor([-1], device=DEVICE), f]).to(torch.int32)
+    for layer in range(3):
+        a.verify(**_tok(5, T=3, seed=20 + layer), layer=layer, slots=rows)
+    for name, t in a._t.items():  # b: the same pool (the pool's contents are its tensors)
+        b._t[name].copy_(t)
     pick = torch.tensor([3, 1, 0, 99, 3], device=DEVICE)                        # C = 3: rows 0, 4 fold
     arg = {"counts": pick} if how == "counts" else {"nodes": torch.where(pick == 99, pick, pick - 1)}
     a.accept(slots=rows, **arg)

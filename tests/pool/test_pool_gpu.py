@@ -39,6 +39,8 @@ class CudaCapture:
     """Capture ``fn`` once in a CUDA graph (after a warm-up on a scratch pool: compiles, caches; the warm-up
     calls take counts and keeps of 0, valid whatever the scratch pool holds) and return a replay function."""
 
+    warms = True
+
     def __call__(self, fn, warm):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -54,7 +56,9 @@ class CudaCapture:
 
 
 class EagerCapture:
-    """The stand-in: 'replaying' runs ``fn`` again (for the harness on a CPU)."""
+    """The stand-in: 'replaying' runs ``fn`` again (for the harness on a CPU); it runs no warm-up."""
+
+    warms = False
 
     def __call__(self, fn, warm):
         return fn
@@ -89,7 +93,8 @@ def graph_schedule(capture, device, replays: int = 3, seed: int = 0) -> int:
         A.head_v_dim
     tok = Tokens(seed, H, HV, K, V, torch.float32, "cpu")
     prompts = [[tok.draw(1, T) for T in (1, C - 1, C, C + 1, 2 * C + 1, 3)] for _ in range(L)]
-    for p in (A, B, scratch):  # the same six requests of 1..2C+1 prompt tokens in each pool
+    # the same six requests of 1..2C+1 prompt tokens in each pool; the scratch pool serves only the warm-ups
+    for p in (A, B, scratch) if capture.warms else (A, B):
         s = p.acquire(6)
         for layer in range(L):
             for i, x in enumerate(prompts[layer]):
@@ -154,7 +159,9 @@ def graph_schedule(capture, device, replays: int = 3, seed: int = 0) -> int:
             sa, sno = put("acc.slots", sl), put("acc.nodes", nodes)
             key = ("accept", layer)
             if key not in static:
-                scratch.verify(**x, layer=layer, slots=sl.to(device), parents=par.to(device), num_drafts=nd.to(device))
+                if capture.warms:  # drafts pending on the scratch pool for the accept's warm-up
+                    scratch.verify(**x, layer=layer, slots=sl.to(device), parents=par.to(device),
+                                   num_drafts=nd.to(device))
                 static[key] = capture(lambda layer=layer: A.accept(layer=layer, slots=sa, nodes=sno),
                                       lambda layer=layer: scratch.accept(layer=layer, slots=sa, nodes=sno))
             static[key]()

@@ -81,10 +81,14 @@ class Truth:
     """One request's truth in one layer: its accepted tokens (``hist``, [T, ...] per field), the float64
     state after them and the plain recurrence's state in the pool's dtype (None for float64).  The baseline of a
     comparison: that recurrence and the chunkwise forms with chunks of 64 and of C over the whole history
-    (``chunkwise``), as the pool's buffer (capacity C) and its admit keep cumulative gates."""
+    (``chunkwise``), as the pool's buffer (capacity C) and its admit keep cumulative gates.  ``marks``: per
+    (contract, chunk), the forms' states at chunk boundaries within the history ([(position, [S per form])],
+    ascending, the first (0, None): the zero state), from which ``chunkwise`` resumes: a chunk never spans a
+    boundary, so the forms from there are the numbers of the forms over the whole history."""
 
-    def __init__(self, hist: dict, dtype: torch.dtype, C: int):
+    def __init__(self, hist: dict, dtype: torch.dtype, C: int, marks: dict | None = None):
         self.hist, self.dtype, self.C = hist, dtype, C
+        self.marks = {} if marks is None else marks
         self.S64, self.Sb = self._from_scratch(hist)
 
     def _from_scratch(self, hist: dict):
@@ -105,17 +109,36 @@ class Truth:
         ob, Sb = rec(self.dtype, Sb, contract) if self.dtype != torch.float64 else (None, None)
         return o64, S64, ob, Sb
 
-    def chunkwise(self, x: dict, contract: str = "ieee"):
-        """The chunkwise baseline forms over the tokens ``x`` [T, ...]: ([o [1, T, ...]], [S [1, ...]]), one
-        per chunk (64 and C) and way of summing the cumulative gates, as ``truth_and_baseline`` takes them
-        (the recurrence, the other baseline form, is carried incrementally); none for float64."""
-        T = x["q"].shape[0]
+    def chunkwise(self, new: dict, contract: str = "ieee", commit: bool = False):
+        """The chunkwise baseline forms over the history and then the tokens ``new`` [n, ...]: ([o [1, t, ...]],
+        [S [1, ...]]), one per chunk (64 and C) and way of summing the cumulative gates, as
+        ``truth_and_baseline`` takes them (the recurrence, the other baseline form, is carried incrementally),
+        the outputs those of the last t >= n tokens; none for float64.  Each form resumes from its last mark
+        and marks the last boundary within the history (and ``new`` too, with ``commit``)."""
+        H, n = self.hist["q"].shape[0], new["q"].shape[0]
+        T = H + n
         if self.dtype == torch.float64 or T == 0:
             return [], []
-        xs = {f: t[None].to(self.dtype) for f, t in x.items()}
-        forms = [f for c in sorted({FORM_CHUNK, self.C})
-                 for f in segmented_forms(**xs, starts=range(0, T, c), contract=contract)]
-        return [o for o, _ in forms], [S for _, S in forms]
+        x = {f: t.to(self.dtype) for f, t in _cat(self.hist, new).items()}
+        kept = T if commit else H
+        outs, states = [], []
+        for c in sorted({FORM_CHUNK, self.C}):
+            marks = self.marks.setdefault((contract, c), [(0, None)])
+            a, S = marks[-1]
+            o = []
+            for b in (kept // c * c, T):  # to the last boundary within the kept tokens, then to the end
+                if b > a:
+                    forms = segmented_forms(**{f: t[None, a:b] for f, t in x.items()}, starts=range(0, b - a, c),
+                                            initial_states=S, contract=contract)
+                    o.append([f[0] for f in forms])
+                    S, a = [f[1] for f in forms], b
+                    if b <= kept and b % c == 0:
+                        marks.append((b, S))
+            t = [torch.cat(parts, dim=1) for parts in zip(*o)] if o else [None] * len(S)
+            assert n == 0 or t[0].shape[1] >= n, "a mark past the history"
+            outs += t
+            states += S
+        return outs, states
 
     def check(self, actual: torch.Tensor, new: dict, what: str, commit: bool, contract: str = "ieee"):
         """``actual`` [n, HV, V]: the outputs of the last n of the tokens ``new`` after the history, computed by
@@ -123,7 +146,7 @@ class Truth:
         baseline state carried on is that contract's too."""
         o64, S64, ob, Sb = self.run(new, self.S64, self.Sb, contract)
         n = actual.shape[0]
-        oc, _ = self.chunkwise(_cat(self.hist, new), contract)
+        oc, _ = self.chunkwise(new, contract, commit=commit)
         base = None if ob is None else [ob[None, -n:]] + [o[:, -n:] for o in oc]
         c = compare(actual[None].cpu(), o64[None, -n:], base, name=what, dtype=self.dtype, contract=contract)
         assert c.passed, str(c)
@@ -139,13 +162,14 @@ class Truth:
         if self.S64 is None:
             assert bool((actual == 0).all()), f"{what}: a request without tokens has a non-zero state"
             return
-        _, Sc = self.chunkwise(self.hist)
+        _, Sc = self.chunkwise(_take(self.hist, slice(0, 0)))
         base = None if self.Sb is None else [self.Sb[None]] + Sc
         c = compare(actual[None].cpu(), self.S64[None], base, name=what, dtype=self.dtype, head_axis=1)
         assert c.passed, str(c)
 
     def prefix(self, upto: int) -> "Truth":
-        return Truth(_take(self.hist, slice(0, upto)), self.dtype, self.C)
+        marks = {key: [m for m in ms if m[0] <= upto] for key, ms in self.marks.items()}
+        return Truth(_take(self.hist, slice(0, upto)), self.dtype, self.C, marks)
 
 
 class Request:
