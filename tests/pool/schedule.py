@@ -46,6 +46,13 @@ def snapshot(pool) -> dict:
     return {n: t.clone() for n, t in pool.tensors().items()}
 
 
+def copy_pool(dst, src) -> None:
+    """``dst`` made the same pool as ``src`` (a kvbuffer_fast pool of the same shapes): every tensor it holds,
+    sink rows and bookkeeping included, copied over."""
+    for name, t in src._t.items():
+        dst._t[name].copy_(t)
+
+
 def assert_untouched(pool, before: dict, buffer_slots, what: str) -> None:
     """Everything outside ``buffer_slots`` (and the state slots they referenced before or after) is
     bit-identical to ``before``."""

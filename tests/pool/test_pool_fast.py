@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvbuffer.validate import compare  # noqa: E402
 from kvbuffer_fast.pool import KVPool  # noqa: E402
 
-from .schedule import _same, assert_untouched, run_schedule, sharers_fold_in_one_call, snapshot  # noqa: E402
+from .schedule import _same, assert_untouched, copy_pool, run_schedule, sharers_fold_in_one_call, snapshot  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FEW = settings(max_examples=4, deadline=None) if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else \
@@ -155,8 +155,7 @@ def test_fast_accept_of_every_layer_is_each_layer_alone(how):
     rows = torch.cat([s, torch.tensor([-1], device=DEVICE), f]).to(torch.int32)
     for layer in range(3):
         a.verify(**_tok(5, T=3, seed=20 + layer), layer=layer, slots=rows)
-    for name, t in a._t.items():  # b: the same pool (the pool's contents are its tensors)
-        b._t[name].copy_(t)
+    copy_pool(b, a)  # b: the same pool (a pool's contents are its tensors)
     pick = torch.tensor([3, 1, 0, 99, 3], device=DEVICE)                        # C = 3: rows 0, 4 fold
     arg = {"counts": pick} if how == "counts" else {"nodes": torch.where(pick == 99, pick, pick - 1)}
     a.accept(slots=rows, **arg)

@@ -64,11 +64,6 @@ class EagerCapture:
         return fn
 
 
-def _copy_pool(dst: KVPool, src: KVPool) -> None:
-    for name, t in src._t.items():
-        dst._t[name].copy_(t)
-
-
 def _assert_same_pools(a: KVPool, b: KVPool, what: str) -> None:
     for name, t in a.tensors().items():
         u = b.tensors()[name]
