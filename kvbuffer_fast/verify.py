@@ -15,23 +15,25 @@ draft x buffer scores with that sign; Y the rows k_i, s q_i scaled by exp(G_i), 
 N unit lower triangular: [[I + A, 0], [-QQ, I]] with A_ij = beta_i D_ij (k_i.k_j) over proper
 ancestors and QQ_ij = D_ij (q_i.k_j) over ancestors-or-self.  With L = N^-1 diag(b):
 
-    [U; O] = L [v; 0] + (L W) U_buf + P S0,     P = L diag(sgn) Y   ([R, K])
+    [U; O] = L ([v; 0] + W U_buf) + P S0,     P = L diag(sgn) Y   ([R, K])
 
-For scalar gates Y = diag(exp(G)) X with X the raw rows k_i, s q_i, so P S0 = L' (X S0) with the
-[R, R] matrix L' = L diag(sgn exp(G) s) (zero on padding rows).
+For scalar gates Y = diag(exp(G)) X with X the raw rows k_i, s q_i, so P S0 = L (diag(c) X S0) with the
+row weights c = sgn exp(G) s (zero on padding rows), and [U; O] = L Z: the right-hand side Z is summed
+elementwise in fp32, where the innovations' cancellation happens, before the one product by L.
 
 Two launches:
 
 1. Phase 1, everything that does not touch the state: the ancestor mask (a walk up ``parents``, at
    most d steps, on [R, R] registers), the scores vs the buffer and vs the tree, G along each path, the
    decays, N^-1 by forward substitution over the d key rows plus one product for the query rows, L and
-   L W (fp32 scratch), Drafts.G and Drafts.k.  Scalar gates: ``_verify_prep_group_kernel``, one
+   W (fp32 scratch), Drafts.G and Drafts.k.  Scalar gates: ``_verify_prep_group_kernel``, one
    program per (request, q/k head), since the HV / H value heads of a q/k head share the scores; it
-   writes L' per value head.  Per-channel (KDA) gates: ``_verify_prep_kernel``, one program per
+   writes c per value head.  Per-channel (KDA) gates: ``_verify_prep_kernel``, one program per
    (request, value head), the decays inside the scores; it writes P.
 2. Phase 2, ``_verify_stream_kernel``, grid (V / BV, B * HV): the state in [KB, BV] blocks through a
-   pipelined loop, then L [v; 0] + (L W) U_buf + L' (X S0) (scalar gates; X read from the inputs) or
-   + P S0 (per-channel gates); direct-mode requests select zeros; stores o and Drafts.u.
+   pipelined loop, then L ([v; 0] + W U_buf + diag(c) X S0) (scalar gates; X read from the inputs) or
+   L ([v; 0] + W U_buf) + P S0 (per-channel gates); direct-mode requests select zeros (of X S0, P S0);
+   stores o and Drafts.u.
 
 With PDL (CUDA, sm_90+) phase 2 is a programmatic dependent launch of phase 1: for scalar gates its
 state loop, which reads nothing phase 1 writes, runs before it waits for phase 1's results.  Nothing
@@ -289,9 +291,35 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
 
 
 @triton.jit
-def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t, fr, FOLD: tl.constexpr):
-    """Scalar gates: G of each row's draft (the buffer tail's G plus the gates along its path) and the
-    scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by their decays exp(G_i - G_j).
+def _group_path_sums(gc2, g_in2, anc, m_t, m_ct, o_m, n, t, fr, FOLD: tl.constexpr):
+    """Scalar gates, the value heads of a q/k head at once ([BG, *] rows, one per head): G of each row's
+    draft, the buffer tail's G plus the gates along its path ([BG, R]; 0 on padding rows), as Drafts.G
+    stores it, and the tail's G ([BG]; 0 if the buffer is empty).  The walk over the drafts' columns and
+    its ancestor masks are the heads' common part.
+
+    FOLD with ``fr`` (the request's buffer is folded by this verify): Drafts.G are the path sums from 0,
+    as a verify after a flush stores them and as accept will fold them (``_scalar_decays`` adds the tail's
+    G for S0's frame); otherwise the sums from the tail's G."""
+    base = tl.sum(tl.where((o_m == n - 1)[None, :], gc2, 0.0), 1)  # [BG] the buffer tail's G
+    if FOLD:
+        start = tl.where(fr, 0.0, base)
+    else:
+        start = base
+    gd2 = tl.where(m_ct[None, :], g_in2, 0.0)  # [BG, R] over columns
+    Gr2 = tl.zeros_like(gd2) + start[:, None]
+    o_c = tl.arange(0, gd2.shape[1])
+    for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
+        a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
+        g_j = tl.sum(tl.where((o_c == j)[None, :], gd2, 0.0), 1)  # [BG]
+        Gr2 += tl.where(a_j[None, :], g_j[:, None], 0.0)
+    return tl.where(m_t[None, :], Gr2, 0.0), base
+
+
+@triton.jit
+def _scalar_decays(SB, SS, gc, Gr, base, is_self, anc, m_t, m_n, fr, FOLD: tl.constexpr):
+    """Scalar gates, one value head: the scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by
+    their decays exp(G_i - G_j), from Gr (G of each row's draft as Drafts.G stores it,
+    ``_group_path_sums``), the buffer's G ``gc`` and its tail's ``base``.
 
     The decays are differences of the G that are stored (the buffer's, and Drafts.G as returned): accept and
     flush fold the drafts' u with exactly those G, so u must be solved with them.  At |G| of a few hundred a
@@ -299,31 +327,17 @@ def _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t, fr
     the drafts' path sums alone, more accurate by themselves, left the state after accept + flush 4-5x the
     error of the oracle's float32 forms: tests/property/test_fast_verify.py, the buffer's frame).
 
-    Returns (G in S0's frame, G as Drafts.G stores it, SB, SS).  FOLD with ``fr`` (the request's buffer is
-    folded by this verify): Drafts.G are the path sums from 0, as a verify after a flush stores them and as
-    accept will fold them, and the decays between drafts are their differences; S0's frame (the decays
-    against the buffer and exp(G) S0) adds the tail's G to them once.  Otherwise both are the sums from the
-    tail's G."""
-    base = tl.sum(tl.where(o_m == n - 1, gc, 0.0), 0)  # the buffer tail's G (0 if empty)
-    if FOLD:
-        start = tl.where(fr, 0.0, base)
-    else:
-        start = base
-    gd = tl.where(m_ct, g_in.to(tl.float32), 0.0)  # [R] over columns
-    Gr = tl.zeros_like(gd) + start
-    o_c = tl.arange(0, gd.shape[0])
-    for j in range(0, t):  # root to node: G_i = G_parent(i) + g_i, one rounding per step as a decode stores it
-        a_j = tl.sum(tl.where(anc & (o_c[None, :] == j), 1, 0), 1) > 0
-        Gr += tl.where(a_j, tl.sum(tl.where(o_c == j, gd, 0.0), 0), 0.0)
-    Gr = tl.where(m_t, Gr, 0.0)  # [R] G of each row's draft
-    Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] the same, over columns
+    Returns (G in S0's frame, SB, SS).  FOLD with ``fr``: Gr are the path sums from 0 and the decays between
+    drafts are their differences; S0's frame (the decays against the buffer and exp(G) S0) adds the tail's
+    G to them once.  Otherwise Gr is already in S0's frame."""
+    Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] G over columns
     if FOLD:  # S0's frame: the tail's G added once to the path sums from 0
-        Gb = tl.where(m_t, Gr + (base - start), 0.0)
+        Gb = tl.where(m_t, Gr + tl.where(fr, base, 0.0), 0.0)
     else:
         Gb = Gr
     SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gb[:, None] - gc[None, :], float("-inf")))
     SS = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
-    return Gb, Gr, SB, SS
+    return Gb, SB, SS
 
 
 @triton.jit
@@ -344,17 +358,16 @@ def _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC: 
 
 
 @triton.jit
-def _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R: tl.constexpr,
-             BC: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr):
-    """Phase 1's results for one value head: L and L W ([R, R + BC]) and, with ZP, L' = L diag(sgn
-    exp(G) s) ([R, R]; s = the query scale, zero on padding rows), which phase 2 applies to X S0."""
+def _store_l(l_ptr, c_ptr, L, W, Gr, i_bhv, is_q, m_t, o_r, o_c, o_m, scale, R: tl.constexpr, BC: tl.constexpr,
+             ZP: tl.constexpr):
+    """Phase 1's results for one value head: L and W ([R, R + BC]) and, with ZP, the row weights
+    c = sgn exp(G) s ([R]; s = the query scale on query rows, zero on padding rows), by which phase 2
+    scales X S0 before L multiplies it."""
     p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
     tl.store(p_l + o_c[None, :], L)
-    tl.store(p_l + R + o_m[None, :], tl.dot(L, W, input_precision=PREC))
+    tl.store(p_l + R + o_m[None, :], W)
     if ZP:
-        col = tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0)  # over rows of X = columns of L
-        col_c = tl.sum(tl.where(is_self, col[:, None], 0.0), 0)
-        tl.store(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :], L * col_c[None, :])
+        tl.store(c_ptr + i_bhv * R + o_r, tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0))
 
 
 @triton.jit
@@ -370,8 +383,8 @@ def _verify_prep_group_kernel(
     """Phase 1 for scalar gates, one program per (request, q/k head).  The scores of the drafts' keys /
     queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value heads that
     share the q/k head (only their decays, betas and gates differ), so they are formed once, in chunks
-    of KC key columns; then each value head's G, decays, N^-1, L, L W and L' = L diag(sgn exp(G) s) are
-    written (``_store_l``), and Drafts.G and Drafts.k.
+    of KC key columns; then each value head's G, decays, N^-1, L, W and the row weights c = sgn exp(G) s
+    are written (``_store_l``), and Drafts.G and Drafts.k.
     The betas and gates of all the value heads ([BG, *], BG = the group size rounded up to a power of
     two) are loaded before the chunk loop, so that no value head waits for a load issued after a store
     (such a load cannot be moved above the store: the pointers might alias).
@@ -459,6 +472,7 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
         s_r = tl.where(is_q, scale, 1.0)
         SB = SB * s_r[:, None]
         SS = SS * s_r[:, None]
+    Gd2, base2 = _group_path_sums(gc2, g_in2, anc, m_t, m_ct, o_m, n, t, fr, FOLD)
     for j in tl.static_range(GROUP):
         i_hv = i_h * GROUP + j
         i_bhv = i_b * HV + i_hv
@@ -466,14 +480,15 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
         sel = (o_g == j)[:, None]  # this value head's row of the loads issued before the chunk loop
         beta_in = tl.sum(tl.where(sel, beta_in2, 0.0), 0)
         beta_cin = tl.sum(tl.where(sel, beta_cin2, 0.0), 0)
-        g_in = tl.sum(tl.where(sel, g_in2, 0.0), 0)
         gc = tl.sum(tl.where(sel, gc2, 0.0), 0)
+        Gd = tl.sum(tl.where(sel, Gd2, 0.0), 0)
+        base = tl.sum(tl.where(o_g == j, base2, 0.0), 0)
         b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
         b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
-        Gr, Gd, SBj, SSj = _scalar_decays(SB, SS, gc, g_in, anc, is_self, m_t, m_ct, m_n, o_m, n, t, fr, FOLD)
+        Gr, SBj, SSj = _scalar_decays(SB, SS, gc, Gd, base, is_self, anc, m_t, m_n, fr, FOLD)
         tl.store(dg_dst + p_rt, Gd.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
         L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
-        _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, True, PREC)
+        _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, m_t, o_r, o_c, o_m, scale, R, BC, True)
 
 
 @triton.jit
@@ -486,7 +501,7 @@ def _verify_prep_kernel(
     POOL: tl.constexpr, BDR: tl.constexpr, fold_ptr, FOLD: tl.constexpr,
 ):
     """Phase 1 for per-channel (KDA) gates, one program per (request, value head): the decays depend on
-    the key column, so they go inside the scores (``_chunk_channel``, row by row).  Writes L and L W
+    the key column, so they go inside the scores (``_chunk_channel``, row by row).  Writes L and W
     ([R, R + BC]), P = L diag(sgn) Y ([R, K]; Y = the rows k_i, s q_i scaled by exp(G_i) per column),
     Drafts.G and (one program per q/k head) Drafts.k.  The key dimension is walked in chunks of KC
     columns, twice (the scores, then P and G), so that few registers are live.  POOL and FOLD: as
@@ -555,7 +570,7 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
         SS += SS_c
     Gr = b_row  # unused (per-channel G is formed chunk by chunk in pass 2)
     L, W = _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
-    _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, is_self, m_t, o_r, o_c, o_m, scale, R, BC, False, PREC)
+    _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, m_t, o_r, o_c, o_m, scale, R, BC, False)
     # pass 2: P = L diag(sgn) Y, Y = the rows k_i, q_i scaled by exp(G_i); Drafts.G
     for k0 in range(0, K, KC):
         k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, True)
@@ -612,10 +627,10 @@ def _verify_stream_kernel(
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr,
     ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr,
 ):
-    """Phase 2, one program per (request, value head, V-tile): [U; O] = L [v; 0] + (L W) U_buf + P S0,
+    """Phase 2, one program per (request, value head, V-tile): [U; O] = L ([v; 0] + W U_buf) + P S0,
     the state streamed in [KB, BV] blocks through a pipelined loop of NS stages (direct-mode requests
     select 0).  ZP (scalar gates): the loop forms X S0 from the raw key / query rows (read from the
-    inputs, shared by the value heads of a q/k head) and P S0 = L' (X S0) after it; the loop reads
+    inputs, shared by the value heads of a q/k head) and P S0 = L (diag(c) X S0) after it; the loop reads
     nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap).  Without
     ZP (per-channel gates) the loop multiplies phase 1's P by the state blocks, after the wait.
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
@@ -687,7 +702,7 @@ def _verify_stream_program(
     state loop), and with SLOTS ``_verify_stream_slots_kernel``'s (the drafts' keys and G of a pool row,
     rooms ``dk_ptr`` / ``dg_ptr``, moved to the emptied buffer by the last program)."""
     R: tl.constexpr = 2 * BD
-    _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, L W and P are read first; with it, the wait is after the loop
+    _pdl_prologue(PDL, WAIT=not ZP)  # without ZP, L, W and P are read first; with it, the wait is after the loop
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     n, t, o_r, dr, is_q, m_in, m_t = _draft_rows(len_ptr, nd_ptr, i_b, c_b, D, BD)
@@ -744,22 +759,23 @@ def _verify_stream_program(
                     tl.store(p_s + k0 * V, s1.to(state_ptr.dtype.element_ty),
                              mask=((k0 + o_kb) < k_fold)[:, None] & m_v[None, :])
         if PDL:
-            _gdc_wait()  # phase 1's L, L W, L' from here on
+            _gdc_wait()  # phase 1's L, W, c from here on
     if not EARLY:
         v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
     o_c = tl.arange(0, R)
     p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
     L = tl.load(p_l + o_c[None, :])
-    LW = tl.load(p_l + R + o_m[None, :])
+    W = tl.load(p_l + R + o_m[None, :])
     m_n = o_m < n
     if not (EARLY or FOLD):
         uc = tl.load(p_u, mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
-    out = tl.dot(L, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
-    out += tl.dot(LW, uc, input_precision=PREC)
+    # Z = [v; 0] + W U_buf (+ diag(c) X S0): the right-hand side, summed elementwise before L multiplies it
+    z = tl.dot(W, uc, tl.where(m_t[:, None], v_in.to(tl.float32), 0.0), input_precision=PREC)
     if STORAGE:
         if ZP:
-            L2 = tl.load(p_ptr + (i_bhv * R + o_r[:, None]) * R + o_c[None, :])
-            X = tl.dot(L2, X, input_precision=PREC)
+            c = tl.load(p_ptr + i_bhv * R + o_r)
+            z += tl.where(owns, c[:, None] * X, 0.0)
+            out = tl.dot(L, z, input_precision=PREC)
         else:
             p_p = p_ptr + (i_bhv * R + o_r[:, None]) * K + o_kb[None, :]
             for k0 in tl.range(0, K, KB, num_stages=NS):
@@ -778,7 +794,9 @@ def _verify_stream_program(
                                     m_f, True, False, True)
                     tl.store(p_s + k0 * V, s1.to(state_ptr.dtype.element_ty),
                              mask=((k0 + o_kb) < k_fold)[:, None] & m_v[None, :])
-        out += tl.where(owns, X, 0.0)
+            out = tl.dot(L, z, tl.where(owns, X, 0.0), input_precision=PREC)
+    else:
+        out = tl.dot(L, z, input_precision=PREC)
     out = tl.where(m_t[:, None], out, 0.0)
     m_out = m_in[:, None] & m_v[None, :]
     tl.store(o_ptr + p_rv, out.to(o_ptr.dtype.element_ty), mask=m_out & is_q[:, None])
@@ -987,9 +1005,9 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     if zp and q.dtype == k.dtype and q.dtype in SIXTEEN_BIT:
         xsplit = 2 if state is not None and state.dtype in SIXTEEN_BIT else 1
     pdl = pdl_launch(q, cfg.pdl)
-    # phase 1's outputs for phase 2 (fp32): L and L W [B*HV, R, R + BC]; L' [B*HV, R, R] or P [B*HV, R, K]
+    # phase 1's outputs for phase 2 (fp32): L and W [B*HV, R, R + BC]; c [B*HV, R] or P [B*HV, R, K]
     lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
-    pk = torch.empty(d.B * d.HV, R, R if zp else d.K, dtype=torch.float32, device=q.device)
+    pk = torch.empty((d.B * d.HV, R) if zp else (d.B * d.HV, R, d.K), dtype=torch.float32, device=q.device)
     KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
     # phase 1's products are small (R x R, R x C per (request, head)) and form the scores and their
     # solves, where cancellation is common (nearly orthogonal q and k): FMA ("ieee") everywhere
