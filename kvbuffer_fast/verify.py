@@ -250,8 +250,8 @@ def _chunk_channel(kq, g, kc, gc, anc, o_r, o_m, m_t, m_n, n, t, BD: tl.constexp
                    BC: tl.constexpr, SCORES: tl.constexpr, fr, FOLD: tl.constexpr):
     """Per-channel gates, one column chunk: G of every row (base + the gates along its path) and this
     chunk's share of the decayed scores vs the buffer [R, BC] and vs the tree [R, R], row by row, the decays
-    differences of those G and the buffer's (``_scalar_decays`` says why).  Returns (G in S0's frame, G as
-    Drafts.G stores it, SB, SS); FOLD with ``fr`` (the request folds): ``_scalar_decays``'s two frames."""
+    differences of those G and the buffer's (``_group_decays`` says why).  Returns (G in S0's frame, G as
+    Drafts.G stores it, SB, SS); FOLD with ``fr`` (the request folds): ``_group_decays``'s two frames."""
     base = tl.sum(tl.where((o_m == n - 1)[:, None], gc, 0.0), 0)  # the buffer tail's G (0 if empty)
     if FOLD:
         start = tl.where(fr, 0.0, base)
@@ -298,7 +298,7 @@ def _group_path_sums(gc2, g_in2, anc, m_t, m_ct, o_m, n, t, fr, FOLD: tl.constex
     its ancestor masks are the heads' common part.
 
     FOLD with ``fr`` (the request's buffer is folded by this verify): Drafts.G are the path sums from 0,
-    as a verify after a flush stores them and as accept will fold them (``_scalar_decays`` adds the tail's
+    as a verify after a flush stores them and as accept will fold them (``_group_decays`` adds the tail's
     G for S0's frame); otherwise the sums from the tail's G."""
     base = tl.sum(tl.where((o_m == n - 1)[None, :], gc2, 0.0), 1)  # [BG] the buffer tail's G
     if FOLD:
@@ -316,10 +316,11 @@ def _group_path_sums(gc2, g_in2, anc, m_t, m_ct, o_m, n, t, fr, FOLD: tl.constex
 
 
 @triton.jit
-def _scalar_decays(SB, SS, gc, Gr, base, is_self, anc, m_t, m_n, fr, FOLD: tl.constexpr):
-    """Scalar gates, one value head: the scores vs the buffer [R, BC] and vs the tree [R, R] multiplied by
-    their decays exp(G_i - G_j), from Gr (G of each row's draft as Drafts.G stores it,
-    ``_group_path_sums``), the buffer's G ``gc`` and its tail's ``base``.
+def _group_decays(SB, SS, gc2, Gd2, base2, is_self, anc, m_t, m_n, fr, FOLD: tl.constexpr):
+    """Scalar gates, the value heads of a q/k head at once: the shared scores vs the buffer [R, BC] and vs
+    the tree [R, R] multiplied by each head's decays exp(G_i - G_j) ([BG, R, BC] and [BG, R, R]), from Gd2
+    (G of each row's draft as Drafts.G stores it, ``_group_path_sums``), the buffer's G ``gc2`` and its
+    tail's ``base2``.
 
     The decays are differences of the G that are stored (the buffer's, and Drafts.G as returned): accept and
     flush fold the drafts' u with exactly those G, so u must be solved with them.  At |G| of a few hundred a
@@ -327,17 +328,33 @@ def _scalar_decays(SB, SS, gc, Gr, base, is_self, anc, m_t, m_n, fr, FOLD: tl.co
     the drafts' path sums alone, more accurate by themselves, left the state after accept + flush 4-5x the
     error of the oracle's float32 forms: tests/property/test_fast_verify.py, the buffer's frame).
 
-    Returns (G in S0's frame, SB, SS).  FOLD with ``fr``: Gr are the path sums from 0 and the decays between
-    drafts are their differences; S0's frame (the decays against the buffer and exp(G) S0) adds the tail's
-    G to them once.  Otherwise Gr is already in S0's frame."""
-    Gc = tl.sum(tl.where(is_self, Gr[:, None], 0.0), 0)  # [R] G over columns
+    Returns (G in S0's frame [BG, R], SB3, SS3).  FOLD with ``fr``: Gd2 are the path sums from 0 and the
+    decays between drafts are their differences; S0's frame (the decays against the buffer and exp(G) S0)
+    adds the tail's G to them once.  Otherwise Gd2 is already in S0's frame."""
+    Gc2 = tl.sum(tl.where(is_self[None, :, :], Gd2[:, :, None], 0.0), 1)  # [BG, R] G over columns
     if FOLD:  # S0's frame: the tail's G added once to the path sums from 0
-        Gb = tl.where(m_t, Gr + tl.where(fr, base, 0.0), 0.0)
+        Gb2 = tl.where(m_t[None, :], Gd2 + tl.where(fr, base2, 0.0)[:, None], 0.0)
     else:
-        Gb = Gr
-    SB = SB * tl.exp(tl.where(m_t[:, None] & m_n[None, :], Gb[:, None] - gc[None, :], float("-inf")))
-    SS = SS * tl.exp(tl.where(anc, Gr[:, None] - Gc[None, :], float("-inf")))
-    return Gb, SB, SS
+        Gb2 = Gd2
+    SB3 = SB[None, :, :] * tl.exp(tl.where((m_t[:, None] & m_n[None, :])[None, :, :],
+                                           Gb2[:, :, None] - gc2[:, None, :], float("-inf")))
+    SS3 = SS[None, :, :] * tl.exp(tl.where(anc[None, :, :], Gd2[:, :, None] - Gc2[:, None, :], float("-inf")))
+    return Gb2, SB3, SS3
+
+
+@triton.jit
+def _group_solve(SB3, SS3, is_q, proper, is_self, b_row2, b_col2, o_r, o_c, t, PREC: tl.constexpr):
+    """``_solve_rows`` for the value heads of a q/k head at once ([BG, R, *]; b_row2, b_col2 [BG, R]): one
+    forward substitution carries every head's rows, so their dependent steps interleave.  Returns (L3, W3)."""
+    W3 = tl.where(is_q[None, :, None], SB3, -SB3)
+    M3 = tl.where(is_q[None, :, None], -SS3, tl.where(proper[None, :, :], b_row2[:, :, None] * SS3, 0.0))
+    Ninv = tl.zeros_like(M3) + tl.where(is_self, 1.0, 0.0)[None, :, :]
+    for i in range(0, t):
+        a_i = tl.sum(tl.where((o_r == i)[None, :, None], M3, 0.0), 1)  # [BG, R] row i of M
+        row = tl.where((o_c == i)[None, :], 1.0, 0.0) - tl.sum(a_i[:, :, None] * Ninv, 1)
+        Ninv = tl.where((o_r == i)[None, :, None], row[:, None, :], Ninv)
+    Ninv -= tl.dot(tl.where(is_q[None, :, None], M3, 0.0), Ninv, input_precision=PREC)
+    return Ninv * b_col2[:, None, :], W3
 
 
 @triton.jit
@@ -358,16 +375,27 @@ def _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC: 
 
 
 @triton.jit
-def _store_l(l_ptr, c_ptr, L, W, Gr, i_bhv, is_q, m_t, o_r, o_c, o_m, scale, R: tl.constexpr, BC: tl.constexpr,
-             ZP: tl.constexpr):
-    """Phase 1's results for one value head: L and W ([R, R + BC]) and, with ZP, the row weights
-    c = sgn exp(G) s ([R]; s = the query scale on query rows, zero on padding rows), by which phase 2
-    scales X S0 before L multiplies it."""
+def _store_l(l_ptr, L, W, i_bhv, o_r, o_c, o_m, R: tl.constexpr, BC: tl.constexpr):
+    """Phase 1's L and W for one value head ([R, R + BC] rows of ``l_ptr``)."""
     p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
     tl.store(p_l + o_c[None, :], L)
     tl.store(p_l + R + o_m[None, :], W)
-    if ZP:
-        tl.store(c_ptr + i_bhv * R + o_r, tl.where(m_t, tl.where(is_q, scale, -1.0) * tl.exp(Gr), 0.0))
+
+
+@triton.jit
+def _group_store(l_ptr, c_ptr, dg_dst, L3, W3, Gb2, Gd2, hv2, m_g1, i_b, p_dg, m_dg, is_q, m_t, o_r, o_c, o_m, scale,
+                 HV: tl.constexpr, R: tl.constexpr, BC: tl.constexpr):
+    """Phase 1's results for the value heads hv2 ([BG], those with ``m_g1``) of a q/k head: L and W
+    ([R, R + BC] rows of ``l_ptr`` per head), the row weights c = sgn exp(G) s ([R]; s = the query scale on
+    query rows, zero on padding rows), by which phase 2 scales X S0 before L multiplies it, and Drafts.G
+    (Gd2, at rows p_dg [R] where m_dg)."""
+    p_l = l_ptr + ((i_b * HV + hv2)[:, None, None] * R + o_r[None, :, None]) * (R + BC)
+    tl.store(p_l + o_c[None, None, :], L3, mask=m_g1[:, None, None])
+    tl.store(p_l + R + o_m[None, None, :], W3, mask=m_g1[:, None, None])
+    c2 = tl.where(m_t[None, :], tl.where(is_q, scale, -1.0)[None, :] * tl.exp(Gb2), 0.0)
+    tl.store(c_ptr + (i_b * HV + hv2)[:, None] * R + o_r[None, :], c2, mask=m_g1[:, None])
+    tl.store(dg_dst + p_dg[None, :] * HV + hv2[:, None], Gd2.to(dg_dst.dtype.element_ty),
+             mask=m_g1[:, None] & m_dg[None, :])
 
 
 @triton.jit
@@ -383,8 +411,9 @@ def _verify_prep_group_kernel(
     """Phase 1 for scalar gates, one program per (request, q/k head).  The scores of the drafts' keys /
     queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value heads that
     share the q/k head (only their decays, betas and gates differ), so they are formed once, in chunks
-    of KC key columns; then each value head's G, decays, N^-1, L, W and the row weights c = sgn exp(G) s
-    are written (``_store_l``), and Drafts.G and Drafts.k.
+    of KC key columns; then G, the decays, N^-1, L, W and the row weights c = sgn exp(G) s of all those
+    value heads at once ([BG, R, *] tensors: ``_group_path_sums``, ``_group_decays``, ``_group_solve``,
+    ``_group_store``), and Drafts.G and Drafts.k.
     The betas and gates of all the value heads ([BG, *], BG = the group size rounded up to a power of
     two) are loaded before the chunk loop, so that no value head waits for a load issued after a store
     (such a load cannot be moved above the store: the pointers might alias).
@@ -396,7 +425,7 @@ def _verify_prep_group_kernel(
     and pending flag; else buffer row i_b and drafts of D rows per request (DR = D).
     FOLD (``verify(fold=...)``; ``_folds``): a folding row's Drafts.G are stored relative to the empty
     buffer its phase 2 leaves: the path sums from 0, as a verify after a flush stores them
-    (``_scalar_decays``); in a pool, a row that folds entries writes its drafts' k and G to its draft room
+    (``_group_path_sums``); in a pool, a row that folds entries writes its drafts' k and G to its draft room
     (``_fold_row``, ``_draft_dest``)."""
     _pdl_prologue(PDL)
     i_bh = tl.program_id(0).to(tl.int64)
@@ -473,22 +502,12 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
         SB = SB * s_r[:, None]
         SS = SS * s_r[:, None]
     Gd2, base2 = _group_path_sums(gc2, g_in2, anc, m_t, m_ct, o_m, n, t, fr, FOLD)
-    for j in tl.static_range(GROUP):
-        i_hv = i_h * GROUP + j
-        i_bhv = i_b * HV + i_hv
-        p_rt = (r0 + dr) * HV + i_hv  # the drafts' G rows
-        sel = (o_g == j)[:, None]  # this value head's row of the loads issued before the chunk loop
-        beta_in = tl.sum(tl.where(sel, beta_in2, 0.0), 0)
-        beta_cin = tl.sum(tl.where(sel, beta_cin2, 0.0), 0)
-        gc = tl.sum(tl.where(sel, gc2, 0.0), 0)
-        Gd = tl.sum(tl.where(sel, Gd2, 0.0), 0)
-        base = tl.sum(tl.where(o_g == j, base2, 0.0), 0)
-        b_row = tl.where(m_t, beta_in.to(tl.float32), 0.0)
-        b_col = tl.where(o_c < BD, tl.where(m_ct, beta_cin.to(tl.float32), 0.0), 1.0)
-        Gr, SBj, SSj = _scalar_decays(SB, SS, gc, Gd, base, is_self, anc, m_t, m_n, fr, FOLD)
-        tl.store(dg_dst + p_rt, Gd.to(dg_ptr.dtype.element_ty), mask=m_in & ~is_q)
-        L, W = _solve_rows(SBj, SSj, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
-        _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, m_t, o_r, o_c, o_m, scale, R, BC, True)
+    Gb2, SB3, SS3 = _group_decays(SB, SS, gc2, Gd2, base2, is_self, anc, m_t, m_n, fr, FOLD)
+    b_row2 = tl.where(m_t[None, :], beta_in2, 0.0)
+    b_col2 = tl.where((o_c < BD)[None, :], tl.where(m_ct[None, :], beta_cin2, 0.0), 1.0)
+    L3, W3 = _group_solve(SB3, SS3, is_q, proper, is_self, b_row2, b_col2, o_r, o_c, t, PREC)
+    _group_store(l_ptr, p_ptr, dg_dst, L3, W3, Gb2, Gd2, i_h * GROUP + o_g, o_g < GROUP, i_b, r0 + dr, m_in & ~is_q,
+                 is_q, m_t, o_r, o_c, o_m, scale, HV, R, BC)
 
 
 @triton.jit
@@ -570,7 +589,7 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
         SS += SS_c
     Gr = b_row  # unused (per-channel G is formed chunk by chunk in pass 2)
     L, W = _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
-    _store_l(l_ptr, p_ptr, L, W, Gr, i_bhv, is_q, m_t, o_r, o_c, o_m, scale, R, BC, False)
+    _store_l(l_ptr, L, W, i_bhv, o_r, o_c, o_m, R, BC)
     # pass 2: P = L diag(sgn) Y, Y = the rows k_i, q_i scaled by exp(G_i); Drafts.G
     for k0 in range(0, K, KC):
         k_in, kq, g = _chunk_rows(k_ptr, q_ptr, g_ptr, p_kq, p_rt, m_in, is_q, m_t, k0, scale, K, KC, True)
