@@ -1,4 +1,4 @@
-"""Three costs of the Triton interpreter (TRITON_INTERPRET=1) that carry no check, removed in the tests' processes
+"""Costs of the Triton interpreter (TRITON_INTERPRET=1) that carry no check, removed in the tests' processes
 (``install()``: tests/conftest.py, the spawned gloo ranks of tests/pool/tp_harness.py, and every program the tests
 start that loads kvbuffer_fast, which runs the file named by $KVBUFFER_INTERPRETER_SETUP: tests/conftest.py names
 this one):
@@ -16,7 +16,9 @@ this one):
   call runs on that patch; any other call takes triton's own path.  Which language modules a function's module
   imports is looked up once per function.
 * triton's ``_get_np_dtype`` (the NumPy dtype of a Triton dtype, asked by nearly every interpreted operation)
-  builds its table of NumPy dtypes on every call; its answer is kept per element dtype.
+  builds its table of NumPy dtypes on every call; its answer is kept per element dtype.  The interpreter's
+  builder makes a new ``tl.block_type`` (shape checked, name formatted) for every block an operation yields;
+  one per (element dtype, shape) is kept and handed out again (a block type is not changed after it is made).
 
 Only triton's interpreter is wrapped, and only if its code has the form this expects (else it is left as it
 is); the kernels, their arguments and their results are the same.
@@ -111,9 +113,30 @@ def install() -> bool:
     interp.GridExecutor.__call__ = on_a_fresh_stack
     interp.InterpretedFunction.__call__ = device_function_call
     np_dtype = getattr(interp, "_get_np_dtype", None)
-    if np_dtype is not None and "np_types = {" in inspect.getsource(np_dtype):
+    if "np_types = {" in _source(np_dtype):
         interp._get_np_dtype = _remembered(np_dtype, interp.tl.block_type)
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if "return tl.block_type(dtype, shape)" in _source(getattr(builder, "get_block_ty", None)):
+        block_types = {}
+
+        def get_block_ty(self, dtype, shape):
+            try:
+                key = (dtype, tuple(shape))
+                return block_types[key]
+            except KeyError:
+                made = block_types[key] = interp.tl.block_type(dtype, shape)
+                return made
+            except TypeError:
+                return interp.tl.block_type(dtype, shape)
+        builder.get_block_ty = get_block_ty
     return True
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
 
 
 def _remembered(np_dtype, block_type):
