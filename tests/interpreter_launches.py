@@ -1,4 +1,4 @@
-"""Two costs of the Triton interpreter (TRITON_INTERPRET=1) that carry no check, removed in the tests' processes
+"""Costs of the Triton interpreter (TRITON_INTERPRET=1) that carry no check, removed in the tests' processes
 (``install()``: tests/conftest.py, the spawned gloo ranks of tests/pool/tp_harness.py, and every program the tests
 start that loads kvbuffer_fast, which runs the file named by $KVBUFFER_INTERPRETER_SETUP: tests/conftest.py names
 this one):
@@ -13,7 +13,12 @@ this one):
 * triton's device-function call (``InterpretedFunction.__call__``) patches triton.language for the interpreter
   on every call of a @triton.jit function from inside a kernel (tl.sum and tl.zeros among them), though the
   launch has patched it already.  Inside a launch that has patched the called function's language modules, the
-  call runs on that patch; any other call takes triton's own path.
+  call runs on that patch; any other call takes triton's own path.  Which language modules a function's module
+  imports is looked up once per function.
+* triton's ``_get_np_dtype`` (the NumPy dtype of a Triton dtype, asked by nearly every interpreted operation)
+  builds its table of NumPy dtypes on every call; its answer is kept per element dtype.  The interpreter's
+  builder makes a new ``tl.block_type`` (shape checked, name formatted) for every block an operation yields;
+  one per (element dtype, shape) is kept and handed out again (a block type is not changed after it is made).
 
 Only triton's interpreter is wrapped, and only if its code has the form this expects (else it is left as it
 is); the kernels, their arguments and their results are the same.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import threading
+import weakref
 
 
 def install() -> bool:
@@ -46,9 +52,19 @@ def install() -> bool:
 
     lang_modules = (interp.tl, interp.tl.core)
     patched = threading.local()  # .stack: per running launch, the ids of the language modules it has patched
+    known = weakref.WeakKeyDictionary()  # function -> langs(function): its module's imports, fixed once loaded
 
-    def langs(fn) -> set:
-        return {id(v) for v in fn.__globals__.values() if any(v is m for m in lang_modules)}
+    def langs(fn) -> frozenset:
+        try:
+            return known[fn]
+        except (KeyError, TypeError):
+            pass
+        mine = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in lang_modules))
+        try:
+            known[fn] = mine
+        except TypeError:  # not weakly referenceable: not kept
+            pass
+        return mine
 
     def stack() -> list:
         if not hasattr(patched, "stack"):
@@ -56,7 +72,7 @@ def install() -> bool:
         return patched.stack
 
     def launch(self, *args, **kwargs):
-        stack().append(langs(self.fn))
+        stack().append(set(langs(self.fn)))  # grows as the launch's device calls patch more modules
         try:
             return grid_call(self, *args, **kwargs)
         finally:
@@ -96,4 +112,45 @@ def install() -> bool:
     on_a_fresh_stack._tests_wrapped = True
     interp.GridExecutor.__call__ = on_a_fresh_stack
     interp.InterpretedFunction.__call__ = device_function_call
+    np_dtype = getattr(interp, "_get_np_dtype", None)
+    if "np_types = {" in _source(np_dtype):
+        interp._get_np_dtype = _remembered(np_dtype, interp.tl.block_type)
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if "return tl.block_type(dtype, shape)" in _source(getattr(builder, "get_block_ty", None)):
+        block_types = {}
+
+        def get_block_ty(self, dtype, shape):
+            try:
+                key = (dtype, tuple(shape))
+                return block_types[key]
+            except KeyError:
+                made = block_types[key] = interp.tl.block_type(dtype, shape)
+                return made
+            except TypeError:
+                return interp.tl.block_type(dtype, shape)
+        builder.get_block_ty = get_block_ty
     return True
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _remembered(np_dtype, block_type):
+    """triton's ``_get_np_dtype`` (a Triton dtype's NumPy dtype; a block's, its elements'), which builds its table
+    of the NumPy dtypes on every call, asked once per element dtype."""
+    seen = {}
+
+    def get(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, block_type) else tt_dtype
+        try:
+            return seen[key]
+        except KeyError:
+            found = seen[key] = np_dtype(key)
+            return found
+        except TypeError:  # an unhashable dtype: asked every time
+            return np_dtype(tt_dtype)
+    return get

@@ -79,20 +79,22 @@ def count_launches(fn) -> dict:
     return {"triton": launched, "torch": mode.torch, "host": mode.host}
 
 
-def pool_calls(device="cpu", B: int = 2):
+def pool_calls(device="cpu", B: int = 2, twin: bool = False):
     """A small pool with B live requests (a state each, one of them shared with a fork) and the four
     calls to count: {"decode": fn, "verify": fn, "verify_fold": fn, "accept": fn} (layer 0, layer 0, layer
     0, every layer), run in that order (the second verify replaces the first's drafts, and they are what
     accept takes; layer 1's are verified here), on a fork, the requests and a pad (int32 slots, parents,
     draft counts and accepted counts; verify's fold flags a bool tensor, as an engine computes them on the
     device); decode and accept fold every request, decode's fork and its source out of one shared slot
-    (copy-on-write), and verify_fold every request but one."""
+    (copy-on-write), and verify_fold every request but one.  ``twin``: (those calls, the same calls on a second
+    pool holding the same tensors: ``copy_pool``)."""
     from kvbuffer_fast.pool import KVPool
 
-    from .schedule import Tokens
+    from .schedule import Tokens, copy_pool
     L, C, D, H, HV, K, V = 2, 3, 3, 1, 2, 4, 4
-    p = KVPool(layers=L, num_state_slots=2 * B, num_buffer_slots=B + 1, capacity=C, max_drafts=D, num_heads=H,
-               num_value_heads=HV, head_k_dim=K, head_v_dim=V, device=device)
+    shapes = dict(layers=L, num_state_slots=2 * B, num_buffer_slots=B + 1, capacity=C, max_drafts=D, num_heads=H,
+                  num_value_heads=HV, head_k_dim=K, head_v_dim=V, device=device)
+    p = KVPool(**shapes)
     tok = Tokens(0, H, HV, K, V, torch.float32, "cpu")
     draw = lambda n, T: {n_: t.to(device) for n_, t in tok.draw(n, T).items()}  # noqa: E731
     s = p.acquire(B).to(device)
@@ -109,17 +111,25 @@ def pool_calls(device="cpu", B: int = 2):
     p.verify(**y, layer=1, slots=rows, parents=par, num_drafts=nd)                # accept takes every layer
     counts = torch.full((B + 2,), D, dtype=torch.int32, device=device)
     fold = torch.arange(B + 2, device=device) != 1
-    return {"decode": lambda: p.decode(**x, layer=0, slots=rows),
-            "verify": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd),
-            "verify_fold": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd, fold=fold),
-            "accept": lambda: p.accept(slots=rows, counts=counts)}
+
+    def calls(p):
+        return {"decode": lambda: p.decode(**x, layer=0, slots=rows),
+                "verify": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd),
+                "verify_fold": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd, fold=fold),
+                "accept": lambda: p.accept(slots=rows, counts=counts)}
+    if not twin:
+        return calls(p)
+    q = KVPool(**shapes)
+    copy_pool(q, p)
+    return calls(p), calls(q)
 
 
 def steady_counts(device="cpu") -> dict:
     """{op: count_launches of it} for the calls of ``pool_calls``, after a round on a twin pool."""
-    for fn in pool_calls(device).values():
+    counted, warm = pool_calls(device, twin=True)
+    for fn in warm.values():
         fn()
-    return {op: count_launches(fn) for op, fn in pool_calls(device).items()}
+    return {op: count_launches(fn) for op, fn in counted.items()}
 
 
 def main() -> None:

@@ -29,6 +29,25 @@ def _pool(layers, N, C, D, H, HV, K, V, S=None, **kw):
                   max_drafts=D, num_heads=H, num_value_heads=HV, head_k_dim=K, head_v_dim=V, device=DEVICE, **kw)
 
 
+@pytest.fixture(scope="module")
+def prepared():
+    """``prepared(key, shapes, setup)``: a new pool of ``shapes`` holding what ``setup(pool)`` left in one, and
+    what ``setup`` returned.  The calls of ``setup`` (and the checks it makes) run once per module and key; the
+    tests that start from the same calls each get a pool of their own (a pool's contents are its tensors,
+    ``copy_pool``)."""
+    made = {}
+
+    def get(key, shapes: dict, setup):
+        if key not in made:
+            p = _pool(**shapes)
+            made[key] = (p, setup(p))
+        src, extra = made[key]
+        p = _pool(**shapes)
+        copy_pool(p, src)
+        return p, extra
+    return get
+
+
 @FEW
 @given(data=st.data(), C=st.sampled_from([1, 3]))
 def test_fast_schedules_match_each_request_alone(data, C):
@@ -88,14 +107,17 @@ def _tok(B, T=1, seed=0):
     ([0.0], TypeError, "slots: expected an int32 or int64 tensor"),
 ])
 @pytest.mark.parametrize("op", ["decode", "verify", "flush", "accept", "release"])
-def test_fast_bad_slots_name_the_argument_and_change_nothing(op, slots, error, match):
-    p = _pool(**SHAPES)
-    s = p.acquire(3)
-    p.admit(**_tok(3, T=2), layer=0, slots=s.to(DEVICE))
-    p.release(s[1:2].to(DEVICE))
-    p.verify(**_tok(2, T=2), layer=0, slots=s[[0, 2]].to(DEVICE))
-    if op in ("decode", "flush"):
-        p.accept(layer=0, slots=s[[0, 2]].to(DEVICE), counts=1)
+def test_fast_bad_slots_name_the_argument_and_change_nothing(op, slots, error, match, prepared):
+    accepted = op in ("decode", "flush")  # drafts pending block decode and flush: accepted first
+
+    def setup(p):  # slot 1 released, drafts verified on 0 and 2
+        s = p.acquire(3)
+        p.admit(**_tok(3, T=2), layer=0, slots=s.to(DEVICE))
+        p.release(s[1:2].to(DEVICE))
+        p.verify(**_tok(2, T=2), layer=0, slots=s[[0, 2]].to(DEVICE))
+        if accepted:
+            p.accept(layer=0, slots=s[[0, 2]].to(DEVICE), counts=1)
+    p, _ = prepared(("bad slots", accepted), SHAPES, setup)
     before = snapshot(p)
     sl = torch.tensor(slots, device=DEVICE)
     B = sl.shape[0]
@@ -140,22 +162,25 @@ def test_fast_state_rules():
 
 
 @pytest.mark.parametrize("how", ["counts", "nodes"])
-def test_fast_accept_of_every_layer_is_each_layer_alone(how):
+def test_fast_accept_of_every_layer_is_each_layer_alone(how, prepared):
     """accept(layer=None) (one fold and one copy launch over all layers) leaves the pool bit-identical to
     accepts layer by layer: requests that fold (a first fold from direct mode, one out of a slot shared
     with a fork: copy-on-write) and requests that do not, a pad row, per-layer tokens."""
     shapes = dict(SHAPES, layers=3, N=5)
-    a, b = _pool(**shapes), _pool(**shapes)
-    s = a.acquire(3).to(DEVICE)
-    for layer in range(3):
-        a.admit(**_tok(1, T=2, seed=layer), layer=layer, slots=s[:1])        # direct, 2 entries
-        a.admit(**_tok(2, T=4, seed=10 + layer), layer=layer, slots=s[1:])   # a state each, 1 entry
-    f = a.acquire(1).to(DEVICE)
-    a.fork(src=s[1:2], dst=f, keep=1)                                       # shares request 1's slot
-    rows = torch.cat([s, torch.tensor([-1], device=DEVICE), f]).to(torch.int32)
-    for layer in range(3):
-        a.verify(**_tok(5, T=3, seed=20 + layer), layer=layer, slots=rows)
-    copy_pool(b, a)  # b: the same pool (a pool's contents are its tensors)
+
+    def setup(a):
+        s = a.acquire(3).to(DEVICE)
+        for layer in range(3):
+            a.admit(**_tok(1, T=2, seed=layer), layer=layer, slots=s[:1])        # direct, 2 entries
+            a.admit(**_tok(2, T=4, seed=10 + layer), layer=layer, slots=s[1:])   # a state each, 1 entry
+        f = a.acquire(1).to(DEVICE)
+        a.fork(src=s[1:2], dst=f, keep=1)                                       # shares request 1's slot
+        rows = torch.cat([s, torch.tensor([-1], device=DEVICE), f]).to(torch.int32)
+        for layer in range(3):
+            a.verify(**_tok(5, T=3, seed=20 + layer), layer=layer, slots=rows)
+        return s, f, rows
+    a, (s, f, rows) = prepared("every layer", shapes, setup)
+    b, _ = prepared("every layer", shapes, setup)  # the same pool
     pick = torch.tensor([3, 1, 0, 99, 3], device=DEVICE)                        # C = 3: rows 0, 4 fold
     arg = {"counts": pick} if how == "counts" else {"nodes": torch.where(pick == 99, pick, pick - 1)}
     a.accept(slots=rows, **arg)
@@ -266,16 +291,17 @@ def test_fast_verify_checks_the_gates_growth_across_calls():
 
 @pytest.mark.parametrize("view", ["strided", "expanded"])
 @pytest.mark.parametrize("how", ["counts", "nodes"])
-def test_fast_accept_reads_per_row_views(how, view):
+def test_fast_accept_reads_per_row_views(how, view, prepared):
     """accept's counts / nodes as an int64 view that is not contiguous (every other entry of a longer
     tensor, or one entry expanded to B rows: stride 0) leave the pool bit-identical to the same values
     passed contiguous: the state-slot bookkeeping reads them at unit stride, so the view is copied."""
-    a, b = _pool(**dict(SHAPES, N=5)), _pool(**dict(SHAPES, N=5))
     rows = torch.tensor([0, 1, 2], device=DEVICE)
-    for p in (a, b):
+
+    def setup(p):
         s = p.acquire(3).to(DEVICE)
         p.admit(**_tok(3, T=2), layer=0, slots=s)                  # 2 entries each: accepting 2 folds (C = 3)
         p.verify(**_tok(3, T=2, seed=1), layer=0, slots=rows)
+    (a, _), (b, _) = (prepared("per row views", dict(SHAPES, N=5), setup) for _ in range(2))
     base = torch.tensor([2, 99, 0, 99, 1] if view == "strided" else [2], device=DEVICE)
     if how == "nodes":
         base = base - 1
@@ -289,7 +315,7 @@ def test_fast_accept_reads_per_row_views(how, view):
 
 
 @pytest.mark.parametrize("per_request", [None, 1, 3])
-def test_fast_drafts_in_place_accept_moves_only_what_changes(per_request):
+def test_fast_drafts_in_place_accept_moves_only_what_changes(per_request, prepared):
     """With room for all D drafts after a row's n entries (n + D <= C), verify writes the drafts to the
     buffer's own rows n.. (the draft room stays as it was) and accept moves only the path entries that are
     not yet at their row: none for a chain; for the paths 1 -> 2 and 0 -> 2 -> 3 of two trees, the entries
@@ -300,25 +326,33 @@ def test_fast_drafts_in_place_accept_moves_only_what_changes(per_request):
     from kvbuffer_fast.launch import AcceptConfig
 
     from .schedule import Checker, Tokens, _cat, _rows
-    p = _pool(**dict(SHAPES, N=4, C=8, D=4))
-    tok, chk = Tokens(4, 1, 2, 4, 4, torch.float32, "cpu"), Checker(torch.float32, p.capacity)
+    shapes = dict(SHAPES, N=4, C=8, D=4)
+    chk = Checker(torch.float32, shapes["C"])
     dev = lambda y: {n: t.to(DEVICE) for n, t in y.items()}  # noqa: E731
-    s = p.acquire(4)
-    x = tok.draw(4, 7)
-    p.admit(**dev(_rows(x, slice(0, 3))), layer=0, slots=s[:3].to(DEVICE), tail=2)  # n = 2: in place
-    p.admit(**dev(_rows(x, slice(3, 4))), layer=0, slots=s[3:].to(DEVICE), tail=5)  # n = 5: 5 + 4 > 8
-    rows = s.to(torch.int32).to(DEVICE)
-    d = tok.draw(4, 4)
-    parents = torch.tensor([[-1, 0, 1, 2], [-1, -1, 1, 0], [-1, 0, 0, 2], [-1, 0, 0, 2]], dtype=torch.int32)
-    o = p.verify(**dev(d), layer=0, slots=rows, parents=parents.to(DEVICE))
-    t = p.tensors()
-    assert not bool(t["du"][0, s[:3].long()].any()) and bool(t["du"][0, int(s[3])].any())
     path_to = {1: {0: [0], 1: [1], 2: [1, 2], 3: [0, 3]}, 2: {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 2, 3]}}
     path_to[0] = {j: list(range(j + 1)) for j in range(4)}
     path_to[3] = path_to[2]
-    for r in range(4):
-        for j in range(4):
-            chk.check(o[r, j:j + 1].cpu(), _rows(x, r), _rows(d, (r, path_to[r][j])), f"verify row {r} draft {j}")
+
+    def setup(p):  # admit and verify, the same for every per_request: the drafts checked once
+        tok = Tokens(4, 1, 2, 4, 4, torch.float32, "cpu")
+        s = p.acquire(4)
+        x = tok.draw(4, 7)
+        p.admit(**dev(_rows(x, slice(0, 3))), layer=0, slots=s[:3].to(DEVICE), tail=2)  # n = 2: in place
+        p.admit(**dev(_rows(x, slice(3, 4))), layer=0, slots=s[3:].to(DEVICE), tail=5)  # n = 5: 5 + 4 > 8
+        rows = s.to(torch.int32).to(DEVICE)
+        d = tok.draw(4, 4)
+        parents = torch.tensor([[-1, 0, 1, 2], [-1, -1, 1, 0], [-1, 0, 0, 2], [-1, 0, 0, 2]], dtype=torch.int32)
+        o = p.verify(**dev(d), layer=0, slots=rows, parents=parents.to(DEVICE))
+        t = p.tensors()
+        assert not bool(t["du"][0, s[:3].long()].any()) and bool(t["du"][0, int(s[3])].any())
+        for r in range(4):
+            for j in range(4):
+                chk.check(o[r, j:j + 1].cpu(), _rows(x, r), _rows(d, (r, path_to[r][j])), f"verify row {r} draft {j}")
+        return s, rows, x, d, tok.gen.get_state()
+    p, (s, rows, x, d, drawn) = prepared("drafts in place", shapes, setup)
+    tok = Tokens(4, 1, 2, 4, 4, torch.float32, "cpu")
+    tok.gen.set_state(drawn)  # the draws after the set-up's
+    t = p.tensors()
     nodes = torch.tensor([3, 2, 3, 3], dtype=torch.int32, device=DEVICE)
     p.accept(layer=0, slots=rows, nodes=nodes, config=None if per_request is None else AcceptConfig(programs=4 * per_request))
     assert t["lengths"][0, s.long()].tolist() == [6, 4, 5, 8]

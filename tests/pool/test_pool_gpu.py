@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 
 from kvbuffer_fast.pool import KVPool  # noqa: E402
 
-from .schedule import Checker, Tokens, _cat, _rows  # noqa: E402
+from .schedule import Checker, Tokens, _cat, _rows, copy_pool  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs and an 8 GiB pool need a GPU")
@@ -88,12 +88,14 @@ def graph_schedule(capture, device, replays: int = 3, seed: int = 0) -> int:
         A.head_v_dim
     tok = Tokens(seed, H, HV, K, V, torch.float32, "cpu")
     prompts = [[tok.draw(1, T) for T in (1, C - 1, C, C + 1, 2 * C + 1, 3)] for _ in range(L)]
-    # the same six requests of 1..2C+1 prompt tokens in each pool; the scratch pool serves only the warm-ups
-    for p in (A, B, scratch) if capture.warms else (A, B):
-        s = p.acquire(6)
-        for layer in range(L):
-            for i, x in enumerate(prompts[layer]):
-                p.admit(**{n: t.to(device) for n, t in x.items()}, layer=layer, slots=s[i:i + 1])
+    # the same six requests of 1..2C+1 prompt tokens in each pool (admitted to A, copied to the others: a pool's
+    # contents are its tensors); the scratch pool serves only the warm-ups
+    s = A.acquire(6)
+    for layer in range(L):
+        for i, x in enumerate(prompts[layer]):
+            A.admit(**{n: t.to(device) for n, t in x.items()}, layer=layer, slots=s[i:i + 1])
+    for p in (B, scratch) if capture.warms else (B,):
+        copy_pool(p, A)
     Bw = 4  # rows per call (pads included): the graphs' static batch
     live = list(range(6))
 
