@@ -415,13 +415,13 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 
 @pytest.mark.parametrize("B,C,dtype,channel,state,want", [
-    # the split X S0, few programs, C <= 16; phase 1 uncapped at <= 2048 programs
-    (64, 16, BF16, False, F32, dict(early=True, KB=16, NS=4, prep_maxnreg=0)),
+    # the split X S0, few programs, C <= 16; phase 1 at its register cap at every batch
+    (64, 16, BF16, False, F32, dict(early=True, KB=16, NS=4, prep_maxnreg=128)),
     (64, 32, BF16, False, F32, dict(early=True, KB=32, NS=3)),   # more buffer rows: 32-row blocks
-    (128, 16, BF16, False, F32, dict(early=True, KB=32, NS=3, prep_maxnreg=128)),  # early at every batch, capped
+    (128, 16, BF16, False, F32, dict(early=True, KB=32, NS=3, prep_maxnreg=128)),  # early at every batch
     (128, 16, F32, False, F32, dict(early=False, KB=32, NS=3)),  # tf32x3 rows above 2048 programs
     (64, 16, F32, True, F32, dict(early=True, KB=32, NS=3)),     # per-channel gates at <= 2048 programs
-    (64, 16, BF16, False, BF16, dict(early=True, KB=32, NS=3, prep_maxnreg=0)),  # a 16-bit state, few programs
+    (64, 16, BF16, False, BF16, dict(early=True, KB=32, NS=3, prep_maxnreg=128)),  # a 16-bit state, few programs
     (128, 16, BF16, False, BF16, dict(KB=32, NS=3, prep_maxnreg=128)),
 ])
 def test_launch_table_rows(B, C, dtype, channel, state, want):
