@@ -587,7 +587,6 @@ def _verify_prep_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr,
                                                 fr, FOLD)
         SB += SB_c
         SS += SS_c
-    Gr = b_row  # unused (per-channel G is formed chunk by chunk in pass 2)
     L, W = _solve_rows(SB, SS, is_q, proper, is_self, b_row, b_col, o_r, o_c, t, PREC)
     _store_l(l_ptr, L, W, i_bhv, o_r, o_c, o_m, R, BC)
     # pass 2: P = L diag(sgn) Y, Y = the rows k_i, q_i scaled by exp(G_i); Drafts.G
