@@ -181,6 +181,13 @@ def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, m_keep, W: tl.constexpr, c0, 
 
 
 @triton.jit
+def _row_block(ptr, row, m_keep, W: tl.constexpr, c0, NC: tl.constexpr, CH: tl.constexpr):
+    """Pointers and mask of columns c0..c0+NC (NC <= CH) of rows ``row`` [BD] where ``m_keep``: [BD, CH]."""
+    o_c = tl.arange(0, CH)
+    return ptr + row[:, None] * W + c0 + o_c[None, :], m_keep[:, None] & (o_c < NC)[None, :]
+
+
+@triton.jit
 def _copy_group(ck_ptr, cu_ptr, cg_ptr, dk_ptr, du_ptr, dg_ptr, D, c_b, n, on_path, pos, fold, nf, i_h,
                 C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BD: tl.constexpr, CU: tl.constexpr, CK: tl.constexpr, GB: tl.constexpr, CHANNEL: tl.constexpr,
@@ -196,6 +203,7 @@ def _copy_group(ck_ptr, cu_ptr, cg_ptr, dk_ptr, du_ptr, dg_ptr, D, c_b, n, on_pa
     GROUP: tl.constexpr = HV // H
     GK: tl.constexpr = K if CHANNEL else 1
     GW: tl.constexpr = HV * GK
+    ONE: tl.constexpr = (GROUP * V <= CU) and (K <= CK)
     o_d = tl.arange(0, BD)
     m_keep = on_path & (pos >= nf)  # path entries that stay buffered ...
     dst = c_b * C + tl.where(fold, pos - nf, n + pos)  # ... at these rows
@@ -208,8 +216,14 @@ def _copy_group(ck_ptr, cu_ptr, cg_ptr, dk_ptr, du_ptr, dg_ptr, D, c_b, n, on_pa
             m_keep = m_keep & (pos != o_d)
     if tl.sum(m_keep.to(tl.int32), 0) > 0:
         hv0 = i_h * GROUP
-        _copy_rows(su_ptr, cu_ptr, src, dst, m_keep, HV * V, hv0 * V, GROUP * V, CU)
-        _copy_rows(sk_ptr, ck_ptr, src, dst, m_keep, H * K, i_h * K, K, CK)
+        if ONE:  # every u and key column in one chunk: all the group's loads, then (after one barrier) its stores
+            p_su, m_u = _row_block(su_ptr, src, m_keep, HV * V, hv0 * V, GROUP * V, CU)
+            p_sk, m_k = _row_block(sk_ptr, src, m_keep, H * K, i_h * K, K, CK)
+            xu = tl.load(p_su, mask=m_u, other=0.0)
+            xk = tl.load(p_sk, mask=m_k, other=0.0)
+        else:
+            _copy_rows(su_ptr, cu_ptr, src, dst, m_keep, HV * V, hv0 * V, GROUP * V, CU)
+            _copy_rows(sk_ptr, ck_ptr, src, dst, m_keep, H * K, i_h * K, K, CK)
         last = c_b * C + tl.maximum(n - 1, 0)
         j_end = c_b * D + tl.sum(tl.where(on_path & (pos == nf - 1), o_d, 0), 0)  # last folded path entry
         o_g = tl.arange(0, GB)
@@ -221,6 +235,11 @@ def _copy_group(ck_ptr, cu_ptr, cg_ptr, dk_ptr, du_ptr, dg_ptr, D, c_b, n, on_pa
         m_g = m_keep[:, None] & m_c[None, :]
         Gd = tl.load(sg_ptr + src[:, None] * GW + cols[None, :], mask=m_g, other=0.0).to(tl.float32)
         tl.debug_barrier()
+        if ONE:
+            p_du, _ = _row_block(cu_ptr, dst, m_keep, HV * V, hv0 * V, GROUP * V, CU)
+            p_dk, _ = _row_block(ck_ptr, dst, m_keep, H * K, i_h * K, K, CK)
+            tl.store(p_du, xu.to(cu_ptr.dtype.element_ty), mask=m_u)
+            tl.store(p_dk, xk.to(ck_ptr.dtype.element_ty), mask=m_k)
         tl.store(cg_ptr + dst[:, None] * GW + cols[None, :], (Gd - g_end[None, :]).to(cg_ptr.dtype.element_ty),
                  mask=m_g)
 
