@@ -141,8 +141,12 @@ class VerifyConfig:
     """verify: phase 1 (``prep_warps`` warps, from 32 drafts at least BD / 8 for BD = the draft count rounded up
     to a power of two; a register cap of ``prep_maxnreg``, 0 for none, where the warps are ``prep_warps``) and phase 2
     ([KB, BV] state blocks, NS stages; ``early``: the draft values and u rows loaded before the state
-    loop; ``pdl``: phase 2 a programmatic dependent launch of phase 1 on sm_90+).  Its key's ``columns``
-    count phase 2's programs, 128 columns each, and its dtype is float32 unless q and k share a dtype."""
+    loop; ``pdl``: phase 2 a programmatic dependent launch of phase 1 on sm_90+; ``prep_per_sm``, scalar
+    gates: 0, one phase-1 program per (request, q/k head), phase 2 waiting for the whole launch; N > 0, N
+    phase-1 programs per SM taking the pairs in turn and flagging each pair's results ready, each phase-2
+    program waiting for its own pair's flag, so that with PDL phase 2 streams the state beside phase 1).
+    Its key's ``columns`` count phase 2's programs, 128 columns each, and its dtype is float32 unless q and
+    k share a dtype."""
 
     BV: int = 128
     num_warps: int = 4
@@ -152,6 +156,7 @@ class VerifyConfig:
     pdl: bool = True
     prep_warps: int = 1
     prep_maxnreg: int = 128
+    prep_per_sm: int = 0
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_fold, check_num_drafts, check_parents, check_scale, check_tokens,
                                  require_int_tensor)
 
-from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block,
+from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, int_scratch,
                       check_growth, checked_buffer, checked_tokens, device_guard, flag_view, index_input, new_output,
                       pdl_launch, ticket_counters, values_checked)
 from ._fold import fold_block, fold_empty
@@ -406,9 +406,12 @@ def _verify_prep_group_kernel(
     C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
     BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr,
-    fold_ptr, FOLD: tl.constexpr,
+    fold_ptr, FOLD: tl.constexpr, ready_ptr, NBH, READY: tl.constexpr = 0,
 ):
-    """Phase 1 for scalar gates, one program per (request, q/k head).  The scores of the drafts' keys /
+    """Phase 1 for scalar gates, one program per (request, q/k head), or (READY > 0) a grid of fewer
+    programs, each taking (request, q/k head) pairs i_bh = program, program + grid, ... in turn, that marks
+    each pair's results ready as it finishes them (``_mark_ready``: READY, the phase-2 programs that read
+    them) so that phase 2 waits for its own pair only (``_wait_ready``), not for the whole launch.  The scores of the drafts' keys /
     queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value heads that
     share the q/k head (only their decays, betas and gates differ), so they are formed once, in chunks
     of KC key columns; then G, the decays, N^-1, L, W and the row weights c = sgn exp(G) s of all those
@@ -428,14 +431,56 @@ def _verify_prep_group_kernel(
     (``_group_path_sums``); in a pool, a row that folds entries writes its drafts' k and G to its draft room
     (``_fold_row``, ``_draft_dest``)."""
     _pdl_prologue(PDL)
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
+    if READY:
+        for i_bh in range(tl.program_id(0), NBH, tl.num_programs(0)):
+            _verify_prep_group_pair(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr,
+                                    len_ptr, p_ptr, l_ptr, scale, D, bslot_ptr, rpar_ptr, rnd_ptr, pend_ptr, DR,
+                                    i_bh, C, H, HV, K, BD, BC, KC, PREC, BG, MMA16, POOL, BDR, fold_ptr, FOLD,
+                                    ready_ptr, READY)
+    else:
+        _verify_prep_group_pair(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr,
+                                len_ptr, p_ptr, l_ptr, scale, D, bslot_ptr, rpar_ptr, rnd_ptr, pend_ptr, DR,
+                                tl.program_id(0), C, H, HV, K, BD, BC, KC, PREC, BG, MMA16, POOL, BDR, fold_ptr, FOLD,
+                                ready_ptr, READY)
+
+
+@triton.jit
+def _verify_prep_group_pair(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr,
+                            len_ptr, p_ptr, l_ptr, scale, D, bslot_ptr, rpar_ptr, rnd_ptr, pend_ptr, DR, i_bh,
+                            C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                            BD: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
+                            BG: tl.constexpr, MMA16: tl.constexpr, POOL: tl.constexpr, BDR: tl.constexpr,
+                            fold_ptr, FOLD: tl.constexpr, ready_ptr, READY: tl.constexpr):
+    """Phase 1 of the (call row, q/k head) pair i_bh (nothing for a pool's pad), then, with READY, its flag."""
+    i_b = tl.cast(i_bh, tl.int64) // H
+    i_h = tl.cast(i_bh, tl.int64) % H
     c_b = _buffer_row(bslot_ptr, i_b, POOL)
     if c_b >= 0:
         _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, dg_ptr, dk_ptr, ck_ptr, cg_ptr,
                                    len_ptr, p_ptr, l_ptr, scale, D, rpar_ptr, rnd_ptr, pend_ptr, DR, i_b, i_h, c_b,
                                    C, H, HV, K, BD, BC, KC, PREC, BG, MMA16, POOL, BDR, fold_ptr, FOLD)
+        if READY:
+            _mark_ready(ready_ptr + i_bh, READY)
+
+
+@triton.jit
+def _mark_ready(flag_ptr, consumers: tl.constexpr):
+    """Phase 1's results of a (request, q/k head) pair are stored: its flag set to the number of phase-2
+    programs that will read them (each takes one back, ``_wait_ready``), a release after a barrier, so that
+    every thread's stores are visible to a program that sees the flag."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, consumers, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_ready(flag_ptr):
+    """Phase 2's wait for phase 1's results of its (request, q/k head) pair: spin until the pair's flag is
+    set (an acquire), then take one back (the last reader leaves it 0 for the next launch)."""
+    f = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    while f == 0:
+        f = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    tl.atomic_add(flag_ptr, -1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -643,7 +688,7 @@ def _verify_stream_kernel(
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr,
-    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr,
+    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr, ready_ptr, READY: tl.constexpr = False,
 ):
     """Phase 2, one program per (request, value head, V-tile): [U; O] = L ([v; 0] + W U_buf) + P S0,
     the state streamed in [KB, BV] blocks through a pipelined loop of NS stages (direct-mode requests
@@ -664,7 +709,7 @@ def _verify_stream_kernel(
     _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D, i_v,
                            i_bhv, i_b, i_hv, i_h, i_bhv, True, i_b, D, C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC,
                            ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT, XP, False, ck_ptr, cg_ptr, fold_ptr, ticket_ptr,
-                           FOLD, du_ptr, du_ptr)
+                           FOLD, du_ptr, du_ptr, ready_ptr, READY)
 
 
 @triton.jit
@@ -675,6 +720,7 @@ def _verify_stream_slots_kernel(
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, sslot_ptr,
     bslot_ptr, DR, ck_ptr, cg_ptr, fold_ptr, ticket_ptr, dk_ptr, dg_ptr, sread_ptr, swrite_ptr, FOLD: tl.constexpr,
+    ready_ptr, READY: tl.constexpr = False,
 ):
     """``_verify_stream_kernel`` on a serving pool: call row i_b reads buffer row c_b = ``bslot[i_b]``
     (-1: a pad, nothing done) and state slot ``sslot[c_b]`` of ``state_ptr`` (-1: none, nothing read), and
@@ -699,7 +745,7 @@ def _verify_stream_slots_kernel(
         _verify_stream_program(v_ptr, nd_ptr, o_ptr, du_ptr, cu_ptr, len_ptr, own_ptr, state_ptr, p_ptr, l_ptr, D,
                                i_v, i_bhv, i_b, i_hv, i_h, tl.maximum(s_b, 0) * HV + i_hv, s_r >= 0, c_b, DR,
                                C, HV, K, V, BD, BC, KB, BV, NS, STORAGE, PREC, ZP, PDL, H, q_ptr, k_ptr, EARLY, XSPLIT,
-                               XP, True, ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD, dk_ptr, dg_ptr)
+                               XP, True, ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD, dk_ptr, dg_ptr, ready_ptr, READY)
 
 
 @triton.jit
@@ -710,7 +756,7 @@ def _verify_stream_program(
     BD: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     STORAGE: tl.constexpr, PREC: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr,
     H: tl.constexpr, q_ptr, k_ptr, EARLY: tl.constexpr, XSPLIT: tl.constexpr, XP: tl.constexpr, SLOTS: tl.constexpr,
-    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr, dk_ptr, dg_ptr,
+    ck_ptr, cg_ptr, fold_ptr, ticket_ptr, FOLD: tl.constexpr, dk_ptr, dg_ptr, ready_ptr, READY: tl.constexpr,
 ):
     """The body of the phase-2 kernels: program (i_v, i_bhv) of request i_b, its state read at row s_bhv
     (per value head; i_bhv outside a pool; SLOTS: the request owns a state, and it is read, only where
@@ -776,7 +822,9 @@ def _verify_stream_program(
                                     False, False, True)
                     tl.store(p_s + k0 * V, s1.to(state_ptr.dtype.element_ty),
                              mask=((k0 + o_kb) < k_fold)[:, None] & m_v[None, :])
-        if PDL:
+        if READY:  # phase 1's L, W, c of this (request, q/k head) from here on
+            _wait_ready(ready_ptr + i_b * H + i_h)
+        elif PDL:
             _gdc_wait()  # phase 1's L, W, c from here on
     if not EARLY:
         v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
@@ -831,6 +879,9 @@ def _verify_stream_program(
                 if last:  # ... and every program has read the buffer's keys and G for the fold
                     _drafts_to_buffer(dk_ptr, dg_ptr, ck_ptr, cg_ptr, c_b, D, DR, C, H, HV, K, 1 if ZP else K,
                                       1024)
+    if READY:
+        if PDL:  # this launch completes after phase 1 has: a later launch waiting for it waits for both
+            _gdc_wait()
 
 
 def verify(
@@ -991,6 +1042,13 @@ def _key(q: torch.Tensor, k: torch.Tensor, d, buffer: KVBuffer, state: Optional[
                   dtype=dtype, state=None if state is None else state.dtype)
 
 
+def _sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs programs in turn)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def prep_warps(cfg: VerifyConfig, BD: int) -> tuple[int, int]:
     """Phase 1's (warps, register cap; 0 = none) for drafts in blocks of BD: from BD = 32 at least BD / 8
     warps, since its [2 BD, 2 BD] matrices on one warp compile for minutes (Triton 3.9 for sm_90: 5.8 s at
@@ -1041,14 +1099,21 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
     fold_ptr = flag_view(fold) if FOLD == 2 else num_drafts  # a dummy pointer unless per-request flags
     ticket = ticket_counters(d.B, q.device) if FOLD else num_drafts
     prep.update(POOL=pool is not None, BDR=block(DR, 2), fold_ptr=fold_ptr, FOLD=FOLD)
+    nbh = d.B * d.H
+    # scalar gates with prep_per_sm: phase 1 on a grid of prep_per_sm programs per SM, each pair's results
+    # flagged ready for its GROUP * V / BV phase-2 readers (flags zero between launches)
+    ready = (d.HV // d.H) * triton.cdiv(d.V, BV) if zp and cfg.prep_per_sm > 0 else 0
+    flags = int_scratch("verify_ready", nbh, q.device) if ready else num_drafts  # a dummy pointer without flags
     with device_guard(q):
         if zp:
             mma16 = q.dtype == k.dtype == buffer.k.dtype and q.dtype in SIXTEEN_BIT
-            _verify_prep_group_kernel[(d.B * d.H,)](*args, BG=triton.next_power_of_2(d.HV // d.H), MMA16=mma16,
-                                                    **prep)
+            grid = min(nbh, cfg.prep_per_sm * _sm_count(q.device)) if ready else nbh
+            _verify_prep_group_kernel[(grid,)](*args, BG=triton.next_power_of_2(d.HV // d.H), MMA16=mma16,
+                                               ready_ptr=flags, NBH=nbh, READY=ready, **prep)
         else:
             _verify_prep_kernel[(d.B * d.HV,)](*args, **prep)
-        folding = dict(ck_ptr=buffer.k, cg_ptr=buffer.G, fold_ptr=fold_ptr, ticket_ptr=ticket, FOLD=FOLD)
+        folding = dict(ck_ptr=buffer.k, cg_ptr=buffer.G, fold_ptr=fold_ptr, ticket_ptr=ticket, FOLD=FOLD,
+                       ready_ptr=flags, READY=ready > 0)
         own = flag_view(buffer.has_state)  # in a pool written by a fold only (its rows' S0 come from their slots)
         if pool is None:
             stream, slots = _verify_stream_kernel, folding

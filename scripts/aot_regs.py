@@ -92,7 +92,7 @@ def _arg_type(name: str, kernel: str = "") -> str:
         return "*bf16"
     if name in _I64:
         return "*i64"
-    return {"own_ptr": "*u8", "ticket_ptr": "*i32"}.get(name, "*fp32")
+    return {"own_ptr": "*u8", "ticket_ptr": "*i32", "ready_ptr": "*i32"}.get(name, "*fp32")
 
 
 def find_kernel(name: str):
