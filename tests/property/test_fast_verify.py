@@ -202,12 +202,15 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
 
 
 # config None = the launch table's choice; the others pick rows the table takes elsewhere (the early loads
-# off, 16-row state blocks with 4 stages) and small V-tiles (several programs per value head, a partial last
-# one).  Per-channel gates have no 16-row blocks in the table, and their phase 1 is slow in the interpreter.
+# off, 16-row state blocks with 4 stages), small V-tiles (several programs per value head, a partial last
+# one) and phase 1 on a persistent grid with ready flags (prep_per_sm: one program per SM in the interpreter,
+# so one program takes every (request, q/k head) pair).  Per-channel gates have no 16-row blocks in the
+# table, and their phase 1 is slow in the interpreter.
 CONFIGS = {
     "scalar-table": (False, None),
     "scalar-early-KB16-BV16": (False, VerifyConfig(BV=16, KB=16, NS=4, early=True)),
     "scalar-late-KB32-BV16": (False, VerifyConfig(BV=16, KB=32, NS=3, early=False)),
+    "scalar-ready-KB16-BV16": (False, VerifyConfig(BV=16, KB=16, NS=4, early=False, prep_per_sm=1)),
     "channel-table": (True, None),
     "channel-late-KB32-BV16": (True, VerifyConfig(BV=16, KB=32, NS=3, early=False)),
 }
@@ -228,11 +231,33 @@ def test_verify_accept_match_reference(name):
                              config=config)
 
 
+def test_ready_flags_same_bits_and_left_zero():
+    """Phase 1 on a persistent grid with ready flags (``prep_per_sm``) does each (request, q/k head) pair's
+    arithmetic as one program per pair does: o and the Drafts equal bit for bit those of the launch without
+    flags, with and without a fold, and every flag is 0 again after the launch (the next launch's phase 2
+    must not see one).  On a GPU the requests are many, so phase 2 runs beside phase 1 (with PDL)."""
+    B = 64 if DEVICE == "cuda" else 3
+    case = Case(B=B, T=4 + 5, H=2, HV=4, K=32, V=32, gate="mixed", beta="mixed", seed=3)
+    x, _, _, buf = _buffers(case, torch.float32, history=4, lengths=[i % 5 for i in range(B)], capacity=8)
+    drafts_in = {n: t[:, 4:] for n, t in x.items()}
+    flags = fast_verify.int_scratch("verify_ready", B * case.H, DEVICE)
+    for fold in (False, True):
+        outs = []
+        for cfg in (VerifyConfig(BV=16, prep_per_sm=0), VerifyConfig(BV=16, prep_per_sm=1)):
+            b = buf.replace(**{f: getattr(buf, f).clone() for f in ("k", "u", "G", "state", "lengths", "has_state")})
+            o, dr = fast.verify(**drafts_in, buffer=b, config=cfg, fold=fold)[:2]
+            outs.append((o, dr.u, dr.G, dr.k, b.state, b.lengths))
+            assert int(flags.count_nonzero()) == 0, f"prep_per_sm={cfg.prep_per_sm}, fold={fold}: flags left set"
+        for name, a, c in zip(("o", "u", "G", "k", "state", "lengths"), *outs):
+            assert torch.equal(a, c), f"fold={fold}: {name} differs with ready flags"
+
+
 # ------------------------------------------------------------------ verify(fold=...): the buffer folded in phase 2
 # scalar and per-channel gates, 16- and 32-row state blocks, the early loads on and off, with fold=True or with
 # per-request flags (a request left unfolded keeps its entries, and accept folds request 0's past C); the drawn
 # property below covers the launch table's rows
-FOLD_CONFIGS = [("scalar-early-KB16-BV16", [False, True, True]), ("channel-late-KB32-BV16", True)]
+FOLD_CONFIGS = [("scalar-early-KB16-BV16", [False, True, True]), ("channel-late-KB32-BV16", True),
+                ("scalar-ready-KB16-BV16", [True, False, True])]
 
 
 @pytest.mark.parametrize("name,fold", FOLD_CONFIGS, ids=[f"{n}-{'all' if f is True else 'flags'}"
