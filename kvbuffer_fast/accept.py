@@ -12,7 +12,8 @@ entries); nothing is recomputed.
 2. The copy, grid (P, B) (a pool: (P, B, layers)), P programs per request (``programs_per_request``: the
    request's share of the config's ``programs``, at most its H q/k heads): program i_p owns q/k heads
    i_p, i_p + P, ..., and moves those heads' columns of the kept path entries (the key row; the u and G
-   rows of their HV / H value heads, G rebased on the last folded entry) to the buffer rows they take.
+   rows of their HV / H value heads, G rebased on the last folded entry) to the buffer rows they take: a
+   head's rows all loaded, then (after one barrier) all stored.
    Where nothing moves (a pool's chain whose drafts verify wrote to the buffer rows themselves) nothing
    is read but the path.  One program advances ``lengths`` / ``has_state``: program 0 on a pool, whose
    claims kernel took a snapshot of the lengths before the launches, else the request's last program
@@ -199,7 +200,9 @@ def _copy_group(ck_ptr, cu_ptr, cg_ptr, dk_ptr, du_ptr, dg_ptr, D, c_b, n, on_pa
     verify wrote them to its rows n.. (``kvbuffer_fast.verify._draft_dest``): only the path entries not yet
     at their row n + position move, within the buffer (none for a chain), and no such request folds.
     Nothing is read where no entry moves.  Chunks of CU u columns and CK key columns; GB >= the group's G
-    columns."""
+    columns.  Where the group's u and key columns fit one chunk each (ONE), every load of the group comes
+    before one barrier and its stores: one memory latency per group; otherwise u and keys move chunk by
+    chunk (``_copy_rows``), then G."""
     GROUP: tl.constexpr = HV // H
     GK: tl.constexpr = K if CHANNEL else 1
     GW: tl.constexpr = HV * GK

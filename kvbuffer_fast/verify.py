@@ -36,7 +36,11 @@ Two launches:
    stores o and Drafts.u.
 
 With PDL (CUDA, sm_90+) phase 2 is a programmatic dependent launch of phase 1: for scalar gates its
-state loop, which reads nothing phase 1 writes, runs before it waits for phase 1's results.  Nothing
+state loop, which reads nothing phase 1 writes, runs before it waits for phase 1's results.  With
+``config.prep_per_sm`` (scalar gates) phase 1 runs on that many programs per SM, each taking (request,
+q/k head) pairs in turn and flagging each pair's results ready (``_mark_ready``); a phase-2 program then
+waits for its own pair's flag (``_wait_ready``) instead of the whole launch, so phase 2 streams the state
+beside phase 1 from the start.  Nothing
 is written to the buffer, except with ``fold``.
 
 ``verify(fold=...)`` (a constexpr FOLD in both phases; fold=False compiles the kernels without it) also
@@ -74,9 +78,9 @@ from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_fold, check_num_drafts, check_parents, check_scale, check_tokens,
                                  require_int_tensor)
 
-from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block, int_scratch,
-                      check_growth, checked_buffer, checked_tokens, device_guard, flag_view, index_input, new_output,
-                      pdl_launch, ticket_counters, values_checked)
+from ._common import (PoolLayer, _drafts_in_buffer, _gdc_wait, _pdl_prologue, _program_ids, as_input, block,
+                      check_growth, checked_buffer, checked_tokens, device_guard, flag_view, index_input, int_scratch,
+                      new_output, pdl_launch, ticket_counters, values_checked)
 from ._fold import fold_block, fold_empty
 from .flush import flush, flush_pool
 from .launch import SIXTEEN_BIT, Key, VerifyConfig, check_config, config_for, key_of
@@ -411,8 +415,9 @@ def _verify_prep_group_kernel(
     """Phase 1 for scalar gates, one program per (request, q/k head), or (READY > 0) a grid of fewer
     programs, each taking (request, q/k head) pairs i_bh = program, program + grid, ... in turn, that marks
     each pair's results ready as it finishes them (``_mark_ready``: READY, the phase-2 programs that read
-    them) so that phase 2 waits for its own pair only (``_wait_ready``), not for the whole launch.  The scores of the drafts' keys /
-    queries against the buffer [R, BC] and the tree [R, R] are the same for the HV / H value heads that
+    them) so that phase 2 waits for its own pair only (``_wait_ready``), not for the whole launch.
+    The scores of the drafts' keys / queries against the buffer [R, BC] and the tree [R, R] are the same
+    for the HV / H value heads that
     share the q/k head (only their decays, betas and gates differ), so they are formed once, in chunks
     of KC key columns; then G, the decays, N^-1, L, W and the row weights c = sgn exp(G) s of all those
     value heads at once ([BG, R, *] tensors: ``_group_path_sums``, ``_group_decays``, ``_group_solve``,
@@ -694,7 +699,9 @@ def _verify_stream_kernel(
     the state streamed in [KB, BV] blocks through a pipelined loop of NS stages (direct-mode requests
     select 0).  ZP (scalar gates): the loop forms X S0 from the raw key / query rows (read from the
     inputs, shared by the value heads of a q/k head) and P S0 = L (diag(c) X S0) after it; the loop reads
-    nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap).  Without
+    nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap); READY: the
+    wait is for this program's (request, q/k head) flag (``_wait_ready``), and with PDL for the whole of
+    phase 1 only at the end.  Without
     ZP (per-channel gates) the loop multiplies phase 1's P by the state blocks, after the wait.
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
     it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
