@@ -29,9 +29,9 @@ import torch.distributed as dist  # noqa: E402
 from .schedule import run_schedule  # noqa: E402
 from .tp_harness import TPPool, Workers  # noqa: E402
 
-pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available"),
-              pytest.mark.xdist_group("tp_gloo")]  # one worker (``--dist loadgroup``) starts the processes once
+# one pytest-xdist worker runs this file (tests/conftest.py's ONE_WORKER): it starts the processes once
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
 
 CI = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci"
 # (H, HV) of the model: tp = 2 and 4 hold 1 q/k head of 2 or 1 value heads (tp = 4 > H = 2: replicated);
