@@ -387,15 +387,17 @@ def _store_l(l_ptr, L, W, i_bhv, o_r, o_c, o_m, R: tl.constexpr, BC: tl.constexp
 
 
 @triton.jit
-def _group_store(l_ptr, c_ptr, dg_dst, L3, W3, Gb2, Gd2, hv2, m_g1, i_b, p_dg, m_dg, is_q, m_t, o_r, o_c, o_m, scale,
-                 HV: tl.constexpr, R: tl.constexpr, BC: tl.constexpr):
+def _group_store(l_ptr, c_ptr, dg_dst, L3, W3, Gb2, Gd2, hv2, m_g1, i_b, p_dg, m_dg, is_q, m_t, o_r, o_c, o_m, m_n,
+                 scale, HV: tl.constexpr, R: tl.constexpr, BC: tl.constexpr):
     """Phase 1's results for the value heads hv2 ([BG], those with ``m_g1``) of a q/k head: L and W
-    ([R, R + BC] rows of ``l_ptr`` per head), the row weights c = sgn exp(G) s ([R]; s = the query scale on
+    ([R, R + BC] rows of ``l_ptr`` per head; only the rows of real drafts, and of W the columns of the n
+    live entries: phase 2 reads no more, the rest being zero), the row weights c = sgn exp(G) s ([R]; s = the query scale on
     query rows, zero on padding rows), by which phase 2 scales X S0 before L multiplies it, and Drafts.G
     (Gd2, at rows p_dg [R] where m_dg)."""
     p_l = l_ptr + ((i_b * HV + hv2)[:, None, None] * R + o_r[None, :, None]) * (R + BC)
-    tl.store(p_l + o_c[None, None, :], L3, mask=m_g1[:, None, None])
-    tl.store(p_l + R + o_m[None, None, :], W3, mask=m_g1[:, None, None])
+    m_row = m_g1[:, None, None] & m_t[None, :, None]
+    tl.store(p_l + o_c[None, None, :], L3, mask=m_row)
+    tl.store(p_l + R + o_m[None, None, :], W3, mask=m_row & m_n[None, None, :])
     c2 = tl.where(m_t[None, :], tl.where(is_q, scale, -1.0)[None, :] * tl.exp(Gb2), 0.0)
     tl.store(c_ptr + (i_b * HV + hv2)[:, None] * R + o_r[None, :], c2, mask=m_g1[:, None])
     tl.store(dg_dst + p_dg[None, :] * HV + hv2[:, None], Gd2.to(dg_dst.dtype.element_ty),
@@ -557,7 +559,7 @@ def _verify_prep_group_program(q_ptr, k_ptr, g_ptr, beta_ptr, par_ptr, nd_ptr, d
     b_col2 = tl.where((o_c < BD)[None, :], tl.where(m_ct[None, :], beta_cin2, 0.0), 1.0)
     L3, W3 = _group_solve(SB3, SS3, is_q, proper, is_self, b_row2, b_col2, o_r, o_c, t, PREC)
     _group_store(l_ptr, p_ptr, dg_dst, L3, W3, Gb2, Gd2, i_h * GROUP + o_g, o_g < GROUP, i_b, r0 + dr, m_in & ~is_q,
-                 is_q, m_t, o_r, o_c, o_m, scale, HV, R, BC)
+                 is_q, m_t, o_r, o_c, o_m, m_n, scale, HV, R, BC)
 
 
 @triton.jit
@@ -837,9 +839,10 @@ def _verify_stream_program(
         v_in = tl.load(v_ptr + p_rv, mask=(m_in & ~is_q)[:, None] & m_v[None, :], other=0.0)
     o_c = tl.arange(0, R)
     p_l = l_ptr + (i_bhv * R + o_r[:, None]) * (R + BC)
-    L = tl.load(p_l + o_c[None, :])
-    W = tl.load(p_l + R + o_m[None, :])
     m_n = o_m < n
+    # only what phase 1 stores is read: the rows of real drafts, W's columns of the n live entries
+    L = tl.load(p_l + o_c[None, :], mask=m_t[:, None], other=0.0)
+    W = tl.load(p_l + R + o_m[None, :], mask=m_t[:, None] & m_n[None, :], other=0.0)
     if not (EARLY or FOLD):
         uc = tl.load(p_u, mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BC, BV]
     # Z = [v; 0] + W U_buf (+ diag(c) X S0): the right-hand side, summed elementwise before L multiplies it
@@ -1089,8 +1092,9 @@ def _launch(q, k, v, g, beta, buffer: KVBuffer, parents, num_drafts, s: float, o
         xsplit = 2 if state is not None and state.dtype in SIXTEEN_BIT else 1
     pdl = pdl_launch(q, cfg.pdl)
     # phase 1's outputs for phase 2 (fp32): L and W [B*HV, R, R + BC]; c [B*HV, R] or P [B*HV, R, K]
-    lw = torch.empty(d.B * d.HV, R, R + BC, dtype=torch.float32, device=q.device)
-    pk = torch.empty((d.B * d.HV, R) if zp else (d.B * d.HV, R, d.K), dtype=torch.float32, device=q.device)
+    # (NaN-poisoned under KVBUFFER_POISON=1, like the outputs: phase 2 must read only what phase 1 wrote)
+    lw = new_output((d.B * d.HV, R, R + BC), torch.float32, q.device)
+    pk = new_output((d.B * d.HV, R) if zp else (d.B * d.HV, R, d.K), torch.float32, q.device)
     KC = block(d.K) // min(4, block(d.K) // 16)  # phase 1 walks the key dimension in (up to) 4 chunks
     # phase 1's products are small (R x R, R x C per (request, head)) and form the scores and their
     # solves, where cancellation is common (nearly orthogonal q and k): FMA ("ieee") everywhere
