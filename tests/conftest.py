@@ -123,6 +123,7 @@ SLOW_FIRST = (
 ONE_WORKER = ("tests/pool/test_tp_gloo.py",)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist ignores it
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup``'s scheduler, with each ONE_WORKER file one work unit (other dist modes: xdist's)."""
     if config.getvalue("dist") != "loadgroup":
