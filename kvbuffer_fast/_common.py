@@ -96,8 +96,9 @@ def block(n: int, minimum: int = 16) -> int:
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """An output tensor the kernel fully overwrites: uninitialised, or NaN-filled when the environment
-    variable ``KVBUFFER_POISON`` is ``1`` (tests set it, so an element a kernel forgets to write fails)."""
+    """A tensor kernels write before any reads it (an output, or a scratch read only where it was written):
+    uninitialised, or NaN-filled when the environment variable ``KVBUFFER_POISON`` is ``1`` (tests set it,
+    so an element a kernel forgets to write, or reads unwritten, fails)."""
     if os.environ.get("KVBUFFER_POISON") == "1":
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)

@@ -169,23 +169,23 @@ def _fold_program(ck_ptr, cu_ptr, cg_ptr, len_ptr, own_ptr, state_ptr, dk_ptr, d
 
 
 @triton.jit
-def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, m_keep, W: tl.constexpr, c0, NC: tl.constexpr, CH: tl.constexpr):
-    """Rows of W elements: columns c0..c0+NC of source rows ``src_row`` [BD] to destination rows ``dst_row``
-    where ``m_keep``, in chunks of CH columns."""
+def _row_block(ptr, row, m_keep, W: tl.constexpr, c0, NC, CH: tl.constexpr):
+    """Pointers and mask of the first min(NC, CH) columns from c0 of rows ``row`` [BD] where ``m_keep``:
+    [BD, CH] (rows of W elements)."""
     o_c = tl.arange(0, CH)
-    for c in tl.static_range(0, NC, CH):
-        cols = c0 + c + o_c
-        m = m_keep[:, None] & (c + o_c < NC)[None, :]
-        x = tl.load(src_ptr + src_row[:, None] * W + cols[None, :], mask=m, other=0.0)
-        tl.debug_barrier()  # every source row read before any is overwritten (a tree's path moves down)
-        tl.store(dst_ptr + dst_row[:, None] * W + cols[None, :], x.to(dst_ptr.dtype.element_ty), mask=m)
+    return ptr + row[:, None] * W + c0 + o_c[None, :], m_keep[:, None] & (o_c < NC)[None, :]
 
 
 @triton.jit
-def _row_block(ptr, row, m_keep, W: tl.constexpr, c0, NC: tl.constexpr, CH: tl.constexpr):
-    """Pointers and mask of columns c0..c0+NC (NC <= CH) of rows ``row`` [BD] where ``m_keep``: [BD, CH]."""
-    o_c = tl.arange(0, CH)
-    return ptr + row[:, None] * W + c0 + o_c[None, :], m_keep[:, None] & (o_c < NC)[None, :]
+def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, m_keep, W: tl.constexpr, c0, NC: tl.constexpr, CH: tl.constexpr):
+    """Rows of W elements: columns c0..c0+NC of source rows ``src_row`` [BD] to destination rows ``dst_row``
+    where ``m_keep``, in chunks of CH columns."""
+    for c in tl.static_range(0, NC, CH):
+        p_src, m = _row_block(src_ptr, src_row, m_keep, W, c0 + c, NC - c, CH)
+        p_dst, _ = _row_block(dst_ptr, dst_row, m_keep, W, c0 + c, NC - c, CH)
+        x = tl.load(p_src, mask=m, other=0.0)
+        tl.debug_barrier()  # every source row read before any is overwritten (a tree's path moves down)
+        tl.store(p_dst, x.to(dst_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -40,8 +40,7 @@ state loop, which reads nothing phase 1 writes, runs before it waits for phase 1
 ``config.prep_per_sm`` (scalar gates) phase 1 runs on that many programs per SM, each taking (request,
 q/k head) pairs in turn and flagging each pair's results ready (``_mark_ready``); a phase-2 program then
 waits for its own pair's flag (``_wait_ready``) instead of the whole launch, so phase 2 streams the state
-beside phase 1 from the start.  Nothing
-is written to the buffer, except with ``fold``.
+beside phase 1 from the start.  Nothing is written to the buffer, except with ``fold``.
 
 ``verify(fold=...)`` (a constexpr FOLD in both phases; fold=False compiles the kernels without it) also
 folds the folding requests' n buffered entries into their states: phase 2 folds each [KB, BV] state block
@@ -391,9 +390,9 @@ def _group_store(l_ptr, c_ptr, dg_dst, L3, W3, Gb2, Gd2, hv2, m_g1, i_b, p_dg, m
                  scale, HV: tl.constexpr, R: tl.constexpr, BC: tl.constexpr):
     """Phase 1's results for the value heads hv2 ([BG], those with ``m_g1``) of a q/k head: L and W
     ([R, R + BC] rows of ``l_ptr`` per head; only the rows of real drafts, and of W the columns of the n
-    live entries: phase 2 reads no more, the rest being zero), the row weights c = sgn exp(G) s ([R]; s = the query scale on
-    query rows, zero on padding rows), by which phase 2 scales X S0 before L multiplies it, and Drafts.G
-    (Gd2, at rows p_dg [R] where m_dg)."""
+    live entries: phase 2 reads no more, the rest being zero), the row weights c = sgn exp(G) s ([R];
+    s = the query scale on query rows, zero on padding rows), by which phase 2 scales X S0 before L
+    multiplies it, and Drafts.G (Gd2, at rows p_dg [R] where m_dg)."""
     p_l = l_ptr + ((i_b * HV + hv2)[:, None, None] * R + o_r[None, :, None]) * (R + BC)
     m_row = m_g1[:, None, None] & m_t[None, :, None]
     tl.store(p_l + o_c[None, None, :], L3, mask=m_row)
@@ -419,8 +418,8 @@ def _verify_prep_group_kernel(
     each pair's results ready as it finishes them (``_mark_ready``: READY, the phase-2 programs that read
     them) so that phase 2 waits for its own pair only (``_wait_ready``), not for the whole launch.
     The scores of the drafts' keys / queries against the buffer [R, BC] and the tree [R, R] are the same
-    for the HV / H value heads that
-    share the q/k head (only their decays, betas and gates differ), so they are formed once, in chunks
+    for the HV / H value heads that share the q/k head (only their decays, betas and gates differ), so
+    they are formed once, in chunks
     of KC key columns; then G, the decays, N^-1, L, W and the row weights c = sgn exp(G) s of all those
     value heads at once ([BG, R, *] tensors: ``_group_path_sums``, ``_group_decays``, ``_group_solve``,
     ``_group_store``), and Drafts.G and Drafts.k.
@@ -703,8 +702,8 @@ def _verify_stream_kernel(
     inputs, shared by the value heads of a q/k head) and P S0 = L (diag(c) X S0) after it; the loop reads
     nothing phase 1 writes, so with PDL it runs before waiting for phase 1 (the two overlap); READY: the
     wait is for this program's (request, q/k head) flag (``_wait_ready``), and with PDL for the whole of
-    phase 1 only at the end.  Without
-    ZP (per-channel gates) the loop multiplies phase 1's P by the state blocks, after the wait.
+    phase 1 only at the end.  Without ZP (per-channel gates) the loop multiplies phase 1's P by the state
+    blocks, after the wait.
     EARLY: the draft values and the buffer's n live u rows are loaded before the loop instead of after
     it.  XSPLIT (ZP with 16-bit q and k): X S0 with the state split in two TF32 pieces (``_split_dot``,
     products in precision XP); 2, a 16-bit state as well: one product in XP (the low piece is zero);

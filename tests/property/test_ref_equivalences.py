@@ -108,15 +108,6 @@ def _equal_fields(a, b, what: str) -> None:
         assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"{what}.{name} differs"
 
 
-def _root_path(parents: list, node: int) -> list:
-    """The drafts from the root to ``node`` (-1: none), in order."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 def _path_truths(x: dict, hist: int, parents: list, counts: list, nodes: list) -> tuple:
     """The float64 recurrence over each request's history and then a root-to-node path: every draft's output
     [B, D, HV, V] (0 past the counts) and the state after the accepted node's path [B, HV, K, V]."""
@@ -124,9 +115,10 @@ def _path_truths(x: dict, hist: int, parents: list, counts: list, nodes: list) -
     o = torch.zeros(B, D, *x["v"].shape[2:], dtype=torch.float64)
     states = []
     for b in range(B):
+        par = torch.tensor(parents[b])
         for i in range(counts[b]):
-            o[b, i] = ref.recurrent_gated_delta_rule(**P.along_path(x, b, _root_path(parents[b], i), hist))[0][0, -1]
-        path = P.along_path(x, b, _root_path(parents[b], int(nodes[b])), hist)
+            o[b, i] = ref.recurrent_gated_delta_rule(**P.along_path(x, b, ref.path_to(par, i), hist))[0][0, -1]
+        path = P.along_path(x, b, ref.path_to(par, int(nodes[b])), hist)
         states.append(ref.recurrent_gated_delta_rule(**path, output_final_state=True)[1])
     return o, torch.cat(states)
 
