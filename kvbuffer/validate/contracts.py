@@ -465,7 +465,7 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
     in float32, a second time with them as a GPU kernel takes them (``exp_ex2``), and, when the implementation
     takes raw gates (``raw_gating``), on the gates a float32 kernel computes from them (``kernel_gates``) and on
     those moved one float32 step either way, and on each (q, k) of ``qk_ways`` (the rows normalised another
-    way); and for each size in
+    way), and with its K key channels summed in other orders (``key_orders``); and for each size in
     ``chunks`` the chunkwise forms with chunks of that many tokens (cumulative gates local to each chunk, as
     production kernels keep them; ``segmented_forms``).
     The budget of a comparison is a small multiple of the worst of them (``tolerances``).  Outputs are in
@@ -483,10 +483,43 @@ def correct_forms(q, k, v, *, g, beta, scale=None, initial_state=None, chunks=()
                                           torch.nextafter(gk, torch.full_like(gk, -1e38)))]
         runs = [dict(g=gg, beta=bb) for gg, bb in gates] + [dict(q=qq, k=kk) for qq, kk in qk_ways]
         forms += _recurrences_ex2(x, runs, scale=scale, initial_state=initial_state, contract=contract)
+        forms += key_orders(x, scale=scale, initial_state=initial_state, contract=contract)
     for chunk in chunks:
         forms += segmented_forms(**x, scale=scale, initial_state=initial_state, starts=range(0, q.shape[1], int(chunk)),
                                  contract=contract)
     return forms
+
+
+def key_permutations(K: int) -> list:
+    """The orders ``key_orders`` sums the K key channels in: reversed, and the odd channels before the even
+    ones (each [K] long tensors, permutations of 0..K-1; none for K = 1)."""
+    if K < 2:
+        return []
+    idx = torch.arange(K)
+    return [idx.flip(0), torch.cat([idx[1::2], idx[0::2]])]
+
+
+def key_orders(x: dict, *, scale=None, initial_state=None, contract=None) -> list:
+    """[(o, S), ...]: the plain recurrence with the K key channels of q, k, per-channel gates and the initial
+    state taken in each of ``key_permutations``' orders, the state's channels put back: the same exact
+    math, every sum over K (q^T S, S^T k) rounded in another order, as a kernel that splits or reorders
+    K does.  Where such a sum cancels (|q . k| far below |q| |k|) its rounding error moves with the order by
+    several times, and one order alone can be lucky; the worst of the orders is what a correct kernel may
+    do.  Run as one batch (the requests of every order side by side).  Float32 arithmetic only (none for
+    float64 inputs, whose floor covers their rounding, or under the bf16-state contract)."""
+    contract = check_contract(current_contract() if contract is None else contract)
+    perms = key_permutations(x["q"].shape[-1])
+    if not perms or torch.promote_types(x["q"].dtype, torch.float32) != torch.float32 or contract == "bf16-state":
+        return []
+    channel = x["g"].dim() == x["q"].dim()
+    B, dev = x["q"].shape[0], x["q"].device
+    perms = [p.to(dev) for p in perms]
+    xs = {f: torch.cat([t.index_select(-1, p) if f in ("q", "k") or (f == "g" and channel) else t for p in perms])
+          for f, t in x.items()}
+    s0 = None if initial_state is None else torch.cat([initial_state.index_select(2, p) for p in perms])
+    o, S = baseline_recurrent(**xs, scale=scale, initial_state=s0, contract=contract)
+    return [(o[i * B:(i + 1) * B], S[i * B:(i + 1) * B].index_select(2, torch.argsort(p)))
+            for i, p in enumerate(perms)]
 
 
 def _recurrences_ex2(x: dict, runs: list, *, scale, initial_state, contract) -> list:

@@ -27,7 +27,7 @@ from kvbuffer_ref.engine_inputs import NORM_EPS, SOFTPLUS_THRESHOLD
 from kvbuffer_ref.speculative import path_to
 
 from .cases import Case, l2norm_qk, upcast_inputs
-from .contracts import baseline_recurrent, segment_ways, correct_forms, emulate, segmented_forms
+from .contracts import baseline_recurrent, segment_ways, correct_forms, emulate, segmented_forms, key_orders
 from .tolerances import Comparison, compare, compute_dtype, current_contract
 
 __all__ = [
@@ -615,6 +615,7 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     # state, and the buffer's own form (its entries and the path as one chunk from its stored state)
     exp = torch.zeros(B, D, case.HV, case.V, dtype=torch.float64)
     bas = [torch.zeros_like(exp) for _ in range(1 + len(segment_ways(dtype)))]  # the recurrence, the buffer's forms
+    bas_k = {}  # the recurrence along each path with its K channels in other orders (contracts.key_orders)
     for b in range(B):
         first = P - int(lengths[b])
         done = set()
@@ -627,12 +628,17 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
             if S_hist_c is not None:
                 rec = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale, current_contract())
                 bas[0][b, p] = rec.to(dtype).to("cpu", torch.float64)
+                orders = key_orders(along_path(_sl(x, slice(P, P + D)), b, p), scale=case.scale,
+                                    initial_state=S_hist_c[b : b + 1])
+                for r, (ok, _) in enumerate(orders):
+                    bas_k.setdefault(r, torch.zeros_like(exp))[b, p] = ok[0].to(dtype).to("cpu", torch.float64)
             for r, (ob, _) in enumerate(_buffer_form(along_path(x, b, p, P), 0, first, P + len(p), stored[b], [first],
                                                      dtype, case.scale)):
                 bas[1 + r][b, p] = ob[0, -len(p):].to("cpu", torch.float64)
     valid = (torch.arange(D)[None, :] < nd.cpu()[:, None])[:, :, None, None]
     if S_hist_c is None:  # float64 under IEEE arithmetic: the recurrence is the truth itself, no baseline form
         bas = bas[1:]
+    bas += list(bas_k.values())
     if oracle is not None:  # its padding rows are no output
         bas.append(torch.where(valid, oracle[0].to("cpu", torch.float64), torch.zeros((), dtype=torch.float64)))
     res = [_cmp(f"verify[C={capacity},{form}].o", o, exp, _forms(exp, *bas), dtype, valid=valid)]
