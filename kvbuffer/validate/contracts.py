@@ -46,7 +46,7 @@ from kvbuffer_ref.inputs import prepare_tokens
 
 __all__ = ["CONTRACTS", "CONTRACT_TEXT", "round_tf32", "trunc_tf32", "round_bf16", "emulate", "recurrent_bf16_state",
            "round_fp16", "check_contract", "baseline_recurrent", "correct_forms", "segmented_form", "segmented_forms", "exp_ex2",
-           "LOG2E_F32", "under_contract", "raw_gating", "current_raw_gating", "kernel_gates"]
+           "LOG2E_F32", "under_contract", "raw_gating", "current_raw_gating", "kernel_gates", "key_permutations", "key_orders"]
 
 #: The contracts an adapter may declare, tightest first (``ieee`` is the default).
 CONTRACTS = ("ieee", "tf32x3", "tf32", "fp16", "bf16", "bf16-state")
