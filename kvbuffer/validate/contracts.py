@@ -512,28 +512,33 @@ def key_orders(x: dict, *, scale=None, initial_state=None, contract=None) -> lis
     if not perms or torch.promote_types(x["q"].dtype, torch.float32) != torch.float32 or contract == "bf16-state":
         return []
     channel = x["g"].dim() == x["q"].dim()
-    B, dev = x["q"].shape[0], x["q"].device
-    perms = [p.to(dev) for p in perms]
-    xs = {f: torch.cat([t.index_select(-1, p) if f in ("q", "k") or (f == "g" and channel) else t for p in perms])
-          for f, t in x.items()}
-    s0 = None if initial_state is None else torch.cat([initial_state.index_select(2, p) for p in perms])
-    o, S = baseline_recurrent(**xs, scale=scale, initial_state=s0, contract=contract)
-    return [(o[i * B:(i + 1) * B], S[i * B:(i + 1) * B].index_select(2, torch.argsort(p)))
-            for i, p in enumerate(perms)]
+    perms = [p.to(x["q"].device) for p in perms]
+    xs = [{f: t.index_select(-1, p) if f in ("q", "k") or (f == "g" and channel) else t for f, t in x.items()}
+          for p in perms]
+    s0 = None if initial_state is None else [initial_state.index_select(2, p) for p in perms]
+    forms = _side_by_side(xs, s0, scale=scale, contract=contract)
+    return [(o, S.index_select(2, torch.argsort(p))) for (o, S), p in zip(forms, perms)]
+
+
+def _side_by_side(xs: list, states: list | None, *, scale, contract, exp=None) -> list:
+    """[(o, S), ...]: ``baseline_recurrent`` on each of the inputs ``xs`` (dicts of equal shapes) from each of
+    ``states`` (None: no initial state), run as one batch (the requests of every run side by side): one pass
+    of the recurrence's loop over the tokens."""
+    if len(xs) == 1:
+        return [baseline_recurrent(**xs[0], scale=scale, initial_state=None if states is None else states[0],
+                                   contract=contract, exp=exp)]
+    B = xs[0]["q"].shape[0]
+    o, S = baseline_recurrent(**{f: torch.cat([x[f] for x in xs]) for f in xs[0]}, scale=scale,
+                              initial_state=None if states is None else torch.cat(states), contract=contract, exp=exp)
+    return [(o[i * B:(i + 1) * B], S[i * B:(i + 1) * B]) for i in range(len(xs))]
 
 
 def _recurrences_ex2(x: dict, runs: list, *, scale, initial_state, contract) -> list:
     """[(o, S), ...]: the recurrence with GPU exponentials on ``x`` with each of ``runs`` (a dict of inputs
     that replace x's: other gates, other normalised q and k) applied, run as one batch (the requests of every
-    run side by side): one pass of the recurrence's loop over the tokens."""
-    n, B = len(runs), x["q"].shape[0]
-    if n == 1:
-        return [baseline_recurrent(**dict(x, **runs[0]), scale=scale, initial_state=initial_state,
-                                   contract=contract, exp="ex2")]
-    xs = {f: torch.cat([r.get(f, x[f]) for r in runs]) for f in x}
-    s0 = None if initial_state is None else torch.cat([initial_state] * n)
-    o, S = baseline_recurrent(**xs, scale=scale, initial_state=s0, contract=contract, exp="ex2")
-    return [(o[i * B:(i + 1) * B], S[i * B:(i + 1) * B]) for i in range(n)]
+    run side by side, ``_side_by_side``)."""
+    s0 = None if initial_state is None else [initial_state] * len(runs)
+    return _side_by_side([dict(x, **r) for r in runs], s0, scale=scale, contract=contract, exp="ex2")
 
 
 #: How a kernel sums its cumulative gates and takes its exponentials: ``segmented_forms`` computes each.

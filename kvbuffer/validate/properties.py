@@ -616,6 +616,7 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
     exp = torch.zeros(B, D, case.HV, case.V, dtype=torch.float64)
     bas = [torch.zeros_like(exp) for _ in range(1 + len(segment_ways(dtype)))]  # the recurrence, the buffer's forms
     bas_k = {}  # the recurrence along each path with its K channels in other orders (contracts.key_orders)
+    drafts_x = _sl(x, slice(P, P + D))
     for b in range(B):
         first = P - int(lengths[b])
         done = set()
@@ -626,10 +627,9 @@ def check_verify_accept(impl, case: Case, dtype: torch.dtype, *, capacity: int, 
             done.update(p)
             exp[b, p] = _path_truth(nodes_x, b, p, S_hist, case.scale).cpu()
             if S_hist_c is not None:
-                rec = _path_truth(_sl(x, slice(P, P + D)), b, p, S_hist_c, case.scale, current_contract())
+                rec = _path_truth(drafts_x, b, p, S_hist_c, case.scale, current_contract())
                 bas[0][b, p] = rec.to(dtype).to("cpu", torch.float64)
-                orders = key_orders(along_path(_sl(x, slice(P, P + D)), b, p), scale=case.scale,
-                                    initial_state=S_hist_c[b : b + 1])
+                orders = key_orders(along_path(drafts_x, b, p), scale=case.scale, initial_state=S_hist_c[b : b + 1])
                 for r, (ok, _) in enumerate(orders):
                     bas_k.setdefault(r, torch.zeros_like(exp))[b, p] = ok[0].to(dtype).to("cpu", torch.float64)
             for r, (ob, _) in enumerate(_buffer_form(along_path(x, b, p, P), 0, first, P + len(p), stored[b], [first],
