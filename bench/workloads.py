@@ -33,12 +33,14 @@ accept    ``flush``                        a fold on demand: every entry of full
 round     ``round``                        a speculative round: verify of every layer, then accept
 round     ``per_draft_state_round``        the baseline's round
 round     ``round_cycle``                  a cycle of C // m + 1 rounds from empty buffers, one accept folding
-round     ``round_cycle_fold``             ``round_cycle`` with that round's verify folding (fold=True) instead
+round     ``round_cycle_fold``             ``round_cycle`` with that round's verify folding (fold=True) instead,
+                                           and every accept told so (fold=False: no fold launch)
 round     ``round_cycle_fold_bf16``        ``round_cycle_fold`` on buffers whose state is stored in bf16 (as
                                            ``buffered_decode_bf16``)
 round     ``pool_round_cycle``             ``round_cycle`` through the serving pool (every layer's accept in
                                            one call, the last folding)
-round     ``pool_round_cycle_fold``        ``pool_round_cycle`` with that round's verify folding (fold=True)
+round     ``pool_round_cycle_fold``        ``pool_round_cycle`` with that round's verify folding (fold=True),
+                                           every accept with fold=False
 round     ``tree_round``                   verify of a 16-node draft tree, then accept of one node's path
 round     ``per_draft_state_tree_round``   the baseline's tree round (a parent's state read back per branch)
 decode,   ``pool_*``                       the same through the serving pool (``kvbuffer_fast.pool``)
@@ -940,6 +942,8 @@ class _Builder:
         rounds = [[self._round_tokens(x, r, d) for r in range(R)] for x in xs]
         kw = self._verify_kwargs(rounds[0][0], state_dtype)
         akw = self.api.kwargs("accept", accept, rounds[0][0], C=self.p.C)
+        if fold and "fold" in inspect.signature(accept).parameters:
+            akw["fold"] = False  # the verify of the round that would pass C folded it: no accept folds
         counts = self._counts()
 
         def cycle():
@@ -1151,6 +1155,8 @@ class _Builder:
         lengths, s64 = pool.tensors()["lengths"], slots.long()
         vkw = self.api.kwargs("verify", pool.verify, rounds[0][0], C=self.p.C)
         akw = self.api.kwargs("accept", pool.accept, rounds[0][0], C=self.p.C)
+        if fold and "fold" in inspect.signature(pool.accept).parameters:
+            akw["fold"] = False  # the verify of the round that would pass C folded it: no accept folds
 
         def cycle():
             lengths.index_fill_(1, s64, 0)  # every layer's buffers empty

@@ -36,6 +36,7 @@ import triton.language as tl
 from kvbuffer_ref.buffer import Drafts, KVBuffer
 from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, check_num_drafts, check_parents,
                                  require_device, require_float, require_int_tensor, require_rank, require_tensor)
+from kvbuffer_ref.speculative import require_no_fold
 
 from ._common import (PoolLayer, _drafts_in_buffer, _pdl_prologue, as_input, block, checked_buffer, device_guard,
                       flag_view, pdl_launch, require_no_overlap, ticket_counters)
@@ -364,6 +365,7 @@ def accept(
     *,
     counts=None,
     nodes=None,
+    fold: bool = True,
     config: Optional[AcceptConfig] = None,
 ) -> KVBuffer:
     """Commit accepted drafts IN PLACE: append their cached (k, u, G); return the buffer.
@@ -372,10 +374,17 @@ def accept(
     or int: the accepted node, -1 for none; its root-to-node path is appended).  ``buffer`` must be
     the one ``verify`` saw.  Past the capacity, the reference's rule folds all old entries plus the
     oldest max(0, m - C) accepted ones into the state and keeps the rest, G rebased; a buffer without
-    state storage cannot fold (ValueError).  ``config``: the launch (a
+    state storage cannot fold (ValueError).  ``fold=False``: the caller's word that no request's n + m
+    passes C (as after a ``verify(fold=...)`` that emptied the buffers that could), so the fold launch
+    is not made (its B * HV / FH * V / BV programs would only read their request's length and return);
+    ValueError where a request would pass C.  ``config``: the launch (a
     ``kvbuffer_fast.launch.AcceptConfig``; default: the launch table's).  The checks that read device
-    values (the counts or nodes, the no-storage fold) are skipped while a CUDA graph is captured.
+    values (the counts or nodes, the no-storage fold, ``fold=False``'s condition) are skipped while a
+    CUDA graph is captured; a request that passes C there without its fold loses the entries the fold
+    would have taken, as on a buffer without state storage.
     """
+    if not isinstance(fold, bool):
+        raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
     checked = checked_buffer(buffer, "accept")
     _check_drafts(buffer, drafts, checked)
     if (counts is None) == (nodes is None):
@@ -383,8 +392,8 @@ def accept(
     B, D = drafts.k.shape[:2]
     H, HV, K, V, C = buffer.num_heads, buffer.num_value_heads, buffer.head_k_dim, buffer.head_v_dim, buffer.capacity
     nodes, is_count = _accepted_nodes(counts, nodes, drafts, checked, buffer.k.device)
-    if checked and buffer.state is None:
-        _require_room(buffer, drafts, nodes, is_count)
+    if checked and (buffer.state is None or not fold):
+        _require_room(buffer, drafts, nodes, is_count, fold)
     require_no_overlap({f"buffer.{n}": x for n, x in buffer.tensors().items()},
                        {**{f"drafts.{n}": x for n, x in drafts.tensors().items()}, "counts" if is_count else "nodes": nodes})
     if B == 0 or D == 0:
@@ -393,11 +402,12 @@ def accept(
         config = config_for("accept", key_of(buffer.k, C=C, B=B, HV=HV, V=V, channel=buffer.channel_gate))
     cfg = check_config("accept", config)
     P = programs_per_request(cfg, B, H)
+    fold_launch = buffer.state is not None and fold  # requests past C fold first (the others return at once)
     fold, copy = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=buffer.channel_gate)
     args = (as_input(drafts.k), as_input(drafts.u), as_input(drafts.G), as_input(drafts.parents), nodes, D)
     pdl = pdl_launch(buffer.k, cfg.pdl)
     with device_guard(buffer.k):
-        if buffer.state is not None:  # requests past the capacity fold first (the others' programs return at once)
+        if fold_launch:
             _accept_fold_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"])](
                 buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), buffer.state, *args,
                 COUNTS=is_count, num_warps=cfg.num_warps, **fold, **pdl)
@@ -408,7 +418,8 @@ def accept(
 
 
 def accept_pool(pool: PoolLayer, *, nodes: torch.Tensor, read: torch.Tensor, write: torch.Tensor,
-                lengths: torch.Tensor, layers: int = 1, config: Optional[AcceptConfig] = None) -> None:
+                lengths: torch.Tensor, layers: int = 1, fold: bool = True,
+                config: Optional[AcceptConfig] = None) -> None:
     """``accept`` on a pool: ``layers`` consecutive layers from ``pool``'s (their tensors one layer apart,
     as a pool's slices of [layers, rows, ...] tensors are), each launch one grid axis over them; call row b
     on buffer row and draft room ``pool.slots[b]`` (-1: a pad, nothing read or written; int32 or int64,
@@ -422,14 +433,15 @@ def accept_pool(pool: PoolLayer, *, nodes: torch.Tensor, read: torch.Tensor, wri
        ``has_state`` advanced from ``lengths[l, b]``, the rows' lengths as the call began.
 
     nodes: [B] int64, the accepted node per row (pads -1); read, write, lengths: [layers, B] int64 (the
-    pool's bookkeeping, ``KVPool._claims``, gives all four).  ``config``: an AcceptConfig, None for the
-    launch table's.  The caller checked the slots and the nodes."""
+    pool's bookkeeping, ``KVPool._claims``, gives all four).  ``fold=False``: launch 1 is not made (the
+    caller knows no row overflows).  ``config``: an AcceptConfig, None for the launch table's.  The caller
+    checked the slots and the nodes."""
     buf, room = pool.buffer, pool.room
     B, D = pool.slots.shape[0], room.k.shape[1]
     C, H, HV, K, V = buf.capacity, buf.num_heads, buf.num_value_heads, buf.head_k_dim, buf.head_v_dim
     if B == 0 or D == 0:
         return
-    channel = buf.channel_gate
+    channel, fold_launch = buf.channel_gate, fold
     if config is None:
         config = config_for("accept", key_of(buf.k, C=C, B=B, HV=HV, V=V, channel=channel))
     cfg = check_config("accept", config)
@@ -440,8 +452,10 @@ def accept_pool(pool: PoolLayer, *, nodes: torch.Tensor, read: torch.Tensor, wri
     NR, SR = buf.k.shape[0], pool.state.shape[0]
     pdl = pdl_launch(pool.slots, cfg.pdl)
     with device_guard(pool.slots):
-        _accept_fold_slots_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"], layers)](
-            *rows, pool.state, *drafts, pool.slots, read, write, NR, SR, B, num_warps=cfg.num_warps, **fold, **pdl)
+        if fold_launch:
+            _accept_fold_slots_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"], layers)](
+                *rows, pool.state, *drafts, pool.slots, read, write, NR, SR, B, num_warps=cfg.num_warps, **fold,
+                **pdl)
         _accept_slots_kernel[(P, B, layers)](*rows, *drafts, pool.slots, lengths, NR, B, P=P,
                                              num_warps=cfg.copy_warps, **copy, **pdl)
 
@@ -490,14 +504,16 @@ def _accepted_nodes(counts, nodes, drafts: Drafts, checked: bool, device) -> tup
     return x.contiguous(), counts is not None
 
 
-def _require_room(buffer: KVBuffer, drafts: Drafts, nodes: torch.Tensor, is_count: bool) -> None:
-    """A buffer without state storage cannot fold: every request's n + m must fit the capacity (host side;
-    ``nodes`` as ``_accepted_nodes`` returns them)."""
+def _require_room(buffer: KVBuffer, drafts: Drafts, nodes: torch.Tensor, is_count: bool, fold: bool = True) -> None:
+    """A buffer without state storage cannot fold, and ``fold=False`` makes no fold: every request's n + m
+    must fit the capacity (host side; ``nodes`` as ``_accepted_nodes`` returns them)."""
     par = drafts.parents.tolist()
     for b, (n, node) in enumerate(zip(buffer.lengths.tolist(), (nodes - int(is_count)).tolist())):
         m = 0
         while node >= 0:
             m, node = m + 1, par[b][node]
+        if not fold:
+            require_no_fold(b, n, m, buffer.capacity)
         if n + m > buffer.capacity:
             raise ValueError(
                 f"buffer: request {b} has {n} entries and gets {m} more, past the capacity C={buffer.capacity}, "

@@ -396,13 +396,18 @@ class KVPool:
                            fold=fold, claim=claim)
 
     def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
-               config=None) -> None:
+               fold: bool = True, config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.accept`` (entries of pad rows are ignored): the state-slot
         bookkeeping's two launches (``_claims``: which rows' accepted paths overflow, their slots, the
         lengths as the call began), then the fold launch and the copy launch of ``kvbuffer_fast.accept`` on the
         pool (``kvbuffer_fast.accept.accept_pool``), addressed by slot index (the drafts are read from the slots' draft room, or from the buffer rows
         verify wrote them to); the copy reads n from that snapshot.  ``layer``: an int, or None for every layer
-        at once (the same counts or nodes; each launch then covers all layers, one grid axis per layer)."""
+        at once (the same counts or nodes; each launch then covers all layers, one grid axis per layer).
+        ``fold=False``: the caller's word that no addressed row passes the capacity (``kvbuffer_fast.accept``),
+        so the fold launch is not made; checked calls raise ValueError, naming the slot and layer, where one
+        does (while a CUDA graph is captured that is not checked)."""
+        if not isinstance(fold, bool):
+            raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
         lay = slice(0, self.layers) if layer is None else slice(self._layer(layer), self._layer(layer) + 1)
         s, checked = self._rows("slots", slots)
         t = self._t
@@ -432,9 +437,33 @@ class KVPool:
                     check_counts(x, nd[i], is_chain)
                 else:
                     check_nodes(x, nd[i])
+            if not fold:
+                self._require_no_fold(lay, s, bs, x, par, counts is not None)
         _, read, write, node, length = self._claims(lay, s, checked, accepted=(name, arg))
         accept_pool(self._pool_layer(lay.start, s), nodes=node, read=read, write=write, lengths=length,
-                    layers=lay.stop - lay.start, config=config)
+                    layers=lay.stop - lay.start, fold=fold, config=config)
+
+    def _require_no_fold(self, lay: slice, s: torch.Tensor, bs: torch.Tensor, x: torch.Tensor, par: torch.Tensor,
+                         is_count: bool) -> None:
+        """``accept(fold=False)``'s condition in the layers of ``lay``: every valid row's length plus its
+        accepted path's (``x``: the counts, or the nodes with pads -1, [B]; ``par`` [layers, B, D] the rows'
+        parents) fits the capacity; ValueError naming the first slot and layer that does not."""
+        n = torch.where(s >= 0, self._t["lengths"][lay][:, bs].long(), 0)  # [layers, B]
+        if is_count:
+            m = x.long()[None, :].expand_as(n)
+        else:  # walk each accepted node to the root (at most D steps)
+            node = x.long()[None, :].expand_as(n).clone()
+            m = torch.zeros_like(n)
+            for _ in range(par.shape[-1]):
+                on = node >= 0
+                m += on.long()
+                node = torch.where(on, par.long().gather(-1, node.clamp(min=0)[..., None])[..., 0], -1)
+        over = (n + m > self.capacity) & (s >= 0)[None, :]
+        if bool(over.any()):
+            i, b = (int(v) for v in over.nonzero()[0])
+            raise ValueError(f"fold: False, but slot {int(s[b])} in layer {lay.start + i} has {int(n[i, b])} "
+                             f"entries and gets {int(m[i, b])} more, past the capacity C={self.capacity}, so it must "
+                             f"fold; pass fold=True (the default) or fold it first (verify(fold=...) or flush)")
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): the state-slot

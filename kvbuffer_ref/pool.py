@@ -517,20 +517,25 @@ class KVPool:
         return Drafts(k=self.dk[layer, s], u=self.du[layer, s], G=self.dG[layer, s],
                       parents=self.parents[layer, s], num_drafts=self.num_drafts[layer, s])
 
-    def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None) -> None:
+    def accept(self, *, slots: torch.Tensor, counts=None, nodes=None, layer: Optional[int] = None,
+               fold: bool = True) -> None:
         """Commit the drafts ``verify`` left pending in ``slots``: ``counts`` (int or [B] int tensor: the first
         m drafts of a chain) or ``nodes`` (int or [B]: the accepted node, -1 for none), as
         ``kvbuffer_ref.accept``; entries of pad rows are ignored.  A request that passes the capacity folds
         (into a state slot of its own).  ``layer``: an int, or None for every layer (the same counts or
-        nodes in each; every layer is checked before any is written)."""
+        nodes in each; every layer is checked before any is written).  ``fold=False``: the caller's word
+        that no addressed row passes the capacity (``kvbuffer_ref.accept``): ValueError, naming the slot
+        and layer, where one does."""
+        if not isinstance(fold, bool):
+            raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
         layers = range(self.layers) if layer is None else [self._layer(layer)]
-        plans = [self._accept_plan(l, slots, counts, nodes) for l in layers]  # checks; writes nothing
+        plans = [self._accept_plan(l, slots, counts, nodes, fold) for l in layers]  # checks; writes nothing
         for l, (sv, new, folds) in zip(layers, plans):
             self._scatter(l, sv, new, folds)
             self.pending[l, sv] = False
             self.num_drafts[l, sv] = 0
 
-    def _accept_plan(self, layer: int, slots, counts, nodes):
+    def _accept_plan(self, layer: int, slots, counts, nodes, fold: bool = True):
         """accept's checks and results in one layer, nothing written: (valid slots, new buffer, folds)."""
         layer, s, rows = self._addressed(slots, layer)
         sv = s[rows]
@@ -543,9 +548,14 @@ class KVPool:
                 self._tokens(name, x, s.shape[0])
         buf, drafts = self._gather(layer, sv), self._drafts(layer, sv)
         new = accept(buf, drafts, counts=pick(counts), nodes=pick(nodes))  # checks the counts / nodes
-        folds = torch.tensor([fold_count(int(n), m, self.capacity) > 0
-                              for n, m in zip(buf.lengths.tolist(), _accepted_lengths(drafts, counts, nodes, rows))],
+        ns, ms = buf.lengths.tolist(), _accepted_lengths(drafts, counts, nodes, rows)
+        folds = torch.tensor([fold_count(int(n), m, self.capacity) > 0 for n, m in zip(ns, ms)],
                              dtype=torch.bool, device=self.device)
+        if not fold and bool(folds.any()):
+            i = int(folds.nonzero()[0, 0])
+            raise ValueError(f"fold: False, but slot {int(sv[i])} in layer {layer} has {int(ns[i])} entries and gets "
+                             f"{int(ms[i])} more, past the capacity C={self.capacity}, so it must fold; pass fold=True "
+                             f"(the default) or fold it first (verify(fold=...) or flush)")
         self._check_free_states(layer, sv, folds)
         return sv, new, folds
 

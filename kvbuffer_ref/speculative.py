@@ -89,6 +89,14 @@ def verify(
     return o.to(x.out_dtype), drafts
 
 
+def require_no_fold(b: int, n: int, m: int, capacity: int) -> None:
+    """``accept(fold=False)``'s condition for request b: its n buffered plus m accepted entries fit the capacity."""
+    if n + m > capacity:
+        raise ValueError(f"fold: False, but request {b} has {n} entries and gets {m} more, past the capacity "
+                         f"C={capacity}, so it must fold; pass fold=True (the default) or fold it first "
+                         f"(verify(fold=...) or flush)")
+
+
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
     """Draft indices from the root down to ``node`` (empty for node -1). parents: [D], each in -1..i-1."""
     if isinstance(parents, (list, tuple)):
@@ -131,6 +139,7 @@ def accept(
     *,
     counts=None,
     nodes=None,
+    fold: bool = True,
 ) -> KVBuffer:
     """Commit accepted drafts: append their cached entries (no recomputation); return a new buffer.
 
@@ -139,6 +148,9 @@ def accept(
     appended).  ``buffer`` must be the one ``verify`` saw.  When the entries would pass the
     capacity C, the old entries (and, for m > C, the oldest accepted ones) are folded into the
     state first and the rest stays buffered; that needs state storage (``buffer.state`` not None).
+    ``fold=False`` is the caller's word that no request's n + m passes C (as after a ``verify(fold=...)``
+    that emptied the buffers that could): ValueError, naming the request, where one does.  The result
+    is the same; ``kvbuffer_fast.accept`` then makes no fold launch.
     """
     check_buffer(buffer)
     _check_drafts(buffer, drafts)
@@ -148,10 +160,14 @@ def accept(
         nodes = check_counts(counts, drafts.num_drafts, drafts.is_chain) - 1
     else:
         nodes = check_nodes(nodes, drafts.num_drafts)
+    if not isinstance(fold, bool):
+        raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
     dt = buffer.values.dtype
     fields = buffer.cloned()
     for b in range(buffer.batch):
         path = path_to(drafts.parents[b], int(nodes[b]))
+        if not fold:
+            require_no_fold(b, int(buffer.lengths[b]), len(path), buffer.capacity)
         if not path:
             continue
         new = Entries(**drafts.slot(b, torch.tensor(path, dtype=torch.long, device=drafts.k.device)))

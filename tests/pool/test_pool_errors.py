@@ -447,3 +447,20 @@ def test_no_free_state_slot(kind, op):
     _rejects(p, call, "slots", f"{kind} {op} with no free state slot")
     if op == "flush":  # a request with a slot of its own folds in place: no free slot needed
         p.flush(layer=0, slots=_t(LIVE[0]))
+
+
+@pytest.mark.parametrize("kind", ["ref", "fast"])
+def test_accept_without_fold(kind):
+    """accept(fold=False), the caller's word that no row passes the capacity: where one does (a chain of 3
+    accepted onto buffered entries, C = 3), a ValueError naming fold, before anything is written; where none
+    does, the pool bit-identical to accept()'s."""
+    p, tok = _busy(kind)
+    s = _t(*LIVE)
+    assert bool((p.tensors()["lengths"][0, list(LIVE)] > 0).all()), "the rows must hold entries"
+    p.verify(**_dev(tok.draw(2, 3)), layer=0, slots=s)
+    q = copy.deepcopy(p)
+    _rejects(p, lambda: p.accept(layer=0, slots=s, counts=3, fold=False), "fold", f"{kind} accept(fold=False)")
+    _rejects(p, lambda: p.accept(layer=0, slots=s, counts=0, fold=0), "fold", f"{kind} accept(fold=0)")
+    p.accept(layer=0, slots=s, counts=_t(0, 1), fold=False)
+    q.accept(layer=0, slots=s, counts=_t(0, 1))
+    assert_identical(p, snapshot(q), f"{kind} accept(fold=False) against accept()")

@@ -391,16 +391,28 @@ def _fold_scenario(pool, draw, C: int):
     return rows, fold, a
 
 
-@pytest.mark.parametrize("name", list(FOLD_CASES))
-def test_fast_verify_fold_matches_reference_pool(name):
+class _NoLaunch:
+    """Stands in for a kernel that must not be launched: any launch fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"the fold launch was made (grid {grid}) though accept(fold=False) makes none")
+
+
+@pytest.mark.parametrize("name,accept_fold", [(n, True) for n in FOLD_CASES] + [("channel-in-buffer", False)],
+                         ids=[*FOLD_CASES, "channel-in-buffer-accept-nofold"])
+def test_fast_verify_fold_matches_reference_pool(name, accept_fold, monkeypatch):
     """verify(fold=flags) then accept (nodes) on the fast pool against the reference pool in float64 (the float32
     reference pool the baseline): the outputs, and after each call every row's lengths, has_state and drafts
     pending exactly, the requests holding and sharing state slots as the reference's, their states, and the
     buffers after accept (keys exactly, u and G) by the error table. Chains and trees, ragged draft counts (a
     folding row verifies none), NaN pad and padding draft rows, a row without entries (nothing to fold), forks
     folding out of shared state slots; the fork's source, outside the call, keeps its state slot and contents bit
-    for bit, and nothing outside the call's slots changes."""
+    for bit, and nothing outside the call's slots changes.  ``accept_fold=False``: accept(fold=False) (at C = 4
+    no accepted path passes C after the folds), with no fold launch (the kernel replaced by one that fails)."""
     from kvbuffer_ref.pool import KVPool as RefPool
+    if not accept_fold:
+        import importlib
+        monkeypatch.setattr(importlib.import_module("kvbuffer_fast.accept"), "_accept_fold_slots_kernel", _NoLaunch())
 
     from .schedule import Tokens
     channel, C, D = FOLD_CASES[name]
@@ -446,7 +458,7 @@ def test_fast_verify_fold_matches_reference_pool(name):
                 assert _same(t[n][0, a], before[n][0, a]), f"the sibling outside the call: its {n} changed"
             slot = int(t["state_slot"][0, a])
             assert _same(t["state"][0, slot], before["state"][0, slot]), "the sibling's state changed"
-        p.accept(layer=0, slots=rows, nodes=nodes.to(device))
+        p.accept(layer=0, slots=rows, nodes=nodes.to(device), fold=accept_fold)
         after[kind] = {n: t.cpu().clone() for n, t in p.tensors().items()}
     valid = torch.arange(3)[None, :] < torch.where(torch.arange(7) == 1, 0, nd)[:, None]
     res = [compare(out["fast"][0], out["ref64"][0], out["ref32"][0], name="verify(fold).o",

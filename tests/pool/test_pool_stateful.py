@@ -5,8 +5,9 @@ Rules (each runs on every layer, distinct tokens per layer; slot index tensors i
 with -1 pad rows whose token rows are NaN and whose per-row arguments are junk the pool must ignore):
 admit (ragged prompts, shorter and longer than C, one call per prompt length), decode, verify (chains
 and trees, per-row draft counts; without a fold, or folding every row's buffer or the rows a bool tensor
-flags, pads' flags junk), accept (counts or nodes, tensors or one int), flush (full, partial per
-row, one int), fork (keep 0..lengths: a prefix at token granularity), release, and a state check.
+flags, pads' flags junk), accept (counts or nodes, tensors or one int; fold=False where nothing passes C),
+flush (full, partial per row, one int), fork (keep 0..lengths: a prefix at token granularity), release,
+and a state check.
 
 Invariants:
 
@@ -380,13 +381,19 @@ def machine(*, make_pool, kind: str, dtype, device, layers: int, N: int, S: int,
                 picks = {b: data.draw(st.integers(0, nds[b]) if by_counts else st.integers(-1, nds[b] - 1),
                                       label="count" if by_counts else "node") for b in chosen}
                 arg = self.dev(torch.tensor([picks[b] if b >= 0 else JUNK for b in entries], dtype=idt))
+            def path_of(b, layer):
+                return list(range(picks[b])) if by_counts else ref.path_to(self.reqs[b].pending[layer][1], picks[b])
+            fits = all(self.reqs[b].lengths[layer] + len(path_of(b, layer)) <= self.C
+                       for b in chosen for layer in range(layers))
+            # where no accepted path passes C, the caller may say so (no fold launch)
+            nofold = dict(fold=False) if fits and data.draw(st.booleans(), label="fold=False") else {}
             before = snapshot(self.pool)
             for layer in range(layers):
-                self.pool.accept(layer=layer, slots=sl, **{"counts" if by_counts else "nodes": arg})
+                self.pool.accept(layer=layer, slots=sl, **{"counts" if by_counts else "nodes": arg}, **nofold)
                 for b in chosen:
                     r = self.reqs[b]
-                    x, par, _, _ = r.pending[layer]
-                    path = list(range(picks[b])) if by_counts else ref.path_to(par, picks[b])
+                    x = r.pending[layer][0]
+                    path = path_of(b, layer)
                     f = fold_count(r.lengths[layer], len(path), self.C)
                     r.truth[layer].commit({n: x[n][path] for n in FIELDS})
                     r.lengths[layer] += len(path) - f

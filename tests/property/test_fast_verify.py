@@ -134,11 +134,11 @@ def _folded(fast_out, ref64_out, ref32_out, res: list, capacity: int):
 
 
 def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, parents, num_drafts, nodes,
-                             config=None, key_dtype=None, fold=False, with_state=True):
+                             config=None, key_dtype=None, fold=False, with_state=True, accept_fold=True):
     """fast.verify then fast.accept against kvbuffer_ref's in float64 (kvbuffer_ref in float32 the baseline).
     ``fold``: verify's (False, True or a list of B bools); with a fold, the verified buffer is checked too,
     the drafts' padding rows are NaN, and accept runs on the folded buffers.  ``with_state=False``: the
-    buffer has no state storage (every request in direct mode)."""
+    buffer has no state storage (every request in direct mode).  ``accept_fold``: accept's ``fold``."""
     x, x64, buf64, buf = _buffers(case, dtype, history=history, lengths=lengths, capacity=capacity,
                                   key_dtype=key_dtype)
     if not with_state:
@@ -186,9 +186,9 @@ def _check_against_reference(case: Case, dtype, *, history, lengths, capacity, p
     # the early-loads configs, 1 (no ticket) with the late ones
     acfg = None if config is None else AcceptConfig(BV=16, KB=16, CH=16,
                                                     programs=3 * buf.batch if config.early else 1)
-    out = Poisoned.accept(buf, drafts, nodes=node_t, config=acfg)
-    ref64 = ref.accept(buf64, d64, nodes=node_t.cpu())
-    ref32 = [ref.accept(buf32, d, nodes=node_t.cpu()) for d in accepted]
+    out = Poisoned.accept(buf, drafts, nodes=node_t, config=acfg, fold=accept_fold)
+    ref64 = ref.accept(buf64, d64, nodes=node_t.cpu(), fold=accept_fold)
+    ref32 = [ref.accept(buf32, d, nodes=node_t.cpu(), fold=accept_fold) for d in accepted]
     assert torch.equal(out.lengths.cpu(), ref64.lengths) and torch.equal(out.has_state.cpu(), ref64.has_state)
     kept = torch.arange(capacity)[None, :] < ref64.lengths[:, None]  # the entries in use after accept
     assert torch.equal(out.k.cpu()[kept].float(), ref64.k[kept].to(out.k.dtype).float()), "accept: keys"
@@ -273,6 +273,26 @@ def test_fold_verify_accept_match_reference(name, fold):
     _check_against_reference(case, torch.float32, history=3, lengths=[3, 0, 2], capacity=4,
                              parents=[list(range(-1, 9)), TREE, TREE], num_drafts=[10, 7, 10], nodes=[9, 5, 9],
                              config=config, fold=fold)
+
+
+class _NoLaunch:
+    """Stands in for a kernel that must not be launched: any launch fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"the fold launch was made (grid {grid}) though accept(fold=False) makes none")
+
+
+@pytest.mark.parametrize("fold", [True, [True, False, True]], ids=["all", "flags"])
+def test_accept_without_fold_after_a_folding_verify(fold, monkeypatch):
+    """accept(fold=False) after verify(fold=...) emptied the buffers that could pass C (as an engine folding
+    in verify runs a round): no fold launch (the kernel replaced by one that fails when launched), and the
+    same buffer as kvbuffer_ref's accept; request 1 (no fold flag, 0 entries) and the others get paths of
+    4, 3 and 3 entries into C = 4."""
+    monkeypatch.setattr(importlib.import_module("kvbuffer_fast.accept"), "_accept_fold_kernel", _NoLaunch())
+    case = Case(B=3, T=3 + 10, H=1, HV=2, K=24, V=24, gate="mixed", beta="mixed", seed=11)
+    _check_against_reference(case, torch.float32, history=3, lengths=[3, 0, 2], capacity=4,
+                             parents=[list(range(-1, 9)), TREE, TREE], num_drafts=[10, 7, 10], nodes=[3, 5, 4],
+                             config=CONFIGS["scalar-early-KB16-BV16"][1], fold=fold, accept_fold=False)
 
 
 @pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
@@ -421,6 +441,16 @@ def test_accept_errors():
         fast.accept(buf, drafts, nodes=3)  # path 0, 1, 3: three entries past C = 2
     assert buf.lengths.tolist() == [0], "a refused accept must leave the buffer as it was"
     assert fast.accept(buf, drafts, nodes=2) is buf and buf.lengths.tolist() == [2]
+    # fold=False: the caller's word that nothing passes C, checked; on a buffer with state storage too
+    buf = ref.KVBuffer.empty(1, 1, 1, 4, 4, 2, dtype=torch.float32, device=DEVICE)
+    _, drafts = fast.verify(**x, buffer=buf, parents=torch.tensor([[-1, 0, 0, 1]], device=DEVICE))
+    state = buf.state.clone()
+    for impl in (fast, ref):
+        with pytest.raises(ValueError, match=r"fold: False, but request 0 has 0 entries and gets 3 more.*C=2"):
+            impl.accept(buf, drafts, nodes=3, fold=False)
+        with pytest.raises(TypeError, match="fold: expected True or False, got str"):
+            impl.accept(buf, drafts, nodes=1, fold="no")
+    assert buf.lengths.tolist() == [0] and torch.equal(buf.state, state), "a refused accept changes nothing"
 
 
 def test_bad_config_type():
