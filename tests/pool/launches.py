@@ -9,8 +9,8 @@ that read device values switched off, as ``values_checked`` does while capturing
 
 The aten ops a Triton launch makes under the interpreter (its copies to and from the host) are not
 counted. ``python -m tests.pool.launches`` prints the counts of a pool decode, verify (without and with
-``fold``) and accept at small shapes (the counts do not depend on the shapes), after one uncounted round on a
-twin pool (the first call on a device allocates the reusable scratches).
+``fold``) and accept (with and without its fold) at small shapes (the counts do not depend on the shapes),
+after one uncounted round on a twin pool (the first call on a device allocates the reusable scratches).
 """
 
 from __future__ import annotations
@@ -81,13 +81,15 @@ def count_launches(fn) -> dict:
 
 def pool_calls(device="cpu", B: int = 2, twin: bool = False):
     """A small pool with B live requests (a state each, one of them shared with a fork) and the four
-    calls to count: {"decode": fn, "verify": fn, "verify_fold": fn, "accept": fn} (layer 0, layer 0, layer
-    0, every layer), run in that order (the second verify replaces the first's drafts, and they are what
-    accept takes; layer 1's are verified here), on a fork, the requests and a pad (int32 slots, parents,
-    draft counts and accepted counts; verify's fold flags a bool tensor, as an engine computes them on the
-    device); decode and accept fold every request, decode's fork and its source out of one shared slot
-    (copy-on-write), and verify_fold every request but one.  ``twin``: (those calls, the same calls on a second
-    pool holding the same tensors: ``copy_pool``)."""
+    calls to count: {"decode": fn, "verify": fn, "verify_fold": fn, "accept": fn, "verify_fold_all": fn,
+    "accept_nofold": fn} (layer 0, layer 0, layer 0, every layer, each layer, every layer), run in that order
+    (the second verify replaces the first's drafts, and they are what accept takes; layer 1's are verified
+    here), on a fork, the requests and a pad (int32 slots, parents, draft counts and accepted counts;
+    verify's fold flags a bool tensor, as an engine computes them on the device); decode and accept fold
+    every request, decode's fork and its source out of one shared slot (copy-on-write), and verify_fold
+    every request but one; verify_fold_all folds every request in both layers (fold=True), so that
+    accept_nofold (``accept(fold=False)``, D = C drafts onto emptied buffers) folds none.  ``twin``: (those
+    calls, the same calls on a second pool holding the same tensors: ``copy_pool``)."""
     from kvbuffer_fast.pool import KVPool
 
     from .schedule import Tokens, copy_pool
@@ -116,7 +118,10 @@ def pool_calls(device="cpu", B: int = 2, twin: bool = False):
         return {"decode": lambda: p.decode(**x, layer=0, slots=rows),
                 "verify": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd),
                 "verify_fold": lambda: p.verify(**y, layer=0, slots=rows, parents=par, num_drafts=nd, fold=fold),
-                "accept": lambda: p.accept(slots=rows, counts=counts)}
+                "accept": lambda: p.accept(slots=rows, counts=counts),
+                "verify_fold_all": lambda: [p.verify(**y, layer=layer, slots=rows, parents=par, num_drafts=nd,
+                                                     fold=True) for layer in range(L)],
+                "accept_nofold": lambda: p.accept(slots=rows, counts=counts, fold=False)}
     if not twin:
         return calls(p)
     q = KVPool(**shapes)

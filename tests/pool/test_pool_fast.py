@@ -199,12 +199,17 @@ def test_fast_calls_are_few_launches():
     """A pool decode, verify, verify(fold=...) and accept (folds and copy-on-write included), as captured in
     a CUDA graph: only Triton launches, no torch kernels and no host reads (tests/pool/launches.py counts
     them): decode's three plus the state-slot bookkeeping's two, verify's two (the pool addressed in
-    place), plus the bookkeeping's two with a fold, accept's two plus the bookkeeping's two."""
+    place), plus the bookkeeping's two with a fold, accept's two plus the bookkeeping's two, and
+    accept(fold=False) the copy alone plus the bookkeeping's two (no fold launch)."""
     from .launches import steady_counts
-    most = {"decode": 5, "verify": 2, "verify_fold": 4, "accept": 4}
-    for op, c in steady_counts(DEVICE).items():
+    most = {"decode": 5, "verify": 2, "verify_fold": 4, "accept": 4, "verify_fold_all": 8, "accept_nofold": 3}
+    counts = steady_counts(DEVICE)
+    assert set(counts) == set(most)
+    for op, c in counts.items():
         assert not c["torch"] and not c["host"], f"{op}: torch kernels {dict(c['torch'])}, host {dict(c['host'])}"
         assert sum(c["triton"].values()) <= most[op], f"{op}: {dict(c['triton'])}"
+    assert "_accept_fold_slots_kernel" in counts["accept"]["triton"]
+    assert "_accept_fold_slots_kernel" not in counts["accept_nofold"]["triton"]
 
 
 def test_fast_verify_ignores_a_pads_parents_and_counts():
