@@ -942,7 +942,7 @@ class _Builder:
         rounds = [[self._round_tokens(x, r, d) for r in range(R)] for x in xs]
         kw = self._verify_kwargs(rounds[0][0], state_dtype)
         akw = self.api.kwargs("accept", accept, rounds[0][0], C=self.p.C)
-        if fold and "fold" in inspect.signature(accept).parameters:
+        if fold and self.api.takes(accept, "fold"):
             akw["fold"] = False  # the verify of the round that would pass C folded it: no accept folds
         counts = self._counts()
 
@@ -1155,7 +1155,7 @@ class _Builder:
         lengths, s64 = pool.tensors()["lengths"], slots.long()
         vkw = self.api.kwargs("verify", pool.verify, rounds[0][0], C=self.p.C)
         akw = self.api.kwargs("accept", pool.accept, rounds[0][0], C=self.p.C)
-        if fold and "fold" in inspect.signature(pool.accept).parameters:
+        if fold and self.api.takes(pool.accept, "fold"):
             akw["fold"] = False  # the verify of the round that would pass C folded it: no accept folds
 
         def cycle():

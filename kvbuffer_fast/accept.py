@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.checks import (check_count_arg, check_counts, check_nodes, check_num_drafts, check_parents,
-                                 require_device, require_float, require_int_tensor, require_rank, require_tensor)
-from kvbuffer_ref.speculative import require_no_fold
+from kvbuffer_ref.checks import (check_accept_fold, check_count_arg, check_counts, check_nodes, check_num_drafts,
+                                 check_parents, require_device, require_float, require_int_tensor, require_no_fold,
+                                 require_rank, require_tensor)
 
 from ._common import (PoolLayer, _drafts_in_buffer, _pdl_prologue, as_input, block, checked_buffer, device_guard,
                       flag_view, pdl_launch, require_no_overlap, ticket_counters)
@@ -383,8 +383,7 @@ def accept(
     CUDA graph is captured; a request that passes C there without its fold loses the entries the fold
     would have taken, as on a buffer without state storage.
     """
-    if not isinstance(fold, bool):
-        raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
+    check_accept_fold(fold)
     checked = checked_buffer(buffer, "accept")
     _check_drafts(buffer, drafts, checked)
     if (counts is None) == (nodes is None):
@@ -402,18 +401,17 @@ def accept(
         config = config_for("accept", key_of(buffer.k, C=C, B=B, HV=HV, V=V, channel=buffer.channel_gate))
     cfg = check_config("accept", config)
     P = programs_per_request(cfg, B, H)
-    fold_launch = buffer.state is not None and fold  # requests past C fold first (the others return at once)
-    fold, copy = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=buffer.channel_gate)
+    fold_k, copy_k = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=buffer.channel_gate)
     args = (as_input(drafts.k), as_input(drafts.u), as_input(drafts.G), as_input(drafts.parents), nodes, D)
     pdl = pdl_launch(buffer.k, cfg.pdl)
     with device_guard(buffer.k):
-        if fold_launch:
-            _accept_fold_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"])](
+        if buffer.state is not None and fold:  # requests past C fold first (the others' programs return at once)
+            _accept_fold_kernel[(triton.cdiv(V, fold_k["BV"]), B * HV // fold_k["FH"])](
                 buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state), buffer.state, *args,
-                COUNTS=is_count, num_warps=cfg.num_warps, **fold, **pdl)
+                COUNTS=is_count, num_warps=cfg.num_warps, **fold_k, **pdl)
         _accept_kernel[(P, B)](buffer.k, buffer.u, buffer.G, buffer.lengths, flag_view(buffer.has_state),
                                ticket_counters(B, buffer.k.device), *args, P=P, COUNTS=is_count,
-                               num_warps=cfg.copy_warps, **copy, **pdl)
+                               num_warps=cfg.copy_warps, **copy_k, **pdl)
     return buffer
 
 
@@ -441,23 +439,23 @@ def accept_pool(pool: PoolLayer, *, nodes: torch.Tensor, read: torch.Tensor, wri
     C, H, HV, K, V = buf.capacity, buf.num_heads, buf.num_value_heads, buf.head_k_dim, buf.head_v_dim
     if B == 0 or D == 0:
         return
-    channel, fold_launch = buf.channel_gate, fold
+    channel = buf.channel_gate
     if config is None:
         config = config_for("accept", key_of(buf.k, C=C, B=B, HV=HV, V=V, channel=channel))
     cfg = check_config("accept", config)
     P = programs_per_request(cfg, layers * B, H)
-    fold, copy = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=channel)
+    fold_k, copy_k = launch_constants(cfg, C=C, H=H, HV=HV, K=K, V=V, D=D, channel=channel)
     rows = (buf.k, buf.u, buf.G, buf.lengths, flag_view(buf.has_state))
     drafts = (room.k, room.u, room.G, room.parents, nodes, D)
     NR, SR = buf.k.shape[0], pool.state.shape[0]
     pdl = pdl_launch(pool.slots, cfg.pdl)
     with device_guard(pool.slots):
-        if fold_launch:
-            _accept_fold_slots_kernel[(triton.cdiv(V, fold["BV"]), B * HV // fold["FH"], layers)](
-                *rows, pool.state, *drafts, pool.slots, read, write, NR, SR, B, num_warps=cfg.num_warps, **fold,
+        if fold:
+            _accept_fold_slots_kernel[(triton.cdiv(V, fold_k["BV"]), B * HV // fold_k["FH"], layers)](
+                *rows, pool.state, *drafts, pool.slots, read, write, NR, SR, B, num_warps=cfg.num_warps, **fold_k,
                 **pdl)
         _accept_slots_kernel[(P, B, layers)](*rows, *drafts, pool.slots, lengths, NR, B, P=P,
-                                             num_warps=cfg.copy_warps, **copy, **pdl)
+                                             num_warps=cfg.copy_warps, **copy_k, **pdl)
 
 
 def _check_drafts(buffer: KVBuffer, drafts: Drafts, checked: bool = True) -> None:
@@ -513,7 +511,7 @@ def _require_room(buffer: KVBuffer, drafts: Drafts, nodes: torch.Tensor, is_coun
         while node >= 0:
             m, node = m + 1, par[b][node]
         if not fold:
-            require_no_fold(b, n, m, buffer.capacity)
+            require_no_fold(f"request {b}", n, m, buffer.capacity)
         if n + m > buffer.capacity:
             raise ValueError(
                 f"buffer: request {b} has {n} entries and gets {m} more, past the capacity C={buffer.capacity}, "

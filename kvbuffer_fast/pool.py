@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from kvbuffer_ref.buffer import Drafts, KVBuffer
-from kvbuffer_ref.checks import (check_counts, check_flush_count, check_nodes, check_scale, require_int_tensor,
-                                 require_tensor)
+from kvbuffer_ref.checks import (check_accept_fold, check_counts, check_flush_count, check_nodes, check_scale,
+                                 require_int_tensor, require_no_fold, require_tensor)
 from kvbuffer_ref.pool import admit_state, check_slots, on_device, per_row, pool_fold, set_layout, varlen_admit
 
 from ._common import (CACHE_DTYPES, STATE_DTYPES, PoolLayer, _pdl_prologue, as_input, block, checked_tokens,
@@ -406,8 +406,7 @@ class KVPool:
         ``fold=False``: the caller's word that no addressed row passes the capacity (``kvbuffer_fast.accept``),
         so the fold launch is not made; checked calls raise ValueError, naming the slot and layer, where one
         does (while a CUDA graph is captured that is not checked)."""
-        if not isinstance(fold, bool):
-            raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
+        check_accept_fold(fold)
         lay = slice(0, self.layers) if layer is None else slice(self._layer(layer), self._layer(layer) + 1)
         s, checked = self._rows("slots", slots)
         t = self._t
@@ -461,9 +460,7 @@ class KVPool:
         over = (n + m > self.capacity) & (s >= 0)[None, :]
         if bool(over.any()):
             i, b = (int(v) for v in over.nonzero()[0])
-            raise ValueError(f"fold: False, but slot {int(s[b])} in layer {lay.start + i} has {int(n[i, b])} "
-                             f"entries and gets {int(m[i, b])} more, past the capacity C={self.capacity}, so it must "
-                             f"fold; pass fold=True (the default) or fold it first (verify(fold=...) or flush)")
+            require_no_fold(f"slot {int(s[b])} in layer {lay.start + i}", int(n[i, b]), int(m[i, b]), self.capacity)
 
     def flush(self, *, layer: int, slots: torch.Tensor, count=None, config=None) -> None:
         """As ``kvbuffer_ref.pool.KVPool.flush`` (entries of pad rows are ignored): the state-slot

@@ -29,6 +29,8 @@ __all__ = [
     "check_parents",
     "check_num_drafts",
     "check_fold",
+    "check_accept_fold",
+    "require_no_fold",
     "check_counts",
     "check_nodes",
     "check_capacity",
@@ -341,6 +343,22 @@ def check_fold(fold, B: int, device: torch.device):
         raise ValueError(f"fold: expected a bool or a bool tensor [B] = [{B}], got {fold.dtype} {shape_str(fold)}")
     require_device("fold", fold, device)
     return fold.contiguous()
+
+
+def check_accept_fold(fold) -> bool:
+    """``accept``'s ``fold``: True (requests past the capacity fold) or False (the caller's word that none
+    does: ``require_no_fold``)."""
+    if not isinstance(fold, bool):
+        raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
+    return fold
+
+
+def require_no_fold(who: str, n: int, m: int, capacity: int) -> None:
+    """``accept(fold=False)``'s condition for one request (``who``: "request 3", "slot 5 in layer 0"): its n
+    buffered plus m accepted entries fit the capacity."""
+    if n + m > capacity:
+        raise ValueError(f"fold: False, but {who} has {n} entries and gets {m} more, past the capacity C={capacity}, "
+                         f"so it must fold; pass fold=True (the default) or fold it first (verify(fold=...) or flush)")
 
 
 def check_count_arg(name: str, x, B: int, device: torch.device, expected: str) -> torch.Tensor:

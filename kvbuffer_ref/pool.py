@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 
 from .buffer import Drafts, KVBuffer
-from .checks import (check_capacity, check_count_arg, check_fold, check_state, check_tokens, require_tensor,
-                     same_device)
+from .checks import (check_accept_fold, check_capacity, check_count_arg, check_fold, check_state, check_tokens,
+                     require_no_fold, require_tensor, same_device)
 from .decode import buffered_decode, flush, materialize_state
 from .entries import fold_count
 from .prefill import prefill
@@ -526,8 +526,7 @@ class KVPool:
         nodes in each; every layer is checked before any is written).  ``fold=False``: the caller's word
         that no addressed row passes the capacity (``kvbuffer_ref.accept``): ValueError, naming the slot
         and layer, where one does."""
-        if not isinstance(fold, bool):
-            raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
+        check_accept_fold(fold)
         layers = range(self.layers) if layer is None else [self._layer(layer)]
         plans = [self._accept_plan(l, slots, counts, nodes, fold) for l in layers]  # checks; writes nothing
         for l, (sv, new, folds) in zip(layers, plans):
@@ -551,11 +550,9 @@ class KVPool:
         ns, ms = buf.lengths.tolist(), _accepted_lengths(drafts, counts, nodes, rows)
         folds = torch.tensor([fold_count(int(n), m, self.capacity) > 0 for n, m in zip(ns, ms)],
                              dtype=torch.bool, device=self.device)
-        if not fold and bool(folds.any()):
-            i = int(folds.nonzero()[0, 0])
-            raise ValueError(f"fold: False, but slot {int(sv[i])} in layer {layer} has {int(ns[i])} entries and gets "
-                             f"{int(ms[i])} more, past the capacity C={self.capacity}, so it must fold; pass fold=True "
-                             f"(the default) or fold it first (verify(fold=...) or flush)")
+        if not fold:
+            for i, (n, m) in enumerate(zip(ns, ms)):
+                require_no_fold(f"slot {int(sv[i])} in layer {layer}", int(n), int(m), self.capacity)
         self._check_free_states(layer, sv, folds)
         return sv, new, folds
 

@@ -13,8 +13,9 @@ import torch
 
 from .buffer import Drafts, KVBuffer
 from .core import ancestors, cumulative_gates, innovations, outputs
-from .checks import (check_buffer, check_count_arg, check_counts, check_fold, check_gate_values, check_nodes,
-                     check_num_drafts, check_parents, require_float, require_rank, require_tensor)
+from .checks import (check_accept_fold, check_buffer, check_count_arg, check_counts, check_fold, check_gate_values,
+                     check_nodes, check_num_drafts, check_parents, require_float, require_no_fold, require_rank,
+                     require_tensor)
 from .decode import flush
 from .entries import Entries, append, entries_of, memory_of, stale_state, tail_gate
 from .inputs import prepare_tokens
@@ -89,14 +90,6 @@ def verify(
     return o.to(x.out_dtype), drafts
 
 
-def require_no_fold(b: int, n: int, m: int, capacity: int) -> None:
-    """``accept(fold=False)``'s condition for request b: its n buffered plus m accepted entries fit the capacity."""
-    if n + m > capacity:
-        raise ValueError(f"fold: False, but request {b} has {n} entries and gets {m} more, past the capacity "
-                         f"C={capacity}, so it must fold; pass fold=True (the default) or fold it first "
-                         f"(verify(fold=...) or flush)")
-
-
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
     """Draft indices from the root down to ``node`` (empty for node -1). parents: [D], each in -1..i-1."""
     if isinstance(parents, (list, tuple)):
@@ -160,14 +153,13 @@ def accept(
         nodes = check_counts(counts, drafts.num_drafts, drafts.is_chain) - 1
     else:
         nodes = check_nodes(nodes, drafts.num_drafts)
-    if not isinstance(fold, bool):
-        raise TypeError(f"fold: expected True or False, got {type(fold).__name__}")
+    check_accept_fold(fold)
     dt = buffer.values.dtype
     fields = buffer.cloned()
     for b in range(buffer.batch):
         path = path_to(drafts.parents[b], int(nodes[b]))
         if not fold:
-            require_no_fold(b, int(buffer.lengths[b]), len(path), buffer.capacity)
+            require_no_fold(f"request {b}", int(buffer.lengths[b]), len(path), buffer.capacity)
         if not path:
             continue
         new = Entries(**drafts.slot(b, torch.tensor(path, dtype=torch.long, device=drafts.k.device)))

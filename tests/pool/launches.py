@@ -47,6 +47,17 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class NoLaunch:
+    """Stands in for a Triton kernel that must not be launched (``kernel[grid](...)`` fails the test): put in
+    its module's place with monkeypatch.setattr, it shows that a call makes no such launch."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"a launch was made (grid {grid}) though {self.why}")
+
+
 def count_launches(fn) -> dict:
     """{"triton": Counter, "torch": Counter, "host": Counter} of one run of ``fn()`` (see the module)."""
     from triton.runtime import jit

@@ -16,6 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvbuffer.validate import compare  # noqa: E402
 from kvbuffer_fast.pool import KVPool  # noqa: E402
 
+from .launches import NoLaunch  # noqa: E402
 from .schedule import _same, assert_untouched, copy_pool, run_schedule, sharers_fold_in_one_call, snapshot  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -396,13 +397,6 @@ def _fold_scenario(pool, draw, C: int):
     return rows, fold, a
 
 
-class _NoLaunch:
-    """Stands in for a kernel that must not be launched: any launch fails the test."""
-
-    def __getitem__(self, grid):
-        raise AssertionError(f"the fold launch was made (grid {grid}) though accept(fold=False) makes none")
-
-
 @pytest.mark.parametrize("name,accept_fold", [(n, True) for n in FOLD_CASES] + [("channel-in-buffer", False)],
                          ids=[*FOLD_CASES, "channel-in-buffer-accept-nofold"])
 def test_fast_verify_fold_matches_reference_pool(name, accept_fold, monkeypatch):
@@ -417,7 +411,8 @@ def test_fast_verify_fold_matches_reference_pool(name, accept_fold, monkeypatch)
     from kvbuffer_ref.pool import KVPool as RefPool
     if not accept_fold:
         import importlib
-        monkeypatch.setattr(importlib.import_module("kvbuffer_fast.accept"), "_accept_fold_slots_kernel", _NoLaunch())
+        monkeypatch.setattr(importlib.import_module("kvbuffer_fast.accept"), "_accept_fold_slots_kernel",
+                            NoLaunch("accept(fold=False) makes no fold launch"))
 
     from .schedule import Tokens
     channel, C, D = FOLD_CASES[name]

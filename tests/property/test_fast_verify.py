@@ -36,6 +36,8 @@ from kvbuffer.validate import cases, properties as P, strategies as kst, toleran
 
 from kvbuffer_fast.baselines import per_draft_state_accept, per_draft_state_verify  # noqa: E402
 
+from tests.pool.launches import NoLaunch  # noqa: E402
+
 from .fast_adapter import Poisoned, assert_all as _assert_all  # noqa: E402
 from .strategies_local import Calling, Drawn, counted, fast_drawn, informative  # noqa: E402
 
@@ -275,20 +277,14 @@ def test_fold_verify_accept_match_reference(name, fold):
                              config=config, fold=fold)
 
 
-class _NoLaunch:
-    """Stands in for a kernel that must not be launched: any launch fails the test."""
-
-    def __getitem__(self, grid):
-        raise AssertionError(f"the fold launch was made (grid {grid}) though accept(fold=False) makes none")
-
-
 @pytest.mark.parametrize("fold", [True, [True, False, True]], ids=["all", "flags"])
 def test_accept_without_fold_after_a_folding_verify(fold, monkeypatch):
     """accept(fold=False) after verify(fold=...) emptied the buffers that could pass C (as an engine folding
     in verify runs a round): no fold launch (the kernel replaced by one that fails when launched), and the
     same buffer as kvbuffer_ref's accept; request 1 (no fold flag, 0 entries) and the others get paths of
     4, 3 and 3 entries into C = 4."""
-    monkeypatch.setattr(importlib.import_module("kvbuffer_fast.accept"), "_accept_fold_kernel", _NoLaunch())
+    monkeypatch.setattr(importlib.import_module("kvbuffer_fast.accept"), "_accept_fold_kernel",
+                        NoLaunch("accept(fold=False) makes no fold launch"))
     case = Case(B=3, T=3 + 10, H=1, HV=2, K=24, V=24, gate="mixed", beta="mixed", seed=11)
     _check_against_reference(case, torch.float32, history=3, lengths=[3, 0, 2], capacity=4,
                              parents=[list(range(-1, 9)), TREE, TREE], num_drafts=[10, 7, 10], nodes=[3, 5, 4],
